@@ -1,0 +1,45 @@
+"""cffi build of the C core (API mode): ``ucmcache._core``.
+
+The cdef is the CDEF block of ucm_core.h as it stands, plus every ``#define UCM_*`` of that
+header declared with ``...`` so the compiler, not this file, supplies the values.
+"""
+import os
+import re
+
+from cffi import FFI
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def cdef_source(header_text: str) -> str:
+    block = header_text.split("/* CDEF-BEGIN */", 1)[1].split("/* CDEF-END */", 1)[0]
+    names = re.findall(r"^#define (UCM_[A-Z0-9_]+)[ \t]+\S", header_text, flags=re.M)
+    return "\n".join(f"#define {name} ..." for name in names) + "\n" + block
+
+
+def extra_compile_args() -> list:
+    args = ["-O2", "-std=gnu11", "-Wall", "-Wextra", "-Wno-unused-parameter"]
+    sanitize = os.environ.get("UCMCACHE_SANITIZE")
+    if sanitize:
+        args += [f"-fsanitize={sanitize}", "-fno-omit-frame-pointer", "-g"]
+    return args
+
+
+with open(os.path.join(HERE, "ucm_core.h")) as f:
+    _header = f.read()
+
+ffibuilder = FFI()
+ffibuilder.cdef(cdef_source(_header))
+ffibuilder.set_source(
+    "ucmcache._core",
+    '#include "ucm_core.h"',
+    sources=[os.path.relpath(os.path.join(HERE, "ucm_core.c"))],
+    include_dirs=[os.path.relpath(HERE)],
+    extra_compile_args=extra_compile_args(),
+    extra_link_args=(["-fsanitize=" + os.environ["UCMCACHE_SANITIZE"]]
+                     if os.environ.get("UCMCACHE_SANITIZE") else []),
+    libraries=["pthread"],
+)
+
+if __name__ == "__main__":
+    ffibuilder.compile(verbose=True)

@@ -1,0 +1,1090 @@
+/*
+ * ucm_core.c: every load, store and read-modify-write on a ucmcache segment's shared words.
+ *
+ * The shared table, and who touches what
+ * --------------------------------------
+ * A segment is mapped by several processes at once; any of them can be SIGKILLed at any
+ * instruction.  Each slot has one 64-byte SlotMeta line:
+ *
+ *   reference  The only coordination word (invariant I1).  Bit r (r < 63) set: rank r pins the
+ *              slot.  UCM_CLAIMED | r: rank r claims it to rewrite it.  Pins and claims both start
+ *              from 0 with a CAS, so a slot is pinned by readers or claimed by one writer, never
+ *              both.  A process pins a slot at most once; handles in one process share that bit
+ *              through a process-local count (ucm_ctx.local_pins), changed together with the bit
+ *              under a process-local lock striped by slot (DESIGN 5, trap b).  Because the holder
+ *              is named in the word itself, a dead rank's holds are found exactly (I5).
+ *   key[3], generation, loader, flags, length
+ *              Written only by the claimant (or, for state/length/flags, by the owner while it
+ *              holds its pin in Loading).  Readers read them without a lock, so every read is an
+ *              atomic (relaxed unless stated) and a hit is trusted only after it is read again
+ *              under the pin (I3).
+ *   bucket     The bucket the slot is linked in, or UCM_INVALID_BUCKET.  Stored with release
+ *              before the chain head that makes the slot reachable (I2); read with acquire first
+ *              in MatchKey, so a walker who reaches the slot sees the whole key.
+ *   prev/next  Chain links, changed only under the bucket's stripe lock.  Lock-free walkers
+ *              follow next with acquire loads and may run into a slot that has since moved; the
+ *              bucket word makes it not match, and every walk is bounded.
+ *   state      Empty / Loading / Ready / Failed plus a WAITERS bit; the futex word of waiters.
+ *   accessed   CLOCK's reference bit; set by readers only when clear, so a hot slot's line is not
+ *              written by every hit.
+ *
+ * Everything read from shared memory is untrusted: slot and bucket indices are bounds-checked
+ * and every walk is bounded, so a corrupt segment yields UCM_CORRUPT, never a wild access.
+ *
+ * Protocol steps live here whole (one C call per step, DESIGN 3); decisions about what to do
+ * after a step's answer (slow path, budgets, CacheFull, recovery) live in ucmcache/_slots.py.
+ * Step numbers in comments are DESIGN.md section 4's.
+ */
+#define _GNU_SOURCE
+#include "ucm_core.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <linux/futex.h>
+#include <pthread.h>
+#include <sched.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+#define LOCAL_LOCKS 64
+#define WALK_LIMIT_MIN 64
+
+struct ucm_ctx {
+    char *base;
+    uint64_t map_size;
+    ucm_layout l;
+    uint32_t bucket_mask;
+    uint32_t stripe_mask;
+    int32_t rank;            /* -1: not attached to a rank (inspection only) */
+    uint64_t rank_bit;
+    uint64_t *stats;         /* this rank's stats lines, or a private sink when rank < 0 */
+    uint64_t stats_sink[UCM_ST_COUNT];
+    uint64_t walk_limit;
+    uint32_t *local_pins;    /* process-local: how many handles of this process share our pin */
+    pthread_mutex_t local_locks[LOCAL_LOCKS];
+    int32_t point_action[UCM_PT_COUNT];
+    uint32_t *point_gate[UCM_PT_COUNT];
+    int64_t point_timeout[UCM_PT_COUNT];
+};
+
+/* ---------------------------------------------------------------- layout */
+
+static uint64_t round_up(uint64_t v, uint64_t a) { return (v + a - 1) / a * a; }
+
+static uint64_t next_pow2(uint64_t v)
+{
+    uint64_t p = 1;
+    while (p < v) p <<= 1;
+    return p;
+}
+
+uint64_t ucm_default_buckets(uint64_t n_slots)
+{
+    /* DESIGN 2: average chain at most 2 with every slot in use, clamped to [2^14, 2^24]. */
+    uint64_t b = next_pow2((n_slots + 1) / 2);
+    if (b < UCM_MIN_BUCKETS_DEFAULT) b = UCM_MIN_BUCKETS_DEFAULT;
+    if (b > UCM_MAX_BUCKETS) b = UCM_MAX_BUCKETS;
+    return b;
+}
+
+static int is_pow2(uint64_t v) { return v && !(v & (v - 1)); }
+
+int ucm_layout_compute(ucm_layout *l)
+{
+    if (l->max_ranks < 1 || l->max_ranks > UCM_MAX_RANKS) return UCM_EP_MAX_RANKS;
+    if (l->slots_per_rank < 1 || l->slots_per_rank > UCM_MAX_SLOTS) return UCM_EP_SLOTS_PER_RANK;
+    if (l->slot_size < 1 || l->slot_size > UCM_MAX_SLOT_SIZE) return UCM_EP_SLOT_SIZE;
+    if (!is_pow2(l->n_stripes) || l->n_stripes > UCM_MAX_STRIPES) return UCM_EP_N_STRIPES;
+    l->n_slots = (uint64_t)l->max_ranks * l->slots_per_rank;
+    if (l->n_slots >= UCM_MAX_SLOTS) return UCM_EP_SLOTS_PER_RANK;
+    if (l->n_buckets == 0) l->n_buckets = ucm_default_buckets(l->n_slots);
+    if (!is_pow2(l->n_buckets) || l->n_buckets > UCM_MAX_BUCKETS) return UCM_EP_N_BUCKETS;
+    if (sizeof(pthread_mutex_t) > UCM_LINE) return UCM_EP_N_STRIPES;
+    /* Each region starts on its own line so that no two regions' hot words share one. */
+    l->slot_stride = round_up(l->slot_size, UCM_LINE);
+    l->rank_off = UCM_HEADER_SIZE;
+    l->bucket_off = l->rank_off + (uint64_t)l->max_ranks * UCM_RANK_SIZE;
+    l->stripe_off = l->bucket_off + round_up(l->n_buckets * 4, UCM_LINE);
+    l->meta_off = l->stripe_off + (uint64_t)l->n_stripes * UCM_LINE;
+    /* Ring: head line, tail line, dropped/lock line, then 24-byte keys. */
+    l->ring_size = round_up(3 * UCM_LINE + (uint64_t)UCM_RING_DEPTH * 24, UCM_LINE);
+    l->ring_off = l->meta_off + l->n_slots * UCM_META_SIZE;
+    l->data_off = round_up(l->ring_off + (uint64_t)l->max_ranks * l->ring_size, UCM_PAGE);
+    if (l->n_slots > (UINT64_MAX - l->data_off) / l->slot_stride) return UCM_EP_TOO_LARGE;
+    l->total_size = round_up(l->data_off + l->n_slots * l->slot_stride, UCM_PAGE);
+    return UCM_OK;
+}
+
+uint64_t ucm_mix(uint64_t k0, uint64_t k1)
+{
+    /* Both halves of the block id feed the index (callers' ids are not always uniform);
+     * the splitmix64/murmur3 finalizer spreads them. */
+    uint64_t x = k0 ^ (k1 * 0x9e3779b97f4a7c15ULL);
+    x ^= x >> 33;
+    x *= 0xff51afd7ed558ccdULL;
+    x ^= x >> 33;
+    x *= 0xc4ceb9fe1a85ec53ULL;
+    x ^= x >> 33;
+    return x;
+}
+
+/* ---------------------------------------------------------------- raw words */
+
+#define W32(base, off) ((uint32_t *)((base) + (off)))
+#define W64(base, off) ((uint64_t *)((base) + (off)))
+
+/* Generic word access for the Python layer (header bootstrap, inspection, tests).  Loads are
+ * acquire and stores release: these calls are off the hot path, and acquire/release makes any
+ * use of them (e.g. the magic written last, read first) safe without further argument. */
+uint32_t ucm_load32(char *base, uint64_t off) { return __atomic_load_n(W32(base, off), __ATOMIC_ACQUIRE); }
+uint64_t ucm_load64(char *base, uint64_t off) { return __atomic_load_n(W64(base, off), __ATOMIC_ACQUIRE); }
+void ucm_store32(char *base, uint64_t off, uint32_t v) { __atomic_store_n(W32(base, off), v, __ATOMIC_RELEASE); }
+void ucm_store64(char *base, uint64_t off, uint64_t v) { __atomic_store_n(W64(base, off), v, __ATOMIC_RELEASE); }
+/* Read-modify-writes are seq_cst: the Python layer uses them for rank registration and
+ * recovery hand-offs, where a total order is the simplest correct argument. */
+int ucm_cas32(char *base, uint64_t off, uint32_t expected, uint32_t desired)
+{
+    return __atomic_compare_exchange_n(W32(base, off), &expected, desired, 0, __ATOMIC_SEQ_CST,
+                                       __ATOMIC_SEQ_CST);
+}
+int ucm_cas64(char *base, uint64_t off, uint64_t expected, uint64_t desired)
+{
+    return __atomic_compare_exchange_n(W64(base, off), &expected, desired, 0, __ATOMIC_SEQ_CST,
+                                       __ATOMIC_SEQ_CST);
+}
+uint32_t ucm_fetch_add32(char *base, uint64_t off, uint32_t v) { return __atomic_fetch_add(W32(base, off), v, __ATOMIC_SEQ_CST); }
+uint64_t ucm_fetch_add64(char *base, uint64_t off, uint64_t v) { return __atomic_fetch_add(W64(base, off), v, __ATOMIC_SEQ_CST); }
+uint64_t ucm_fetch_and64(char *base, uint64_t off, uint64_t v) { return __atomic_fetch_and(W64(base, off), v, __ATOMIC_SEQ_CST); }
+uint64_t ucm_fetch_or64(char *base, uint64_t off, uint64_t v) { return __atomic_fetch_or(W64(base, off), v, __ATOMIC_SEQ_CST); }
+
+/* ---------------------------------------------------------------- time, futex, gates */
+
+static int64_t now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+
+static int futex_wait_word(uint32_t *w, uint32_t expected, int64_t timeout_ns)
+{
+    /* timeout_ns < 0: no timeout.  Returns 0 (woken or value changed), UCM_TIMEOUT. */
+    struct timespec ts, *tsp = NULL;
+    if (timeout_ns >= 0) {
+        ts.tv_sec = timeout_ns / 1000000000LL;
+        ts.tv_nsec = timeout_ns % 1000000000LL;
+        tsp = &ts;
+    }
+    /* Shared (not FUTEX_PRIVATE) futex: waiters and wakers are in different processes. */
+    long r = syscall(SYS_futex, w, FUTEX_WAIT, expected, tsp, NULL, 0);
+    if (r == -1 && errno == ETIMEDOUT) return UCM_TIMEOUT;
+    return UCM_OK;
+}
+
+static void futex_wake_word(uint32_t *w, int32_t n)
+{
+    syscall(SYS_futex, w, FUTEX_WAKE, n, NULL, NULL, 0);
+}
+
+int ucm_futex_wait(char *base, uint64_t off, uint32_t expected, int64_t timeout_ns)
+{
+    return futex_wait_word(W32(base, off), expected, timeout_ns);
+}
+
+int ucm_futex_wake(char *base, uint64_t off, int32_t n)
+{
+    futex_wake_word(W32(base, off), n);
+    return UCM_OK;
+}
+
+/* A gate word used by tests: waits (bounded) until the word differs from `expected`. */
+int ucm_gate_wait(uint32_t *word, uint32_t expected, int64_t timeout_ns)
+{
+    int64_t deadline = now_ns() + timeout_ns;
+    for (;;) {
+        /* Acquire pairs with the release in ucm_gate_wake: what the opener did before opening
+         * is visible after the wait. */
+        if (__atomic_load_n(word, __ATOMIC_ACQUIRE) != expected) return UCM_OK;
+        int64_t left = deadline - now_ns();
+        if (left <= 0) return UCM_TIMEOUT;
+        futex_wait_word(word, expected, left);
+    }
+}
+
+int ucm_gate_wake(uint32_t *word)
+{
+    /* Release: publishes the opener's prior writes to the woken side (pairs with ucm_gate_wait). */
+    __atomic_fetch_add(word, 1, __ATOMIC_RELEASE);
+    futex_wake_word(word, INT32_MAX);
+    return UCM_OK;
+}
+
+/* A named point: no cost but one predictable branch when unused.  GATE: bump the gate word by
+ * one (arrived) and wait until the test bumps it again (released), bounded.  KILL: SIGKILL this
+ * process right here, the way a crash would. */
+static void point_slow(ucm_ctx *c, int p)
+{
+    if (c->point_action[p] == UCM_ACT_KILL) raise(SIGKILL);
+    uint32_t *g = c->point_gate[p];
+    c->point_action[p] = UCM_ACT_NONE; /* one-shot: a gate holds the first thread that comes */
+    if (!g) return;
+    uint32_t arrived = __atomic_add_fetch(g, 1, __ATOMIC_ACQ_REL);
+    futex_wake_word(g, INT32_MAX);
+    ucm_gate_wait(g, arrived, c->point_timeout[p]);
+}
+#define POINT(c, p)                                                                   \
+    do {                                                                              \
+        if (__builtin_expect((c)->point_action[p] != UCM_ACT_NONE, 0)) point_slow(c, p); \
+    } while (0)
+
+void ucm_ctx_set_point(ucm_ctx *c, int32_t point, int32_t action, uint32_t *gate_word,
+                       int64_t timeout_ns)
+{
+    if (point <= 0 || point >= UCM_PT_COUNT) return;
+    c->point_gate[point] = gate_word;
+    c->point_timeout[point] = timeout_ns;
+    c->point_action[point] = action;
+}
+
+/* ---------------------------------------------------------------- robust mutexes */
+
+int ucm_mutex_init(char *base, uint64_t off)
+{
+    pthread_mutexattr_t a;
+    pthread_mutex_t *m = (pthread_mutex_t *)(base + off);
+    int r;
+    if ((r = pthread_mutexattr_init(&a))) return r;
+    /* Process-shared so every attached process can use it; robust so a holder that dies hands
+     * the next locker EOWNERDEAD instead of a lock held forever. */
+    if ((r = pthread_mutexattr_setpshared(&a, PTHREAD_PROCESS_SHARED))) goto out;
+    if ((r = pthread_mutexattr_setrobust(&a, PTHREAD_MUTEX_ROBUST))) goto out;
+    r = pthread_mutex_init(m, &a);
+out:
+    pthread_mutexattr_destroy(&a);
+    return r;
+}
+
+static int mutex_result(int r)
+{
+    if (r == 0) return UCM_OK;
+    if (r == EOWNERDEAD) return UCM_OWNERDEAD;
+    if (r == EBUSY) return UCM_BUSY;
+    if (r == ETIMEDOUT) return UCM_TIMEOUT;
+    if (r == EPERM) return UCM_NOT_HELD;
+    return UCM_CORRUPT; /* ENOTRECOVERABLE, EINVAL: the mutex word is not a mutex any more */
+}
+
+int ucm_mutex_lock(char *base, uint64_t off, int64_t timeout_ns)
+{
+    pthread_mutex_t *m = (pthread_mutex_t *)(base + off);
+    if (timeout_ns < 0) return mutex_result(pthread_mutex_lock(m));
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    int64_t ns = ts.tv_nsec + timeout_ns;
+    ts.tv_sec += ns / 1000000000LL;
+    ts.tv_nsec = ns % 1000000000LL;
+    return mutex_result(pthread_mutex_timedlock(m, &ts));
+}
+
+int ucm_mutex_trylock(char *base, uint64_t off)
+{
+    return mutex_result(pthread_mutex_trylock((pthread_mutex_t *)(base + off)));
+}
+
+int ucm_mutex_unlock(char *base, uint64_t off)
+{
+    return mutex_result(pthread_mutex_unlock((pthread_mutex_t *)(base + off)));
+}
+
+int ucm_mutex_consistent(char *base, uint64_t off)
+{
+    return mutex_result(pthread_mutex_consistent((pthread_mutex_t *)(base + off)));
+}
+
+/* ---------------------------------------------------------------- OFD life locks */
+
+/* A rank's life lock is an open-file-description lock on one byte of the segment's fd.  The
+ * kernel drops it when the last fd of that description closes, i.e. when the process dies, and
+ * it belongs to the process, not to a thread (DESIGN 5, trap a). */
+static int ofd(int fd, int cmd, short type, uint64_t byte, struct flock *out)
+{
+    struct flock fl;
+    memset(&fl, 0, sizeof fl);
+    fl.l_type = type;
+    fl.l_whence = SEEK_SET;
+    fl.l_start = (off_t)byte;
+    fl.l_len = 1;
+    int r = fcntl(fd, cmd, &fl);
+    if (out) *out = fl;
+    return r == 0 ? 0 : errno;
+}
+
+int ucm_ofd_trylock(int fd, uint64_t byte)
+{
+    int e = ofd(fd, F_OFD_SETLK, F_WRLCK, byte, NULL);
+    if (e == 0) return UCM_OK;
+    if (e == EAGAIN || e == EACCES) return UCM_BUSY;
+    return -e;
+}
+
+int ucm_ofd_unlock(int fd, uint64_t byte)
+{
+    int e = ofd(fd, F_OFD_SETLK, F_UNLCK, byte, NULL);
+    return e ? -e : UCM_OK;
+}
+
+int ucm_ofd_held_by_other(int fd, uint64_t byte)
+{
+    /* 1: another open file description holds it (a live process); 0: free or ours. */
+    struct flock fl;
+    int e = ofd(fd, F_OFD_GETLK, F_WRLCK, byte, &fl);
+    if (e) return -e;
+    return fl.l_type != F_UNLCK;
+}
+
+/* ---------------------------------------------------------------- context */
+
+ucm_ctx *ucm_ctx_new(char *base, uint64_t map_size, const ucm_layout *l)
+{
+    if (!base || !l || l->total_size > map_size || l->n_slots == 0) return NULL;
+    ucm_ctx *c = calloc(1, sizeof *c);
+    if (!c) return NULL;
+    c->base = base;
+    c->map_size = map_size;
+    c->l = *l;
+    c->bucket_mask = (uint32_t)(l->n_buckets - 1);
+    c->stripe_mask = l->n_stripes - 1;
+    c->rank = -1;
+    c->stats = c->stats_sink;
+    /* A walk longer than this on the lock-free path gives up and takes the slow path; under
+     * the lock a chain can never be longer than the number of slots. */
+    c->walk_limit = l->n_slots + 1;
+    c->local_pins = calloc(l->n_slots, sizeof(uint32_t));
+    if (!c->local_pins) {
+        free(c);
+        return NULL;
+    }
+    for (int i = 0; i < LOCAL_LOCKS; i++) pthread_mutex_init(&c->local_locks[i], NULL);
+    return c;
+}
+
+void ucm_ctx_free(ucm_ctx *c)
+{
+    if (!c) return;
+    for (int i = 0; i < LOCAL_LOCKS; i++) pthread_mutex_destroy(&c->local_locks[i]);
+    free(c->local_pins);
+    free(c);
+}
+
+void ucm_ctx_set_rank(ucm_ctx *c, int32_t rank)
+{
+    if (rank < 0 || (uint32_t)rank >= c->l.max_ranks) {
+        c->rank = -1;
+        c->rank_bit = 0;
+        c->stats = c->stats_sink;
+        return;
+    }
+    c->rank = rank;
+    c->rank_bit = 1ULL << rank;
+    c->stats = W64(c->base, c->l.rank_off + (uint64_t)rank * UCM_RANK_SIZE + UCM_R_STATS);
+}
+
+void ucm_ctx_forget_pins(ucm_ctx *c)
+{
+    /* After fork: the child's copy of the counts describes the parent's pins, not its own. */
+    memset(c->local_pins, 0, c->l.n_slots * sizeof(uint32_t));
+    for (int i = 0; i < LOCAL_LOCKS; i++) pthread_mutex_init(&c->local_locks[i], NULL);
+}
+
+uint32_t ucm_local_pins(ucm_ctx *c, uint32_t slot)
+{
+    return slot < c->l.n_slots ? c->local_pins[slot] : 0;
+}
+
+void ucm_stat_add(ucm_ctx *c, int32_t counter, uint64_t n)
+{
+    /* Relaxed: a counter orders nothing; only this rank (its threads) writes its stats line. */
+    if (counter >= 0 && counter < UCM_ST_COUNT) __atomic_fetch_add(&c->stats[counter], n, __ATOMIC_RELAXED);
+}
+#define STAT(c, i, n) __atomic_fetch_add(&(c)->stats[i], (n), __ATOMIC_RELAXED) /* see ucm_stat_add */
+
+/* ---------------------------------------------------------------- slot words */
+
+static inline char *meta(ucm_ctx *c, uint32_t s) { return c->base + c->l.meta_off + (uint64_t)s * UCM_META_SIZE; }
+static inline uint64_t *ref_w(ucm_ctx *c, uint32_t s) { return W64(meta(c, s), UCM_M_REFERENCE); }
+static inline uint64_t *key_w(ucm_ctx *c, uint32_t s) { return W64(meta(c, s), UCM_M_KEY); }
+static inline uint32_t *bucket_w(ucm_ctx *c, uint32_t s) { return W32(meta(c, s), UCM_M_BUCKET); }
+static inline uint32_t *state_w(ucm_ctx *c, uint32_t s) { return W32(meta(c, s), UCM_M_STATE); }
+static inline uint32_t *prev_w(ucm_ctx *c, uint32_t s) { return W32(meta(c, s), UCM_M_PREV); }
+static inline uint32_t *next_w(ucm_ctx *c, uint32_t s) { return W32(meta(c, s), UCM_M_NEXT); }
+static inline uint32_t *gen_w(ucm_ctx *c, uint32_t s) { return W32(meta(c, s), UCM_M_GENERATION); }
+static inline uint32_t *len_w(ucm_ctx *c, uint32_t s) { return W32(meta(c, s), UCM_M_LENGTH); }
+static inline uint32_t *acc_w(ucm_ctx *c, uint32_t s) { return W32(meta(c, s), UCM_M_ACCESSED); }
+static inline uint16_t *loader_w(ucm_ctx *c, uint32_t s) { return (uint16_t *)(meta(c, s) + UCM_M_LOADER); }
+static inline uint16_t *flags_w(ucm_ctx *c, uint32_t s) { return (uint16_t *)(meta(c, s) + UCM_M_FLAGS); }
+static inline uint32_t *head_w(ucm_ctx *c, uint32_t b) { return W32(c->base, c->l.bucket_off + (uint64_t)b * 4); }
+static inline char *stripe_mutex(ucm_ctx *c, uint32_t st) { return c->base + c->l.stripe_off + (uint64_t)st * UCM_LINE; }
+static inline uint64_t *rank_hand_w(ucm_ctx *c) { return W64(c->base, c->l.rank_off + (uint64_t)c->rank * UCM_RANK_SIZE + UCM_R_CLOCK_HAND); }
+
+#define RLX(p) __atomic_load_n((p), __ATOMIC_RELAXED)
+#define ACQ(p) __atomic_load_n((p), __ATOMIC_ACQUIRE)
+#define SET_RLX(p, v) __atomic_store_n((p), (v), __ATOMIC_RELAXED)
+#define SET_REL(p, v) __atomic_store_n((p), (v), __ATOMIC_RELEASE)
+
+static inline void load_key(const char *id, uint64_t offset, uint64_t key[3])
+{
+    memcpy(&key[0], id, 8); /* the id's bytes as two little-endian words, then the offset */
+    memcpy(&key[1], id + 8, 8);
+    key[2] = offset;
+}
+
+static inline uint32_t bucket_of_key(ucm_ctx *c, const uint64_t *key) { return (uint32_t)ucm_mix(key[0], key[1]) & c->bucket_mask; }
+
+uint32_t ucm_bucket_of(ucm_ctx *c, const char *id, uint64_t offset)
+{
+    uint64_t key[3];
+    load_key(id, offset, key);
+    return bucket_of_key(c, key);
+}
+uint32_t ucm_stripe_of(ucm_ctx *c, uint32_t bucket) { return bucket & c->stripe_mask; }
+
+uint64_t ucm_generation(ucm_ctx *c)
+{
+    /* Acquire pairs with clear()'s fetch-add: entries published after a clear are stamped with
+     * a generation no older than the one we read. */
+    return __atomic_load_n(W64(c->base, UCM_H_GENERATION), __ATOMIC_ACQUIRE);
+}
+
+uint32_t ucm_slot_state(ucm_ctx *c, uint32_t s)
+{
+    if (s >= c->l.n_slots) return UCM_EMPTY;
+    return ACQ(state_w(c, s)) & UCM_STATE_MASK; /* acquire: the owner's release in publish */
+}
+
+/* MatchKey (DESIGN 4, read step 1): bucket word first (acquire: pairs with the release store in
+ * link_at_head, so seeing our bucket means seeing the key written before it), then generation,
+ * then the three key words, then a live state.  Empty and Failed slots match nothing, so a get
+ * after a failure elects a new owner. */
+static inline int match_key(ucm_ctx *c, uint32_t s, uint32_t b, uint32_t gen, const uint64_t *key)
+{
+    if (ACQ(bucket_w(c, s)) != b) return 0;
+    if (RLX(gen_w(c, s)) != gen) return 0;
+    const uint64_t *k = key_w(c, s);
+    if (RLX(&k[0]) != key[0] || RLX(&k[1]) != key[1] || RLX(&k[2]) != key[2]) return 0;
+    uint32_t st = RLX(state_w(c, s)) & UCM_STATE_MASK;
+    return st == UCM_LOADING || st == UCM_READY;
+}
+
+/* Walk bucket b for key; returns a slot index, UCM_NIL for none, or n_slots for corruption. */
+static uint32_t find(ucm_ctx *c, uint32_t b, uint32_t gen, const uint64_t *key, uint64_t limit)
+{
+    /* Acquire on the head and on each next: pairs with the release stores that linked them. */
+    uint32_t s = ACQ(head_w(c, b));
+    for (uint64_t steps = 0; s != UCM_NIL; steps++) {
+        if (s >= c->l.n_slots) return (uint32_t)c->l.n_slots;
+        if (steps >= limit) return UCM_NIL; /* a walker led astray by concurrent moves */
+        if (match_key(c, s, b, gen, key)) return s;
+        s = ACQ(next_w(c, s));
+    }
+    return UCM_NIL;
+}
+
+static inline pthread_mutex_t *local_lock(ucm_ctx *c, uint32_t s) { return &c->local_locks[s % LOCAL_LOCKS]; }
+
+/* Pin (read step 2).  Our process's count and our bit change together under the local lock.
+ * Returns UCM_OK, UCM_BUSY (claimed past the budget). */
+static int pin(ucm_ctx *c, uint32_t s, uint32_t spin_budget)
+{
+    for (uint32_t spins = 0;; spins++) {
+        pthread_mutex_lock(local_lock(c, s));
+        if (c->local_pins[s] > 0) {
+            /* Our bit is set, so no writer can claim the slot: sharing it needs no CAS. */
+            c->local_pins[s]++;
+            pthread_mutex_unlock(local_lock(c, s));
+            return UCM_OK;
+        }
+        uint64_t r = RLX(ref_w(c, s));
+        if (spins == 0) POINT(c, UCM_PT_BEFORE_PIN_CAS);
+        while (!(r & UCM_CLAIMED)) {
+            /* Acquire on success pairs with the claimant's release in handover/unclaim and with
+             * other pinners' release in ucm_release: the slot's words as they left them are
+             * visible before we revalidate (I1: pins start only from a non-claimed value). */
+            if (__atomic_compare_exchange_n(ref_w(c, s), &r, r | c->rank_bit, 1, __ATOMIC_ACQUIRE,
+                                            __ATOMIC_RELAXED)) {
+                c->local_pins[s] = 1;
+                pthread_mutex_unlock(local_lock(c, s));
+                return UCM_OK;
+            }
+        }
+        pthread_mutex_unlock(local_lock(c, s));
+        if (spins >= spin_budget) return UCM_BUSY;
+        sched_yield();
+    }
+}
+
+static int unpin(ucm_ctx *c, uint32_t s)
+{
+    pthread_mutex_lock(local_lock(c, s));
+    if (c->local_pins[s] == 0) {
+        pthread_mutex_unlock(local_lock(c, s));
+        return UCM_NOT_HELD;
+    }
+    if (--c->local_pins[s] == 0) {
+        /* Release: our reads of the slot happen before a writer's claim (its acquire CAS) lets
+         * it rewrite the slot; a release sequence carries it through other pinners' RMWs. */
+        __atomic_fetch_and(ref_w(c, s), ~c->rank_bit, __ATOMIC_RELEASE);
+    }
+    pthread_mutex_unlock(local_lock(c, s));
+    return UCM_OK;
+}
+
+static inline void mark_accessed(ucm_ctx *c, uint32_t s)
+{
+    /* Read first: a hot slot's line is not dirtied by every hit.  Relaxed: CLOCK's bit is a
+     * hint; a lost set costs one extra eviction chance, never correctness. */
+    if (!RLX(acc_w(c, s))) SET_RLX(acc_w(c, s), 1);
+}
+
+/* One whole optimistic/locked lookup: walk, match, pin, revalidate (read steps 1-3). */
+static int lookup_pin_one(ucm_ctx *c, const uint64_t *key, uint32_t gen, uint32_t spin_budget,
+                          uint32_t *slot_out, uint32_t *state_out)
+{
+    uint32_t b = bucket_of_key(c, key);
+    uint32_t s = find(c, b, gen, key, c->walk_limit);
+    if (s == UCM_NIL) return UCM_MISS;
+    if (s >= c->l.n_slots) return UCM_CORRUPT;
+    POINT(c, UCM_PT_AFTER_MATCH);
+    int r = pin(c, s, spin_budget);
+    if (r != UCM_OK) return r;
+    POINT(c, UCM_PT_AFTER_PIN);
+    /* Revalidate under the pin (I3): the slot may have been reclaimed for another key between
+     * MatchKey and the CAS; only a match read again now is a hit. */
+    if (!match_key(c, s, b, gen, key)) {
+        unpin(c, s);
+        return UCM_MISS;
+    }
+    mark_accessed(c, s);
+    *slot_out = s;
+    /* Acquire: pairs with the owner's release in publish, so a Ready slot's data is visible. */
+    *state_out = ACQ(state_w(c, s)) & UCM_STATE_MASK;
+    return UCM_OK;
+}
+
+int64_t ucm_lookup_pin(ucm_ctx *c, const char *id, uint64_t offset, uint32_t spin_budget,
+                       int32_t outer)
+{
+    /* One call for the whole read step; the answer packs (state << 32 | slot), or -code, so the
+     * Python hit path allocates nothing.  `outer`: count it as an outer request (the fast path
+     * does; the slow path's second look does not). */
+    uint64_t key[3];
+    uint32_t slot = 0, state = 0;
+    load_key(id, offset, key);
+    int r = lookup_pin_one(c, key, (uint32_t)ucm_generation(c), spin_budget, &slot, &state);
+    if (outer) STAT(c, UCM_ST_GETS, 1);
+    if (r == UCM_BUSY) STAT(c, UCM_ST_SPINS_EXHAUSTED, 1);
+    if (r != UCM_OK) return -(int64_t)r;
+    if (state == UCM_READY) STAT(c, UCM_ST_HITS, 1);
+    else STAT(c, UCM_ST_JOINS, 1);
+    return ((int64_t)state << 32) | slot;
+}
+
+int ucm_lookup_pin_many(ucm_ctx *c, const char *ids, const uint64_t *offsets, uint32_t n,
+                        uint32_t spin_budget, uint32_t *slots_out, uint8_t *states_out,
+                        uint8_t *codes_out)
+{
+    /* The batch form: the same step for each key; a position that is not OK holds no pin and
+     * its slot is UCM_NIL, so ucm_release_many can take the array as it is. */
+    uint32_t gen = (uint32_t)ucm_generation(c);
+    uint64_t hits = 0, joins = 0, busy = 0;
+    int worst = UCM_OK;
+    for (uint32_t i = 0; i < n; i++) {
+        uint64_t key[3];
+        uint32_t state = 0;
+        load_key(ids + 16 * (uint64_t)i, offsets[i], key);
+        int r = lookup_pin_one(c, key, gen, spin_budget, &slots_out[i], &state);
+        states_out[i] = (uint8_t)state;
+        codes_out[i] = (uint8_t)r;
+        if (r != UCM_OK) slots_out[i] = UCM_NIL;
+        else if (state == UCM_READY) hits++;
+        else joins++;
+        if (r == UCM_BUSY) busy++;
+        if (r == UCM_CORRUPT) worst = UCM_CORRUPT;
+        else if (r != UCM_OK && worst == UCM_OK) worst = UCM_MISS;
+    }
+    STAT(c, UCM_ST_GETS, n);
+    STAT(c, UCM_ST_HITS, hits);
+    if (joins) STAT(c, UCM_ST_JOINS, joins);
+    if (busy) STAT(c, UCM_ST_SPINS_EXHAUSTED, busy);
+    return worst;
+}
+
+/* exist: no pin.  A Ready match read twice around the state is a consistent snapshot; it is a
+ * hint by nature (the entry may be evicted right after). */
+static int exist_one(ucm_ctx *c, const char *id, uint64_t offset, uint32_t gen)
+{
+    uint64_t key[3];
+    load_key(id, offset, key);
+    uint32_t b = bucket_of_key(c, key);
+    uint32_t s = find(c, b, gen, key, c->walk_limit);
+    if (s >= c->l.n_slots) return 0;
+    if ((ACQ(state_w(c, s)) & UCM_STATE_MASK) != UCM_READY) return 0;
+    return match_key(c, s, b, gen, key);
+}
+
+int ucm_exist_many(ucm_ctx *c, const char *ids, const uint64_t *offsets, uint32_t n, uint8_t *out)
+{
+    uint32_t gen = (uint32_t)ucm_generation(c);
+    for (uint32_t i = 0; i < n; i++) out[i] = (uint8_t)exist_one(c, ids + 16 * (uint64_t)i, offsets[i], gen);
+    STAT(c, UCM_ST_EXIST_KEYS, n);
+    return UCM_OK;
+}
+
+uint32_t ucm_exist_prefix(ucm_ctx *c, const char *ids, const uint64_t *offsets, uint32_t n)
+{
+    uint32_t gen = (uint32_t)ucm_generation(c), i = 0;
+    while (i < n && exist_one(c, ids + 16 * (uint64_t)i, offsets[i], gen)) i++;
+    STAT(c, UCM_ST_EXIST_KEYS, n);
+    return i;
+}
+
+int ucm_touch_many(ucm_ctx *c, const char *ids, const uint64_t *offsets, uint32_t n)
+{
+    uint32_t gen = (uint32_t)ucm_generation(c);
+    for (uint32_t i = 0; i < n; i++) {
+        uint64_t key[3];
+        load_key(ids + 16 * (uint64_t)i, offsets[i], key);
+        uint32_t s = find(c, bucket_of_key(c, key), gen, key, c->walk_limit);
+        if (s < c->l.n_slots) mark_accessed(c, s); /* best effort: no pin, a wrong bit is harmless */
+    }
+    STAT(c, UCM_ST_TOUCHES, n);
+    return UCM_OK;
+}
+
+int ucm_release(ucm_ctx *c, uint32_t s)
+{
+    if (s >= c->l.n_slots) return UCM_CORRUPT;
+    return unpin(c, s);
+}
+
+int ucm_release_many(ucm_ctx *c, const uint32_t *slots, uint32_t n)
+{
+    int worst = UCM_OK;
+    for (uint32_t i = 0; i < n; i++) {
+        if (slots[i] == UCM_NIL) continue; /* a batch position that holds no pin */
+        int r = ucm_release(c, slots[i]);
+        if (r != UCM_OK) worst = r;
+    }
+    return worst;
+}
+
+/* ---------------------------------------------------------------- accounting (I4) */
+
+#define ACC_GEN_MASK ((1ULL << UCM_ACC_GEN_BITS) - 1)
+#define ACC_VAL_MASK ((1ULL << UCM_ACC_VALUE_BITS) - 1)
+
+static inline int gen_older(uint64_t a, uint64_t b)
+{
+    /* a older than b in the accounting word's wrapping generation space */
+    uint64_t d = (b - a) & ACC_GEN_MASK;
+    return d != 0 && d < (1ULL << (UCM_ACC_GEN_BITS - 1));
+}
+
+/* "Check the generation and add" as one CAS: counted only if the word is in the slot's
+ * generation (or older, in which case clear() has not reset it yet and we move it forward). */
+static int acc_add(ucm_ctx *c, uint64_t off, uint32_t slot_gen, uint64_t delta)
+{
+    uint64_t *w = W64(c->base, off);
+    uint64_t sg = slot_gen & ACC_GEN_MASK;
+    uint64_t a = __atomic_load_n(w, __ATOMIC_RELAXED);
+    for (;;) {
+        uint64_t ag = a >> UCM_ACC_VALUE_BITS, nv;
+        if (ag == sg) nv = a + delta;
+        else if (gen_older(ag, sg)) nv = (sg << UCM_ACC_VALUE_BITS) | delta;
+        else return 0; /* the slot's generation was cleared: never counted in a newer one */
+        /* seq_cst: the accounting words and the generation word form one total order with
+         * clear(), which is what makes size_bytes() exact at every instant. */
+        if (__atomic_compare_exchange_n(w, &a, nv, 0, __ATOMIC_SEQ_CST, __ATOMIC_RELAXED)) return 1;
+    }
+}
+
+static void acc_sub(ucm_ctx *c, uint64_t off, uint32_t slot_gen, uint64_t delta)
+{
+    uint64_t *w = W64(c->base, off);
+    uint64_t sg = slot_gen & ACC_GEN_MASK;
+    uint64_t a = __atomic_load_n(w, __ATOMIC_RELAXED);
+    for (;;) {
+        if ((a >> UCM_ACC_VALUE_BITS) != sg) return; /* counted in a generation since cleared */
+        uint64_t v = a & ACC_VAL_MASK;
+        uint64_t nv = (a & ~ACC_VAL_MASK) | (v >= delta ? v - delta : 0);
+        /* seq_cst: see acc_add. */
+        if (__atomic_compare_exchange_n(w, &a, nv, 0, __ATOMIC_SEQ_CST, __ATOMIC_RELAXED)) return;
+    }
+}
+
+uint64_t ucm_acc_value(ucm_ctx *c, uint64_t off)
+{
+    /* seq_cst loads of both words: a value whose generation is not the current one is 0. */
+    uint64_t a = __atomic_load_n(W64(c->base, off), __ATOMIC_SEQ_CST);
+    uint64_t g = __atomic_load_n(W64(c->base, UCM_H_GENERATION), __ATOMIC_SEQ_CST);
+    if ((a >> UCM_ACC_VALUE_BITS) != (g & ACC_GEN_MASK)) return 0;
+    return a & ACC_VAL_MASK;
+}
+
+uint64_t ucm_clear(ucm_ctx *c)
+{
+    /* seq_cst: orders the new generation before the reset of the accounting words below in the
+     * same total order that publishers' acc_add CASes are in (I4). */
+    uint64_t g = __atomic_add_fetch(W64(c->base, UCM_H_GENERATION), 1, __ATOMIC_SEQ_CST);
+    uint64_t offs[2] = {UCM_H_ACC_ENTRIES, UCM_H_ACC_BYTES};
+    for (int i = 0; i < 2; i++) {
+        uint64_t *w = W64(c->base, offs[i]);
+        uint64_t a = __atomic_load_n(w, __ATOMIC_RELAXED);
+        /* Another clear or a publisher may have moved it forward already: only move it on. */
+        while (gen_older(a >> UCM_ACC_VALUE_BITS, g & ACC_GEN_MASK) &&
+               !__atomic_compare_exchange_n(w, &a, (g & ACC_GEN_MASK) << UCM_ACC_VALUE_BITS, 0,
+                                            __ATOMIC_SEQ_CST, __ATOMIC_RELAXED)) {
+        }
+    }
+    STAT(c, UCM_ST_CLEARS, 1);
+    return g;
+}
+
+/* ---------------------------------------------------------------- write path */
+
+int ucm_clock_claim(ucm_ctx *c, uint64_t max_scan, uint32_t *slot_out)
+{
+    /* Write step 1-2: the rank's CLOCK hand over its own range; claim by CAS from 0. */
+    if (c->rank < 0) return UCM_NOT_HELD;
+    uint64_t spr = c->l.slots_per_rank, first = (uint64_t)c->rank * spr;
+    uint64_t *handp = rank_hand_w(c);
+    uint64_t hand = RLX(handp); /* only this rank moves its hand (under one stripe at a time) */
+    uint32_t gen = (uint32_t)ucm_generation(c);
+    for (uint64_t i = 0; i < max_scan; i++, hand++) {
+        uint32_t s = (uint32_t)(first + hand % spr);
+        uint64_t r = RLX(ref_w(c, s));
+        if (r != 0) continue; /* pinned or claimed: not ours to take */
+        uint32_t st = RLX(state_w(c, s)) & UCM_STATE_MASK;
+        int live = st == UCM_READY && RLX(gen_w(c, s)) == gen;
+        if (live && RLX(acc_w(c, s))) {
+            SET_RLX(acc_w(c, s), 0); /* second chance; relaxed: a hint, as in mark_accessed */
+            continue;
+        }
+        /* Acquire on success pairs with the last pinner's release: its reads of the old
+         * contents are done before we rewrite them (I1). */
+        if (__atomic_compare_exchange_n(ref_w(c, s), &r, UCM_CLAIMED | (uint64_t)c->rank, 0,
+                                        __ATOMIC_ACQUIRE, __ATOMIC_RELAXED)) {
+            SET_RLX(handp, hand + 1);
+            *slot_out = s;
+            POINT(c, UCM_PT_AFTER_CLAIM);
+            return UCM_OK;
+        }
+    }
+    SET_RLX(handp, hand);
+    return UCM_FULL;
+}
+
+static void unlink_slot(ucm_ctx *c, uint32_t s, uint32_t b)
+{
+    /* Caller holds b's stripe.  The unlinked slot keeps its next pointer, so a lock-free walker
+     * standing on it walks on; its bucket word is then set INVALID so it matches nothing (I2). */
+    uint32_t p = RLX(prev_w(c, s)), n = RLX(next_w(c, s));
+    /* Release on the link a walker may follow: it sees the successor's fields as linked. */
+    if (p == UCM_NIL || p >= c->l.n_slots) SET_REL(head_w(c, b), n);
+    else SET_REL(next_w(c, p), n);
+    if (n != UCM_NIL && n < c->l.n_slots) SET_RLX(prev_w(c, n), p); /* prev: only lock holders */
+    POINT(c, UCM_PT_AFTER_UNLINK);
+    /* Release: ordered after the unlink stores; paired with MatchKey's acquire on the bucket. */
+    SET_REL(bucket_w(c, s), UCM_INVALID_BUCKET);
+}
+
+static void link_at_head(ucm_ctx *c, uint32_t s, uint32_t b)
+{
+    /* Publish (write step 5): bucket word with release before the head store with release,
+     * so whoever reaches s through the head sees its key and bucket (I2). */
+    uint32_t h = RLX(head_w(c, b));
+    SET_RLX(prev_w(c, s), UCM_NIL);
+    SET_RLX(next_w(c, s), h);
+    SET_REL(bucket_w(c, s), b);
+    POINT(c, UCM_PT_MID_PUBLISH);
+    if (h != UCM_NIL && h < c->l.n_slots) SET_RLX(prev_w(c, h), s);
+    SET_REL(head_w(c, b), s);
+}
+
+static void unclaim(ucm_ctx *c, uint32_t s)
+{
+    /* Release: our (rolled back) reads and any words we touched are done before the next
+     * claimant or pinner acquires the slot. */
+    SET_REL(ref_w(c, s), 0);
+}
+
+int ucm_install(ucm_ctx *c, uint32_t s, const char *id, uint64_t offset, uint32_t held_stripe)
+{
+    /* Write steps 3-6 for a slot we claimed, with the stripe of key's bucket held. */
+    if (c->rank < 0 || s >= c->l.n_slots) return UCM_CORRUPT;
+    if (RLX(ref_w(c, s)) != (UCM_CLAIMED | (uint64_t)c->rank)) return UCM_NOT_HELD;
+    uint64_t key[3];
+    load_key(id, offset, key);
+    uint32_t b = bucket_of_key(c, key);
+    if (ucm_stripe_of(c, b) != held_stripe) return UCM_NOT_HELD;
+    uint32_t old_b = RLX(bucket_w(c, s));
+    int relink = old_b != b;
+
+    /* Step 3, isolate: the old bucket's stripe by trylock only (we already hold one stripe; a
+     * blocking lock could close a cycle with a writer that holds the other). */
+    int locked_other = 0;
+    if (old_b != UCM_INVALID_BUCKET && relink) {
+        if (old_b >= c->l.n_buckets) return UCM_CORRUPT;
+        uint32_t os = ucm_stripe_of(c, old_b);
+        if (os != held_stripe) {
+            int r = mutex_result(pthread_mutex_trylock((pthread_mutex_t *)stripe_mutex(c, os)));
+            if (r == UCM_OWNERDEAD) {
+                uint32_t dropped;
+                ucm_stripe_repair(c, os, &dropped);
+                pthread_mutex_consistent((pthread_mutex_t *)stripe_mutex(c, os));
+            } else if (r != UCM_OK) {
+                unclaim(c, s);
+                STAT(c, UCM_ST_CLAIM_ROLLBACKS, 1);
+                return UCM_ROLLBACK;
+            }
+            locked_other = 1;
+        }
+        unlink_slot(c, s, old_b);
+        if (locked_other) pthread_mutex_unlock((pthread_mutex_t *)stripe_mutex(c, os));
+    }
+
+    /* The old entry leaves the accounting if it was counted in (I4). */
+    uint32_t old_gen = RLX(gen_w(c, s));
+    if (RLX(flags_w(c, s)) & UCM_F_COUNTED) {
+        if (old_gen == (uint32_t)ucm_generation(c)) STAT(c, UCM_ST_EVICTIONS, 1);
+        acc_sub(c, UCM_H_ACC_ENTRIES, old_gen, 1);
+        acc_sub(c, UCM_H_ACC_BYTES, old_gen, RLX(len_w(c, s)));
+    }
+
+    /* Step 4, rewrite: unreachable (unlinked) or claimed in its own bucket, so no one can pin
+     * it; walkers that read a half-written key fail the pin or the revalidation (I2, I3). */
+    uint64_t *k = key_w(c, s);
+    SET_RLX(&k[0], key[0]);
+    SET_RLX(&k[1], key[1]);
+    SET_RLX(&k[2], key[2]);
+    SET_RLX(gen_w(c, s), (uint32_t)ucm_generation(c));
+    SET_RLX(loader_w(c, s), (uint16_t)c->rank);
+    SET_RLX(flags_w(c, s), 0);
+    SET_RLX(len_w(c, s), 0);
+    SET_RLX(acc_w(c, s), 1);
+    SET_RLX(state_w(c, s), UCM_LOADING);
+
+    /* Step 5, publish. */
+    if (relink) link_at_head(c, s, b);
+    POINT(c, UCM_PT_BEFORE_HANDOVER);
+
+    /* Step 6, hand over: claimed-by-me becomes pinned-by-me in one release store, so a pinner
+     * that acquires the reference sees every word written above. */
+    pthread_mutex_lock(local_lock(c, s));
+    c->local_pins[s] = 1;
+    SET_REL(ref_w(c, s), c->rank_bit);
+    pthread_mutex_unlock(local_lock(c, s));
+    STAT(c, UCM_ST_MISSES, 1);
+    STAT(c, UCM_ST_LOADS_STARTED, 1);
+    return UCM_OK;
+}
+
+int ucm_publish(ucm_ctx *c, uint32_t s, uint32_t state, uint32_t length)
+{
+    /* The owner, holding its pin on a Loading slot, makes it Ready (counted if its generation
+     * is still current) or Failed, and wakes waiters only if one said it sleeps. */
+    if (s >= c->l.n_slots || (state != UCM_READY && state != UCM_FAILED)) return UCM_CORRUPT;
+    if (!(RLX(ref_w(c, s)) & c->rank_bit) || c->local_pins[s] == 0) return UCM_NOT_HELD;
+    if ((RLX(state_w(c, s)) & UCM_STATE_MASK) != UCM_LOADING) return UCM_NOT_HELD;
+    if ((uint64_t)length > c->l.slot_size) return UCM_CORRUPT;
+    SET_RLX(len_w(c, s), length);
+    if (state == UCM_READY) {
+        uint32_t g = RLX(gen_w(c, s));
+        if (acc_add(c, UCM_H_ACC_ENTRIES, g, 1)) {
+            if (!acc_add(c, UCM_H_ACC_BYTES, g, length)) {
+                /* clear() ran between the two adds: the entry is not in this generation. */
+                acc_sub(c, UCM_H_ACC_ENTRIES, g, 1);
+            } else {
+                SET_RLX(flags_w(c, s), UCM_F_COUNTED);
+            }
+        }
+        STAT(c, UCM_ST_LOADS_READY, 1);
+    } else {
+        STAT(c, UCM_ST_LOADS_FAILED, 1);
+    }
+    /* Release: the data and length written by the owner are visible to whoever acquires the
+     * state (waiters, and pinners via lookup's acquire on the state). */
+    uint32_t old = __atomic_exchange_n(state_w(c, s), state, __ATOMIC_RELEASE);
+    if (old & UCM_WAITERS) futex_wake_word(state_w(c, s), INT32_MAX);
+    return UCM_OK;
+}
+
+int ucm_wait_loaded(ucm_ctx *c, uint32_t s, int64_t timeout_ns, uint32_t *state_out)
+{
+    /* Block on the state word until it leaves Loading.  The WAITERS bit is set before sleeping
+     * so that publish, which swaps the whole word, knows a wake is needed. */
+    if (s >= c->l.n_slots) return UCM_CORRUPT;
+    int64_t deadline = timeout_ns >= 0 ? now_ns() + timeout_ns : -1;
+    uint32_t *w = state_w(c, s);
+    for (;;) {
+        uint32_t v = ACQ(w); /* acquire: pairs with publish's release exchange */
+        if ((v & UCM_STATE_MASK) != UCM_LOADING) {
+            *state_out = v & UCM_STATE_MASK;
+            return UCM_OK;
+        }
+        if (!(v & UCM_WAITERS)) {
+            /* Relaxed: the futex syscall re-reads the word; a lost race just loops. */
+            if (!__atomic_compare_exchange_n(w, &v, v | UCM_WAITERS, 0, __ATOMIC_RELAXED, __ATOMIC_RELAXED))
+                continue;
+            v |= UCM_WAITERS;
+        }
+        int64_t left = -1;
+        if (deadline >= 0) {
+            left = deadline - now_ns();
+            if (left <= 0) {
+                *state_out = UCM_LOADING;
+                return UCM_TIMEOUT;
+            }
+        }
+        futex_wait_word(w, v, left);
+    }
+}
+
+/* ---------------------------------------------------------------- stripes */
+
+int ucm_stripe_lock(ucm_ctx *c, uint32_t stripe, int64_t timeout_ns)
+{
+    if (stripe >= c->l.n_stripes) return UCM_CORRUPT;
+    return ucm_mutex_lock(c->base, c->l.stripe_off + (uint64_t)stripe * UCM_LINE, timeout_ns);
+}
+
+int ucm_stripe_trylock(ucm_ctx *c, uint32_t stripe)
+{
+    if (stripe >= c->l.n_stripes) return UCM_CORRUPT;
+    return ucm_mutex_trylock(c->base, c->l.stripe_off + (uint64_t)stripe * UCM_LINE);
+}
+
+int ucm_stripe_unlock(ucm_ctx *c, uint32_t stripe)
+{
+    if (stripe >= c->l.n_stripes) return UCM_CORRUPT;
+    return ucm_mutex_unlock(c->base, c->l.stripe_off + (uint64_t)stripe * UCM_LINE);
+}
+
+int ucm_stripe_repair(ucm_ctx *c, uint32_t stripe, uint32_t *dropped_out)
+{
+    /* The stripe's holder died mid-operation; we hold it now (EOWNERDEAD).  Rebuild every chain
+     * it guards from the head by next pointers alone: keep slots whose bucket word names this
+     * bucket and that we have not seen yet, rewrite prev links, stop at anything out of range.
+     * A slot half-linked by the dead holder is left out; it is still claimed by the dead rank
+     * and rank recovery frees it. */
+    uint32_t dropped = 0;
+    uint8_t *seen = calloc((c->l.n_slots + 7) / 8, 1);
+    if (!seen) return UCM_CORRUPT;
+    for (uint64_t b = stripe; b < c->l.n_buckets; b += c->l.n_stripes) {
+        uint32_t s = RLX(head_w(c, (uint32_t)b)), prev = UCM_NIL;
+        uint64_t steps = 0;
+        while (s != UCM_NIL && steps++ <= c->l.n_slots) {
+            if (s >= c->l.n_slots) {
+                dropped++;
+                break;
+            }
+            uint32_t n = RLX(next_w(c, s));
+            if (RLX(bucket_w(c, s)) != b || (seen[s / 8] & (1u << (s % 8)))) {
+                dropped++;
+                s = n;
+                continue;
+            }
+            seen[s / 8] |= (uint8_t)(1u << (s % 8));
+            SET_RLX(prev_w(c, s), prev);
+            /* Release: as in unlink_slot, a walker following the new link sees s's fields. */
+            if (prev == UCM_NIL) SET_REL(head_w(c, (uint32_t)b), s);
+            else SET_REL(next_w(c, prev), s);
+            prev = s;
+            s = n;
+        }
+        if (prev == UCM_NIL) SET_REL(head_w(c, (uint32_t)b), UCM_NIL);
+        else SET_REL(next_w(c, prev), UCM_NIL);
+    }
+    free(seen);
+    *dropped_out = dropped;
+    return UCM_OK;
+}
+
+/* ---------------------------------------------------------------- recovery (I5) */
+
+int ucm_recover_pins(ucm_ctx *c, uint32_t dead, uint32_t *claimed_out, uint32_t cap,
+                     uint32_t *n_claimed_out, uint32_t *pins_out, uint32_t *loading_out)
+{
+    /* The caller holds the dead rank's life lock, so the rank cannot come back meanwhile.
+     * Phase 1: its Loading slots become Failed while its pin still keeps them from being
+     * reclaimed, waking their waiters.  Phase 2: clear its pin bits.  Claimed slots are only
+     * listed: freeing them needs their bucket's stripe, which the Python layer takes. */
+    if (dead >= c->l.max_ranks) return UCM_CORRUPT;
+    uint64_t bit = 1ULL << dead, claim = UCM_CLAIMED | dead;
+    uint32_t n_claimed = 0, pins = 0, loading = 0;
+    char msg[64];
+    int msg_len = snprintf(msg, sizeof msg, "the loader (rank %u) died before publishing", dead);
+    for (uint32_t s = 0; s < c->l.n_slots; s++) {
+        uint64_t r = ACQ(ref_w(c, s)); /* acquire: the dead rank's last writes to the slot */
+        if (r == claim) {
+            if (n_claimed < cap) claimed_out[n_claimed] = s;
+            n_claimed++;
+            continue;
+        }
+        if (r & UCM_CLAIMED || !(r & bit)) continue;
+        uint32_t st = RLX(state_w(c, s));
+        if ((st & UCM_STATE_MASK) == UCM_LOADING && RLX(loader_w(c, s)) == dead) {
+            uint64_t n = (uint64_t)msg_len < c->l.slot_size ? (uint64_t)msg_len : c->l.slot_size;
+            memcpy(c->base + c->l.data_off + (uint64_t)s * c->l.slot_stride, msg, n);
+            SET_RLX(len_w(c, s), (uint32_t)n);
+            /* Release: the message is visible to waiters that acquire the state. */
+            uint32_t old = __atomic_exchange_n(state_w(c, s), UCM_FAILED, __ATOMIC_RELEASE);
+            if (old & UCM_WAITERS) futex_wake_word(state_w(c, s), INT32_MAX);
+            loading++;
+        }
+        /* Release: as in unpin; our writes above happen before a claimant's acquire. */
+        __atomic_fetch_and(ref_w(c, s), ~bit, __ATOMIC_RELEASE);
+        pins++;
+    }
+    *n_claimed_out = n_claimed;
+    *pins_out = pins;
+    *loading_out = loading;
+    return UCM_OK;
+}
+
+int ucm_reclaim_claimed(ucm_ctx *c, uint32_t s, uint32_t dead, uint32_t held_stripe)
+{
+    /* A slot the dead rank claimed: it may be anywhere between claim and handover.  With the
+     * stripe of its bucket word held (or any stripe, for INVALID), unlink it if it is reachable,
+     * make it Empty and unclaim it.  A slot that a half-done link left unreachable but with a
+     * bucket word is freed the same way. */
+    if (s >= c->l.n_slots || dead >= c->l.max_ranks) return UCM_CORRUPT;
+    if (ACQ(ref_w(c, s)) != (UCM_CLAIMED | dead)) return UCM_NOT_HELD;
+    uint32_t b = RLX(bucket_w(c, s));
+    if (b != UCM_INVALID_BUCKET) {
+        if (b >= c->l.n_buckets) {
+            SET_REL(bucket_w(c, s), UCM_INVALID_BUCKET);
+        } else {
+            if (ucm_stripe_of(c, b) != held_stripe) return UCM_NOT_HELD;
+            uint32_t x = ACQ(head_w(c, b));
+            uint64_t steps = 0;
+            while (x != UCM_NIL && x < c->l.n_slots && x != s && steps++ <= c->l.n_slots) x = RLX(next_w(c, x));
+            if (x == s) unlink_slot(c, s, b);
+            else SET_REL(bucket_w(c, s), UCM_INVALID_BUCKET);
+        }
+    }
+    uint32_t g = RLX(gen_w(c, s));
+    if (RLX(flags_w(c, s)) & UCM_F_COUNTED) {
+        acc_sub(c, UCM_H_ACC_ENTRIES, g, 1);
+        acc_sub(c, UCM_H_ACC_BYTES, g, RLX(len_w(c, s)));
+        SET_RLX(flags_w(c, s), 0);
+    }
+    uint32_t old = __atomic_exchange_n(state_w(c, s), UCM_EMPTY, __ATOMIC_RELEASE); /* as in publish */
+    if (old & UCM_WAITERS) futex_wake_word(state_w(c, s), INT32_MAX);
+    unclaim(c, s);
+    return UCM_OK;
+}

@@ -1,0 +1,231 @@
+/*
+ * ucm_core.h: the words of a ucmcache segment and the protocol steps over them.
+ *
+ * The block between CDEF-BEGIN and CDEF-END is read by csrc/_build.py and handed to cffi as
+ * it stands, so it holds only plain declarations.  Every `#define UCM_*` in this file reaches
+ * Python through cffi's `...`, so no constant is typed twice.
+ */
+#ifndef UCM_CORE_H
+#define UCM_CORE_H
+#include <stdint.h>
+
+/* Identity and limits of the layout. */
+#define UCM_MAGIC            0x31484341434d4355ULL /* "UCMCACH1" little endian */
+#define UCM_LAYOUT_VERSION   1
+#define UCM_LINE             64
+#define UCM_PAGE             4096
+#define UCM_MAX_RANKS        63    /* one pin bit per rank in a 64-bit reference, top bit = claim */
+#define UCM_MAX_STRIPES      65536
+#define UCM_MIN_BUCKETS_DEFAULT (1u << 14)
+#define UCM_MAX_BUCKETS      (1u << 24)
+#define UCM_MAX_SLOT_SIZE    (1ULL << 31)
+#define UCM_MAX_SLOTS        (1ULL << 31)
+#define UCM_RING_DEPTH       4096
+#define UCM_NIL              0xffffffffu           /* no slot: chain end, empty bucket */
+#define UCM_INVALID_BUCKET   0xffffffffu           /* an unlinked slot's bucket word */
+#define UCM_CLAIMED          0x8000000000000000ULL /* reference: claimed, rank in low bits */
+
+/* Header field offsets (line 0 = identity and params, line 1 = generation, line 2 = accounting). */
+#define UCM_H_MAGIC          0
+#define UCM_H_VERSION        8
+#define UCM_H_FEATURES       12
+#define UCM_H_CREATOR_PID    16
+#define UCM_H_CREATOR_UID    20
+#define UCM_H_MAX_RANKS      24
+#define UCM_H_N_STRIPES      28
+#define UCM_H_SLOTS_PER_RANK 32
+#define UCM_H_SLOT_SIZE      40
+#define UCM_H_N_BUCKETS      48
+#define UCM_H_TOTAL_SIZE     56
+#define UCM_H_GENERATION     64
+#define UCM_H_ACC_ENTRIES    128
+#define UCM_H_ACC_BYTES      136
+#define UCM_HEADER_SIZE      256
+
+/* Accounting words pack (generation low bits, value). */
+#define UCM_ACC_GEN_BITS     20
+#define UCM_ACC_VALUE_BITS   44
+
+/* RankDesc: 4 lines; line 0 is identity, lines 1-3 the rank's own stats counters. */
+#define UCM_R_STATE          0
+#define UCM_R_PID            4
+#define UCM_R_CLOCK_HAND     8
+#define UCM_R_ATTACHES       16
+#define UCM_R_STATS          64
+#define UCM_RANK_SIZE        256
+#define UCM_RANK_FREE        0
+#define UCM_RANK_INITIALIZING 1
+#define UCM_RANK_READY       2
+#define UCM_RANK_STOPPED     3
+
+/* SlotMeta: one 64-byte line per slot. */
+#define UCM_M_REFERENCE      0
+#define UCM_M_KEY            8
+#define UCM_M_BUCKET         32
+#define UCM_M_STATE          36
+#define UCM_M_PREV           40
+#define UCM_M_NEXT           44
+#define UCM_M_GENERATION     48
+#define UCM_M_LENGTH         52
+#define UCM_M_ACCESSED       56
+#define UCM_M_LOADER         60 /* u16: rank of the owner that loads it */
+#define UCM_M_FLAGS          62 /* u16: UCM_F_COUNTED */
+#define UCM_F_COUNTED        1  /* the slot's bytes are in the accounting words */
+#define UCM_META_SIZE        64
+
+/* Slot states (low bits of the state word); the top bit says a waiter sleeps on it. */
+#define UCM_EMPTY            0
+#define UCM_LOADING          1
+#define UCM_READY            2
+#define UCM_FAILED           3
+#define UCM_STATE_MASK       0x7fffffffu
+#define UCM_WAITERS          0x80000000u
+
+/* Step results. */
+#define UCM_OK               0
+#define UCM_MISS             1
+#define UCM_BUSY             2
+#define UCM_FULL             3
+#define UCM_CORRUPT          4
+#define UCM_TIMEOUT          5
+#define UCM_ROLLBACK         6
+#define UCM_OWNERDEAD        7
+#define UCM_NOT_HELD         8
+
+/* Parameter errors from ucm_layout_compute (which field is out of range). */
+#define UCM_EP_MAX_RANKS     101
+#define UCM_EP_SLOTS_PER_RANK 102
+#define UCM_EP_SLOT_SIZE     103
+#define UCM_EP_N_BUCKETS     104
+#define UCM_EP_N_STRIPES     105
+#define UCM_EP_TOO_LARGE     106
+
+/* Per-rank stats counters, each a u64 in the rank's stats lines. */
+#define UCM_ST_GETS          0
+#define UCM_ST_HITS          1
+#define UCM_ST_MISSES        2
+#define UCM_ST_JOINS         3
+#define UCM_ST_LOADS_STARTED 4
+#define UCM_ST_LOADS_READY   5
+#define UCM_ST_LOADS_FAILED  6
+#define UCM_ST_WAITS         7
+#define UCM_ST_WAIT_NS       8
+#define UCM_ST_WAIT_TIMEOUTS 9
+#define UCM_ST_BYPASSES      10
+#define UCM_ST_EVICTIONS     11
+#define UCM_ST_CLAIM_ROLLBACKS 12
+#define UCM_ST_SPINS_EXHAUSTED 13
+#define UCM_ST_CLEARS        14
+#define UCM_ST_RECOVERED_RANKS 15
+#define UCM_ST_EXIST_KEYS    16
+#define UCM_ST_TOUCHES       17
+#define UCM_ST_COUNT         24
+
+/* Named points in the protocol where a test may hold (gate) or kill the process. */
+#define UCM_PT_AFTER_MATCH   1  /* reader: MatchKey held, pin CAS not yet tried */
+#define UCM_PT_AFTER_PIN     2  /* reader: pinned, not yet revalidated */
+#define UCM_PT_AFTER_CLAIM   3  /* writer: victim claimed, not yet isolated */
+#define UCM_PT_AFTER_UNLINK  4  /* writer: victim unlinked, key not yet rewritten */
+#define UCM_PT_MID_PUBLISH   5  /* writer: bucket word stored, chain head not yet */
+#define UCM_PT_BEFORE_HANDOVER 6 /* writer: linked, still claimed */
+#define UCM_PT_BEFORE_PIN_CAS 7 /* reader: reference read, pin CAS not yet tried */
+#define UCM_PT_COUNT         8
+#define UCM_ACT_NONE         0
+#define UCM_ACT_GATE         1
+#define UCM_ACT_KILL         2
+
+/* CDEF-BEGIN */
+typedef struct {
+    uint32_t max_ranks;
+    uint32_t n_stripes;
+    uint64_t slots_per_rank;
+    uint64_t slot_size;
+    uint64_t n_buckets;
+    uint64_t n_slots;
+    uint64_t slot_stride;
+    uint64_t rank_off;
+    uint64_t bucket_off;
+    uint64_t stripe_off;
+    uint64_t meta_off;
+    uint64_t ring_off;
+    uint64_t ring_size;
+    uint64_t data_off;
+    uint64_t total_size;
+} ucm_layout;
+
+typedef struct ucm_ctx ucm_ctx;
+
+uint64_t ucm_default_buckets(uint64_t n_slots);
+int ucm_layout_compute(ucm_layout *l);
+uint64_t ucm_mix(uint64_t k0, uint64_t k1);
+
+ucm_ctx *ucm_ctx_new(char *base, uint64_t map_size, const ucm_layout *l);
+void ucm_ctx_free(ucm_ctx *c);
+void ucm_ctx_set_rank(ucm_ctx *c, int32_t rank);
+void ucm_ctx_set_point(ucm_ctx *c, int32_t point, int32_t action, uint32_t *gate_word,
+                       int64_t timeout_ns);
+void ucm_ctx_forget_pins(ucm_ctx *c);
+uint32_t ucm_local_pins(ucm_ctx *c, uint32_t slot);
+
+uint32_t ucm_load32(char *base, uint64_t off);
+uint64_t ucm_load64(char *base, uint64_t off);
+void ucm_store32(char *base, uint64_t off, uint32_t v);
+void ucm_store64(char *base, uint64_t off, uint64_t v);
+int ucm_cas32(char *base, uint64_t off, uint32_t expected, uint32_t desired);
+int ucm_cas64(char *base, uint64_t off, uint64_t expected, uint64_t desired);
+uint32_t ucm_fetch_add32(char *base, uint64_t off, uint32_t v);
+uint64_t ucm_fetch_add64(char *base, uint64_t off, uint64_t v);
+uint64_t ucm_fetch_and64(char *base, uint64_t off, uint64_t v);
+uint64_t ucm_fetch_or64(char *base, uint64_t off, uint64_t v);
+
+int ucm_mutex_init(char *base, uint64_t off);
+int ucm_mutex_lock(char *base, uint64_t off, int64_t timeout_ns);
+int ucm_mutex_trylock(char *base, uint64_t off);
+int ucm_mutex_unlock(char *base, uint64_t off);
+int ucm_mutex_consistent(char *base, uint64_t off);
+
+int ucm_futex_wait(char *base, uint64_t off, uint32_t expected, int64_t timeout_ns);
+int ucm_futex_wake(char *base, uint64_t off, int32_t n);
+int ucm_gate_wait(uint32_t *word, uint32_t expected, int64_t timeout_ns);
+int ucm_gate_wake(uint32_t *word);
+
+int ucm_ofd_trylock(int fd, uint64_t byte);
+int ucm_ofd_unlock(int fd, uint64_t byte);
+int ucm_ofd_held_by_other(int fd, uint64_t byte);
+
+uint32_t ucm_bucket_of(ucm_ctx *c, const char *id, uint64_t offset);
+uint32_t ucm_stripe_of(ucm_ctx *c, uint32_t bucket);
+uint64_t ucm_generation(ucm_ctx *c);
+void ucm_stat_add(ucm_ctx *c, int32_t counter, uint64_t n);
+
+int64_t ucm_lookup_pin(ucm_ctx *c, const char *id, uint64_t offset, uint32_t spin_budget,
+                       int32_t outer);
+int ucm_lookup_pin_many(ucm_ctx *c, const char *ids, const uint64_t *offsets, uint32_t n,
+                        uint32_t spin_budget, uint32_t *slots_out, uint8_t *states_out,
+                        uint8_t *codes_out);
+int ucm_exist_many(ucm_ctx *c, const char *ids, const uint64_t *offsets, uint32_t n, uint8_t *out);
+uint32_t ucm_exist_prefix(ucm_ctx *c, const char *ids, const uint64_t *offsets, uint32_t n);
+int ucm_touch_many(ucm_ctx *c, const char *ids, const uint64_t *offsets, uint32_t n);
+int ucm_release(ucm_ctx *c, uint32_t slot);
+int ucm_release_many(ucm_ctx *c, const uint32_t *slots, uint32_t n);
+uint32_t ucm_slot_state(ucm_ctx *c, uint32_t slot);
+
+int ucm_clock_claim(ucm_ctx *c, uint64_t max_scan, uint32_t *slot_out);
+int ucm_install(ucm_ctx *c, uint32_t slot, const char *id, uint64_t offset, uint32_t held_stripe);
+int ucm_publish(ucm_ctx *c, uint32_t slot, uint32_t state, uint32_t length);
+int ucm_wait_loaded(ucm_ctx *c, uint32_t slot, int64_t timeout_ns, uint32_t *state_out);
+
+uint64_t ucm_clear(ucm_ctx *c);
+uint64_t ucm_acc_value(ucm_ctx *c, uint64_t off);
+
+int ucm_stripe_lock(ucm_ctx *c, uint32_t stripe, int64_t timeout_ns);
+int ucm_stripe_trylock(ucm_ctx *c, uint32_t stripe);
+int ucm_stripe_unlock(ucm_ctx *c, uint32_t stripe);
+int ucm_stripe_repair(ucm_ctx *c, uint32_t stripe, uint32_t *dropped_out);
+
+int ucm_recover_pins(ucm_ctx *c, uint32_t dead_rank, uint32_t *claimed_out, uint32_t cap,
+                     uint32_t *n_claimed_out, uint32_t *pins_out, uint32_t *loading_out);
+int ucm_reclaim_claimed(ucm_ctx *c, uint32_t slot, uint32_t dead_rank, uint32_t held_stripe);
+/* CDEF-END */
+
+#endif

@@ -1,0 +1,3 @@
+from setuptools import setup
+
+setup(cffi_modules=["csrc/_build.py:ffibuilder"])

@@ -1,0 +1,21 @@
+"""ucmcache: a cross-process shared-memory slot cache for inference workers.
+
+Several processes attach to one /dev/shm segment by uuid and share fixed-size slots keyed by a
+16-byte block id plus an offset.  Hits take no lock; a cold key is computed once across all
+processes; a crashed process never leaks capacity or wedges the others.
+"""
+from ._cache import SlotCache
+from ._errors import (CacheFull, CorruptSegment, ForeignSegment, HalfMadeSegment, HandleClosed,
+                      IncompatibleSegment, LoadFailed, NotAttached, RankUnavailable,
+                      SegmentExists, SegmentNotFound, SharedMemoryFull, UcmError)
+from ._handle import Handle, HandleBatch
+from ._keys import Key, chain_keys, make_key
+from ._verify import VerifyReport, verify
+
+__all__ = [
+    "SlotCache", "Handle", "HandleBatch", "Key", "make_key", "chain_keys", "verify",
+    "VerifyReport", "UcmError", "CacheFull", "LoadFailed", "SegmentExists", "SegmentNotFound",
+    "IncompatibleSegment", "CorruptSegment", "HalfMadeSegment", "ForeignSegment",
+    "SharedMemoryFull", "RankUnavailable", "HandleClosed", "NotAttached",
+]
+__version__ = "0.1.0"

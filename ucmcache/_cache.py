@@ -1,0 +1,479 @@
+"""SlotCache: the public object.  This module drives the slot protocol (DESIGN 4).
+
+Read (get): one C call does the optimistic step (walk, MatchKey, pin, revalidate: I3) with no
+lock.  Anything but a pinned match goes to the slow path: take the bucket's stripe, look again
+(a second pinned lookup, exact now that no writer can change the chain), and on a miss allocate:
+CLOCK claim from our own range (I1), install (isolate with trylock only, rewrite while
+unreachable, publish bucket-before-head, hand over as pinned: I2), all under the stripe.  The
+stripe is released before any loader runs or any wait begins.
+
+Allocation that finds nothing claimable first recovers dead ranks (their pins may be what fills
+the cache), then tries once more, then raises CacheFull: never spins holding a stripe.
+"""
+from __future__ import annotations
+
+import os
+import time
+import weakref
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from . import _hooks
+from ._core import ffi, lib
+from ._errors import (CacheFull, CorruptSegment, IncompatibleSegment, NotAttached,
+                      SegmentExists, UcmError)
+from ._handle import Handle, HandleBatch
+from ._keys import Key, pack_keys, split_key
+from ._layout import DEFAULT_STRIPES, Layout
+from ._recovery import (RecoveryReport, free_rank, rank_alive, recover_dead_ranks, take_rank)
+from ._locks import Stripes
+from ._segment import Segment
+from . import _stats
+
+FAST_SPIN = 64          # yields on a claimed slot before the fast path gives up (the seed's 64)
+SLOW_SPIN = 1 << 16     # under the stripe a claim on our chain is brief: its writer rolls back
+MAX_ROLLBACKS = 64      # isolate trylock failures tolerated in one allocation
+LIVENESS_SLICE = 0.5    # a waiter checks that the loader still lives this often (seconds)
+
+_live_caches: "weakref.WeakSet[SlotCache]" = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for cache in list(_live_caches):
+        cache._forget_after_fork()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _ptr(ctype: str, arr: np.ndarray):
+    return ffi.from_buffer(ctype, arr)
+
+
+class SlotCache:
+    """A shared-memory slot cache attached to one segment as one rank.
+
+    Create a segment with ``SlotCache.create`` (the creator is attached too), attach to it from
+    other processes with ``SlotCache.attach``, and remove it with ``SlotCache.unlink``.
+    """
+
+    def __init__(self, seg: Segment, rank: Optional[int]):
+        self._seg = seg
+        self._layout: Layout = seg.layout
+        ctx = lib.ucm_ctx_new(seg.base, seg.layout.total_size, seg.layout.to_c())
+        if ctx == ffi.NULL:
+            raise MemoryError("could not allocate the process-local cache context")
+        self._ctx = ctx
+        self._ctx_owned = ctx
+        self._stripes = Stripes(ctx, seg.base, seg.layout)
+        self._open_handles = 0
+        self._pid = os.getpid()
+        self._why_unusable = ""
+        try:
+            self._rank = take_rank(seg, ctx, self._stripes, rank)
+        except BaseException:
+            lib.ucm_ctx_free(ctx)
+            self._ctx = None
+            raise
+        lib.ucm_ctx_set_rank(ctx, self._rank)
+        _live_caches.add(self)
+        self.recover()
+
+    # ---------------------------------------------------------------- lifecycle
+
+    @classmethod
+    def create(cls, uuid: str, *, slots_per_rank: int, slot_size: int, max_ranks: int = 8,
+               n_buckets: Optional[int] = None, n_stripes: int = DEFAULT_STRIPES,
+               mode: int = 0o600, exist_ok: bool = False, timeout: float = 10.0) -> "SlotCache":
+        """Create the segment ``uuid`` and attach to it.  With exist_ok, a segment that exists
+        with the same params is attached instead (other params: IncompatibleSegment)."""
+        layout = Layout.compute(max_ranks=max_ranks, slots_per_rank=slots_per_rank,
+                                slot_size=slot_size, n_buckets=n_buckets, n_stripes=n_stripes)
+        try:
+            seg = Segment.create(uuid, layout, mode=mode)
+        except SegmentExists:
+            if not exist_ok:
+                raise
+            seg = Segment.attach(uuid, timeout=timeout)
+            _check_same_params(seg, layout)
+        try:
+            return cls(seg, None)
+        except BaseException:
+            seg.detach()
+            raise
+
+    @classmethod
+    def attach(cls, uuid: str, *, rank: Optional[int] = None, timeout: float = 10.0,
+               allow_other_user: bool = False) -> "SlotCache":
+        """Attach to an existing segment as ``rank`` (None: any free rank).  Waits up to
+        ``timeout`` seconds for a segment that is still being created."""
+        seg = Segment.attach(uuid, timeout=timeout, allow_other_user=allow_other_user)
+        try:
+            return cls(seg, rank)
+        except BaseException:
+            seg.detach()
+            raise
+
+    @staticmethod
+    def unlink(uuid: str) -> None:
+        """Remove the segment's name; processes still attached keep their mapping."""
+        Segment.unlink(uuid)
+
+    def close(self) -> None:
+        """Detach: the rank is freed (its Ready entries stay for others), the mapping dropped."""
+        if self._ctx is None:
+            if self._why_unusable.startswith("forked"):
+                return
+            return
+        if self._open_handles > 0:
+            raise UcmError(f"cannot close: {self._open_handles} handle(s) or batch(es) are still "
+                           "open; close them first")
+        ctx = self._ctx
+        free_rank(self._seg, self._rank)
+        self._ctx = None
+        self._why_unusable = "closed"
+        lib.ucm_ctx_free(ctx)
+        self._ctx_owned = None
+        _live_caches.discard(self)
+        self._seg.detach()
+
+    def __enter__(self) -> "SlotCache":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _forget_after_fork(self) -> None:
+        if self._ctx is None:
+            return
+        self._ctx = None
+        self._why_unusable = f"forked: attached by pid {self._pid}, this is pid {os.getpid()}"
+        self._seg.forget_after_fork()
+
+    def _check_usable(self) -> None:
+        if self._ctx is None:
+            if self._why_unusable.startswith("forked"):
+                raise NotAttached(
+                    f"this SlotCache belongs to the process that attached it ({self._why_unusable}); "
+                    "call SlotCache.attach() in the child")
+            raise NotAttached("this SlotCache is closed")
+
+    # ---------------------------------------------------------------- facts
+
+    @property
+    def uuid(self) -> str:
+        return self._seg.uuid
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def slot_size(self) -> int:
+        return self._layout.slot_size
+
+    @property
+    def slots_per_rank(self) -> int:
+        return self._layout.slots_per_rank
+
+    @property
+    def max_ranks(self) -> int:
+        return self._layout.max_ranks
+
+    @property
+    def capacity(self) -> int:
+        """Slots in the whole segment."""
+        return self._layout.n_slots
+
+    @property
+    def layout(self) -> Layout:
+        return self._layout
+
+    @property
+    def generation(self) -> int:
+        self._check_usable()
+        return lib.ucm_generation(self._ctx)
+
+    # ---------------------------------------------------------------- read path
+
+    def get(self, key: Key, *, timeout: Optional[float] = None) -> Handle:
+        """Pin the slot for key.  A hit returns at once; a cold key makes this caller the owner
+        (h.owner: fill h.data, then h.ready(n) or h.fail(msg)); a key another caller is loading
+        returns a handle to wait() on.  ``timeout`` is the default for that wait."""
+        ctx = self._ctx
+        if ctx is None:
+            self._check_usable()
+        if type(key) is bytes and len(key) == 16:
+            block_id, offset = key, 0
+        else:
+            block_id, offset = split_key(key)
+        r = lib.ucm_lookup_pin(ctx, block_id, offset, FAST_SPIN, 1)
+        if r >= 0:
+            self._open_handles += 1
+            return Handle(self, r & 0xFFFFFFFF, False, timeout)
+        slot, owner = self._pin_slow(block_id, offset, -r)
+        self._open_handles += 1
+        return Handle(self, slot, owner, timeout)
+
+    def _pin_slow(self, block_id: bytes, offset: int, code: int) -> Tuple[int, bool]:
+        """Slow path and allocation for one key; returns (slot, owner), pinned."""
+        if code == lib.UCM_CORRUPT:
+            raise CorruptSegment(f"segment {self.uuid!r}: a chain points outside the slot table")
+        ctx = self._ctx
+        stripes = self._stripes
+        stripe = stripes.stripe_of_key(block_id, offset)
+        for attempt in range(2):
+            stripes.lock(stripe)
+            try:
+                if _hooks._armed:
+                    _hooks.fire("holding_stripe")
+                r = lib.ucm_lookup_pin(ctx, block_id, offset, SLOW_SPIN, 0)
+                if r >= 0:
+                    return r & 0xFFFFFFFF, False
+                if -r == lib.UCM_CORRUPT:
+                    raise CorruptSegment(f"segment {self.uuid!r}: a chain points outside the "
+                                         "slot table")
+                if -r == lib.UCM_MISS:
+                    slot = self._alloc(block_id, offset, stripe)
+                    if slot is not None:
+                        return slot, True
+                # UCM_BUSY under the stripe: a claim that never ends, i.e. a dead claimant.
+            finally:
+                stripes.unlock(stripe)
+            if attempt == 0 and self.recover().count:
+                continue  # a dead rank's pins or claims were in the way: once more
+            break
+        lib.ucm_stat_add(ctx, lib.UCM_ST_BYPASSES, 1)
+        raise CacheFull(
+            f"segment {self.uuid!r}: rank {self._rank} found no claimable slot among its "
+            f"{self._layout.slots_per_rank} (all pinned, loading or contended); release handles "
+            "or give the cache more slots_per_rank")
+
+    def _alloc(self, block_id: bytes, offset: int, stripe: int) -> Optional[int]:
+        """Write steps 1-6 with our stripe held; None when nothing is claimable."""
+        ctx = self._ctx
+        slot_p = ffi.new("uint32_t *")
+        # One full sweep clears accessed bits, the second finds the first unpinned slot.
+        budget = 2 * self._layout.slots_per_rank + 1
+        for _ in range(MAX_ROLLBACKS + 1):
+            if lib.ucm_clock_claim(ctx, budget, slot_p) != lib.UCM_OK:
+                return None
+            r = lib.ucm_install(ctx, slot_p[0], block_id, offset, stripe)
+            if r == lib.UCM_OK:
+                return slot_p[0]
+            if r != lib.UCM_ROLLBACK:
+                raise CorruptSegment(f"segment {self.uuid!r}: install failed (code {r})")
+        return None
+
+    def get_many(self, keys: Sequence[Key], *, timeout: Optional[float] = None) -> HandleBatch:
+        """Pin every key of a request with one C call (misses take the slow path one by one).
+        Positions that come back owned must be filled and published by the caller."""
+        ctx = self._ctx
+        if ctx is None:
+            self._check_usable()
+        ids, offsets, split = pack_keys(keys)
+        n = len(split)
+        slots = np.empty(n, dtype=np.uint32)
+        states = np.empty(n, dtype=np.uint8)
+        codes = np.empty(n, dtype=np.uint8)
+        if n:
+            lib.ucm_lookup_pin_many(ctx, ids, _ptr("uint64_t[]", offsets), n, FAST_SPIN,
+                                    _ptr("uint32_t[]", slots), _ptr("uint8_t[]", states),
+                                    _ptr("uint8_t[]", codes))
+        owner = np.zeros(n, dtype=bool)
+        misses = np.flatnonzero(codes)
+        for j, i in enumerate(misses):
+            try:
+                slots[i], owner[i] = self._pin_slow(split[i][0], split[i][1], int(codes[i]))
+            except BaseException:
+                # Leave nothing behind: fail what we own, drop every pin taken so far (positions
+                # from this one on hold none).
+                for s in slots[owner]:
+                    lib.ucm_publish(ctx, int(s), lib.UCM_FAILED, 0)
+                slots[misses[j:]] = lib.UCM_NIL
+                self._release_slots(slots)
+                raise
+        self._open_handles += 1
+        return HandleBatch(self, slots, owner, timeout)
+
+    def _release_slots(self, slots: np.ndarray) -> None:
+        if len(slots):
+            lib.ucm_release_many(self._ctx, _ptr("uint32_t[]", slots), len(slots))
+
+    def _wait_loaded(self, slot: int, timeout: Optional[float]) -> int:
+        """Block on the slot's state word until it leaves Loading.  Every LIVENESS_SLICE the
+        loader's life lock is checked, so a dead loader is recovered rather than waited for."""
+        ctx = self._ctx
+        state = ffi.new("uint32_t *")
+        start = time.monotonic()
+        deadline = None if timeout is None else start + timeout
+        lib.ucm_stat_add(ctx, lib.UCM_ST_WAITS, 1)
+        try:
+            while True:
+                left = LIVENESS_SLICE if deadline is None else min(LIVENESS_SLICE,
+                                                                   deadline - time.monotonic())
+                if left > 0 and lib.ucm_wait_loaded(ctx, slot, int(left * 1e9), state) == lib.UCM_OK:
+                    return state[0]
+                loader = lib.ucm_load32(self._seg.base, self._layout.meta(slot) +
+                                        lib.UCM_M_LOADER) & 0xFFFF
+                if loader != self._rank and loader < self._layout.max_ranks \
+                        and not rank_alive(self._seg, loader):
+                    self.recover()
+                    continue
+                if deadline is not None and time.monotonic() >= deadline:
+                    lib.ucm_stat_add(ctx, lib.UCM_ST_WAIT_TIMEOUTS, 1)
+                    raise TimeoutError(f"key still loading after {timeout} s (the load goes on; "
+                                       "get() again to wait more)")
+        finally:
+            lib.ucm_stat_add(ctx, lib.UCM_ST_WAIT_NS, int((time.monotonic() - start) * 1e9))
+
+    def get_or_load(self, key: Key, loader: Callable[[], Any], *,
+                    timeout: Optional[float] = None) -> bytes:
+        """The value for key, computed by ``loader()`` exactly once across all processes.
+
+        loader returns a bytes-like of at most slot_size bytes.  Its exception reaches this
+        caller as itself and every concurrent waiter as LoadFailed.  When the cache is full the
+        loader runs uncached (counted as a bypass)."""
+        try:
+            h = self.get(key, timeout=timeout)
+        except CacheFull:
+            return _as_bytes(loader(), None)
+        with h:
+            if not h.owner:
+                h.wait(timeout)
+                return bytes(h.data)
+            if _hooks._armed:
+                _hooks.fire("inside_loader")
+            try:
+                value = loader()
+                mv = _as_view(value, self._layout.slot_size)
+            except BaseException as e:
+                h.fail(f"{type(e).__name__}: {e}")
+                raise
+            h.data[: mv.nbytes] = mv
+            h.ready(mv.nbytes)
+            return mv.tobytes()
+
+    # ---------------------------------------------------------------- batch lookups
+
+    def exist(self, keys: Iterable[Key]) -> List[bool]:
+        """For each key, whether a Ready entry is there now (no pin, one C call)."""
+        ctx = self._ctx
+        if ctx is None:
+            self._check_usable()
+        ids, offsets, split = pack_keys(keys)
+        out = np.zeros(len(split), dtype=np.uint8)
+        if len(split):
+            lib.ucm_exist_many(ctx, ids, _ptr("uint64_t[]", offsets), len(split),
+                               _ptr("uint8_t[]", out))
+        return out.astype(bool).tolist()
+
+    def exist_prefix(self, keys: Sequence[Key]) -> int:
+        """How many leading keys (a chained-hash prefix) are Ready, in one C call."""
+        ctx = self._ctx
+        if ctx is None:
+            self._check_usable()
+        ids, offsets, split = pack_keys(keys)
+        if not split:
+            return 0
+        return lib.ucm_exist_prefix(ctx, ids, _ptr("uint64_t[]", offsets), len(split))
+
+    def touch(self, keys: Iterable[Key]) -> None:
+        """Mark entries recently used (CLOCK's bit) without pinning; best effort."""
+        ctx = self._ctx
+        if ctx is None:
+            self._check_usable()
+        ids, offsets, split = pack_keys(keys)
+        if split:
+            lib.ucm_touch_many(ctx, ids, _ptr("uint64_t[]", offsets), len(split))
+
+    # ---------------------------------------------------------------- generations, stats
+
+    def clear(self) -> int:
+        """Make every current entry invisible at once; never waits for in-flight loads.
+        Returns the new generation."""
+        self._check_usable()
+        return lib.ucm_clear(self._ctx)
+
+    def size_bytes(self) -> int:
+        """Sum of published payload lengths in the current generation (exact)."""
+        self._check_usable()
+        return lib.ucm_acc_value(self._ctx, lib.UCM_H_ACC_BYTES)
+
+    def entry_count(self) -> int:
+        """Ready entries in the current generation (exact)."""
+        self._check_usable()
+        return lib.ucm_acc_value(self._ctx, lib.UCM_H_ACC_ENTRIES)
+
+    def stats(self) -> Dict[str, Any]:
+        """Counters summed over ranks, plus ``per_rank`` rows; see ucmcache._stats."""
+        self._check_usable()
+        out = _stats.collect(self._seg, lambda r: r == self._rank or rank_alive(self._seg, r))
+        out["generation"] = self.generation
+        out["entries"] = self.entry_count()
+        out["size_bytes"] = self.size_bytes()
+        return out
+
+    def recover(self) -> RecoveryReport:
+        """Recover every dead rank now (also done on attach and when allocation is starved)."""
+        self._check_usable()
+        return recover_dead_ranks(self._seg, self._ctx, self._stripes, self._rank)
+
+    # ---------------------------------------------------------------- test hooks
+
+    def _arm(self, point: str, action: str = "gate", gate: Optional[_hooks.Gate] = None) -> None:
+        """Arm a named point (ucmcache._hooks.POINTS) in this process: hold at a gate, or kill."""
+        self._check_usable()
+        actions = {"none": lib.UCM_ACT_NONE, "gate": lib.UCM_ACT_GATE, "kill": lib.UCM_ACT_KILL}
+        if action not in actions:
+            raise ValueError(f"action must be one of {sorted(actions)}, got {action!r}")
+        if action == "gate" and gate is None:
+            raise ValueError("a gate action needs a Gate")
+        if point in _hooks.C_POINTS:
+            word = gate.word if gate is not None else ffi.NULL
+            t = int((gate.timeout if gate is not None else 0) * 1e9)
+            lib.ucm_ctx_set_point(self._ctx, _hooks.C_POINTS[point], actions[action], word, t)
+        else:
+            _hooks.arm_python(point, action, gate)
+
+    def _hook(self, point: str) -> None:
+        if _hooks._armed:
+            _hooks.fire(point)
+
+    def __repr__(self) -> str:
+        state = "attached" if self._ctx is not None else self._why_unusable or "closed"
+        return (f"<SlotCache {self.uuid!r} rank={getattr(self, '_rank', None)} "
+                f"slots={self._layout.n_slots}x{self._layout.slot_size}B {state}>")
+
+
+def _as_view(value: Any, slot_size: int) -> memoryview:
+    try:
+        mv = memoryview(value)
+    except TypeError:
+        raise TypeError(f"a loader must return a bytes-like object, got "
+                        f"{type(value).__name__}") from None
+    if not mv.c_contiguous:
+        raise ValueError("a loader's value must be C-contiguous")
+    mv = mv.cast("B")
+    if mv.nbytes > slot_size:
+        raise ValueError(f"the loader returned {mv.nbytes} bytes, more than slot_size={slot_size}")
+    return mv
+
+
+def _as_bytes(value: Any, slot_size: Optional[int]) -> bytes:
+    try:
+        return memoryview(value).tobytes()
+    except TypeError:
+        raise TypeError(f"a loader must return a bytes-like object, got "
+                        f"{type(value).__name__}") from None
+
+
+def _check_same_params(seg: Segment, want: Layout) -> None:
+    have = seg.layout
+    for field in ("max_ranks", "slots_per_rank", "slot_size", "n_buckets", "n_stripes"):
+        if getattr(have, field) != getattr(want, field):
+            seg.detach()
+            raise IncompatibleSegment(
+                f"segment {seg.uuid!r} exists with {field}={getattr(have, field)}, "
+                f"asked for {getattr(want, field)}")

@@ -1,0 +1,434 @@
+"""Handle: one pinned slot, held by a context manager.
+
+A handle is the lifetime of one pin (DESIGN 4): the slot cannot be reclaimed while it is open,
+and nothing may be read through it after it is closed, so handles are not copyable and their
+memoryviews are released on close.  The owner of a Loading slot fills it and publishes it with
+ready() or fail(); closing an owner's handle (or dropping it) without either publishes Failed so
+that no waiter waits forever.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from typing import TYPE_CHECKING, List, Optional
+
+import numpy as np
+
+from ._core import lib
+from ._errors import HandleClosed, LoadFailed, UcmError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ._cache import SlotCache
+
+STATE_NAMES = {lib.UCM_LOADING: "loading", lib.UCM_READY: "ready", lib.UCM_FAILED: "failed",
+               lib.UCM_EMPTY: "failed"}
+
+# Slots whose load this thread owns (per cache): waiting on one of them would wait forever.
+_owning = threading.local()
+
+
+def _owned_slots(cache: "SlotCache") -> set:
+    d = getattr(_owning, "d", None)
+    if d is None:
+        d = _owning.d = {}
+    return d.setdefault(id(cache), set())
+
+
+class Handle:
+    """A pinned slot.  Use as a context manager; see SlotCache.get."""
+
+    __slots__ = ("_cache", "_slot", "_owner", "_timeout", "_views", "_closed", "__weakref__")
+
+    def __init__(self, cache: "SlotCache", slot: int, owner: bool, timeout: Optional[float]):
+        self._cache = cache
+        self._slot = slot
+        self._owner = owner
+        self._timeout = timeout
+        self._views: Optional[List[memoryview]] = None
+        self._closed = False
+        if owner:
+            _owned_slots(cache).add(slot)
+
+    # ---------------------------------------------------------------- state
+
+    @property
+    def owner(self) -> bool:
+        """True if this caller must fill the slot and publish ready() or fail()."""
+        return self._owner
+
+    @property
+    def slot(self) -> int:
+        return self._slot
+
+    @property
+    def state(self) -> str:
+        """'loading', 'ready' or 'failed', read from the shared state word now."""
+        self._check_open()
+        return STATE_NAMES[lib.ucm_slot_state(self._cache._ctx, self._slot)]
+
+    @property
+    def nbytes(self) -> int:
+        """The published payload length (0 while loading)."""
+        self._check_open()
+        return lib.ucm_load32(self._cache._seg.base,
+                              self._cache._layout.meta(self._slot) + lib.UCM_M_LENGTH)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise HandleClosed("this handle is closed: its slot is no longer pinned")
+        if self._cache._ctx is None:
+            self._cache._check_usable()
+
+    # ---------------------------------------------------------------- data
+
+    @property
+    def data(self) -> memoryview:
+        """The slot's bytes.  The owner, while loading: the whole slot, writable.  Ready: the
+        published payload, read-only.  Released (unreadable) when the handle closes."""
+        self._check_open()
+        if self._views is None:
+            self._views = []
+        return slot_data(self._cache, self._slot, self._owner, self._views)
+
+    def array(self, dtype, shape=None) -> np.ndarray:
+        """A numpy view of data (see data); shape defaults to as many items as fit."""
+        return as_array(self.data, dtype, shape)
+
+    def _view(self, n: int, writable: bool) -> memoryview:
+        if self._views is None:
+            self._views = []
+        return slot_view(self._cache, self._slot, n, writable, self._views)
+
+    def _failure_message(self) -> str:
+        return failure_message(self._cache, self._slot)
+
+    # ---------------------------------------------------------------- owner
+
+    def ready(self, nbytes: Optional[int] = None) -> None:
+        """Publish the slot as Ready with nbytes of payload (default: the whole slot)."""
+        self._check_open()
+        self._release_views()  # the owner's writable view ends with the load
+        publish_ready(self._cache, self._slot, self._owner, nbytes)
+
+    def fail(self, message: str = "load failed") -> None:
+        """Publish the slot as Failed; current waiters get LoadFailed(message)."""
+        self._check_open()
+        self._release_views()
+        publish_failed(self._cache, self._slot, self._owner, message)
+
+    # ---------------------------------------------------------------- waiting
+
+    def wait(self, timeout: Optional[float] = None) -> "Handle":
+        """Block while another caller loads the slot.  Returns self when Ready; raises
+        LoadFailed when the owner failed (or died), TimeoutError when timeout passes first
+        (the load goes on)."""
+        self._check_open()
+        if timeout is None:
+            timeout = self._timeout
+        st = lib.ucm_slot_state(self._cache._ctx, self._slot)
+        if st == lib.UCM_LOADING:
+            if self._owner:
+                raise UcmError("the owner of a loading slot cannot wait for it: call ready() or "
+                               "fail()")
+            if self._slot in _owned_slots(self._cache):
+                raise UcmError("this thread is loading this key itself (a loader asked for its "
+                               "own key): waiting would never end")
+            st = self._cache._wait_loaded(self._slot, timeout)
+        if st == lib.UCM_READY:
+            return self
+        raise LoadFailed(self._failure_message())
+
+    # ---------------------------------------------------------------- close
+
+    def _release_views(self) -> None:
+        views = self._views
+        if views:
+            self._views = None
+            release_views(views)
+
+    def close(self) -> None:
+        """Unpin the slot (idempotent).  An owner that did not publish publishes Failed."""
+        if self._closed:
+            return
+        self._closed = True
+        cache = self._cache
+        if cache._ctx is None:
+            return  # forked child or closed cache: the pin is not ours to drop
+        try:
+            self._release_views()
+            if self._owner and lib.ucm_slot_state(cache._ctx, self._slot) == lib.UCM_LOADING:
+                _publish_failed_quietly(cache, self._slot)
+        finally:
+            if self._owner:
+                _owned_slots(cache).discard(self._slot)
+            lib.ucm_release(cache._ctx, self._slot)
+            cache._open_handles -= 1
+
+    def __enter__(self) -> "Handle":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc is not None and self._owner and not self._closed and self._cache._ctx is not None \
+                and lib.ucm_slot_state(self._cache._ctx, self._slot) == lib.UCM_LOADING:
+            self.fail(f"{exc_type.__name__}: {exc}")
+        self.close()
+
+    def __del__(self) -> None:
+        if not getattr(self, "_closed", True):
+            try:
+                self.close()
+            except Exception:
+                pass
+
+    def __copy__(self):
+        raise TypeError("a Handle is one pin and cannot be copied; get() another")
+
+    def __deepcopy__(self, memo):
+        raise TypeError("a Handle is one pin and cannot be copied; get() another")
+
+    def __reduce__(self):
+        raise TypeError("a Handle is one pin in this process and cannot be pickled")
+
+    def __repr__(self) -> str:
+        if self._closed:
+            return "<Handle closed>"
+        return (f"<Handle slot={self._slot} owner={self._owner} "
+                f"state={STATE_NAMES[lib.ucm_slot_state(self._cache._ctx, self._slot)]}>")
+
+
+# ---------------------------------------------------------------- slot operations
+# Shared by Handle and HandleBatch: one copy of each rule about a pinned slot.
+
+def slot_view(cache: "SlotCache", slot: int, n: int, writable: bool, views: list) -> memoryview:
+    off = cache._layout.data(slot)
+    mv = cache._seg.view[off:off + n]
+    if not writable:
+        mv = mv.toreadonly()
+    views.append(mv)
+    return mv
+
+
+def slot_length(cache: "SlotCache", slot: int) -> int:
+    return lib.ucm_load32(cache._seg.base, cache._layout.meta(slot) + lib.UCM_M_LENGTH)
+
+
+def slot_data(cache: "SlotCache", slot: int, owner: bool, views: list) -> memoryview:
+    st = lib.ucm_slot_state(cache._ctx, slot)
+    if owner and st == lib.UCM_LOADING:
+        return slot_view(cache, slot, cache._layout.slot_size, True, views)
+    if st == lib.UCM_READY:
+        return slot_view(cache, slot, slot_length(cache, slot), False, views)
+    if st == lib.UCM_LOADING:
+        raise UcmError("this slot is still loading in another process or thread; call wait() "
+                       "first")
+    raise LoadFailed(failure_message(cache, slot))
+
+
+def as_array(mv: memoryview, dtype, shape=None) -> np.ndarray:
+    dt = np.dtype(dtype)
+    if shape is None:
+        return np.frombuffer(mv, dtype=dt, count=len(mv) // dt.itemsize)
+    count = int(np.prod(shape))
+    if count * dt.itemsize > len(mv):
+        raise ValueError(f"shape {shape} of {dt} needs {count * dt.itemsize} bytes, the view "
+                         f"has {len(mv)}")
+    return np.frombuffer(mv, dtype=dt, count=count).reshape(shape)
+
+
+def failure_message(cache: "SlotCache", slot: int) -> str:
+    if lib.ucm_slot_state(cache._ctx, slot) == lib.UCM_EMPTY:
+        return "the loader died and its slot was reclaimed"
+    L = cache._layout
+    n = min(slot_length(cache, slot), L.slot_size)
+    off = L.data(slot)
+    text = bytes(cache._seg.view[off:off + n]).decode("utf-8", "replace")
+    return text or "the loader failed without a message"
+
+
+def _check_owner(cache: "SlotCache", slot: int, owner: bool, what: str) -> None:
+    if not owner:
+        raise UcmError(f"{what}() is for the owner of a loading slot; this handle is not")
+    if lib.ucm_slot_state(cache._ctx, slot) != lib.UCM_LOADING:
+        raise UcmError(f"{what}(): the slot was already published")
+
+
+def publish_ready(cache: "SlotCache", slot: int, owner: bool, nbytes: Optional[int]) -> None:
+    _check_owner(cache, slot, owner, "ready")
+    size = cache._layout.slot_size
+    if nbytes is None:
+        nbytes = size
+    if isinstance(nbytes, bool) or not isinstance(nbytes, (int, np.integer)):
+        raise TypeError(f"nbytes must be an int, got {type(nbytes).__name__}")
+    if not 0 <= nbytes <= size:
+        raise ValueError(f"nbytes must be in [0, slot_size={size}], got {nbytes}")
+    cache._hook("before_ready")
+    _publish(cache, slot, lib.UCM_READY, int(nbytes))
+    cache._hook("after_ready")
+
+
+def publish_failed(cache: "SlotCache", slot: int, owner: bool, message: str) -> None:
+    _check_owner(cache, slot, owner, "fail")
+    raw = str(message).encode("utf-8", "replace")[: cache._layout.slot_size]
+    off = cache._layout.data(slot)
+    cache._seg.view[off:off + len(raw)] = raw
+    _publish(cache, slot, lib.UCM_FAILED, len(raw))
+
+
+def _publish(cache: "SlotCache", slot: int, state: int, nbytes: int) -> None:
+    r = lib.ucm_publish(cache._ctx, slot, state, nbytes)
+    if r != lib.UCM_OK:
+        raise UcmError(f"publish failed (code {r}): no longer the owner of a loading slot")
+    _owned_slots(cache).discard(slot)
+
+
+def release_views(views: list) -> None:
+    for mv in views:
+        try:
+            mv.release()
+        except BufferError:
+            # A numpy array still exports this view: it stays readable, though the pin below
+            # it is dropped.  Arrays from a handle must not outlive it (documented).
+            pass
+
+
+class HandleBatch:
+    """The pins of one request's keys: one C call pins them all, one releases them all.
+
+    ``owner`` and ``state`` are numpy arrays over the positions; a key that appears twice is
+    pinned twice and owned (if it was cold) by its first position only.
+    """
+
+    def __init__(self, cache: "SlotCache", slots: np.ndarray, owner: np.ndarray,
+                 timeout: Optional[float]):
+        self._cache = cache
+        self._slots = slots
+        self.owner = owner
+        self._timeout = timeout
+        self._views: list = []
+        self._closed = False
+        for s in slots[owner]:
+            _owned_slots(cache).add(int(s))
+
+    def __len__(self) -> int:
+        return len(self._slots)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise HandleClosed("this batch is closed: its slots are no longer pinned")
+        if self._cache._ctx is None:
+            self._cache._check_usable()
+
+    def _index(self, i: int) -> int:
+        n = len(self._slots)
+        if isinstance(i, bool) or not isinstance(i, (int, np.integer)) or not -n <= i < n:
+            raise IndexError(f"batch position must be an int in [0, {n}), got {i!r}")
+        return int(i) % n
+
+    @property
+    def slots(self) -> np.ndarray:
+        return self._slots.copy()
+
+    @property
+    def state(self) -> np.ndarray:
+        """Each position's state now: 'loading', 'ready' or 'failed'."""
+        self._check_open()
+        ctx = self._cache._ctx
+        return np.array([STATE_NAMES[lib.ucm_slot_state(ctx, int(s))] for s in self._slots])
+
+    def data(self, i: int) -> memoryview:
+        self._check_open()
+        i = self._index(i)
+        return slot_data(self._cache, int(self._slots[i]), bool(self.owner[i]), self._views)
+
+    def array(self, i: int, dtype, shape=None) -> np.ndarray:
+        return as_array(self.data(i), dtype, shape)
+
+    def ready(self, i: int, nbytes: Optional[int] = None) -> None:
+        self._check_open()
+        i = self._index(i)
+        publish_ready(self._cache, int(self._slots[i]), bool(self.owner[i]), nbytes)
+
+    def fail(self, i: int, message: str = "load failed") -> None:
+        self._check_open()
+        i = self._index(i)
+        publish_failed(self._cache, int(self._slots[i]), bool(self.owner[i]), message)
+
+    def wait(self, timeout: Optional[float] = None) -> "HandleBatch":
+        """Wait for every position that another caller is loading.  Raises LoadFailed for the
+        first that failed, TimeoutError if the time runs out (the loads go on)."""
+        self._check_open()
+        if timeout is None:
+            timeout = self._timeout
+        cache = self._cache
+        mine = set(int(s) for s in self._slots[self.owner])
+        deadline = None if timeout is None else _now() + timeout
+        for s in self._slots:
+            s = int(s)
+            if s in mine:
+                continue  # ours to fill: waiting would never end
+            st = lib.ucm_slot_state(cache._ctx, s)
+            if st == lib.UCM_LOADING:
+                if s in _owned_slots(cache):
+                    raise UcmError("this thread is loading one of these keys itself: waiting "
+                                   "would never end")
+                left = None if deadline is None else max(0.0, deadline - _now())
+                st = cache._wait_loaded(s, left)
+            if st != lib.UCM_READY:
+                raise LoadFailed(failure_message(cache, s))
+        return self
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        cache = self._cache
+        if cache._ctx is None:
+            return
+        try:
+            for s in self._slots[self.owner]:
+                s = int(s)
+                if lib.ucm_slot_state(cache._ctx, s) == lib.UCM_LOADING:
+                    _publish_failed_quietly(cache, s)
+            release_views(self._views)
+            self._views = []
+        finally:
+            owned = _owned_slots(cache)
+            for s in self._slots[self.owner]:
+                owned.discard(int(s))
+            cache._release_slots(self._slots)
+            cache._open_handles -= 1
+
+    def __enter__(self) -> "HandleBatch":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc is not None and not self._closed and self._cache._ctx is not None:
+            for s in self._slots[self.owner]:
+                s = int(s)
+                if lib.ucm_slot_state(self._cache._ctx, s) == lib.UCM_LOADING:
+                    publish_failed(self._cache, s, True, f"{exc_type.__name__}: {exc}")
+        self.close()
+
+    def __del__(self) -> None:
+        if not getattr(self, "_closed", True):
+            try:
+                self.close()
+            except Exception:
+                pass
+
+    def __copy__(self):
+        raise TypeError("a HandleBatch holds pins and cannot be copied")
+
+    def __deepcopy__(self, memo):
+        raise TypeError("a HandleBatch holds pins and cannot be copied")
+
+    def __reduce__(self):
+        raise TypeError("a HandleBatch holds pins in this process and cannot be pickled")
+
+
+def _publish_failed_quietly(cache: "SlotCache", slot: int) -> None:
+    publish_failed(cache, slot, True, "the owner closed its handle without calling ready()")
+
+
+def _now() -> float:
+    return time.monotonic()

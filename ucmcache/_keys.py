@@ -1,0 +1,85 @@
+"""Keys: a 16-byte block id plus an offset, stored in a slot as three 64-bit words."""
+from __future__ import annotations
+
+import hashlib
+from typing import Iterable, List, Sequence, Tuple, Union
+
+import numpy as np
+
+Key = Union[bytes, Tuple[bytes, int]]
+
+_MAX_OFFSET = (1 << 64) - 1
+
+
+def split_key(key: object) -> Tuple[bytes, int]:
+    """(id16, offset) for a key, or TypeError/ValueError naming what is wrong."""
+    if type(key) is bytes and len(key) == 16:
+        return key, 0
+    if isinstance(key, tuple):
+        if len(key) != 2:
+            raise TypeError(f"a key tuple must be (16-byte id, offset), got a tuple of {len(key)}")
+        block_id, offset = key
+        block_id = _id_bytes(block_id)
+        if isinstance(offset, bool) or not isinstance(offset, (int, np.integer)):
+            raise TypeError(f"a key's offset must be an int, got {type(offset).__name__}")
+        offset = int(offset)
+        if not 0 <= offset <= _MAX_OFFSET:
+            raise ValueError(f"a key's offset must be in [0, 2**64), got {offset}")
+        return block_id, offset
+    return _id_bytes(key), 0
+
+
+def _id_bytes(block_id: object) -> bytes:
+    if isinstance(block_id, (bytes, bytearray, memoryview)):
+        b = bytes(block_id)
+        if len(b) == 16:
+            return b
+        raise ValueError(f"a block id must be 16 bytes, got {len(b)}")
+    raise TypeError(
+        "a key must be a 16-byte block id (bytes) or a tuple (block_id, offset), "
+        f"got {type(block_id).__name__}")
+
+
+def pack_keys(keys: Iterable[object]) -> Tuple[bytes, np.ndarray, List[Tuple[bytes, int]]]:
+    """Batch form: all ids joined (16 bytes each), offsets as uint64, and the split keys."""
+    split = [split_key(k) for k in keys]
+    ids = b"".join(k[0] for k in split)
+    offsets = np.fromiter((k[1] for k in split), dtype=np.uint64, count=len(split))
+    return ids, offsets, split
+
+
+def make_key(data: Union[bytes, str], namespace: str, offset: int = 0) -> Key:
+    """A 16-byte id derived from content and a namespace.
+
+    The namespace names everything that changes what a cached value means (model id and
+    version, dtype, normalisation): the same content under another namespace is another key.
+    Returns the 16-byte id when offset is 0, else the key tuple (id, offset).
+    """
+    if isinstance(data, str):
+        data = data.encode("utf-8")
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise TypeError(f"make_key data must be bytes or str, got {type(data).__name__}")
+    if not isinstance(namespace, str) or not namespace:
+        raise ValueError("make_key needs a non-empty namespace string (model id, version, dtype...)")
+    ns = namespace.encode("utf-8")
+    h = hashlib.blake2b(digest_size=16, person=b"ucmcache.key.v1")
+    h.update(len(ns).to_bytes(8, "little"))
+    h.update(ns)
+    h.update(data)
+    block_id = h.digest()
+    if offset == 0:
+        return block_id
+    split_key((block_id, offset))  # validates the offset
+    return (block_id, int(offset))
+
+
+def chain_keys(blocks: Sequence[bytes], namespace: str) -> List[bytes]:
+    """Chained block hashes (vLLM/UCM style): each id covers its block and every block before it."""
+    ids: List[bytes] = []
+    parent = b""
+    for block in blocks:
+        block_id = make_key(parent + bytes(block), namespace)
+        assert isinstance(block_id, bytes)
+        ids.append(block_id)
+        parent = block_id
+    return ids

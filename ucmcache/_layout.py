@@ -1,0 +1,104 @@
+"""Layout: every offset and size of a segment, derived from its params by the C core.
+
+The formula lives once, in ``ucm_layout_compute`` (csrc/ucm_core.c); this module turns its answer
+into a Python object and its error codes into messages.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from ._core import ffi, lib
+
+DEFAULT_STRIPES = 64
+
+_PARAM_ERRORS = {
+    lib.UCM_EP_MAX_RANKS: ("max_ranks", f"an int in [1, {lib.UCM_MAX_RANKS}]"),
+    lib.UCM_EP_SLOTS_PER_RANK: ("slots_per_rank",
+                                f"an int >= 1 with max_ranks * slots_per_rank < {lib.UCM_MAX_SLOTS}"),
+    lib.UCM_EP_SLOT_SIZE: ("slot_size", f"an int in [1, {lib.UCM_MAX_SLOT_SIZE}]"),
+    lib.UCM_EP_N_BUCKETS: ("n_buckets", f"a power of two <= {lib.UCM_MAX_BUCKETS} (or None)"),
+    lib.UCM_EP_N_STRIPES: ("n_stripes", f"a power of two <= {lib.UCM_MAX_STRIPES}"),
+    lib.UCM_EP_TOO_LARGE: ("slots_per_rank * slot_size", "a segment size that fits in 64 bits"),
+}
+
+
+class LayoutError(ValueError):
+    """A parameter is out of range; .field names it."""
+
+    def __init__(self, field: str, value: object, expected: str):
+        super().__init__(f"{field} must be {expected}, got {value!r}")
+        self.field = field
+
+
+@dataclass(frozen=True)
+class Layout:
+    max_ranks: int
+    slots_per_rank: int
+    slot_size: int
+    n_buckets: int
+    n_stripes: int
+    n_slots: int
+    slot_stride: int
+    rank_off: int
+    bucket_off: int
+    stripe_off: int
+    meta_off: int
+    ring_off: int
+    ring_size: int
+    data_off: int
+    total_size: int
+
+    @classmethod
+    def compute(cls, *, max_ranks: int, slots_per_rank: int, slot_size: int,
+                n_buckets: Optional[int] = None, n_stripes: int = DEFAULT_STRIPES) -> "Layout":
+        values = dict(max_ranks=max_ranks, slots_per_rank=slots_per_rank, slot_size=slot_size,
+                      n_buckets=0 if n_buckets is None else n_buckets, n_stripes=n_stripes)
+        for name, v in values.items():
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise TypeError(f"{name} must be an int, got {type(v).__name__}")
+            if v < 0 or v >= 1 << 63:
+                code = {"max_ranks": lib.UCM_EP_MAX_RANKS, "slots_per_rank": lib.UCM_EP_SLOTS_PER_RANK,
+                        "slot_size": lib.UCM_EP_SLOT_SIZE, "n_buckets": lib.UCM_EP_N_BUCKETS,
+                        "n_stripes": lib.UCM_EP_N_STRIPES}[name]
+                raise LayoutError(name, v, _PARAM_ERRORS[code][1])
+        if n_buckets is not None and n_buckets == 0:
+            raise LayoutError("n_buckets", 0, _PARAM_ERRORS[lib.UCM_EP_N_BUCKETS][1])
+        if max_ranks > 0xFFFFFFFF or n_stripes > 0xFFFFFFFF:
+            code = lib.UCM_EP_MAX_RANKS if max_ranks > 0xFFFFFFFF else lib.UCM_EP_N_STRIPES
+            field, expected = _PARAM_ERRORS[code]
+            raise LayoutError(field, values[field], expected)
+        c = ffi.new("ucm_layout *")
+        for name, v in values.items():
+            setattr(c, name, v)
+        r = lib.ucm_layout_compute(c)
+        if r != lib.UCM_OK:
+            field, expected = _PARAM_ERRORS[r]
+            raise LayoutError(field, values.get(field, (slots_per_rank, slot_size)), expected)
+        return cls(**{f: getattr(c, f) for f in cls.__dataclass_fields__})
+
+    def to_c(self):
+        c = ffi.new("ucm_layout *")
+        for f in self.__dataclass_fields__:
+            setattr(c, f, getattr(self, f))
+        return c
+
+    @property
+    def control_bytes(self) -> int:
+        return self.data_off
+
+    @property
+    def data_bytes(self) -> int:
+        return self.total_size - self.data_off
+
+    def meta(self, slot: int) -> int:
+        return self.meta_off + slot * lib.UCM_META_SIZE
+
+    def rank(self, rank: int) -> int:
+        return self.rank_off + rank * lib.UCM_RANK_SIZE
+
+    def data(self, slot: int) -> int:
+        return self.data_off + slot * self.slot_stride
+
+    def stripe(self, stripe: int) -> int:
+        return self.stripe_off + stripe * lib.UCM_LINE

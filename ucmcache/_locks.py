@@ -1,0 +1,85 @@
+"""Locks: the striped robust bucket locks.
+
+Bucket b is guarded by stripe ``b & (n_stripes - 1)`` (``ucm_stripe_of``).  Writers take one
+stripe blocking and any other only by trylock (no lock-order cycles).  A stripe whose holder
+died comes back as EOWNERDEAD: before marking it consistent, the chains of every bucket it
+guards are rebuilt from their heads (``ucm_stripe_repair``), so the next holder finds them whole
+and the mutex never becomes ENOTRECOVERABLE.  The lock is never held across user code or a
+blocking wait (loaders run after it is released).
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+from ._core import ffi, lib
+from ._errors import CorruptSegment
+
+
+class Stripes:
+    def __init__(self, ctx, base, layout,
+                 on_repair: Optional[Callable[[int, int], None]] = None):
+        self._ctx = ctx
+        self._base = base
+        self._layout = layout
+        self._on_repair = on_repair
+        self.repairs = 0
+
+    def stripe_of_key(self, block_id: bytes, offset: int) -> int:
+        return lib.ucm_stripe_of(self._ctx, lib.ucm_bucket_of(self._ctx, block_id, offset))
+
+    def lock(self, stripe: int, timeout: Optional[float] = None) -> None:
+        ns = -1 if timeout is None else int(timeout * 1e9)
+        r = lib.ucm_stripe_lock(self._ctx, stripe, ns)
+        if r == lib.UCM_OK:
+            return
+        if r == lib.UCM_OWNERDEAD:
+            self.repair(stripe)
+            return
+        if r == lib.UCM_TIMEOUT:
+            raise TimeoutError(f"stripe {stripe} stayed locked for {timeout} s")
+        raise CorruptSegment(f"stripe {stripe}'s mutex is unusable (code {r})")
+
+    def trylock(self, stripe: int) -> bool:
+        r = lib.ucm_stripe_trylock(self._ctx, stripe)
+        if r == lib.UCM_OWNERDEAD:
+            self.repair(stripe)
+            return True
+        if r == lib.UCM_BUSY:
+            return False
+        if r != lib.UCM_OK:
+            raise CorruptSegment(f"stripe {stripe}'s mutex is unusable (code {r})")
+        return True
+
+    def unlock(self, stripe: int) -> None:
+        lib.ucm_stripe_unlock(self._ctx, stripe)
+
+    def repair(self, stripe: int) -> None:
+        """We hold a stripe whose previous holder died: rebuild its chains, then mark the mutex
+        consistent.  Keeps I2 (a linked slot's bucket word names its bucket) for the chains the
+        dead holder may have left half-changed."""
+        dropped = ffi.new("uint32_t *")
+        lib.ucm_stripe_repair(self._ctx, stripe, dropped)
+        r = lib.ucm_mutex_consistent(self._base, self._layout.stripe(stripe))
+        if r != lib.UCM_OK:
+            raise CorruptSegment(f"stripe {stripe} could not be made consistent (code {r})")
+        self.repairs += 1
+        if self._on_repair is not None:
+            self._on_repair(stripe, dropped[0])
+
+    def held(self, stripe: int) -> "_Held":
+        return _Held(self, stripe)
+
+
+class _Held:
+    __slots__ = ("_stripes", "_stripe")
+
+    def __init__(self, stripes: Stripes, stripe: int):
+        self._stripes = stripes
+        self._stripe = stripe
+
+    def __enter__(self) -> int:
+        self._stripes.lock(self._stripe)
+        return self._stripe
+
+    def __exit__(self, *exc) -> None:
+        self._stripes.unlock(self._stripe)

@@ -1,0 +1,410 @@
+"""Segment: one /dev/shm object per uuid; exclusive create, bounded attach, validation.
+
+Bootstrap protocol
+------------------
+create:  shm_open(O_CREAT|O_EXCL, 0600) -> take the creator lock (an OFD lock on a byte far past
+         the end of the file) -> size and reserve the memory (posix_fallocate, so a full /dev/shm
+         fails here and not with SIGBUS later) -> write the creator pid (from here on, "pid set
+         and creator lock free" means the creator died) -> initialise every region -> write the
+         magic last with release order and wake attachers -> drop the creator lock.
+attach:  open -> check the owner uid -> wait, bounded, for the magic (futex on its low word) ->
+         check layout version, then every header field, then the file size -> map it all.
+         Until all of that holds nothing in the segment is trusted.
+A segment whose creator died before the magic is "half-made": attach says so at once, and
+create() replaces it.  Nobody unlinks implicitly: close() detaches, unlink() removes.
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import re
+import time
+from typing import Dict, Optional
+
+import numpy as np
+import posix_ipc
+
+from . import _hooks
+from ._core import ffi, lib
+from ._errors import (CorruptSegment, ForeignSegment, HalfMadeSegment, IncompatibleSegment,
+                      SegmentExists, SegmentNotFound, SharedMemoryFull, UcmError)
+from ._layout import DEFAULT_STRIPES, Layout, LayoutError
+
+SHM_DIR = "/dev/shm"
+PREFIX = "ucmcache-"
+# OFD lock bytes: far past the end of any segment, so they never overlap data (locks on bytes
+# beyond EOF are allowed).  One for the creator, one per rank (the rank's life lock).
+CREATOR_LOCK_BYTE = 1 << 40
+LIFE_LOCK_BYTE0 = CREATOR_LOCK_BYTE + 1
+# A segment with neither a creator pid nor a creator lock is only "being made" for the few
+# microseconds between shm_open and the lock; older than this, its creator died in that window.
+HALF_MADE_GRACE_S = 2.0
+
+_UUID_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+def check_uuid(uuid: object) -> str:
+    if not isinstance(uuid, str) or not _UUID_RE.fullmatch(uuid):
+        raise ValueError(f"uuid must match [A-Za-z0-9_-]{{1,64}}, got {uuid!r}")
+    return uuid
+
+
+def shm_name(uuid: str) -> str:
+    return "/" + PREFIX + check_uuid(uuid)
+
+
+def shm_path(uuid: str) -> str:
+    return os.path.join(SHM_DIR, PREFIX + check_uuid(uuid))
+
+
+def life_lock_byte(rank: int) -> int:
+    return LIFE_LOCK_BYTE0 + rank
+
+
+def _open_existing(uuid: str) -> posix_ipc.SharedMemory:
+    try:
+        return posix_ipc.SharedMemory(shm_name(uuid), flags=0)
+    except posix_ipc.ExistentialError:
+        raise SegmentNotFound(f"no ucmcache segment {uuid!r} ({shm_path(uuid)} does not exist)") from None
+    except posix_ipc.PermissionsError as e:
+        raise ForeignSegment(f"segment {uuid!r} cannot be opened: {e}") from None
+
+
+def _creator_lock_free(fd: int) -> bool:
+    r = lib.ucm_ofd_held_by_other(fd, CREATOR_LOCK_BYTE)
+    if r < 0:
+        raise OSError(-r, os.strerror(-r), "OFD lock probe")
+    return r == 0
+
+
+def _read_header(fd: int, size: int) -> Dict[str, int]:
+    """The header's words, read through a private mapping of the first page."""
+    if size < lib.UCM_HEADER_SIZE:
+        return {}
+    mm = mmap.mmap(fd, lib.UCM_HEADER_SIZE, mmap.MAP_SHARED, mmap.PROT_READ)
+    try:
+        buf = ffi.from_buffer(mm)
+        try:
+            base = ffi.cast("char *", buf)
+            return {
+                "magic": lib.ucm_load64(base, lib.UCM_H_MAGIC),
+                "version": lib.ucm_load32(base, lib.UCM_H_VERSION),
+                "features": lib.ucm_load32(base, lib.UCM_H_FEATURES),
+                "creator_pid": lib.ucm_load32(base, lib.UCM_H_CREATOR_PID),
+                "creator_uid": lib.ucm_load32(base, lib.UCM_H_CREATOR_UID),
+                "max_ranks": lib.ucm_load32(base, lib.UCM_H_MAX_RANKS),
+                "n_stripes": lib.ucm_load32(base, lib.UCM_H_N_STRIPES),
+                "slots_per_rank": lib.ucm_load64(base, lib.UCM_H_SLOTS_PER_RANK),
+                "slot_size": lib.ucm_load64(base, lib.UCM_H_SLOT_SIZE),
+                "n_buckets": lib.ucm_load64(base, lib.UCM_H_N_BUCKETS),
+                "total_size": lib.ucm_load64(base, lib.UCM_H_TOTAL_SIZE),
+            }
+        finally:
+            ffi.release(buf)
+    finally:
+        mm.close()
+
+
+def probe(uuid: str) -> Dict[str, object]:
+    """What a segment is, without attaching: status is one of made, making, half-made,
+    incompatible, corrupt.  Never raises for a bad segment (only for a missing one)."""
+    shm = _open_existing(uuid)
+    try:
+        st = os.fstat(shm.fd)
+        header = _read_header(shm.fd, st.st_size)
+        info: Dict[str, object] = {"uuid": uuid, "size": st.st_size, "uid": st.st_uid,
+                                   "header": header}
+        magic = header.get("magic", 0)
+        if magic == lib.UCM_MAGIC:
+            if header["version"] != lib.UCM_LAYOUT_VERSION:
+                info["status"] = "incompatible"
+            else:
+                try:
+                    _validate(uuid, header, st.st_size)
+                    info["status"] = "made"
+                except UcmError as e:
+                    info["status"], info["error"] = "corrupt", str(e)
+        elif magic != 0:
+            info["status"] = "corrupt"
+            info["error"] = f"not a ucmcache segment (magic {magic:#x})"
+        elif _creator_lock_free(shm.fd) and (
+                header.get("creator_pid", 0) != 0 or time.time() - st.st_ctime > HALF_MADE_GRACE_S):
+            info["status"] = "half-made"
+        else:
+            info["status"] = "making"
+        return info
+    finally:
+        shm.close_fd()
+
+
+def _validate(uuid: str, h: Dict[str, int], file_size: int) -> Layout:
+    if h["version"] != lib.UCM_LAYOUT_VERSION:
+        raise IncompatibleSegment(
+            f"segment {uuid!r} has layout version {h['version']}, this ucmcache reads version "
+            f"{lib.UCM_LAYOUT_VERSION}")
+    if h["features"] != 0:
+        raise IncompatibleSegment(f"segment {uuid!r} uses feature bits {h['features']:#x} this "
+                                  "ucmcache does not know")
+    try:
+        layout = Layout.compute(max_ranks=h["max_ranks"], slots_per_rank=h["slots_per_rank"],
+                                slot_size=h["slot_size"], n_buckets=h["n_buckets"] or None,
+                                n_stripes=h["n_stripes"])
+    except (LayoutError, TypeError) as e:
+        raise CorruptSegment(f"segment {uuid!r} header field out of range: {e}") from None
+    if h["n_buckets"] != layout.n_buckets:
+        raise CorruptSegment(f"segment {uuid!r} header n_buckets={h['n_buckets']} is not valid")
+    if h["total_size"] != layout.total_size:
+        raise CorruptSegment(f"segment {uuid!r} header says total_size={h['total_size']}, its "
+                             f"params need {layout.total_size}")
+    if file_size != layout.total_size:
+        raise CorruptSegment(f"segment {uuid!r} is truncated or padded: the file has {file_size} "
+                             f"bytes, its header needs {layout.total_size}")
+    return layout
+
+
+class Segment:
+    """A mapped, validated segment: its fd (kept open for the OFD life locks), its mapping,
+    and the base pointer the C core works on."""
+
+    def __init__(self, uuid: str, shm: posix_ipc.SharedMemory, mm: mmap.mmap, layout: Layout):
+        self.uuid = uuid
+        self.shm = shm
+        self.fd = shm.fd
+        self.mm = mm
+        self.layout = layout
+        self._buf = ffi.from_buffer(mm)
+        self.base = ffi.cast("char *", self._buf)
+        self.view = memoryview(mm)
+
+    # ---------------------------------------------------------------- create
+
+    @classmethod
+    def create(cls, uuid: str, layout: Layout, *, mode: int = 0o600) -> "Segment":
+        check_uuid(uuid)
+        _check_room(uuid, layout.total_size)
+        for _ in range(3):
+            try:
+                shm = posix_ipc.SharedMemory(shm_name(uuid), flags=posix_ipc.O_CREX, mode=mode)
+            except posix_ipc.ExistentialError:
+                if _replace_half_made(uuid):
+                    continue
+                raise SegmentExists(f"segment {uuid!r} already exists ({shm_path(uuid)})") from None
+            try:
+                return cls._make(uuid, shm, layout)
+            except BaseException:
+                _unlink_quietly(uuid, shm.fd)
+                shm.close_fd()
+                raise
+        raise SegmentExists(f"segment {uuid!r} keeps being re-created by another process")
+
+    @classmethod
+    def _make(cls, uuid: str, shm: posix_ipc.SharedMemory, layout: Layout) -> "Segment":
+        fd = shm.fd
+        if lib.ucm_ofd_trylock(fd, CREATOR_LOCK_BYTE) != lib.UCM_OK:
+            raise SegmentExists(f"segment {uuid!r} is being created by another process")
+        os.ftruncate(fd, layout.total_size)
+        try:
+            os.posix_fallocate(fd, 0, layout.total_size)
+        except OSError as e:
+            raise SharedMemoryFull(_room_message(uuid, layout.total_size, str(e))) from None
+        mm = mmap.mmap(fd, layout.total_size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        seg = cls(uuid, shm, mm, layout)
+        try:
+            seg._initialise()
+        except BaseException:
+            seg.detach()
+            raise
+        lib.ucm_ofd_unlock(fd, CREATOR_LOCK_BYTE)
+        return seg
+
+    def _initialise(self) -> None:
+        L, base = self.layout, self.base
+        # The pid first: from here on a free creator lock with the magic unset means we died.
+        lib.ucm_store32(base, lib.UCM_H_CREATOR_PID, os.getpid())
+        lib.ucm_store32(base, lib.UCM_H_CREATOR_UID, os.getuid())
+        lib.ucm_store32(base, lib.UCM_H_VERSION, lib.UCM_LAYOUT_VERSION)
+        lib.ucm_store32(base, lib.UCM_H_FEATURES, 0)
+        lib.ucm_store32(base, lib.UCM_H_MAX_RANKS, L.max_ranks)
+        lib.ucm_store32(base, lib.UCM_H_N_STRIPES, L.n_stripes)
+        lib.ucm_store64(base, lib.UCM_H_SLOTS_PER_RANK, L.slots_per_rank)
+        lib.ucm_store64(base, lib.UCM_H_SLOT_SIZE, L.slot_size)
+        lib.ucm_store64(base, lib.UCM_H_N_BUCKETS, L.n_buckets)
+        lib.ucm_store64(base, lib.UCM_H_TOTAL_SIZE, L.total_size)
+        # Generation starts at 1; the accounting words start in it with zero.
+        lib.ucm_store64(base, lib.UCM_H_GENERATION, 1)
+        lib.ucm_store64(base, lib.UCM_H_ACC_ENTRIES, 1 << lib.UCM_ACC_VALUE_BITS)
+        lib.ucm_store64(base, lib.UCM_H_ACC_BYTES, 1 << lib.UCM_ACC_VALUE_BITS)
+        # No one else can read these words before the magic, so plain bulk stores are enough;
+        # the release store of the magic below orders them all before any attacher's reads.
+        heads = np.frombuffer(self.mm, dtype=np.uint32, count=L.n_buckets, offset=L.bucket_off)
+        heads.fill(lib.UCM_NIL)
+        del heads
+        metas = np.frombuffer(self.mm, dtype=np.uint32, count=L.n_slots * 16,
+                              offset=L.meta_off).reshape(L.n_slots, 16)
+        metas[:, lib.UCM_M_BUCKET // 4] = lib.UCM_INVALID_BUCKET
+        metas[:, lib.UCM_M_PREV // 4] = lib.UCM_NIL
+        metas[:, lib.UCM_M_NEXT // 4] = lib.UCM_NIL
+        del metas
+        for s in range(L.n_stripes):
+            r = lib.ucm_mutex_init(base, L.stripe(s))
+            if r != 0:
+                raise OSError(r, os.strerror(r), "pthread_mutex_init (robust, process-shared)")
+        if _hooks._armed:
+            _hooks.fire("before_magic")
+        # Magic last, with release order (ucm_store64), then wake attachers waiting on it.
+        lib.ucm_store64(base, lib.UCM_H_MAGIC, lib.UCM_MAGIC)
+        lib.ucm_futex_wake(base, lib.UCM_H_MAGIC, 2 ** 31 - 1)
+
+    # ---------------------------------------------------------------- attach
+
+    @classmethod
+    def attach(cls, uuid: str, *, timeout: float = 10.0, allow_other_user: bool = False,
+               writable: bool = True) -> "Segment":
+        check_uuid(uuid)
+        if not isinstance(timeout, (int, float)) or timeout < 0:
+            raise ValueError(f"timeout must be a number of seconds >= 0, got {timeout!r}")
+        shm = _open_existing(uuid)
+        try:
+            st = os.fstat(shm.fd)
+            if st.st_uid != os.getuid() and not allow_other_user:
+                raise ForeignSegment(
+                    f"segment {uuid!r} belongs to uid {st.st_uid}, not to us (uid {os.getuid()}); "
+                    "pass allow_other_user=True to use it anyway")
+            header = _wait_for_magic(uuid, shm.fd, timeout)
+            size = os.fstat(shm.fd).st_size
+            layout = _validate(uuid, header, size)
+            prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+            mm = mmap.mmap(shm.fd, layout.total_size, mmap.MAP_SHARED, prot)
+            return cls(uuid, shm, mm, layout)
+        except BaseException:
+            shm.close_fd()
+            raise
+
+    def header(self) -> Dict[str, int]:
+        return _read_header(self.fd, self.layout.total_size)
+
+    # ---------------------------------------------------------------- teardown
+
+    def detach(self) -> None:
+        """Unmap and close the fd (which drops any OFD lock this attachment holds)."""
+        if self.mm is None:
+            return
+        self.view.release()
+        ffi.release(self._buf)
+        try:
+            self.mm.close()
+        except BufferError:
+            raise UcmError(
+                f"segment {self.uuid!r} cannot be unmapped: data views (memoryviews or numpy "
+                "arrays from handles) are still alive; drop them first") from None
+        self.mm = None
+        self.shm.close_fd()
+
+    def forget_after_fork(self) -> None:
+        """In a forked child: close the inherited fd so the parent's life lock dies with the
+        parent, and never use the parent's attachment."""
+        try:
+            os.close(self.fd)
+        except OSError:
+            pass
+
+    @staticmethod
+    def unlink(uuid: str) -> None:
+        try:
+            posix_ipc.unlink_shared_memory(shm_name(uuid))
+        except posix_ipc.ExistentialError:
+            raise SegmentNotFound(f"no ucmcache segment {uuid!r} to unlink") from None
+
+
+def _free_shm_bytes() -> int:
+    st = os.statvfs(SHM_DIR)
+    return st.f_bavail * st.f_frsize
+
+
+def _room_message(uuid: str, needed: int, detail: str = "") -> str:
+    free = _free_shm_bytes()
+    msg = (f"segment {uuid!r} needs {needed} bytes of shared memory but {SHM_DIR} has {free} free"
+           " (in Docker, raise --shm-size)")
+    return f"{msg}: {detail}" if detail else msg
+
+
+def _check_room(uuid: str, needed: int) -> None:
+    if needed > _free_shm_bytes():
+        raise SharedMemoryFull(_room_message(uuid, needed))
+
+
+def _unlink_quietly(uuid: str, fd: int) -> None:
+    """Unlink the name only if it still names the file behind fd."""
+    try:
+        if os.stat(shm_path(uuid)).st_ino == os.fstat(fd).st_ino:
+            posix_ipc.unlink_shared_memory(shm_name(uuid))
+    except (OSError, posix_ipc.ExistentialError):
+        pass
+
+
+def _replace_half_made(uuid: str) -> bool:
+    """True if the name is free to create again (it was half-made, or vanished)."""
+    try:
+        shm = posix_ipc.SharedMemory(shm_name(uuid), flags=0)
+    except posix_ipc.ExistentialError:
+        return True
+    try:
+        st = os.fstat(shm.fd)
+        if lib.ucm_ofd_trylock(shm.fd, CREATOR_LOCK_BYTE) != lib.UCM_OK:
+            return False  # its creator is alive and at work
+        header = _read_header(shm.fd, st.st_size)
+        if header.get("magic", 0) != 0:
+            return False  # made (or not ours to judge): a real SegmentExists
+        if header.get("creator_pid", 0) == 0 and time.time() - st.st_ctime <= HALF_MADE_GRACE_S:
+            return False
+        # Holding its creator lock, nobody else can be replacing it: the name goes.
+        _unlink_quietly(uuid, shm.fd)
+        return True
+    finally:
+        shm.close_fd()
+
+
+def _wait_for_magic(uuid: str, fd: int, timeout: float) -> Dict[str, int]:
+    deadline = time.monotonic() + timeout
+    delay = 0.0005
+    while True:
+        size = os.fstat(fd).st_size
+        header = _read_header(fd, size)
+        magic = header.get("magic", 0)
+        if magic == lib.UCM_MAGIC:
+            return header
+        if magic != 0:
+            raise CorruptSegment(f"segment {uuid!r} is not a ucmcache segment (magic {magic:#x}, "
+                                 f"expected {lib.UCM_MAGIC:#x})")
+        if _creator_lock_free(fd):
+            pid = header.get("creator_pid", 0)
+            age = time.time() - os.fstat(fd).st_ctime
+            if pid or age > HALF_MADE_GRACE_S:
+                who = f"(pid {pid}) " if pid else ""
+                raise HalfMadeSegment(
+                    f"segment {uuid!r} is half-made: its creator {who}died before finishing it; "
+                    "SlotCache.create() with the same uuid replaces it, `ucmcache gc` removes it")
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"segment {uuid!r} was not ready within {timeout} s: its creator "
+                               "is still initialising it")
+        # Bounded back-off while the creator works (microseconds to milliseconds in practice);
+        # the creator wakes futex waiters on the magic word, but the file may not be mapped yet.
+        if size >= lib.UCM_HEADER_SIZE:
+            mm = mmap.mmap(fd, lib.UCM_HEADER_SIZE, mmap.MAP_SHARED, mmap.PROT_READ)
+            buf = ffi.from_buffer(mm)
+            try:
+                lib.ucm_futex_wait(ffi.cast("char *", buf), lib.UCM_H_MAGIC, 0,
+                                   int(min(left, 0.05) * 1e9))
+            finally:
+                ffi.release(buf)
+                mm.close()
+        else:
+            time.sleep(min(delay, left))
+            delay = min(delay * 2, 0.05)
+
+
+def default_layout(*, slots_per_rank: int, slot_size: int, max_ranks: int,
+                   n_buckets: Optional[int] = None, n_stripes: int = DEFAULT_STRIPES) -> Layout:
+    return Layout.compute(max_ranks=max_ranks, slots_per_rank=slots_per_rank, slot_size=slot_size,
+                          n_buckets=n_buckets, n_stripes=n_stripes)

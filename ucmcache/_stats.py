@@ -1,0 +1,51 @@
+"""Stats: per-rank counters in each rank's own lines of the segment, written only by that rank.
+
+The counter names and their order come from the C header (UCM_ST_*): one list, two languages.
+The seed-004 acceptance metrics derive from them: outer requests = gets, loader runs =
+loads_started, hits, misses, waiters = joins, failures = loads_failed.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List
+
+import numpy as np
+
+from ._core import lib
+
+COUNTERS: Dict[str, int] = {
+    name[len("UCM_ST_"):].lower(): getattr(lib, name)
+    for name in dir(lib)
+    if name.startswith("UCM_ST_") and name != "UCM_ST_COUNT"
+}
+COUNTER_NAMES: List[str] = sorted(COUNTERS, key=COUNTERS.get)
+RANK_STATES = {lib.UCM_RANK_FREE: "free", lib.UCM_RANK_INITIALIZING: "initializing",
+               lib.UCM_RANK_READY: "ready", lib.UCM_RANK_STOPPED: "stopped"}
+
+
+def rank_counters(seg) -> np.ndarray:
+    """A (max_ranks, UCM_ST_COUNT) snapshot of every rank's counters (a copy)."""
+    L = seg.layout
+    words = L.max_ranks * lib.UCM_RANK_SIZE // 8
+    table = np.frombuffer(seg.mm, dtype=np.uint64, count=words, offset=L.rank_off)
+    table = table.reshape(L.max_ranks, lib.UCM_RANK_SIZE // 8)
+    first = lib.UCM_R_STATS // 8
+    snap = table[:, first:first + lib.UCM_ST_COUNT].copy()
+    del table
+    return snap
+
+
+def collect(seg, alive) -> Dict[str, Any]:
+    from ._recovery import rank_pid, rank_state
+    snap = rank_counters(seg)
+    totals = snap.sum(axis=0)
+    out: Dict[str, Any] = {name: int(totals[i]) for name, i in COUNTERS.items()}
+    out["wait_seconds"] = out["wait_ns"] / 1e9
+    per_rank = []
+    for r in range(seg.layout.max_ranks):
+        state = rank_state(seg, r)
+        row = {name: int(snap[r, i]) for name, i in COUNTERS.items()}
+        row.update(rank=r, state=RANK_STATES.get(state, f"unknown({state})"),
+                   pid=rank_pid(seg, r), alive=alive(r))
+        per_rank.append(row)
+    out["per_rank"] = per_rank
+    return out
