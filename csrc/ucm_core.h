@@ -40,6 +40,7 @@
 #define UCM_H_GENERATION     64
 #define UCM_H_ACC_ENTRIES    128
 #define UCM_H_ACC_BYTES      136
+#define UCM_H_PARAMS_CRC     192 /* u32: crc32 of header bytes [8, 64): catches a changed param */
 #define UCM_HEADER_SIZE      256
 
 /* Accounting words pack (generation low bits, value). */

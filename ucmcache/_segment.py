@@ -19,6 +19,7 @@ import mmap
 import os
 import re
 import time
+import zlib
 from typing import Dict, Optional
 
 import numpy as np
@@ -98,11 +99,17 @@ def _read_header(fd: int, size: int) -> Dict[str, int]:
                 "slot_size": lib.ucm_load64(base, lib.UCM_H_SLOT_SIZE),
                 "n_buckets": lib.ucm_load64(base, lib.UCM_H_N_BUCKETS),
                 "total_size": lib.ucm_load64(base, lib.UCM_H_TOTAL_SIZE),
+                "params_crc": lib.ucm_load32(base, lib.UCM_H_PARAMS_CRC),
+                "computed_crc": _params_crc(mm),
             }
         finally:
             ffi.release(buf)
     finally:
         mm.close()
+
+
+def _params_crc(buf) -> int:
+    return zlib.crc32(bytes(buf[lib.UCM_H_VERSION:lib.UCM_LINE]))
 
 
 def probe(uuid: str) -> Dict[str, object]:
@@ -151,6 +158,9 @@ def _validate(uuid: str, h: Dict[str, int], file_size: int) -> Layout:
                                 n_stripes=h["n_stripes"])
     except (LayoutError, TypeError) as e:
         raise CorruptSegment(f"segment {uuid!r} header field out of range: {e}") from None
+    if h["params_crc"] != h["computed_crc"]:
+        raise CorruptSegment(f"segment {uuid!r} header checksum mismatch: a param word changed "
+                             "after the segment was made")
     if h["n_buckets"] != layout.n_buckets:
         raise CorruptSegment(f"segment {uuid!r} header n_buckets={h['n_buckets']} is not valid")
     if h["total_size"] != layout.total_size:
@@ -230,6 +240,7 @@ class Segment:
         lib.ucm_store64(base, lib.UCM_H_SLOT_SIZE, L.slot_size)
         lib.ucm_store64(base, lib.UCM_H_N_BUCKETS, L.n_buckets)
         lib.ucm_store64(base, lib.UCM_H_TOTAL_SIZE, L.total_size)
+        lib.ucm_store32(base, lib.UCM_H_PARAMS_CRC, _params_crc(self.mm))
         # Generation starts at 1; the accounting words start in it with zero.
         lib.ucm_store64(base, lib.UCM_H_GENERATION, 1)
         lib.ucm_store64(base, lib.UCM_H_ACC_ENTRIES, 1 << lib.UCM_ACC_VALUE_BITS)

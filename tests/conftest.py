@@ -1,0 +1,109 @@
+"""Shared fixtures: unique segment uuids that are always removed, and /dev/shm hygiene."""
+import os
+import sys
+import uuid as uuidlib
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))  # workers.py for spawned children
+
+from ucmcache import SlotCache, SegmentNotFound  # noqa: E402
+
+
+def _ours():
+    return {n for n in os.listdir("/dev/shm") if n.startswith("ucmcache-")}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def shm_left_as_found():
+    before = _ours()
+    yield
+    left = _ours() - before
+    assert not left, f"tests left segments in /dev/shm: {sorted(left)}"
+
+
+@pytest.fixture
+def uuid():
+    """A fresh uuid; the segment (if any) is unlinked after the test, pass or fail."""
+    u = f"t-{os.getpid()}-{uuidlib.uuid4().hex[:10]}"
+    yield u
+    try:
+        SlotCache.unlink(u)
+    except SegmentNotFound:
+        pass
+
+
+@pytest.fixture
+def make_cache(uuid):
+    """make_cache(**params) -> a created SlotCache on the test's uuid, closed afterwards."""
+    made = []
+
+    def make(**params):
+        params.setdefault("slots_per_rank", 16)
+        params.setdefault("slot_size", 256)
+        params.setdefault("max_ranks", 4)
+        c = SlotCache.create(uuid, **params)
+        made.append(c)
+        return c
+
+    yield make
+    for c in made:
+        try:
+            c.close()
+        except Exception:
+            pass
+
+
+import multiprocessing as mp  # noqa: E402
+
+SPAWN = mp.get_context("spawn")
+
+
+class Procs:
+    """Spawned worker processes for one test; every one is killed and joined at teardown."""
+
+    def __init__(self):
+        self.procs = []
+
+    def start(self, fn, *args):
+        q = SPAWN.Queue()
+        p = SPAWN.Process(target=fn, args=(q,) + args, daemon=True)
+        p.start()
+        self.procs.append(p)
+        return p, q
+
+    @staticmethod
+    def result(q, timeout=60):
+        status, value = q.get(timeout=timeout)
+        if status != "ok":
+            raise AssertionError(f"worker failed: {value}")
+        return value
+
+    def cleanup(self):
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+            p.join(10)
+
+
+@pytest.fixture
+def procs():
+    p = Procs()
+    yield p
+    p.cleanup()
+
+
+@pytest.fixture
+def gate():
+    """gate() -> a fresh Gate; all are released and removed at teardown."""
+    from ucmcache._hooks import Gate
+    made = []
+
+    def make(timeout=30.0):
+        g = Gate(timeout=timeout)
+        made.append(g)
+        return g
+
+    yield make
+    for g in made:
+        g.__exit__(None, None, None)

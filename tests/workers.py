@@ -1,0 +1,285 @@
+"""Worker functions for spawned test processes (importable by module name in the children).
+
+Each takes plain arguments (uuid, gate paths, a multiprocessing queue) and reports back through
+the queue; gates and events order the steps, never sleep.
+"""
+import os
+import traceback
+import zlib
+
+import ucmcache
+from ucmcache import SlotCache
+from ucmcache._hooks import Gate
+
+
+def payload_for(key: bytes, size: int) -> bytes:
+    """A payload that carries its key and a checksum: a false hit or torn read is caught."""
+    body = (key * (size // 16 + 1))[: max(0, size - 20)]
+    data = key + body[: size - 20]
+    return data + zlib.crc32(data).to_bytes(4, "little")
+
+
+def check_payload(key: bytes, data: bytes) -> bool:
+    return (len(data) >= 20 and data[:16] == key
+            and zlib.crc32(data[:-4]).to_bytes(4, "little") == data[-4:])
+
+
+def run(fn, q, *args):
+    try:
+        q.put(("ok", fn(*args)))
+    except BaseException as e:  # report, do not hang the parent
+        q.put(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+
+
+def _get_with_point(uuid, key, point, gate_path, rank=None):
+    """Attach, arm `point` with a gate, get(key); return (owner, state, data, slot)."""
+    c = SlotCache.attach(uuid, rank=rank)
+    gate = Gate(gate_path) if gate_path else None
+    try:
+        if point:
+            c._arm(point, "gate", gate)
+        with c.get(key) as h:
+            data = bytes(h.data) if h.state == "ready" else None
+            out = (h.owner, h.state, data, h.slot, c.rank)
+            if h.owner:
+                h.data[:3] = b"R!!"
+                h.ready(3)
+        return out
+    finally:
+        if gate:
+            gate.close()
+        c.close()
+
+
+def get_with_point(q, *args):
+    run(_get_with_point, q, *args)
+
+
+def _single_flight(uuid, keys, start_path, loader_gate_path, fail):
+    """get_or_load each key; count how often our loader ran."""
+    c = SlotCache.attach(uuid)
+    runs = []
+    results = []
+    start = Gate(start_path)
+    try:
+        start.wait_value(1)
+        for k in keys:
+            def loader(k=k):
+                runs.append(k)
+                if fail:
+                    raise RuntimeError(f"boom {k.hex()}")
+                return payload_for(k, 64)
+            try:
+                v = c.get_or_load(k, loader, timeout=30)
+                results.append(check_payload(k, v))
+            except ucmcache.LoadFailed as e:
+                results.append(f"LoadFailed: {e}")
+            except RuntimeError as e:
+                results.append(f"own: {e}")
+        return len(runs), results
+    finally:
+        start.close()
+        c.close()
+
+
+def single_flight(q, *args):
+    run(_single_flight, q, *args)
+
+
+def _wait_for_load(uuid, key, ready_path, timeout):
+    """Get key (someone else is loading it), say so on the gate, then wait."""
+    c = SlotCache.attach(uuid)
+    ready = Gate(ready_path)
+    try:
+        with c.get(key) as h:
+            assert not h.owner, "the waiter must not become the owner"
+            ready.release()  # bump: "I hold a handle on the Loading slot"
+            try:
+                h.wait(timeout)
+                return ("ready", bytes(h.data))
+            except ucmcache.LoadFailed as e:
+                return ("failed", str(e))
+            except TimeoutError as e:
+                return ("timeout", str(e))
+    finally:
+        ready.close()
+        c.close()
+
+
+def wait_for_load(q, *args):
+    run(_wait_for_load, q, *args)
+
+
+def _load_held(uuid, key, point, gate_path, value, fail_msg):
+    """Own key's load and stop at a gate inside it (or die there with point action kill)."""
+    c = SlotCache.attach(uuid)
+    gate = Gate(gate_path) if gate_path else None
+    try:
+        with c.get(key) as h:
+            assert h.owner
+            if gate is not None:
+                gate.release()          # arrived (value 1)
+                gate.wait_value(2)      # released by the test
+            if fail_msg:
+                h.fail(fail_msg)
+                return "failed"
+            h.data[: len(value)] = value
+            h.ready(len(value))
+            return "ready"
+    finally:
+        if gate:
+            gate.close()
+        c.close()
+
+
+def load_held(q, *args):
+    run(_load_held, q, *args)
+
+
+def _stress(uuid, seed, n_ops, n_keys):
+    import random
+    rnd = random.Random(seed)
+    c = SlotCache.attach(uuid)
+    size = c.slot_size
+    bad = 0
+    ops = {"get": 0, "exist": 0, "touch": 0, "full": 0, "loads": 0, "many": 0}
+    keys = [i.to_bytes(8, "little") * 2 for i in range(n_keys)]
+    try:
+        for _ in range(n_ops):
+            r = rnd.random()
+            k = keys[rnd.randrange(n_keys)]
+            if r < 0.7:
+                def loader(k=k):
+                    ops["loads"] += 1
+                    return payload_for(k, size)
+                try:
+                    v = c.get_or_load(k, loader, timeout=30)
+                except ucmcache.CacheFull:
+                    ops["full"] += 1
+                    continue
+                ops["get"] += 1
+                if not check_payload(k, v):
+                    bad += 1
+            elif r < 0.8:
+                batch = [keys[rnd.randrange(n_keys)] for _ in range(4)]
+                try:
+                    with c.get_many(batch) as b:
+                        for i, key in enumerate(batch):
+                            if b.owner[i]:
+                                p = payload_for(key, size)
+                                b.data(i)[: len(p)] = p
+                                b.ready(i, len(p))
+                        b.wait(30)
+                        for i, key in enumerate(batch):
+                            if not check_payload(key, bytes(b.data(i))):
+                                bad += 1
+                except ucmcache.CacheFull:
+                    ops["full"] += 1
+                ops["many"] += 1
+            elif r < 0.9:
+                c.exist([keys[rnd.randrange(n_keys)] for _ in range(8)])
+                ops["exist"] += 1
+            else:
+                c.touch([keys[rnd.randrange(n_keys)] for _ in range(8)])
+                ops["touch"] += 1
+        return bad, ops
+    finally:
+        c.close()
+
+
+def stress(q, *args):
+    run(_stress, q, *args)
+
+
+def _hold_pin_then_die(uuid, key, gate_path):
+    """Pin key (loading or not), tell the test, then block until killed."""
+    c = SlotCache.attach(uuid)
+    gate = Gate(gate_path)
+    h = c.get(key)
+    gate.release()
+    gate.wait_value(10 ** 9, timeout=120)  # until SIGKILLed
+    h.close()
+    c.close()
+
+
+def hold_pin_then_die(q, *args):
+    run(_hold_pin_then_die, q, *args)
+
+
+def _die_at(uuid, key, point, rank=None):
+    """Arm `point` with kill and get(key) as owner: SIGKILLed at that point."""
+    c = SlotCache.attach(uuid, rank=rank)
+    c._arm(point, "kill")
+    with c.get(key) as h:
+        if h.owner:
+            ucmcache._hooks._armed and ucmcache._hooks.fire("inside_loader")
+            h.data[:4] = b"dead"
+            h.ready(4)
+    c.close()
+    return "survived"
+
+
+def die_at(q, *args):
+    run(_die_at, q, *args)
+
+
+def _lock_stripe_and_die(uuid, stripe, gate_path):
+    c = SlotCache.attach(uuid)
+    gate = Gate(gate_path)
+    c._stripes.lock(stripe)
+    gate.release()
+    gate.wait_value(10 ** 9, timeout=120)  # until SIGKILLed
+
+
+def lock_stripe_and_die(q, *args):
+    run(_lock_stripe_and_die, q, *args)
+
+
+def _attach_and_report(uuid, rank):
+    c = SlotCache.attach(uuid, rank=rank)
+    try:
+        return c.rank, os.getpid()
+    finally:
+        c.close()
+
+
+def attach_and_report(q, *args):
+    run(_attach_and_report, q, *args)
+
+
+def _create_or_attach(uuid, start_path, exist_ok):
+    start = Gate(start_path)
+    try:
+        start.wait_value(1)
+        try:
+            c = SlotCache.create(uuid, slots_per_rank=8, slot_size=64, max_ranks=4,
+                                 exist_ok=exist_ok)
+        except ucmcache.SegmentExists:
+            return "exists"
+        try:
+            with c.get(b"\x01" * 16) as h:
+                if h.owner:
+                    h.data[:1] = b"!"
+                    h.ready(1)
+            return "created-or-attached"
+        finally:
+            c.close()
+    finally:
+        start.close()
+
+
+def create_or_attach(q, *args):
+    run(_create_or_attach, q, *args)
+
+
+def _create_held_before_magic(uuid, gate_path, action):
+    from ucmcache import _hooks
+    gate = Gate(gate_path) if gate_path else None
+    _hooks.arm_python("before_magic", action, gate)
+    c = SlotCache.create(uuid, slots_per_rank=8, slot_size=64, max_ranks=2)
+    c.close()
+    return "created"
+
+
+def create_held_before_magic(q, *args):
+    run(_create_held_before_magic, q, *args)
