@@ -64,12 +64,14 @@ class Procs:
 
     def __init__(self):
         self.procs = []
+        self.queues = []
 
     def start(self, fn, *args):
         q = SPAWN.Queue()
         p = SPAWN.Process(target=fn, args=(q,) + args, daemon=True)
         p.start()
         self.procs.append(p)
+        self.queues.append(q)  # a queue collected before the child unpickles it breaks the child
         return p, q
 
     @staticmethod

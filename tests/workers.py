@@ -142,7 +142,7 @@ def _stress(uuid, seed, n_ops, n_keys):
     c = SlotCache.attach(uuid)
     size = c.slot_size
     bad = 0
-    ops = {"get": 0, "exist": 0, "touch": 0, "full": 0, "loads": 0, "many": 0}
+    ops = {"get": 0, "exist": 0, "touch": 0, "full": 0, "loads": 0, "many": 0, "failed": 0}
     keys = [i.to_bytes(8, "little") * 2 for i in range(n_keys)]
     try:
         for _ in range(n_ops):
@@ -154,8 +154,8 @@ def _stress(uuid, seed, n_ops, n_keys):
                     return payload_for(k, size)
                 try:
                     v = c.get_or_load(k, loader, timeout=30)
-                except ucmcache.CacheFull:
-                    ops["full"] += 1
+                except ucmcache.LoadFailed:  # its owner's batch gave up (CacheFull there)
+                    ops["failed"] += 1
                     continue
                 ops["get"] += 1
                 if not check_payload(k, v):
@@ -175,6 +175,8 @@ def _stress(uuid, seed, n_ops, n_keys):
                                 bad += 1
                 except ucmcache.CacheFull:
                     ops["full"] += 1
+                except ucmcache.LoadFailed:
+                    ops["failed"] += 1
                 ops["many"] += 1
             elif r < 0.9:
                 c.exist([keys[rnd.randrange(n_keys)] for _ in range(8)])

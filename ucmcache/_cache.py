@@ -23,7 +23,7 @@ from . import _hooks
 from ._core import ffi, lib
 from ._errors import (CacheFull, CorruptSegment, IncompatibleSegment, NotAttached,
                       SegmentExists, UcmError)
-from ._handle import Handle, HandleBatch
+from ._handle import Handle, HandleBatch, publish_failed
 from ._keys import Key, pack_keys, split_key
 from ._layout import DEFAULT_STRIPES, Layout
 from ._recovery import (RecoveryReport, free_rank, rank_alive, recover_dead_ranks, take_rank)
@@ -286,11 +286,12 @@ class SlotCache:
         for j, i in enumerate(misses):
             try:
                 slots[i], owner[i] = self._pin_slow(split[i][0], split[i][1], int(codes[i]))
-            except BaseException:
-                # Leave nothing behind: fail what we own, drop every pin taken so far (positions
-                # from this one on hold none).
+            except BaseException as e:
+                # All or nothing: fail what we own, drop every pin taken so far (positions from
+                # this one on hold none).
                 for s in slots[owner]:
-                    lib.ucm_publish(ctx, int(s), lib.UCM_FAILED, 0)
+                    publish_failed(self, int(s), True,
+                                   f"the batch loading this key gave up: {type(e).__name__}: {e}")
                 slots[misses[j:]] = lib.UCM_NIL
                 self._release_slots(slots)
                 raise
