@@ -285,3 +285,33 @@ def _create_held_before_magic(uuid, gate_path, action):
 
 def create_held_before_magic(q, *args):
     run(_create_held_before_magic, q, *args)
+
+
+def _load_as_rank(uuid, rank, keys):
+    c = SlotCache.attach(uuid, rank=rank)
+    try:
+        for k in keys:
+            c.get_or_load(k, lambda k=k: payload_for(k, 64))
+        return c.rank
+    finally:
+        c.close()
+
+
+def load_as_rank(q, *args):
+    run(_load_as_rank, q, *args)
+
+
+def _die_at_point(uuid, rank, key, point):
+    """As `rank`, arm `point` to SIGKILL this process, then get(key) (and fill it if owner)."""
+    c = SlotCache.attach(uuid, rank=rank)
+    if point in ucmcache._hooks.PY_POINTS:
+        ucmcache._hooks.arm_python(point, "kill")
+    else:
+        c._arm(point, "kill")
+    v = c.get_or_load(key, lambda: payload_for(key, 64))
+    c.close()
+    return "survived: " + v[:4].hex()
+
+
+def die_at_point(q, *args):
+    run(_die_at_point, q, *args)

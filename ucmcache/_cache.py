@@ -71,12 +71,14 @@ class SlotCache:
         self._pid = os.getpid()
         self._why_unusable = ""
         try:
-            self._rank = take_rank(seg, ctx, self._stripes, rank)
+            self._rank, recovered = take_rank(seg, ctx, self._stripes, rank)
         except BaseException:
             lib.ucm_ctx_free(ctx)
             self._ctx = None
             raise
         lib.ucm_ctx_set_rank(ctx, self._rank)
+        if recovered is not None:
+            lib.ucm_stat_add(ctx, lib.UCM_ST_RECOVERED_RANKS, 1)
         _live_caches.add(self)
         self.recover()
 

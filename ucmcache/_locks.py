@@ -57,14 +57,21 @@ class Stripes:
         """We hold a stripe whose previous holder died: rebuild its chains, then mark the mutex
         consistent.  Keeps I2 (a linked slot's bucket word names its bucket) for the chains the
         dead holder may have left half-changed."""
-        dropped = ffi.new("uint32_t *")
-        lib.ucm_stripe_repair(self._ctx, stripe, dropped)
+        dropped = self.rebuild(stripe)
         r = lib.ucm_mutex_consistent(self._base, self._layout.stripe(stripe))
         if r != lib.UCM_OK:
             raise CorruptSegment(f"stripe {stripe} could not be made consistent (code {r})")
         self.repairs += 1
         if self._on_repair is not None:
-            self._on_repair(stripe, dropped[0])
+            self._on_repair(stripe, dropped)
+
+    def rebuild(self, stripe: int) -> int:
+        """Rebuild the chains of the buckets this stripe guards (held by us); returns how many
+        links were dropped."""
+        dropped = ffi.new("uint32_t *")
+        if lib.ucm_stripe_repair(self._ctx, stripe, dropped) != lib.UCM_OK:
+            raise MemoryError("no memory for the chain repair's visited set")
+        return dropped[0]
 
     def held(self, stripe: int) -> "_Held":
         return _Held(self, stripe)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 from ._core import ffi, lib
 from ._errors import CorruptSegment, RankUnavailable
@@ -62,7 +62,9 @@ def rank_alive(seg: Segment, rank: int) -> bool:
     return bool(r)
 
 
-def take_rank(seg: Segment, ctx, stripes, rank: Optional[int]) -> int:
+def take_rank(seg: Segment, ctx, stripes, rank: Optional[int]) -> Tuple[int, Optional[Recovered]]:
+    """Take a free rank (or `rank`); a rank whose holder died is recovered first and returned
+    with what was reclaimed."""
     L = seg.layout
     if rank is not None:
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < L.max_ranks:
@@ -74,8 +76,9 @@ def take_rank(seg: Segment, ctx, stripes, rank: Optional[int]) -> int:
         if lib.ucm_ofd_trylock(seg.fd, life_lock_byte(r)) != lib.UCM_OK:
             continue
         off = L.rank(r)
+        recovered = None
         if rank_state(seg, r) != lib.UCM_RANK_FREE:
-            _recover_held(seg, ctx, stripes, r)  # its holder died: we hold its life lock now
+            recovered = _recover_held(seg, ctx, stripes, r)  # its holder died; its lock is ours
         # The life lock makes us the only writer of this descriptor; the CAS states the rule.
         if not lib.ucm_cas32(seg.base, off + lib.UCM_R_STATE, lib.UCM_RANK_FREE,
                              lib.UCM_RANK_INITIALIZING):
@@ -84,7 +87,7 @@ def take_rank(seg: Segment, ctx, stripes, rank: Optional[int]) -> int:
         lib.ucm_store32(seg.base, off + lib.UCM_R_PID, os.getpid())
         lib.ucm_fetch_add64(seg.base, off + lib.UCM_R_ATTACHES, 1)
         lib.ucm_store32(seg.base, off + lib.UCM_R_STATE, lib.UCM_RANK_READY)
-        return r
+        return r, recovered
     if rank is not None:
         raise RankUnavailable(f"rank {rank} of segment {seg.uuid!r} is held by a live process "
                               f"(pid {rank_pid(seg, rank)})")
@@ -129,7 +132,6 @@ def _recover_held(seg: Segment, ctx, stripes, dead: int) -> Recovered:
     off = L.rank(dead)
     lib.ucm_store32(seg.base, off + lib.UCM_R_PID, 0)
     lib.ucm_store32(seg.base, off + lib.UCM_R_STATE, lib.UCM_RANK_FREE)
-    lib.ucm_stat_add(ctx, lib.UCM_ST_RECOVERED_RANKS, 1)
     return rec
 
 
@@ -143,6 +145,7 @@ def recover_dead_ranks(seg: Segment, ctx, stripes, my_rank: Optional[int]) -> Re
         try:
             if rank_state(seg, r) != lib.UCM_RANK_FREE:
                 report.ranks.append(_recover_held(seg, ctx, stripes, r))
+                lib.ucm_stat_add(ctx, lib.UCM_ST_RECOVERED_RANKS, 1)
         finally:
             lib.ucm_ofd_unlock(seg.fd, life_lock_byte(r))
     return report

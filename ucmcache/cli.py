@@ -313,7 +313,8 @@ def inspect_facts(uuid: str, seg) -> Dict[str, Any]:
             stuck[kind + "s" if kind != "loading" else kind] += len(slots)
             for s in slots[:STUCK_ITEMS]:
                 stuck_items.append({"slot": int(s), "kind": kind, "rank": r})
-    stuck_items.sort(key=lambda d: (d["slot"], d["kind"]))
+    order = {"pin": 0, "claim": 1, "loading": 2}
+    stuck_items.sort(key=lambda d: (d["slot"], order[d["kind"]]))
     stuck["items"] = stuck_items[:STUCK_ITEMS]
 
     chains = rep.facts["chains"]
@@ -431,7 +432,7 @@ def ls_row(name: str) -> Optional[Dict[str, Any]]:
 
 
 def _ls_lines(rows: List[Dict[str, Any]]) -> List[str]:
-    head = (f"{'UUID':<26} {'STATUS':<12} {'SIZE':>10} {'LIVE':>4} {'DEAD':>4} "
+    head = (f"{'UUID':<24} {'STATUS':<12} {'SIZE':>10} {'LIVE':>4} {'DEAD':>4} "
             f"{'RANKS':>5} {'SLOTS/RANK':>10} {'SLOT SIZE':>10} {'GEN':>5} {'OCC':>6}")
     lines = [head]
     for r in rows:
@@ -445,15 +446,15 @@ def _ls_lines(rows: List[Dict[str, Any]]) -> List[str]:
                  f"{_bytes(p['slot_size']) if 'slot_size' in p else dash:>10} "
                  f"{_num(r['generation'], 5) if r['generation'] is not None else dash:>5} "
                  f"{format(r['occupancy'], '.1%') if r['occupancy'] is not None else dash:>6}")
-        if len(r["uuid"]) <= 26:
-            lines.append(f"{r['uuid']:<26} {cells}")
+        if len(r["uuid"]) <= 24:
+            lines.append(f"{r['uuid']:<24} {cells}")
         else:                       # a long uuid gets its own line; it is never cut
             lines.append(r["uuid"])
-            lines.append(f"{'':<26} {cells}")
+            lines.append(f"{'':<24} {cells}")
         if r["error"]:
             lines.extend(_wrap(r["error"], " " * 4))
-    if len(rows) == 0:
-        lines.append("(no ucmcache segments in /dev/shm)")
+    if not rows:
+        return ["(no ucmcache segments in /dev/shm)"]
     return lines
 
 
@@ -482,7 +483,7 @@ def _inspect_lines(d: Dict[str, Any]) -> List[str]:
            ""]
     st = d["slot_states"]
     occ = d["occupancy"]
-    out += [f"slots  {d['slots']} total, {occ['entries']} current entries "
+    out += [f"slots  {d['slots']} total, current entries {occ['entries']} "
             f"(occupancy {occ['fraction']:.1%})",
             f"  empty {st['empty']}  loading {st['loading']}  ready {st['ready']}  failed "
             f"{st['failed']}  |  pinned {st['pinned']}  claimed {st['claimed']}  stale "
@@ -509,8 +510,8 @@ def _inspect_lines(d: Dict[str, Any]) -> List[str]:
     dead = sum(r["dead"] for r in d["ranks"])
     out.append(f"ranks  {live} live, {dead} dead, {len(d['ranks']) - live - dead} free of "
                f"{len(d['ranks'])}")
-    out.append(f"  {'rank':>4} {'state':<12} {'pid':>8} {'alive':<5} {'used':>8} {'pins':>6} "
-               f"{'claims':>6} {'gets':>9} {'hits':>9} {'misses':>9} {'loads':>8} {'fails':>7}")
+    out.append(f"  {'rank':>4} {'state':<12} {'pid':>7} {'alive':<5} {'used':>7} {'pins':>6} "
+               f"{'claims':>6} {'gets':>8} {'hits':>8} {'misses':>8} {'loads':>7} {'fails':>6}")
     hidden = 0
     for r in d["ranks"]:
         cnt = r["counters"]
@@ -519,11 +520,11 @@ def _inspect_lines(d: Dict[str, Any]) -> List[str]:
             hidden += 1
             continue
         alive = "yes" if r["alive"] else ("DEAD" if r["dead"] else "no")
-        out.append(f"  {r['rank']:>4} {r['state']:<12} {r['pid']:>8} {alive:<5} "
-                   f"{_num(r['slots_used'], 8)} {_num(r['pins'], 6)} {_num(r['claims'], 6)} "
-                   f"{_num(cnt.get('gets', 0), 9)} {_num(cnt.get('hits', 0), 9)} "
-                   f"{_num(cnt.get('misses', 0), 9)} {_num(cnt.get('loads_started', 0), 8)} "
-                   f"{_num(cnt.get('loads_failed', 0), 7)}")
+        out.append(f"  {r['rank']:>4} {r['state']:<12} {r['pid']:>7} {alive:<5} "
+                   f"{_num(r['slots_used'], 7)} {_num(r['pins'], 6)} {_num(r['claims'], 6)} "
+                   f"{_num(cnt.get('gets', 0), 8)} {_num(cnt.get('hits', 0), 8)} "
+                   f"{_num(cnt.get('misses', 0), 8)} {_num(cnt.get('loads_started', 0), 7)} "
+                   f"{_num(cnt.get('loads_failed', 0), 6)}")
     if hidden:
         out.append(f"  ({hidden} free rank(s) never used not shown)")
     t = d["totals"]
@@ -538,8 +539,9 @@ def _inspect_lines(d: Dict[str, Any]) -> List[str]:
     s = d["stuck"]
     n_stuck = s["pins"] + s["claims"] + s["loading"]
     if n_stuck:
-        out.append(f"stuck  {s['pins']} pin(s), {s['claims']} claim(s), {s['loading']} Loading "
-                   f"slot(s) held by dead ranks; `ucmcache recover {d['uuid']}` reclaims them")
+        out.extend(_wrap(f"stuck  {s['pins']} pin(s), {s['claims']} claim(s), {s['loading']} "
+                         f"Loading slot(s) held by dead ranks; `ucmcache recover {d['uuid']}` "
+                         "reclaims them", ""))
         pid = {r["rank"]: r["pid"] for r in d["ranks"]}
         what = {"pin": "pinned by", "claim": "claimed by", "loading": "Loading, loader"}
         for it in s["items"][:SHOWN_LINES]:
@@ -848,15 +850,20 @@ def _bench_script() -> Path:
 
 
 def cmd_demo(argv: List[str]) -> int:
+    import importlib
     try:
-        from . import demo          # written separately; a wheel without it still has the CLI
+        # Imported late: the demo is written separately and may be absent from a build.
+        demo = importlib.import_module("ucmcache.demo")
     except ModuleNotFoundError as e:
-        if e.name not in ("ucmcache.demo", None):
-            raise
-        raise CliError("the demo is not available: this ucmcache has no ucmcache.demo module")
-    except ImportError:
-        raise CliError("the demo is not available: this ucmcache has no ucmcache.demo module")
-    rc = demo.main(argv)
+        if e.name == "ucmcache.demo":
+            raise CliError("the demo is not available: this ucmcache has no ucmcache.demo "
+                           "module") from None
+        raise CliError(f"the demo cannot run: it needs the module {e.name!r}, which is not "
+                       "installed") from None
+    main = getattr(demo, "main", None)
+    if not callable(main):
+        raise CliError("the demo is not available: ucmcache.demo has no main(argv)")
+    rc = main(argv)
     return 0 if rc is None else int(rc)
 
 
