@@ -315,3 +315,32 @@ def _die_at_point(uuid, rank, key, point):
 
 def die_at_point(q, *args):
     run(_die_at_point, q, *args)
+
+
+def _get_or_load_value(uuid, key, value, gate_path, fail):
+    """get_or_load(key) with a loader that returns `value` (or raises); with a gate, the loader
+    stops at the `inside_loader` point until the test opens it."""
+    c = SlotCache.attach(uuid)
+    gate = Gate(gate_path) if gate_path else None
+    runs = []
+    try:
+        if gate is not None:
+            ucmcache._hooks.arm_python("inside_loader", "gate", gate)
+
+        def loader():
+            runs.append(1)
+            if fail:
+                raise ValueError(f"loader of {value!r} failed")
+            return value
+        try:
+            return ("value", c.get_or_load(key, loader, timeout=30), len(runs))
+        except ValueError as e:
+            return ("error", str(e), len(runs))
+    finally:
+        if gate:
+            gate.close()
+        c.close()
+
+
+def get_or_load_value(q, *args):
+    run(_get_or_load_value, q, *args)
