@@ -323,3 +323,40 @@ def test_params_are_validated(uuid):
         SlotCache.create(uuid, slots_per_rank="4", slot_size=64)
     with pytest.raises(ValueError, match=re.escape("uuid must match [A-Za-z0-9_-]{1,64}")):
         SlotCache.create("../etc", slots_per_rank=4, slot_size=64)
+
+
+def test_loader_asking_for_its_own_key_through_a_copied_context(make_cache):
+    import asyncio
+    c = make_cache()
+
+    def loader():
+        async def ask_in_another_thread():
+            return await asyncio.to_thread(c.get_or_load, K1, lambda: b"inner")
+        return asyncio.run(ask_in_another_thread())
+    with pytest.raises(UcmError, match="loader asked for its own key"):
+        c.get_or_load(K1, loader)
+
+
+def test_two_threads_of_one_process_share_a_load(make_cache):
+    import threading
+    c = make_cache()
+    started, release = threading.Event(), threading.Event()
+    out = {}
+
+    def slow_loader():
+        started.set()
+        assert release.wait(30)
+        return b"shared"
+
+    t = threading.Thread(target=lambda: out.setdefault("a", c.get_or_load(K1, slow_loader)))
+    t.start()
+    try:
+        assert started.wait(30)
+        with c.get(K1) as h:                    # another thread: joins the load, not an error
+            assert not h.owner
+            release.set()
+            assert bytes(h.wait(30).data) == b"shared"
+    finally:
+        release.set()
+        t.join(30)
+    assert out == {"a": b"shared"} and c.stats()["loads_started"] == 1

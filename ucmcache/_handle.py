@@ -8,7 +8,7 @@ that no waiter waits forever.
 """
 from __future__ import annotations
 
-import threading
+import contextvars
 import time
 from typing import TYPE_CHECKING, List, Optional
 
@@ -23,14 +23,17 @@ if TYPE_CHECKING:  # pragma: no cover
 STATE_NAMES = {lib.UCM_LOADING: "loading", lib.UCM_READY: "ready", lib.UCM_FAILED: "failed",
                lib.UCM_EMPTY: "failed"}
 
-# Slots whose load this thread owns (per cache): waiting on one of them would wait forever.
-_owning = threading.local()
+# Slots whose load this caller owns (per cache): waiting on one of them would wait forever.
+# A context variable, so a loader that hands its work to code running in a copy of its context
+# (asyncio.to_thread, contextvars.copy_context().run in a pool) is caught too.
+_owning: "contextvars.ContextVar[dict]" = contextvars.ContextVar("ucmcache_owning")
 
 
 def _owned_slots(cache: "SlotCache") -> set:
-    d = getattr(_owning, "d", None)
+    d = _owning.get(None)
     if d is None:
-        d = _owning.d = {}
+        d = {}
+        _owning.set(d)
     return d.setdefault(id(cache), set())
 
 
