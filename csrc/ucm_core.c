@@ -1014,6 +1014,125 @@ int ucm_stripe_repair(ucm_ctx *c, uint32_t stripe, uint32_t *dropped_out)
     return UCM_OK;
 }
 
+/* ---------------------------------------------------------------- prefetch rings */
+
+/* One ring per rank: many producers (any process), one consumer (the rank's prefetcher).
+ * Producers serialise on a lock word that names the holder (rank + 1), taken only by CAS:
+ * posting never blocks, a busy lock or a full ring drops the batch and counts it.  Positions
+ * are free-running u32 counters; DEPTH divides 2^32, so tail - head is the fill level. */
+static inline char *ring_base(ucm_ctx *c, uint32_t ring) { return c->base + c->l.ring_off + (uint64_t)ring * c->l.ring_size; }
+
+int ucm_ring_post(ucm_ctx *c, uint32_t ring, const char *ids, const uint64_t *offsets,
+                  uint32_t n, uint32_t *posted_out)
+{
+    *posted_out = 0;
+    if (ring >= c->l.max_ranks || c->rank < 0) return UCM_CORRUPT;
+    char *r = ring_base(c, ring);
+    uint32_t gen = (uint32_t)ucm_generation(c);
+    /* Keys already Ready or Loading need no prefetch: skipped before taking the lock. */
+    uint32_t keep = 0, present = 0;
+    uint32_t *lock = W32(r, UCM_RING_LOCK);
+    uint32_t free_lock = 0;
+    /* Acquire: pairs with the previous holder's release in the unlock below, so its entry and
+     * tail writes are visible before we write after them. */
+    if (!__atomic_compare_exchange_n(lock, &free_lock, (uint32_t)c->rank + 1, 0, __ATOMIC_ACQUIRE,
+                                     __ATOMIC_RELAXED)) {
+        __atomic_fetch_add(W64(r, UCM_RING_DROPPED), n, __ATOMIC_RELAXED); /* a counter */
+        return UCM_BUSY;
+    }
+    uint32_t *tailp = W32(r, UCM_RING_TAIL);
+    uint32_t tail = RLX(tailp); /* only the lock holder writes the tail */
+    /* Acquire: pairs with the consumer's release of head, so the entries it consumed are free. */
+    uint32_t head = (uint32_t)ACQ(W64(r, UCM_RING_HEAD));
+    int result = UCM_OK;
+    for (uint32_t i = 0; i < n; i++) {
+        uint64_t key[3];
+        load_key(ids + 16 * (uint64_t)i, offsets[i], key);
+        uint32_t s = find(c, bucket_of_key(c, key), gen, key, c->walk_limit);
+        if (s < c->l.n_slots) {
+            present++;
+            continue;
+        }
+        if ((uint32_t)(tail - head) >= UCM_RING_DEPTH) {
+            __atomic_fetch_add(W64(r, UCM_RING_DROPPED), n - i, __ATOMIC_RELAXED); /* a counter */
+            result = UCM_FULL;
+            break;
+        }
+        uint64_t *e = W64(r, UCM_RING_ENTRIES + (uint64_t)(tail % UCM_RING_DEPTH) * 24);
+        SET_RLX(&e[0], key[0]);
+        SET_RLX(&e[1], key[1]);
+        SET_RLX(&e[2], key[2]);
+        tail++;
+        keep++;
+    }
+    /* Release: the entries written above are visible to the consumer that acquires the tail. */
+    SET_REL(tailp, tail);
+    /* Release: hands the ring (and our tail) to the next producer's acquire CAS. */
+    SET_REL(lock, 0);
+    __atomic_fetch_add(W64(r, UCM_RING_POSTED), keep, __ATOMIC_RELAXED);   /* counters */
+    __atomic_fetch_add(W64(r, UCM_RING_PRESENT), present, __ATOMIC_RELAXED);
+    /* seq_cst pairs with the consumer's seq_cst store of SLEEPING before its re-check of the
+     * tail: either it sees our tail, or we see it sleeping and wake it (no lost wakeup). */
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);
+    if (keep && __atomic_load_n(W32(r, UCM_RING_SLEEPING), __ATOMIC_RELAXED))
+        futex_wake_word(tailp, INT32_MAX);
+    *posted_out = keep;
+    return result;
+}
+
+int ucm_ring_take(ucm_ctx *c, char *ids_out, uint64_t *offsets_out, uint32_t max,
+                  int64_t timeout_ns, uint32_t *n_out)
+{
+    /* The consumer: our own rank's ring only.  Blocks (futex on the tail) while it is empty. */
+    *n_out = 0;
+    if (c->rank < 0) return UCM_NOT_HELD;
+    char *r = ring_base(c, (uint32_t)c->rank);
+    uint32_t *tailp = W32(r, UCM_RING_TAIL);
+    uint64_t *headp = W64(r, UCM_RING_HEAD);
+    uint32_t head = (uint32_t)RLX(headp); /* only the consumer writes the head */
+    /* Acquire: pairs with the producer's release of the tail (entries visible). */
+    uint32_t tail = ACQ(tailp);
+    if (tail == head) {
+        if (timeout_ns == 0) return UCM_OK;
+        __atomic_store_n(W32(r, UCM_RING_SLEEPING), 1, __ATOMIC_SEQ_CST); /* see ucm_ring_post */
+        __atomic_thread_fence(__ATOMIC_SEQ_CST);
+        tail = ACQ(tailp);
+        if (tail == head) futex_wait_word(tailp, tail, timeout_ns);
+        __atomic_store_n(W32(r, UCM_RING_SLEEPING), 0, __ATOMIC_RELAXED); /* only a hint now */
+        tail = ACQ(tailp);
+    }
+    uint32_t avail = tail - head;
+    if (avail > UCM_RING_DEPTH) return UCM_CORRUPT; /* positions from a corrupt ring */
+    uint32_t n = avail < max ? avail : max;
+    for (uint32_t i = 0; i < n; i++) {
+        const uint64_t *e = W64(r, UCM_RING_ENTRIES + (uint64_t)((head + i) % UCM_RING_DEPTH) * 24);
+        uint64_t k0 = RLX(&e[0]), k1 = RLX(&e[1]);
+        memcpy(ids_out + 16 * (uint64_t)i, &k0, 8);
+        memcpy(ids_out + 16 * (uint64_t)i + 8, &k1, 8);
+        offsets_out[i] = RLX(&e[2]);
+    }
+    /* Release: our reads of the entries are done before a producer reuses their places. */
+    SET_REL(headp, (uint64_t)(head + n));
+    *n_out = n;
+    return UCM_OK;
+}
+
+int ucm_ring_wake(ucm_ctx *c, uint32_t ring)
+{
+    /* Wake a consumer sleeping on its ring (used to stop it promptly). */
+    if (ring >= c->l.max_ranks) return UCM_CORRUPT;
+    futex_wake_word(W32(ring_base(c, ring), UCM_RING_TAIL), INT32_MAX);
+    return UCM_OK;
+}
+
+uint32_t ucm_ring_depth(ucm_ctx *c, uint32_t ring)
+{
+    if (ring >= c->l.max_ranks) return 0;
+    char *r = ring_base(c, ring);
+    uint32_t d = ACQ(W32(r, UCM_RING_TAIL)) - (uint32_t)ACQ(W64(r, UCM_RING_HEAD)); /* a snapshot */
+    return d > UCM_RING_DEPTH ? UCM_RING_DEPTH : d;
+}
+
 /* ---------------------------------------------------------------- recovery (I5) */
 
 int ucm_recover_pins(ucm_ctx *c, uint32_t dead, uint32_t *claimed_out, uint32_t cap,
@@ -1049,6 +1168,13 @@ int ucm_recover_pins(ucm_ctx *c, uint32_t dead, uint32_t *claimed_out, uint32_t 
         /* Release: as in unpin; our writes above happen before a claimant's acquire. */
         __atomic_fetch_and(ref_w(c, s), ~bit, __ATOMIC_RELEASE);
         pins++;
+    }
+    /* A producer that died holding a ring's lock: the lock names it, so release it. */
+    for (uint32_t ring = 0; ring < c->l.max_ranks; ring++) {
+        uint32_t held = dead + 1;
+        /* Release: as the producer's own unlock would have. */
+        __atomic_compare_exchange_n(W32(ring_base(c, ring), UCM_RING_LOCK), &held, 0, 0,
+                                    __ATOMIC_RELEASE, __ATOMIC_RELAXED);
     }
     *n_claimed_out = n_claimed;
     *pins_out = pins;

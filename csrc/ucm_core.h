@@ -101,6 +101,17 @@
 #define UCM_EP_N_STRIPES     105
 #define UCM_EP_TOO_LARGE     106
 
+/* PrefetchRing: line 0 head (consumer's), line 1 tail (u32 futex word) + producer lock + the
+ * consumer's sleeping flag, line 2 counters, then UCM_RING_DEPTH keys of 24 bytes. */
+#define UCM_RING_HEAD        0
+#define UCM_RING_TAIL        64
+#define UCM_RING_LOCK        68   /* u32: 0 free, else rank + 1 of the posting producer */
+#define UCM_RING_SLEEPING    72   /* u32: the consumer sleeps on the tail word */
+#define UCM_RING_POSTED      128
+#define UCM_RING_DROPPED     136
+#define UCM_RING_PRESENT     144
+#define UCM_RING_ENTRIES     192
+
 /* Per-rank stats counters, each a u64 in the rank's stats lines. */
 #define UCM_ST_GETS          0
 #define UCM_ST_HITS          1
@@ -120,6 +131,8 @@
 #define UCM_ST_RECOVERED_RANKS 15
 #define UCM_ST_EXIST_KEYS    16
 #define UCM_ST_TOUCHES       17
+#define UCM_ST_PREFETCHED    18
+#define UCM_ST_PREFETCH_SKIPPED 19
 #define UCM_ST_COUNT         24
 
 /* Named points in the protocol where a test may hold (gate) or kill the process. */
@@ -223,6 +236,13 @@ int ucm_stripe_lock(ucm_ctx *c, uint32_t stripe, int64_t timeout_ns);
 int ucm_stripe_trylock(ucm_ctx *c, uint32_t stripe);
 int ucm_stripe_unlock(ucm_ctx *c, uint32_t stripe);
 int ucm_stripe_repair(ucm_ctx *c, uint32_t stripe, uint32_t *dropped_out);
+
+int ucm_ring_post(ucm_ctx *c, uint32_t ring, const char *ids, const uint64_t *offsets,
+                  uint32_t n, uint32_t *posted_out);
+int ucm_ring_take(ucm_ctx *c, char *ids_out, uint64_t *offsets_out, uint32_t max,
+                  int64_t timeout_ns, uint32_t *n_out);
+int ucm_ring_wake(ucm_ctx *c, uint32_t ring);
+uint32_t ucm_ring_depth(ucm_ctx *c, uint32_t ring);
 
 int ucm_recover_pins(ucm_ctx *c, uint32_t dead_rank, uint32_t *claimed_out, uint32_t cap,
                      uint32_t *n_claimed_out, uint32_t *pins_out, uint32_t *loading_out);

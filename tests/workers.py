@@ -344,3 +344,18 @@ def _get_or_load_value(uuid, key, value, gate_path, fail):
 
 def get_or_load_value(q, *args):
     run(_get_or_load_value, q, *args)
+
+
+def _post_keys(uuid, rank, keys, chunk):
+    c = SlotCache.attach(uuid)
+    try:
+        posted = 0
+        for i in range(0, len(keys), chunk):
+            posted += c.prefetch(keys[i:i + chunk], rank=rank)
+        return posted
+    finally:
+        c.close()
+
+
+def post_keys(q, *args):
+    run(_post_keys, q, *args)

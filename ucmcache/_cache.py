@@ -28,6 +28,7 @@ from ._keys import Key, pack_keys, split_key
 from ._layout import DEFAULT_STRIPES, Layout
 from ._recovery import (RecoveryReport, free_rank, rank_alive, recover_dead_ranks, take_rank)
 from ._locks import Stripes
+from ._ring import Prefetcher, ring_counters
 from ._segment import Segment
 from . import _stats
 
@@ -246,7 +247,6 @@ class SlotCache:
             if attempt == 0 and self.recover().count:
                 continue  # a dead rank's pins or claims were in the way: once more
             break
-        lib.ucm_stat_add(ctx, lib.UCM_ST_BYPASSES, 1)
         raise CacheFull(
             f"segment {self.uuid!r}: rank {self._rank} found no claimable slot among its "
             f"{self._layout.slots_per_rank} (all pinned, loading or contended); release handles "
@@ -341,7 +341,8 @@ class SlotCache:
         try:
             h = self.get(key, timeout=timeout)
         except CacheFull:
-            return _as_bytes(loader(), None)
+            lib.ucm_stat_add(self._ctx, lib.UCM_ST_BYPASSES, 1)
+            return _as_view(loader(), self._layout.slot_size).tobytes()
         with h:
             if not h.owner:
                 h.wait(timeout)
@@ -391,6 +392,35 @@ class SlotCache:
         if split:
             lib.ucm_touch_many(ctx, ids, _ptr("uint64_t[]", offsets), len(split))
 
+    # ---------------------------------------------------------------- prefetch
+
+    def prefetch(self, keys: Iterable[Key], *, rank: Optional[int] = None) -> int:
+        """Post keys to a rank's prefetch ring (default: our own); never blocks.  Keys already
+        Ready or Loading are skipped; a full ring or a busy producer drops them (counted in
+        stats).  Returns how many were posted."""
+        ctx = self._ctx
+        if ctx is None:
+            self._check_usable()
+        if rank is None:
+            rank = self._rank
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.max_ranks:
+            raise ValueError(f"rank must be None or an int in [0, {self.max_ranks}), got {rank!r}")
+        ids, offsets, split = pack_keys(keys)
+        posted = ffi.new("uint32_t *")
+        total = 0
+        for start in range(0, len(split), lib.UCM_RING_DEPTH):  # one lock hold per chunk
+            n = min(lib.UCM_RING_DEPTH, len(split) - start)
+            lib.ucm_ring_post(ctx, rank, ids[16 * start:16 * (start + n)],
+                              _ptr("uint64_t[]", offsets[start:start + n]), n, posted)
+            total += posted[0]
+        return total
+
+    def prefetcher(self, loader: Callable[[Key], Any], *, batch: int = 64) -> Prefetcher:
+        """Start a thread that drains this rank's ring, loading each cold key with
+        ``loader(key)`` through the single-flight path.  Stop it with .stop() (or a with)."""
+        self._check_usable()
+        return Prefetcher(self, loader, batch)
+
     # ---------------------------------------------------------------- generations, stats
 
     def clear(self) -> int:
@@ -413,6 +443,7 @@ class SlotCache:
         """Counters summed over ranks, plus ``per_rank`` rows; see ucmcache._stats."""
         self._check_usable()
         out = _stats.collect(self._seg, lambda r: r == self._rank or rank_alive(self._seg, r))
+        out["rings"] = [ring_counters(self._seg, r) for r in range(self.max_ranks)]
         out["generation"] = self.generation
         out["entries"] = self.entry_count()
         out["size_bytes"] = self.size_bytes()
@@ -462,14 +493,6 @@ def _as_view(value: Any, slot_size: int) -> memoryview:
     if mv.nbytes > slot_size:
         raise ValueError(f"the loader returned {mv.nbytes} bytes, more than slot_size={slot_size}")
     return mv
-
-
-def _as_bytes(value: Any, slot_size: Optional[int]) -> bytes:
-    try:
-        return memoryview(value).tobytes()
-    except TypeError:
-        raise TypeError(f"a loader must return a bytes-like object, got "
-                        f"{type(value).__name__}") from None
 
 
 def _check_same_params(seg: Segment, want: Layout) -> None:
