@@ -694,11 +694,17 @@ static inline int gen_older(uint64_t a, uint64_t b)
     return d != 0 && d < (1ULL << (UCM_ACC_GEN_BITS - 1));
 }
 
-/* "Check the generation and add" as one CAS: counted only if the word is in the slot's
- * generation (or older, in which case clear() has not reset it yet and we move it forward). */
-static int acc_add(ucm_ctx *c, uint64_t off, uint32_t slot_gen, uint64_t delta)
+static inline uint64_t *acc_word(ucm_ctx *c, uint32_t rank, uint64_t off)
 {
-    uint64_t *w = W64(c->base, off);
+    return W64(c->base, c->l.rank_off + (uint64_t)rank * UCM_RANK_SIZE + off);
+}
+
+/* "Check the generation and add" as one CAS on the rank's packed word: counted only if the word
+ * is in the slot's generation, or older (no entry of a newer generation counted yet: the word
+ * moves forward to the slot's).  A slot of a cleared generation is never counted (I4). */
+static int acc_add(ucm_ctx *c, uint32_t rank, uint64_t off, uint32_t slot_gen, uint64_t delta)
+{
+    uint64_t *w = acc_word(c, rank, off);
     uint64_t sg = slot_gen & ACC_GEN_MASK;
     uint64_t a = __atomic_load_n(w, __ATOMIC_RELAXED);
     for (;;) {
@@ -712,9 +718,9 @@ static int acc_add(ucm_ctx *c, uint64_t off, uint32_t slot_gen, uint64_t delta)
     }
 }
 
-static void acc_sub(ucm_ctx *c, uint64_t off, uint32_t slot_gen, uint64_t delta)
+static void acc_sub(ucm_ctx *c, uint32_t rank, uint64_t off, uint32_t slot_gen, uint64_t delta)
 {
-    uint64_t *w = W64(c->base, off);
+    uint64_t *w = acc_word(c, rank, off);
     uint64_t sg = slot_gen & ACC_GEN_MASK;
     uint64_t a = __atomic_load_n(w, __ATOMIC_RELAXED);
     for (;;) {
@@ -728,30 +734,52 @@ static void acc_sub(ucm_ctx *c, uint64_t off, uint32_t slot_gen, uint64_t delta)
 
 uint64_t ucm_acc_value(ucm_ctx *c, uint64_t off)
 {
-    /* seq_cst loads of both words: a value whose generation is not the current one is 0. */
-    uint64_t a = __atomic_load_n(W64(c->base, off), __ATOMIC_SEQ_CST);
-    uint64_t g = __atomic_load_n(W64(c->base, UCM_H_GENERATION), __ATOMIC_SEQ_CST);
-    if ((a >> UCM_ACC_VALUE_BITS) != (g & ACC_GEN_MASK)) return 0;
-    return a & ACC_VAL_MASK;
+    /* The sum of every rank's word that is in the current generation; a word of an older one
+     * counts 0, so right after clear() the sum is 0 without anyone resetting the words.
+     * seq_cst loads: see acc_add. */
+    if (off != UCM_R_ACC_ENTRIES && off != UCM_R_ACC_BYTES) return 0;
+    uint64_t g = __atomic_load_n(W64(c->base, UCM_H_GENERATION), __ATOMIC_SEQ_CST) & ACC_GEN_MASK;
+    uint64_t sum = 0;
+    for (uint32_t r = 0; r < c->l.max_ranks; r++) {
+        uint64_t a = __atomic_load_n(acc_word(c, r, off), __ATOMIC_SEQ_CST);
+        if ((a >> UCM_ACC_VALUE_BITS) == g) sum += a & ACC_VAL_MASK;
+    }
+    return sum;
 }
 
 uint64_t ucm_clear(ucm_ctx *c)
 {
-    /* seq_cst: orders the new generation before the reset of the accounting words below in the
-     * same total order that publishers' acc_add CASes are in (I4). */
+    /* seq_cst: one total order with the publishers' acc_add CASes (I4): an add ordered before
+     * this lands in the old generation's words, one after it sees the new generation. */
     uint64_t g = __atomic_add_fetch(W64(c->base, UCM_H_GENERATION), 1, __ATOMIC_SEQ_CST);
-    uint64_t offs[2] = {UCM_H_ACC_ENTRIES, UCM_H_ACC_BYTES};
-    for (int i = 0; i < 2; i++) {
-        uint64_t *w = W64(c->base, offs[i]);
-        uint64_t a = __atomic_load_n(w, __ATOMIC_RELAXED);
-        /* Another clear or a publisher may have moved it forward already: only move it on. */
-        while (gen_older(a >> UCM_ACC_VALUE_BITS, g & ACC_GEN_MASK) &&
-               !__atomic_compare_exchange_n(w, &a, (g & ACC_GEN_MASK) << UCM_ACC_VALUE_BITS, 0,
-                                            __ATOMIC_SEQ_CST, __ATOMIC_RELAXED)) {
-        }
-    }
     STAT(c, UCM_ST_CLEARS, 1);
     return g;
+}
+
+int ucm_recount_rank(ucm_ctx *c, uint32_t rank, uint64_t *entries_out, uint64_t *bytes_out)
+{
+    /* Recovery of a dead rank (its life lock held by the caller): nobody else installs into or
+     * publishes in its range, so its words can be set from its slots exactly, whatever step the
+     * dead rank died in.  A slot counts when it is Ready, counted and of the current
+     * generation. */
+    if (rank >= c->l.max_ranks) return UCM_CORRUPT;
+    uint64_t g = ucm_generation(c);
+    uint64_t entries = 0, bytes = 0, first = (uint64_t)rank * c->l.slots_per_rank;
+    for (uint64_t i = 0; i < c->l.slots_per_rank; i++) {
+        uint32_t s = (uint32_t)(first + i);
+        if ((ACQ(state_w(c, s)) & UCM_STATE_MASK) == UCM_READY && (RLX(flags_w(c, s)) & UCM_F_COUNTED)
+            && RLX(gen_w(c, s)) == (uint32_t)g) {
+            entries++;
+            bytes += RLX(len_w(c, s));
+        }
+    }
+    uint64_t tag = (g & ACC_GEN_MASK) << UCM_ACC_VALUE_BITS;
+    /* seq_cst: see acc_add; a clear() racing this leaves a word of an older generation (0). */
+    __atomic_store_n(acc_word(c, rank, UCM_R_ACC_ENTRIES), tag | (entries & ACC_VAL_MASK), __ATOMIC_SEQ_CST);
+    __atomic_store_n(acc_word(c, rank, UCM_R_ACC_BYTES), tag | (bytes & ACC_VAL_MASK), __ATOMIC_SEQ_CST);
+    *entries_out = entries;
+    *bytes_out = bytes;
+    return UCM_OK;
 }
 
 /* ---------------------------------------------------------------- write path */
@@ -861,8 +889,8 @@ int ucm_install(ucm_ctx *c, uint32_t s, const char *id, uint64_t offset, uint32_
     uint32_t old_gen = RLX(gen_w(c, s));
     if (RLX(flags_w(c, s)) & UCM_F_COUNTED) {
         if (old_gen == (uint32_t)ucm_generation(c)) STAT(c, UCM_ST_EVICTIONS, 1);
-        acc_sub(c, UCM_H_ACC_ENTRIES, old_gen, 1);
-        acc_sub(c, UCM_H_ACC_BYTES, old_gen, RLX(len_w(c, s)));
+        acc_sub(c, (uint32_t)c->rank, UCM_R_ACC_ENTRIES, old_gen, 1);
+        acc_sub(c, (uint32_t)c->rank, UCM_R_ACC_BYTES, old_gen, RLX(len_w(c, s)));
     }
 
     /* Step 4, rewrite: unreachable (unlinked) or claimed in its own bucket, so no one can pin
@@ -904,10 +932,11 @@ int ucm_publish(ucm_ctx *c, uint32_t s, uint32_t state, uint32_t length)
     SET_RLX(len_w(c, s), length);
     if (state == UCM_READY) {
         uint32_t g = RLX(gen_w(c, s));
-        if (acc_add(c, UCM_H_ACC_ENTRIES, g, 1)) {
-            if (!acc_add(c, UCM_H_ACC_BYTES, g, length)) {
+        uint32_t me = (uint32_t)c->rank; /* our own range: we installed this slot */
+        if (acc_add(c, me, UCM_R_ACC_ENTRIES, g, 1)) {
+            if (!acc_add(c, me, UCM_R_ACC_BYTES, g, length)) {
                 /* clear() ran between the two adds: the entry is not in this generation. */
-                acc_sub(c, UCM_H_ACC_ENTRIES, g, 1);
+                acc_sub(c, me, UCM_R_ACC_ENTRIES, g, 1);
             } else {
                 SET_RLX(flags_w(c, s), UCM_F_COUNTED);
             }
@@ -1203,12 +1232,7 @@ int ucm_reclaim_claimed(ucm_ctx *c, uint32_t s, uint32_t dead, uint32_t held_str
             else SET_REL(bucket_w(c, s), UCM_INVALID_BUCKET);
         }
     }
-    uint32_t g = RLX(gen_w(c, s));
-    if (RLX(flags_w(c, s)) & UCM_F_COUNTED) {
-        acc_sub(c, UCM_H_ACC_ENTRIES, g, 1);
-        acc_sub(c, UCM_H_ACC_BYTES, g, RLX(len_w(c, s)));
-        SET_RLX(flags_w(c, s), 0);
-    }
+    SET_RLX(flags_w(c, s), 0); /* its range's words are recounted after (ucm_recount_rank) */
     uint32_t old = __atomic_exchange_n(state_w(c, s), UCM_EMPTY, __ATOMIC_RELEASE); /* as in publish */
     if (old & UCM_WAITERS) futex_wake_word(state_w(c, s), INT32_MAX);
     unclaim(c, s);

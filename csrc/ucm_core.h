@@ -25,7 +25,7 @@
 #define UCM_INVALID_BUCKET   0xffffffffu           /* an unlinked slot's bucket word */
 #define UCM_CLAIMED          0x8000000000000000ULL /* reference: claimed, rank in low bits */
 
-/* Header field offsets (line 0 = identity and params, line 1 = generation, line 2 = accounting). */
+/* Header field offsets (line 0 = identity and params, line 1 = generation, only clear() writes). */
 #define UCM_H_MAGIC          0
 #define UCM_H_VERSION        8
 #define UCM_H_FEATURES       12
@@ -38,12 +38,12 @@
 #define UCM_H_N_BUCKETS      48
 #define UCM_H_TOTAL_SIZE     56
 #define UCM_H_GENERATION     64
-#define UCM_H_ACC_ENTRIES    128
-#define UCM_H_ACC_BYTES      136
 #define UCM_H_PARAMS_CRC     192 /* u32: crc32 of header bytes [8, 64): catches a changed param */
 #define UCM_HEADER_SIZE      256
 
-/* Accounting words pack (generation low bits, value). */
+/* Accounting words pack (generation low bits, value).  There is one pair per rank, in its
+ * RankDesc: every slot is installed and published by the rank whose range holds it, so a rank's
+ * pair counts exactly its own range's entries, and recovery can recount a dead rank's range. */
 #define UCM_ACC_GEN_BITS     20
 #define UCM_ACC_VALUE_BITS   44
 
@@ -52,6 +52,8 @@
 #define UCM_R_PID            4
 #define UCM_R_CLOCK_HAND     8
 #define UCM_R_ATTACHES       16
+#define UCM_R_ACC_ENTRIES    24   /* packed (generation, Ready entries of this range) */
+#define UCM_R_ACC_BYTES      32   /* packed (generation, their payload bytes) */
 #define UCM_R_STATS          64
 #define UCM_RANK_SIZE        256
 #define UCM_RANK_FREE        0
@@ -230,7 +232,8 @@ int ucm_publish(ucm_ctx *c, uint32_t slot, uint32_t state, uint32_t length);
 int ucm_wait_loaded(ucm_ctx *c, uint32_t slot, int64_t timeout_ns, uint32_t *state_out);
 
 uint64_t ucm_clear(ucm_ctx *c);
-uint64_t ucm_acc_value(ucm_ctx *c, uint64_t off);
+uint64_t ucm_acc_value(ucm_ctx *c, uint64_t rank_off);
+int ucm_recount_rank(ucm_ctx *c, uint32_t rank, uint64_t *entries_out, uint64_t *bytes_out);
 
 int ucm_stripe_lock(ucm_ctx *c, uint32_t stripe, int64_t timeout_ns);
 int ucm_stripe_trylock(ucm_ctx *c, uint32_t stripe);

@@ -432,12 +432,12 @@ class SlotCache:
     def size_bytes(self) -> int:
         """Sum of published payload lengths in the current generation (exact)."""
         self._check_usable()
-        return lib.ucm_acc_value(self._ctx, lib.UCM_H_ACC_BYTES)
+        return lib.ucm_acc_value(self._ctx, lib.UCM_R_ACC_BYTES)
 
     def entry_count(self) -> int:
         """Ready entries in the current generation (exact)."""
         self._check_usable()
-        return lib.ucm_acc_value(self._ctx, lib.UCM_H_ACC_ENTRIES)
+        return lib.ucm_acc_value(self._ctx, lib.UCM_R_ACC_ENTRIES)
 
     def stats(self) -> Dict[str, Any]:
         """Counters summed over ranks, plus ``per_rank`` rows; see ucmcache._stats."""

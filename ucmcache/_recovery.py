@@ -129,6 +129,9 @@ def _recover_held(seg: Segment, ctx, stripes, dead: int) -> Recovered:
             stripes.unlock(stripe)
         if r == lib.UCM_OK:
             rec.claims += 1
+    # Its range's accounting words from its slots: exact whatever step it died in (I4, I5).
+    entries, size = ffi.new("uint64_t *"), ffi.new("uint64_t *")
+    lib.ucm_recount_rank(ctx, dead, entries, size)
     off = L.rank(dead)
     lib.ucm_store32(seg.base, off + lib.UCM_R_PID, 0)
     lib.ucm_store32(seg.base, off + lib.UCM_R_STATE, lib.UCM_RANK_FREE)

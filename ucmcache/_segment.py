@@ -241,10 +241,8 @@ class Segment:
         lib.ucm_store64(base, lib.UCM_H_N_BUCKETS, L.n_buckets)
         lib.ucm_store64(base, lib.UCM_H_TOTAL_SIZE, L.total_size)
         lib.ucm_store32(base, lib.UCM_H_PARAMS_CRC, _params_crc(self.mm))
-        # Generation starts at 1; the accounting words start in it with zero.
+        # Generation starts at 1; the ranks' accounting words (zero: generation 0) read as 0.
         lib.ucm_store64(base, lib.UCM_H_GENERATION, 1)
-        lib.ucm_store64(base, lib.UCM_H_ACC_ENTRIES, 1 << lib.UCM_ACC_VALUE_BITS)
-        lib.ucm_store64(base, lib.UCM_H_ACC_BYTES, 1 << lib.UCM_ACC_VALUE_BITS)
         # No one else can read these words before the magic, so plain bulk stores are enough;
         # the release store of the magic below orders them all before any attacher's reads.
         heads = np.frombuffer(self.mm, dtype=np.uint32, count=L.n_buckets, offset=L.bucket_off)

@@ -152,22 +152,30 @@ def verify_segment(seg: Segment) -> VerifyReport:
     for s in bad_state[:50]:
         p.append(f"slot {s}: state {int(f['state'][s])} is not a slot state")
 
-    # Accounting (I4): the counted Ready slots of the current generation, summed.
+    # Accounting (I4): each rank's words against the counted Ready slots of its own range in
+    # the current generation.
     g32 = generation & 0xFFFFFFFF
-    counted = ((f["flags"] & lib.UCM_F_COUNTED) != 0) & (f["generation"] == g32)
+    counted = ((f["flags"] & lib.UCM_F_COUNTED) != 0) & (f["generation"] == g32) & \
+        (f["state"] == lib.UCM_READY)
     current_ready = (f["state"] == lib.UCM_READY) & (f["generation"] == g32) & (f["bucket"] != lib.UCM_INVALID_BUCKET)
-    acc_e = int(snap["header"][lib.UCM_H_ACC_ENTRIES // 8])
-    acc_b = int(snap["header"][lib.UCM_H_ACC_BYTES // 8])
+    ranks64 = snap["ranks"].view(np.uint64)
 
     def acc(a: int) -> int:
         return a & _ACC_VAL_MASK if (a >> lib.UCM_ACC_VALUE_BITS) == (generation & _ACC_GEN_MASK) else 0
 
-    entries, size = acc(acc_e), acc(acc_b)
-    scan_entries = int(counted.sum())
-    scan_bytes = int(f["length"][counted].astype(np.int64).sum())
-    if entries != scan_entries or size != scan_bytes:
-        p.append(f"accounting: the header says {entries} entries / {size} bytes, the slots of "
-                 f"generation {generation} add up to {scan_entries} / {scan_bytes}")
+    entries = size = 0
+    spr = L.slots_per_rank
+    for r in range(L.max_ranks):
+        e = acc(int(ranks64[r, lib.UCM_R_ACC_ENTRIES // 8]))
+        b = acc(int(ranks64[r, lib.UCM_R_ACC_BYTES // 8]))
+        mine = counted[r * spr:(r + 1) * spr]
+        se = int(mine.sum())
+        sb = int(f["length"][r * spr:(r + 1) * spr][mine].astype(np.int64).sum())
+        if (e, b) != (se, sb):
+            p.append(f"accounting: rank {r}'s words say {e} entries / {b} bytes, its range's "
+                     f"slots of generation {generation} add up to {se} / {sb}")
+        entries += e
+        size += b
     uncounted = np.flatnonzero(current_ready & ~counted)
     for s in uncounted[:20]:
         p.append(f"slot {s}: Ready in the current generation but not counted")
