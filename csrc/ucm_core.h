@@ -47,7 +47,7 @@
 #define UCM_ACC_GEN_BITS     20
 #define UCM_ACC_VALUE_BITS   44
 
-/* RankDesc: 4 lines; line 0 is identity, lines 1-3 the rank's own stats counters. */
+/* RankDesc: 5 lines; line 0 is identity and accounting, lines 1-4 the rank's own stats. */
 #define UCM_R_STATE          0
 #define UCM_R_PID            4
 #define UCM_R_CLOCK_HAND     8
@@ -55,7 +55,7 @@
 #define UCM_R_ACC_ENTRIES    24   /* packed (generation, Ready entries of this range) */
 #define UCM_R_ACC_BYTES      32   /* packed (generation, their payload bytes) */
 #define UCM_R_STATS          64
-#define UCM_RANK_SIZE        256
+#define UCM_RANK_SIZE        320 /* line 0 identity + 4 lines of 8 counters */
 #define UCM_RANK_FREE        0
 #define UCM_RANK_INITIALIZING 1
 #define UCM_RANK_READY       2
@@ -135,7 +135,13 @@
 #define UCM_ST_TOUCHES       17
 #define UCM_ST_PREFETCHED    18
 #define UCM_ST_PREFETCH_SKIPPED 19
-#define UCM_ST_COUNT         24
+#define UCM_ST_T2_HITS       20  /* tier 2: a local miss served from the second tier */
+#define UCM_ST_T2_MISSES     21
+#define UCM_ST_T2_WRITES     22  /* write-throughs */
+#define UCM_ST_T2_BYPASSES   23  /* tier 2 skipped: down, slow, or its breaker open */
+#define UCM_ST_T2_LEASE_WAITS 24 /* waits for another node's load */
+#define UCM_ST_T2_BAD_VALUES 25  /* corrupt, truncated or foreign values (counted as misses) */
+#define UCM_ST_COUNT         32
 
 /* Named points in the protocol where a test may hold (gate) or kill the process. */
 #define UCM_PT_AFTER_MATCH   1  /* reader: MatchKey held, pin CAS not yet tried */

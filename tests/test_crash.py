@@ -69,7 +69,7 @@ def test_random_byte_flips_never_crash(make_cache):
     # Flip bytes in the header, rank table, bucket heads and slot metadata.  The stripe
     # mutexes are glibc's words (a flipped owner can make a lock look held: a hang, not a
     # crash, and no different from any robust mutex); they are left alone.
-    regions = [(0, L.rank_off + L.max_ranks * 256), (L.bucket_off, L.stripe_off),
+    regions = [(0, L.bucket_off), (L.bucket_off, L.stripe_off),
                (L.meta_off, L.ring_off)]
     rnd = random.Random(7)
     seen = set()
