@@ -32,7 +32,7 @@
  * and every walk is bounded, so a corrupt segment yields UCM_CORRUPT, never a wild access.
  *
  * Protocol steps live here whole (one C call per step, DESIGN 3); decisions about what to do
- * after a step's answer (slow path, budgets, CacheFull, recovery) live in ucmcache/_slots.py.
+ * after a step's answer (slow path, budgets, CacheFull, recovery) live in ucmcache/_cache.py.
  * Step numbers in comments are DESIGN.md section 4's.
  */
 #define _GNU_SOURCE
@@ -67,6 +67,8 @@ struct ucm_ctx {
     uint64_t walk_limit;
     uint32_t *local_pins;    /* process-local: how many handles of this process share our pin */
     pthread_mutex_t local_locks[LOCAL_LOCKS];
+    uint8_t *repair_seen;    /* process-local visited set for stripe repair, made up front */
+    pthread_mutex_t repair_lock;
     int32_t point_action[UCM_PT_COUNT];
     uint32_t *point_gate[UCM_PT_COUNT];
     int64_t point_timeout[UCM_PT_COUNT];
@@ -118,6 +120,23 @@ int ucm_layout_compute(ucm_layout *l)
     if (l->n_slots > (UINT64_MAX - l->data_off) / l->slot_stride) return UCM_EP_TOO_LARGE;
     l->total_size = round_up(l->data_off + l->n_slots * l->slot_stride, UCM_PAGE);
     return UCM_OK;
+}
+
+uint32_t ucm_layout_fingerprint(void)
+{
+    /* Every offset and size this build lays a segment out with.  Two builds that disagree on
+     * any of them must not share a segment even if someone forgot to bump the version. */
+    static const uint64_t parts[] = {
+        UCM_HEADER_SIZE, UCM_H_GENERATION, UCM_RANK_SIZE, UCM_R_STATE, UCM_R_PID,
+        UCM_R_CLOCK_HAND, UCM_R_ACC_ENTRIES, UCM_R_ACC_BYTES, UCM_R_STATS, UCM_ST_COUNT,
+        UCM_META_SIZE, UCM_M_REFERENCE, UCM_M_KEY, UCM_M_BUCKET, UCM_M_STATE, UCM_M_PREV,
+        UCM_M_NEXT, UCM_M_GENERATION, UCM_M_LENGTH, UCM_M_ACCESSED, UCM_M_LOADER, UCM_M_FLAGS,
+        UCM_RING_DEPTH, UCM_RING_HEAD, UCM_RING_TAIL, UCM_RING_LOCK, UCM_RING_SLEEPING,
+        UCM_RING_POSTED, UCM_RING_DROPPED, UCM_RING_PRESENT, UCM_RING_ENTRIES, UCM_ACC_GEN_BITS,
+        UCM_CLAIMED, UCM_NIL, UCM_LINE, UCM_PAGE, sizeof(pthread_mutex_t)};
+    uint64_t h = 0;
+    for (size_t i = 0; i < sizeof parts / sizeof parts[0]; i++) h = ucm_mix(h ^ parts[i], i + 1);
+    return (uint32_t)(h ^ (h >> 32));
 }
 
 uint64_t ucm_mix(uint64_t k0, uint64_t k1)
@@ -369,6 +388,14 @@ ucm_ctx *ucm_ctx_new(char *base, uint64_t map_size, const ucm_layout *l)
         free(c);
         return NULL;
     }
+    /* Allocated now so that repairing a dead holder's stripe can never fail for memory. */
+    c->repair_seen = calloc((l->n_slots + 7) / 8, 1);
+    if (!c->repair_seen) {
+        free(c->local_pins);
+        free(c);
+        return NULL;
+    }
+    pthread_mutex_init(&c->repair_lock, NULL);
     for (int i = 0; i < LOCAL_LOCKS; i++) pthread_mutex_init(&c->local_locks[i], NULL);
     return c;
 }
@@ -377,6 +404,8 @@ void ucm_ctx_free(ucm_ctx *c)
 {
     if (!c) return;
     for (int i = 0; i < LOCAL_LOCKS; i++) pthread_mutex_destroy(&c->local_locks[i]);
+    pthread_mutex_destroy(&c->repair_lock);
+    free(c->repair_seen);
     free(c->local_pins);
     free(c);
 }
@@ -476,6 +505,10 @@ static inline int match_key(ucm_ctx *c, uint32_t s, uint32_t b, uint32_t gen, co
     if (RLX(gen_w(c, s)) != gen) return 0;
     const uint64_t *k = key_w(c, s);
     if (RLX(&k[0]) != key[0] || RLX(&k[1]) != key[1] || RLX(&k[2]) != key[2]) return 0;
+    /* Acquire fence: pairs with the release fence in ucm_install between its state store and
+     * its key stores.  If we read any rewritten key word, the state we read next is at least
+     * that rewrite's Loading, so an in-place rewrite never shows as the old Ready entry. */
+    __atomic_thread_fence(__ATOMIC_ACQUIRE);
     uint32_t st = RLX(state_w(c, s)) & UCM_STATE_MASK;
     return st == UCM_LOADING || st == UCM_READY;
 }
@@ -734,9 +767,10 @@ static void acc_sub(ucm_ctx *c, uint32_t rank, uint64_t off, uint32_t slot_gen, 
 
 uint64_t ucm_acc_value(ucm_ctx *c, uint64_t off)
 {
-    /* The sum of every rank's word that is in the current generation; a word of an older one
-     * counts 0, so right after clear() the sum is 0 without anyone resetting the words.
-     * seq_cst loads: see acc_add. */
+    /* The sum of every rank's word that is in the current generation (a word of an older one
+     * counts 0).  Each word is exact; the sum is of words read one after another, so with
+     * publishes running in other ranks it is a value the cache had at some instant of the
+     * call only per rank, not as a whole.  seq_cst loads: see acc_add. */
     if (off != UCM_R_ACC_ENTRIES && off != UCM_R_ACC_BYTES) return 0;
     uint64_t g = __atomic_load_n(W64(c->base, UCM_H_GENERATION), __ATOMIC_SEQ_CST) & ACC_GEN_MASK;
     uint64_t sum = 0;
@@ -752,6 +786,22 @@ uint64_t ucm_clear(ucm_ctx *c)
     /* seq_cst: one total order with the publishers' acc_add CASes (I4): an add ordered before
      * this lands in the old generation's words, one after it sees the new generation. */
     uint64_t g = __atomic_add_fetch(W64(c->base, UCM_H_GENERATION), 1, __ATOMIC_SEQ_CST);
+    /* Move every rank's words on to the new generation (value 0), so no word ever lags more
+     * than a clear behind and the wrapping generation compare in acc_add stays exact.  A word
+     * a publisher already moved forward is left alone. */
+    uint64_t ng = g & ACC_GEN_MASK;
+    for (uint32_t r = 0; r < c->l.max_ranks; r++) {
+        uint64_t offs[2] = {UCM_R_ACC_ENTRIES, UCM_R_ACC_BYTES};
+        for (int i = 0; i < 2; i++) {
+            uint64_t *w = acc_word(c, r, offs[i]);
+            uint64_t a = __atomic_load_n(w, __ATOMIC_RELAXED);
+            /* seq_cst: see acc_add. */
+            while (gen_older(a >> UCM_ACC_VALUE_BITS, ng) &&
+                   !__atomic_compare_exchange_n(w, &a, ng << UCM_ACC_VALUE_BITS, 0, __ATOMIC_SEQ_CST,
+                                                __ATOMIC_RELAXED)) {
+            }
+        }
+    }
     STAT(c, UCM_ST_CLEARS, 1);
     return g;
 }
@@ -790,7 +840,9 @@ int ucm_clock_claim(ucm_ctx *c, uint64_t max_scan, uint32_t *slot_out)
     if (c->rank < 0) return UCM_NOT_HELD;
     uint64_t spr = c->l.slots_per_rank, first = (uint64_t)c->rank * spr;
     uint64_t *handp = rank_hand_w(c);
-    uint64_t hand = RLX(handp); /* only this rank moves its hand (under one stripe at a time) */
+    /* Relaxed: only this rank's threads move its hand; two of them allocating under different
+     * stripes may lose an update, which only shifts where the next scan starts. */
+    uint64_t hand = RLX(handp);
     uint32_t gen = (uint32_t)ucm_generation(c);
     for (uint64_t i = 0; i < max_scan; i++, hand++) {
         uint32_t s = (uint32_t)(first + hand % spr);
@@ -798,7 +850,7 @@ int ucm_clock_claim(ucm_ctx *c, uint64_t max_scan, uint32_t *slot_out)
         if (r != 0) continue; /* pinned or claimed: not ours to take */
         uint32_t st = RLX(state_w(c, s)) & UCM_STATE_MASK;
         int live = st == UCM_READY && RLX(gen_w(c, s)) == gen;
-        if (live && RLX(acc_w(c, s))) {
+        if (live && i < spr && RLX(acc_w(c, s))) { /* after one full sweep: no second chances */
             SET_RLX(acc_w(c, s), 0); /* second chance; relaxed: a hint, as in mark_accessed */
             continue;
         }
@@ -816,18 +868,26 @@ int ucm_clock_claim(ucm_ctx *c, uint64_t max_scan, uint32_t *slot_out)
     return UCM_FULL;
 }
 
-static void unlink_slot(ucm_ctx *c, uint32_t s, uint32_t b)
+static int unlink_slot(ucm_ctx *c, uint32_t s, uint32_t b)
 {
     /* Caller holds b's stripe.  The unlinked slot keeps its next pointer, so a lock-free walker
-     * standing on it walks on; its bucket word is then set INVALID so it matches nothing (I2). */
+     * standing on it walks on; its bucket word is then set INVALID so it matches nothing (I2).
+     * The neighbours must agree that s sits between them: a link that does not is corruption,
+     * and writing through it could change a chain under a stripe we do not hold. */
     uint32_t p = RLX(prev_w(c, s)), n = RLX(next_w(c, s));
+    int p_ok = p == UCM_NIL ? RLX(head_w(c, b)) == s
+                            : p < c->l.n_slots && RLX(bucket_w(c, p)) == b && RLX(next_w(c, p)) == s;
+    int n_ok = n == UCM_NIL || (n < c->l.n_slots && RLX(bucket_w(c, n)) == b && RLX(prev_w(c, n)) == s);
+    if (!p_ok || !n_ok) return UCM_CORRUPT;
     /* Release on the link a walker may follow: it sees the successor's fields as linked. */
-    if (p == UCM_NIL || p >= c->l.n_slots) SET_REL(head_w(c, b), n);
+    if (p == UCM_NIL) SET_REL(head_w(c, b), n);
     else SET_REL(next_w(c, p), n);
-    if (n != UCM_NIL && n < c->l.n_slots) SET_RLX(prev_w(c, n), p); /* prev: only lock holders */
+    if (n != UCM_NIL) SET_RLX(prev_w(c, n), p); /* prev: read only by stripe holders */
     POINT(c, UCM_PT_AFTER_UNLINK);
-    /* Release: ordered after the unlink stores; paired with MatchKey's acquire on the bucket. */
+    /* Walkers that read the old bucket word before this store are kept from a false hit by
+     * pin-and-revalidate (I3), not by this store's order. */
     SET_REL(bucket_w(c, s), UCM_INVALID_BUCKET);
+    return UCM_OK;
 }
 
 static void link_at_head(ucm_ctx *c, uint32_t s, uint32_t b)
@@ -858,7 +918,10 @@ int ucm_install(ucm_ctx *c, uint32_t s, const char *id, uint64_t offset, uint32_
     uint64_t key[3];
     load_key(id, offset, key);
     uint32_t b = bucket_of_key(c, key);
-    if (ucm_stripe_of(c, b) != held_stripe) return UCM_NOT_HELD;
+    if (ucm_stripe_of(c, b) != held_stripe) {
+        unclaim(c, s);
+        return UCM_NOT_HELD;
+    }
     uint32_t old_b = RLX(bucket_w(c, s));
     int relink = old_b != b;
 
@@ -866,14 +929,25 @@ int ucm_install(ucm_ctx *c, uint32_t s, const char *id, uint64_t offset, uint32_
      * blocking lock could close a cycle with a writer that holds the other). */
     int locked_other = 0;
     if (old_b != UCM_INVALID_BUCKET && relink) {
-        if (old_b >= c->l.n_buckets) return UCM_CORRUPT;
+        if (old_b >= c->l.n_buckets) {
+            /* A bucket word no writer could have left: make the slot match nothing, give it
+             * back, and report the corruption (the chain holding it, if any, is repaired by
+             * ucm_stripe_repair; walkers skip it meanwhile). */
+            SET_REL(bucket_w(c, s), UCM_INVALID_BUCKET);
+            unclaim(c, s);
+            return UCM_CORRUPT;
+        }
         uint32_t os = ucm_stripe_of(c, old_b);
         if (os != held_stripe) {
             int r = mutex_result(pthread_mutex_trylock((pthread_mutex_t *)stripe_mutex(c, os)));
             if (r == UCM_OWNERDEAD) {
                 uint32_t dropped;
                 ucm_stripe_repair(c, os, &dropped);
-                pthread_mutex_consistent((pthread_mutex_t *)stripe_mutex(c, os));
+                if (pthread_mutex_consistent((pthread_mutex_t *)stripe_mutex(c, os)) != 0) {
+                    pthread_mutex_unlock((pthread_mutex_t *)stripe_mutex(c, os));
+                    unclaim(c, s);
+                    return UCM_CORRUPT;
+                }
             } else if (r != UCM_OK) {
                 unclaim(c, s);
                 STAT(c, UCM_ST_CLAIM_ROLLBACKS, 1);
@@ -881,20 +955,29 @@ int ucm_install(ucm_ctx *c, uint32_t s, const char *id, uint64_t offset, uint32_
             }
             locked_other = 1;
         }
-        unlink_slot(c, s, old_b);
+        int ur = unlink_slot(c, s, old_b);
         if (locked_other) pthread_mutex_unlock((pthread_mutex_t *)stripe_mutex(c, os));
+        if (ur != UCM_OK) {
+            unclaim(c, s); /* still reachable where it was: it must not be rewritten (I2) */
+            return UCM_CORRUPT;
+        }
     }
 
-    /* The old entry leaves the accounting if it was counted in (I4). */
+    /* The old entry leaves the accounting if it is counted in the current generation (I4); an
+     * older generation's count was dropped by clear() moving the words on. */
     uint32_t old_gen = RLX(gen_w(c, s));
-    if (RLX(flags_w(c, s)) & UCM_F_COUNTED) {
-        if (old_gen == (uint32_t)ucm_generation(c)) STAT(c, UCM_ST_EVICTIONS, 1);
+    if ((RLX(flags_w(c, s)) & UCM_F_COUNTED) && old_gen == (uint32_t)ucm_generation(c)) {
+        STAT(c, UCM_ST_EVICTIONS, 1);
         acc_sub(c, (uint32_t)c->rank, UCM_R_ACC_ENTRIES, old_gen, 1);
         acc_sub(c, (uint32_t)c->rank, UCM_R_ACC_BYTES, old_gen, RLX(len_w(c, s)));
     }
 
     /* Step 4, rewrite: unreachable (unlinked) or claimed in its own bucket, so no one can pin
-     * it; walkers that read a half-written key fail the pin or the revalidation (I2, I3). */
+     * it; walkers that read a half-written key fail the pin or the revalidation (I2, I3).
+     * State first, then a release fence, then the key: a lock-free exist() that reads a new
+     * key word also reads Loading (see the acquire fence in match_key), never the old Ready. */
+    SET_RLX(state_w(c, s), UCM_LOADING);
+    __atomic_thread_fence(__ATOMIC_RELEASE);
     uint64_t *k = key_w(c, s);
     SET_RLX(&k[0], key[0]);
     SET_RLX(&k[1], key[1]);
@@ -904,7 +987,6 @@ int ucm_install(ucm_ctx *c, uint32_t s, const char *id, uint64_t offset, uint32_
     SET_RLX(flags_w(c, s), 0);
     SET_RLX(len_w(c, s), 0);
     SET_RLX(acc_w(c, s), 1);
-    SET_RLX(state_w(c, s), UCM_LOADING);
 
     /* Step 5, publish. */
     if (relink) link_at_head(c, s, b);
@@ -926,7 +1008,10 @@ int ucm_publish(ucm_ctx *c, uint32_t s, uint32_t state, uint32_t length)
     /* The owner, holding its pin on a Loading slot, makes it Ready (counted if its generation
      * is still current) or Failed, and wakes waiters only if one said it sleeps. */
     if (s >= c->l.n_slots || (state != UCM_READY && state != UCM_FAILED)) return UCM_CORRUPT;
-    if (!(RLX(ref_w(c, s)) & c->rank_bit) || c->local_pins[s] == 0) return UCM_NOT_HELD;
+    pthread_mutex_lock(local_lock(c, s));
+    int held = (RLX(ref_w(c, s)) & c->rank_bit) && c->local_pins[s] != 0;
+    pthread_mutex_unlock(local_lock(c, s));
+    if (!held) return UCM_NOT_HELD;
     if ((RLX(state_w(c, s)) & UCM_STATE_MASK) != UCM_LOADING) return UCM_NOT_HELD;
     if ((uint64_t)length > c->l.slot_size) return UCM_CORRUPT;
     SET_RLX(len_w(c, s), length);
@@ -1008,11 +1093,14 @@ int ucm_stripe_repair(ucm_ctx *c, uint32_t stripe, uint32_t *dropped_out)
     /* The stripe's holder died mid-operation; we hold it now (EOWNERDEAD).  Rebuild every chain
      * it guards from the head by next pointers alone: keep slots whose bucket word names this
      * bucket and that we have not seen yet, rewrite prev links, stop at anything out of range.
-     * A slot half-linked by the dead holder is left out; it is still claimed by the dead rank
-     * and rank recovery frees it. */
+     * Then every unclaimed slot that names one of these buckets but was not reached is made to
+     * name none (INVALID), so no later install rewrites it in place as if it were linked.  A
+     * slot half-linked by the dead holder is still claimed by it: rank recovery frees it. */
+    if (stripe >= c->l.n_stripes) return UCM_CORRUPT;
     uint32_t dropped = 0;
-    uint8_t *seen = calloc((c->l.n_slots + 7) / 8, 1);
-    if (!seen) return UCM_CORRUPT;
+    pthread_mutex_lock(&c->repair_lock);
+    uint8_t *seen = c->repair_seen;
+    memset(seen, 0, (c->l.n_slots + 7) / 8);
     for (uint64_t b = stripe; b < c->l.n_buckets; b += c->l.n_stripes) {
         uint32_t s = RLX(head_w(c, (uint32_t)b)), prev = UCM_NIL;
         uint64_t steps = 0;
@@ -1038,7 +1126,15 @@ int ucm_stripe_repair(ucm_ctx *c, uint32_t stripe, uint32_t *dropped_out)
         if (prev == UCM_NIL) SET_REL(head_w(c, (uint32_t)b), UCM_NIL);
         else SET_REL(next_w(c, prev), UCM_NIL);
     }
-    free(seen);
+    for (uint32_t s = 0; s < c->l.n_slots; s++) {
+        uint32_t b = RLX(bucket_w(c, s));
+        if (b == UCM_INVALID_BUCKET || (b < c->l.n_buckets && (b & c->stripe_mask) != stripe)) continue;
+        if (seen[s / 8] & (1u << (s % 8))) continue;
+        if (RLX(ref_w(c, s)) & UCM_CLAIMED) continue; /* its claimant's (or recovery's) business */
+        SET_REL(bucket_w(c, s), UCM_INVALID_BUCKET); /* release: as in unlink_slot */
+        dropped++;
+    }
+    pthread_mutex_unlock(&c->repair_lock);
     *dropped_out = dropped;
     return UCM_OK;
 }
@@ -1228,8 +1324,13 @@ int ucm_reclaim_claimed(ucm_ctx *c, uint32_t s, uint32_t dead, uint32_t held_str
             uint32_t x = ACQ(head_w(c, b));
             uint64_t steps = 0;
             while (x != UCM_NIL && x < c->l.n_slots && x != s && steps++ <= c->l.n_slots) x = RLX(next_w(c, x));
-            if (x == s) unlink_slot(c, s, b);
-            else SET_REL(bucket_w(c, s), UCM_INVALID_BUCKET);
+            if (x != s || unlink_slot(c, s, b) != UCM_OK) {
+                /* Not reachable from its bucket (a half-done link), or its neighbours disagree:
+                 * rebuild the stripe's chains without it. */
+                SET_REL(bucket_w(c, s), UCM_INVALID_BUCKET);
+                uint32_t dropped;
+                ucm_stripe_repair(c, held_stripe, &dropped);
+            }
         }
     }
     SET_RLX(flags_w(c, s), 0); /* its range's words are recounted after (ucm_recount_rank) */

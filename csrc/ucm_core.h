@@ -11,7 +11,7 @@
 
 /* Identity and limits of the layout. */
 #define UCM_MAGIC            0x31484341434d4355ULL /* "UCMCACH1" little endian */
-#define UCM_LAYOUT_VERSION   1
+#define UCM_LAYOUT_VERSION   2   /* bump on every layout change (the fingerprint catches a miss) */
 #define UCM_LINE             64
 #define UCM_PAGE             4096
 #define UCM_MAX_RANKS        63    /* one pin bit per rank in a 64-bit reference, top bit = claim */
@@ -39,6 +39,7 @@
 #define UCM_H_TOTAL_SIZE     56
 #define UCM_H_GENERATION     64
 #define UCM_H_PARAMS_CRC     192 /* u32: crc32 of header bytes [8, 64): catches a changed param */
+#define UCM_H_LAYOUT_FP      196 /* u32: ucm_layout_fingerprint() of the build that made it */
 #define UCM_HEADER_SIZE      256
 
 /* Accounting words pack (generation low bits, value).  There is one pair per rank, in its
@@ -179,6 +180,7 @@ typedef struct ucm_ctx ucm_ctx;
 
 uint64_t ucm_default_buckets(uint64_t n_slots);
 int ucm_layout_compute(ucm_layout *l);
+uint32_t ucm_layout_fingerprint(void);
 uint64_t ucm_mix(uint64_t k0, uint64_t k1);
 
 ucm_ctx *ucm_ctx_new(char *base, uint64_t map_size, const ucm_layout *l);

@@ -128,3 +128,41 @@ def test_stripe_repair_rebuilds_broken_prev_links(make_cache):
         c._stripes.unlock(0)
     assert ucmcache.verify(c.uuid).ok
     assert c.exist([bytes([i]) * 16 for i in range(5)]) == [True] * 5
+
+
+def test_get_of_a_key_claimed_by_a_dead_rank_recovers_instead_of_cache_full(make_cache, procs):
+    c = make_cache(slots_per_rank=2, slot_size=64, max_ranks=3, n_buckets=1024, n_stripes=4)
+    p, q = procs.start(workers.die_at_point, c.uuid, 1, Y, "before_handover")
+    p.join(30)
+    assert p.exitcode == -signal.SIGKILL       # Y's slot: linked, Loading, claimed by rank 1
+    assert c.get_or_load(Y, lambda: b"mine") == b"mine"
+    s = c.stats()
+    assert s["bypasses"] == 0 and s["recovered_ranks"] == 1
+    assert_whole(c)
+
+
+def test_inconsistent_links_are_reported_and_the_claim_given_back(make_cache):
+    c = make_cache(slots_per_rank=2, slot_size=64, max_ranks=1, n_buckets=1024, n_stripes=4)
+    c.get_or_load(X, lambda: b"x")
+    c.get_or_load(Y, lambda: b"y")
+    L = c.layout
+    for s in range(2):                          # both slots: a prev that names a stranger
+        lib.ucm_store32(c._seg.base, L.meta(s) + lib.UCM_M_PREV, 1 - s)
+    with pytest.raises(ucmcache.CorruptSegment, match="chain links are inconsistent"):
+        c.get(b"Q" * 16)
+    rep = ucmcache.verify(c.uuid)
+    assert rep.facts["claimed_slots"] == 0     # nothing left claimed by a live rank
+    assert c.exist([X, Y]) == [True, True]     # and nothing reachable was rewritten
+
+
+def test_close_removes_a_leaked_pin_of_its_own_rank(uuid):
+    c = SlotCache.create(uuid, slots_per_rank=2, slot_size=64, max_ranks=2)
+    c.get_or_load(X, lambda: b"x")
+    r = lib.ucm_lookup_pin(c._ctx, X, 0, 64, 1)  # a pin no Handle owns (as if an exception hit)
+    assert r >= 0
+    c.close()
+    d = SlotCache.attach(uuid)
+    try:
+        assert_whole(d)
+    finally:
+        d.close()

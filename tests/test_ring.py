@@ -137,3 +137,12 @@ def test_bad_prefetch_arguments(make_cache):
         c.prefetcher(lambda k: b"", batch=0)
     with pytest.raises(TypeError, match="loader must be callable"):
         c.prefetcher(None)
+
+
+def test_close_stops_a_running_prefetcher(uuid):
+    c = SlotCache.create(uuid, slots_per_rank=8, slot_size=16, max_ranks=1)
+    p = c.prefetcher(lambda k: b"")
+    with pytest.raises(Exception, match="already has a prefetcher"):
+        c.prefetcher(lambda k: b"")
+    c.close()                                          # stops and joins it before unmapping
+    assert not p.running

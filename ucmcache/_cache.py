@@ -36,6 +36,7 @@ FAST_SPIN = 64          # yields on a claimed slot before the fast path gives up
 SLOW_SPIN = 1 << 16     # under the stripe a claim on our chain is brief: its writer rolls back
 MAX_ROLLBACKS = 64      # isolate trylock failures tolerated in one allocation
 LIVENESS_SLICE = 0.5    # a waiter checks that the loader still lives this often (seconds)
+CLAIM_WAIT = 10.0       # the longest a get waits for another process to recover a dead claim
 
 _live_caches: "weakref.WeakSet[SlotCache]" = weakref.WeakSet()
 
@@ -69,6 +70,7 @@ class SlotCache:
         self._ctx_owned = ctx
         self._stripes = Stripes(ctx, seg.base, seg.layout)
         self._open_handles = 0
+        self._prefetcher: Optional[Prefetcher] = None
         self._pid = os.getpid()
         self._why_unusable = ""
         try:
@@ -132,8 +134,10 @@ class SlotCache:
         if self._open_handles > 0:
             raise UcmError(f"cannot close: {self._open_handles} handle(s) or batch(es) are still "
                            "open; close them first")
+        if self._prefetcher is not None:
+            self._prefetcher.stop()  # its thread works on this mapping: it goes first
         ctx = self._ctx
-        free_rank(self._seg, self._rank)
+        free_rank(self._seg, ctx, self._stripes, self._rank)
         self._ctx = None
         self._why_unusable = "closed"
         lib.ucm_ctx_free(ctx)
@@ -226,7 +230,10 @@ class SlotCache:
         ctx = self._ctx
         stripes = self._stripes
         stripe = stripes.stripe_of_key(block_id, offset)
-        for attempt in range(2):
+        recovered_once = False
+        deadline = None
+        delay = 0.0005
+        while True:
             stripes.lock(stripe)
             try:
                 if _hooks._armed:
@@ -237,15 +244,33 @@ class SlotCache:
                 if -r == lib.UCM_CORRUPT:
                     raise CorruptSegment(f"segment {self.uuid!r}: a chain points outside the "
                                          "slot table")
-                if -r == lib.UCM_MISS:
+                busy = -r == lib.UCM_BUSY
+                if not busy:
                     slot = self._alloc(block_id, offset, stripe)
                     if slot is not None:
                         return slot, True
-                # UCM_BUSY under the stripe: a claim that never ends, i.e. a dead claimant.
             finally:
                 stripes.unlock(stripe)
-            if attempt == 0 and self.recover().count:
-                continue  # a dead rank's pins or claims were in the way: once more
+            if busy:
+                # Our key's slot stays claimed while we hold its stripe, so its claimant cannot
+                # be a live writer (it would roll back): it died, and is being recovered by us
+                # or by someone else.  Never CacheFull for that: recover, or wait for the other
+                # recoverer (bounded), then look again.
+                if self.recover().count:
+                    continue
+                now = time.monotonic()
+                if deadline is None:
+                    deadline = now + CLAIM_WAIT
+                elif now > deadline:
+                    raise UcmError(f"segment {self.uuid!r}: the slot of this key stayed claimed "
+                                   f"for {CLAIM_WAIT} s by a rank that neither finished nor died")
+                time.sleep(delay)  # a recovery in another process: milliseconds
+                delay = min(delay * 2, 0.05)
+                continue
+            if not recovered_once:
+                recovered_once = True
+                if self.recover().count:
+                    continue  # a dead rank's pins or claims were in the way: once more
             break
         raise CacheFull(
             f"segment {self.uuid!r}: rank {self._rank} found no claimable slot among its "
@@ -264,8 +289,10 @@ class SlotCache:
             r = lib.ucm_install(ctx, slot_p[0], block_id, offset, stripe)
             if r == lib.UCM_OK:
                 return slot_p[0]
-            if r != lib.UCM_ROLLBACK:
-                raise CorruptSegment(f"segment {self.uuid!r}: install failed (code {r})")
+            if r != lib.UCM_ROLLBACK:  # the claim was given back; the chains need a look
+                raise CorruptSegment(
+                    f"segment {self.uuid!r}: slot {slot_p[0]}'s chain links are inconsistent "
+                    f"(code {r}); `ucmcache verify {self.uuid}` lists what is broken")
         return None
 
     def get_many(self, keys: Sequence[Key], *, timeout: Optional[float] = None) -> HandleBatch:
@@ -419,7 +446,10 @@ class SlotCache:
         """Start a thread that drains this rank's ring, loading each cold key with
         ``loader(key)`` through the single-flight path.  Stop it with .stop() (or a with)."""
         self._check_usable()
-        return Prefetcher(self, loader, batch)
+        if self._prefetcher is not None and self._prefetcher.running:
+            raise UcmError(f"rank {self._rank} already has a prefetcher: a ring has one consumer")
+        self._prefetcher = Prefetcher(self, loader, batch)
+        return self._prefetcher
 
     # ---------------------------------------------------------------- generations, stats
 

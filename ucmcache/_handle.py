@@ -73,8 +73,7 @@ class Handle:
     def nbytes(self) -> int:
         """The published payload length (0 while loading)."""
         self._check_open()
-        return lib.ucm_load32(self._cache._seg.base,
-                              self._cache._layout.meta(self._slot) + lib.UCM_M_LENGTH)
+        return slot_length(self._cache, self._slot)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -212,7 +211,8 @@ def slot_view(cache: "SlotCache", slot: int, n: int, writable: bool, views: list
 
 
 def slot_length(cache: "SlotCache", slot: int) -> int:
-    return lib.ucm_load32(cache._seg.base, cache._layout.meta(slot) + lib.UCM_M_LENGTH)
+    n = lib.ucm_load32(cache._seg.base, cache._layout.meta(slot) + lib.UCM_M_LENGTH)
+    return min(n, cache._layout.slot_size)  # a corrupt length never reaches the next slot
 
 
 def slot_data(cache: "SlotCache", slot: int, owner: bool, views: list) -> memoryview:

@@ -33,7 +33,7 @@ class Stripes:
         if r == lib.UCM_OK:
             return
         if r == lib.UCM_OWNERDEAD:
-            self.repair(stripe)
+            self._repair_or_release(stripe)
             return
         if r == lib.UCM_TIMEOUT:
             raise TimeoutError(f"stripe {stripe} stayed locked for {timeout} s")
@@ -42,7 +42,7 @@ class Stripes:
     def trylock(self, stripe: int) -> bool:
         r = lib.ucm_stripe_trylock(self._ctx, stripe)
         if r == lib.UCM_OWNERDEAD:
-            self.repair(stripe)
+            self._repair_or_release(stripe)
             return True
         if r == lib.UCM_BUSY:
             return False
@@ -52,6 +52,14 @@ class Stripes:
 
     def unlock(self, stripe: int) -> None:
         lib.ucm_stripe_unlock(self._ctx, stripe)
+
+    def _repair_or_release(self, stripe: int) -> None:
+        # A lock() that raises must not leave the stripe held by a live thread.
+        try:
+            self.repair(stripe)
+        except BaseException:
+            self.unlock(stripe)
+            raise
 
     def repair(self, stripe: int) -> None:
         """We hold a stripe whose previous holder died: rebuild its chains, then mark the mutex
@@ -70,7 +78,7 @@ class Stripes:
         links were dropped."""
         dropped = ffi.new("uint32_t *")
         if lib.ucm_stripe_repair(self._ctx, stripe, dropped) != lib.UCM_OK:
-            raise MemoryError("no memory for the chain repair's visited set")
+            raise CorruptSegment(f"stripe {stripe} is out of range")
         return dropped[0]
 
     def held(self, stripe: int) -> "_Held":

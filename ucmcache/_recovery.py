@@ -95,8 +95,11 @@ def take_rank(seg: Segment, ctx, stripes, rank: Optional[int]) -> Tuple[int, Opt
                           "processes")
 
 
-def free_rank(seg: Segment, rank: int) -> None:
-    """close(): the rank goes back to FREE; its Ready slots stay (entries outlive loaders)."""
+def free_rank(seg: Segment, ctx, stripes, rank: int) -> None:
+    """close(): the rank goes back to FREE; its Ready slots stay (entries outlive loaders).
+    With no handle open, any hold still naming the rank is a leak (a pin taken just before an
+    exception, say): it is removed as a dead rank's would be."""
+    _recover_holds(seg, ctx, stripes, rank)
     off = seg.layout.rank(rank)
     lib.ucm_store32(seg.base, off + lib.UCM_R_STATE, lib.UCM_RANK_STOPPED)
     lib.ucm_store32(seg.base, off + lib.UCM_R_PID, 0)
@@ -106,6 +109,14 @@ def free_rank(seg: Segment, rank: int) -> None:
 
 def _recover_held(seg: Segment, ctx, stripes, dead: int) -> Recovered:
     """Remove every hold of a rank whose life lock we hold, then mark it FREE."""
+    rec = _recover_holds(seg, ctx, stripes, dead)
+    off = seg.layout.rank(dead)
+    lib.ucm_store32(seg.base, off + lib.UCM_R_PID, 0)
+    lib.ucm_store32(seg.base, off + lib.UCM_R_STATE, lib.UCM_RANK_FREE)
+    return rec
+
+
+def _recover_holds(seg: Segment, ctx, stripes, dead: int) -> Recovered:
     rec = Recovered(rank=dead, pid=rank_pid(seg, dead))
     cap = 256
     while True:
@@ -132,9 +143,6 @@ def _recover_held(seg: Segment, ctx, stripes, dead: int) -> Recovered:
     # Its range's accounting words from its slots: exact whatever step it died in (I4, I5).
     entries, size = ffi.new("uint64_t *"), ffi.new("uint64_t *")
     lib.ucm_recount_rank(ctx, dead, entries, size)
-    off = L.rank(dead)
-    lib.ucm_store32(seg.base, off + lib.UCM_R_PID, 0)
-    lib.ucm_store32(seg.base, off + lib.UCM_R_STATE, lib.UCM_RANK_FREE)
     return rec
 
 

@@ -100,6 +100,7 @@ def _read_header(fd: int, size: int) -> Dict[str, int]:
                 "n_buckets": lib.ucm_load64(base, lib.UCM_H_N_BUCKETS),
                 "total_size": lib.ucm_load64(base, lib.UCM_H_TOTAL_SIZE),
                 "params_crc": lib.ucm_load32(base, lib.UCM_H_PARAMS_CRC),
+                "layout_fp": lib.ucm_load32(base, lib.UCM_H_LAYOUT_FP),
                 "computed_crc": _params_crc(mm),
             }
         finally:
@@ -149,6 +150,10 @@ def _validate(uuid: str, h: Dict[str, int], file_size: int) -> Layout:
         raise IncompatibleSegment(
             f"segment {uuid!r} has layout version {h['version']}, this ucmcache reads version "
             f"{lib.UCM_LAYOUT_VERSION}")
+    if h["layout_fp"] != lib.ucm_layout_fingerprint():
+        raise IncompatibleSegment(
+            f"segment {uuid!r} was laid out by another build of ucmcache (layout fingerprint "
+            f"{h['layout_fp']:#010x}, this build's is {lib.ucm_layout_fingerprint():#010x})")
     if h["features"] != 0:
         raise IncompatibleSegment(f"segment {uuid!r} uses feature bits {h['features']:#x} this "
                                   "ucmcache does not know")
@@ -241,6 +246,7 @@ class Segment:
         lib.ucm_store64(base, lib.UCM_H_N_BUCKETS, L.n_buckets)
         lib.ucm_store64(base, lib.UCM_H_TOTAL_SIZE, L.total_size)
         lib.ucm_store32(base, lib.UCM_H_PARAMS_CRC, _params_crc(self.mm))
+        lib.ucm_store32(base, lib.UCM_H_LAYOUT_FP, lib.ucm_layout_fingerprint())
         # Generation starts at 1; the ranks' accounting words (zero: generation 0) read as 0.
         lib.ucm_store64(base, lib.UCM_H_GENERATION, 1)
         # No one else can read these words before the magic, so plain bulk stores are enough;
