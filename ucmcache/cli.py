@@ -99,8 +99,6 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Sequence
 
-import posix_ipc
-
 WIDTH = 100                 # the human output fits this many columns
 CHAIN_TARGET = 2            # DESIGN 2: n_buckets is sized so the mean chain is at most 2
 STUCK_ITEMS = 100           # stuck items listed in --json (counts are always complete)
@@ -145,19 +143,21 @@ def _wrap(text: str, indent: str = "  ") -> List[str]:
                          break_long_words=True, break_on_hyphens=False) or [indent]
 
 
+def _fit(line: str) -> List[str]:
+    """The 100-column promise, kept even for extreme params: a line that would not fit is
+    wrapped at its own indentation (tables are laid out to fit; this is the safety net)."""
+    if len(line) <= WIDTH:
+        return [line]
+    indent = line[:len(line) - len(line.lstrip())]
+    return _wrap(line.strip(), indent)
+
+
 def _out(lines: Sequence[str]) -> None:
-    sys.stdout.write("".join(line + "\n" for line in lines))
+    sys.stdout.write("".join(part + "\n" for line in lines for part in _fit(line)))
     sys.stdout.flush()
 
 
 # ------------------------------------------------------------------------- opening segments
-
-def _core():
-    """The package internals, imported late so ``--help`` and usage errors stay fast."""
-    from . import _segment, _recovery, _stats, _verify
-    from ._core import ffi, lib
-    return _segment, _recovery, _stats, _verify, ffi, lib
-
 
 def _check_uuid(uuid: str) -> str:
     from ._segment import check_uuid
@@ -262,8 +262,8 @@ def _summary(seg) -> Dict[str, Any]:
     from ._core import lib
     with _context(seg) as ctx:
         generation = int(lib.ucm_generation(ctx))
-        entries = int(lib.ucm_acc_value(ctx, lib.UCM_H_ACC_ENTRIES))
-        size_bytes = int(lib.ucm_acc_value(ctx, lib.UCM_H_ACC_BYTES))
+        entries = int(lib.ucm_acc_value(ctx, lib.UCM_R_ACC_ENTRIES))
+        size_bytes = int(lib.ucm_acc_value(ctx, lib.UCM_R_ACC_BYTES))
     ranks = _rank_liveness(seg)
     return {"generation": generation, "entries": entries, "size_bytes": size_bytes,
             "ranks": ranks, "live": any(r["alive"] for r in ranks)}
@@ -589,8 +589,9 @@ def _watch_frame(uuid, seg, prev, now, frame, interval) -> List[str]:
              f"  every {interval:g} s  frame {frame}  {time.strftime('%H:%M:%S')}  "
              "(Ctrl-C stops)",
              f"  ranks {live} live / {dead} dead / {seg.layout.max_ranks}   generation "
-             f"{s['generation']}   entries {s['entries']} of {slots} "
-             f"({s['entries'] / slots:.1%})   size {_bytes(s['size_bytes'])}",
+             f"{s['generation']}",
+             f"  entries {s['entries']} of {slots} ({s['entries'] / slots:.1%})   size "
+             f"{_bytes(s['size_bytes'])}",
              "",
              f"  {'':<8} " + " ".join(f"{name:>11}" for name, _ in _RATES[:1]) +
              f" {'hit %':>7} " + " ".join(f"{name:>11}" for name, _ in _RATES[1:])]
@@ -703,7 +704,8 @@ def _held_for_removal(uuid: str) -> Iterator[Dict[str, Any]]:
 
     While we hold them nobody can attach (take_rank needs a life lock) or be creating it, so
     "no live rank" stays true until we unlink.  Yields {fd, busy_ranks, creator_busy, header}.
-    Closing the fd drops every lock."""
+    Closing the fd drops every lock.  The price: an attach racing with rm/gc in that instant
+    finds every rank taken (RankUnavailable) instead of a segment about to vanish."""
     from ._core import lib
     from ._segment import (CREATOR_LOCK_BYTE, _open_existing, _read_header, life_lock_byte)
     from . import UcmError
@@ -727,10 +729,12 @@ def _held_for_removal(uuid: str) -> Iterator[Dict[str, Any]]:
 
 def _unlink_if_same(uuid: str, fd: int) -> bool:
     """Unlink the name only if it still names the file behind fd."""
+    import posix_ipc
+    from ._segment import shm_name
     try:
         if os.stat(_shm_path(uuid)).st_ino != os.fstat(fd).st_ino:
             return False
-        posix_ipc.unlink_shared_memory("/" + os.path.basename(_shm_path(uuid)))
+        posix_ipc.unlink_shared_memory(shm_name(uuid))
         return True
     except (OSError, posix_ipc.ExistentialError):
         return False
@@ -966,10 +970,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:
-        # `ucmcache ls | head`: the reader left; say nothing more.
+        # `ucmcache ls | head`: the reader left; say nothing more (and keep the interpreter's
+        # final flush from complaining, as the Python docs' SIGPIPE note recommends).
         try:
-            sys.stdout = open(os.devnull, "w")
-        except OSError:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+        except (OSError, ValueError):
             pass
         return 0
     except Exception as e:  # the promise: one line, never a traceback
