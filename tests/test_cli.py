@@ -268,7 +268,7 @@ def test_create_then_ls_shows_params_and_orphan(names):
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith(f"created {u}: 2 ranks x 8 slots x 128 B")
     row = ls_json()[u]
-    assert row["status"] == "orphan"       # created, no rank attached
+    assert row["status"] == "idle"         # created, no rank attached, none died
     assert row["params"] == {"max_ranks": 2, "slots_per_rank": 8, "slot_size": 128,
                              "n_buckets": 1 << 14, "n_stripes": 64}
     assert (row["live_ranks"], row["dead_ranks"], row["generation"], row["entries"],
@@ -292,7 +292,7 @@ def test_ls_statuses(names, workers):
 
     rows = ls_json()
     assert {u: rows[u]["status"] for u in (live, orphan, dead, half, old)} == {
-        live: "live", orphan: "orphan", dead: "orphan", half: "half-made", old: "incompatible"}
+        live: "live", orphan: "idle", dead: "orphan", half: "half-made", old: "incompatible"}
     assert rows[live]["live_ranks"] == [w.rank] and rows[live]["live_pids"] == [w.pid]
     assert rows[live]["entries"] == 1 and rows[live]["occupancy"] == 1 / 64
     assert rows[dead]["dead_ranks"] == [0] and rows[dead]["live_ranks"] == []
@@ -317,7 +317,7 @@ def test_ls_keeps_long_uuids_whole_within_100_columns(names):
     assert_fits(r.stdout)
     lines = r.stdout.splitlines()
     i = lines.index(u)
-    assert lines[i + 1].split()[0] == "orphan"
+    assert lines[i + 1].split()[0] == "idle"
 
 
 # ------------------------------------------------------------------------- inspect, verify
@@ -366,7 +366,7 @@ def test_inspect_json_of_a_live_segment(names, workers):
     assert "stuck  none" in out and "problems  none: all invariants hold" in out
     assert run("verify", u).returncode == 0
     w.stop()
-    assert ls_json()[u]["status"] == "orphan"
+    assert ls_json()[u]["status"] == "idle"      # its worker closed cleanly
 
 
 def test_kill_holding_a_pin_then_verify_and_recover(names, workers):
@@ -497,22 +497,24 @@ def test_gc_removes_orphans_and_half_made_never_a_live_one(names, workers):
     r = run("gc", "--prefix", names.prefix, "--dry-run")
     assert r.returncode == 0
     assert sorted(r.stdout.splitlines()) == sorted(
-        [f"would remove {dead} (orphan)", f"would remove {half} (half-made)",
-         f"would remove {orphan} (orphan)"])
+        [f"would remove {dead} (orphan)", f"would remove {half} (half-made)"])
     assert all(os.path.exists(path_of(u)) for u in (live, orphan, dead, half, old))
 
     r = run("gc", "--prefix", names.prefix)
     assert r.returncode == 0
     assert sorted(r.stdout.splitlines()) == sorted(
-        [f"removed {dead} (orphan)", f"removed {half} (half-made)", f"removed {orphan} (orphan)"])
+        [f"removed {dead} (orphan)", f"removed {half} (half-made)"])
     assert os.path.exists(path_of(live)) and os.path.exists(path_of(old))
-    assert not any(os.path.exists(path_of(u)) for u in (orphan, dead, half))
+    assert os.path.exists(path_of(orphan))             # idle (pre-created): kept by default
+    assert not any(os.path.exists(path_of(u)) for u in (dead, half))
+    assert run("gc", "--prefix", names.prefix, "--idle").stdout == f"removed {orphan} (idle)\n"
     d = inspect_json(live)
     assert d["ok"] and d["ranks"][w.rank]["pins"] == 2     # untouched
 
     assert run("gc", "--prefix", names.prefix).stdout == "nothing to remove\n"
     w.stop()
-    assert run("gc", "--prefix", names.prefix).stdout == f"removed {live} (orphan)\n"
+    assert run("gc", "--prefix", names.prefix).stdout == "nothing to remove\n"  # idle now
+    assert run("gc", "--prefix", names.prefix, "--idle").stdout == f"removed {live} (idle)\n"
 
 
 # ------------------------------------------------------------------------- demo, bench

@@ -21,7 +21,9 @@ not an atomic snapshot; ``verify`` is exact only on a quiescent segment.
 Status words (``ls``, ``inspect``)
 ----------------------------------
 live          made, and at least one rank's process is alive
-orphan        made, and no rank's process is alive (its ranks are free or dead); gc removes it
+orphan        made, no rank's process is alive, and some rank died attached; gc removes it
+idle          made, no rank attached, none died (pre-created, or every worker closed
+              cleanly); gc keeps it unless --idle
 making        its creator is still initialising it
 half-made     its creator died before finishing it; gc removes it
 incompatible  a ucmcache segment of another layout version
@@ -45,7 +47,7 @@ ignore keys they do not know.  Counter names come from the C core (``UCM_ST_*``)
     {
       "schema": 1,
       "uuid": str, "path": str,
-      "status": "live" | "orphan",
+      "status": "live" | "orphan" | "idle",
       "header": {"layout_version": int, "creator_pid": int, "creator_uid": int,
                  "max_ranks": int, "slots_per_rank": int, "slot_size": int,
                  "n_buckets": int, "n_stripes": int, "total_size": int,
@@ -328,7 +330,7 @@ def inspect_facts(uuid: str, seg) -> Dict[str, Any]:
         "schema": JSON_SCHEMA,
         "uuid": uuid,
         "path": _shm_path(uuid),
-        "status": "live" if summ["live"] else "orphan",
+        "status": _status(bool(summ["live"]), any(r["dead"] for r in summ["ranks"])),
         "header": {"layout_version": h["version"], "creator_pid": h["creator_pid"],
                    "creator_uid": h["creator_uid"], "max_ranks": L.max_ranks,
                    "slots_per_rank": L.slots_per_rank, "slot_size": L.slot_size,
@@ -423,7 +425,7 @@ def ls_row(name: str) -> Optional[Dict[str, Any]]:
     finally:
         seg.detach()
     live = [r for r in s["ranks"] if r["alive"]]
-    row.update(status="live" if live else "orphan",
+    row.update(status=_status(bool(live), any(r["dead"] for r in s["ranks"])),
                live_ranks=[r["rank"] for r in live],
                dead_ranks=[r["rank"] for r in s["ranks"] if r["dead"]],
                live_pids=[r["pid"] for r in live], generation=s["generation"],
@@ -780,6 +782,12 @@ def cmd_rm(args) -> int:
     return 0
 
 
+def _status(live: bool, dead: bool) -> str:
+    if live:
+        return "live"
+    return "orphan" if dead else "idle"
+
+
 def cmd_gc(args) -> int:
     from ._core import lib
     from ._segment import PREFIX
@@ -789,7 +797,8 @@ def cmd_gc(args) -> int:
         if args.prefix and not uuid.startswith(args.prefix):
             continue
         row = ls_row(name)
-        if row is None or row["status"] not in ("orphan", "half-made"):
+        collect = ("orphan", "half-made", "idle") if args.idle else ("orphan", "half-made")
+        if row is None or row["status"] not in collect:
             continue
         if args.dry_run:
             lines.append(f"would remove {uuid} ({row['status']})")
@@ -799,7 +808,7 @@ def cmd_gc(args) -> int:
                 # Re-check under the locks: still no live rank, nobody creating it, and still
                 # the kind of segment we judged (made for an orphan, no magic for half-made).
                 magic = held["header"].get("magic", 0)
-                want = lib.UCM_MAGIC if row["status"] == "orphan" else 0
+                want = 0 if row["status"] == "half-made" else lib.UCM_MAGIC
                 if held["busy_ranks"] or held["creator_busy"] or magic != want:
                     lines.append(f"kept {uuid}: it came alive meanwhile")
                     continue
@@ -938,6 +947,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp = cmd("gc", "unlink orphan and half-made segments (never one with a live rank)", cmd_gc)
     sp.add_argument("--prefix", default="", metavar="P", help="only uuids starting with P")
     sp.add_argument("--dry-run", action="store_true", help="say what would go, remove nothing")
+    sp.add_argument("--idle", action="store_true",
+                    help="also remove idle segments (no rank attached, none died)")
 
     sp = cmd("create", "create a segment (no rank stays attached)", cmd_create)
     sp.add_argument("uuid", metavar="UUID", help="the new segment's uuid")
