@@ -10,12 +10,13 @@ from ._errors import (CacheFull, CorruptSegment, ForeignSegment, HalfMadeSegment
                       SegmentExists, SegmentNotFound, SharedMemoryFull, UcmError)
 from ._handle import Handle, HandleBatch
 from ._keys import Key, chain_keys, make_key
+from ._tier2 import RedisTier
 from ._verify import VerifyReport, verify
 
 __all__ = [
     "SlotCache", "Handle", "HandleBatch", "Key", "make_key", "chain_keys", "verify",
     "VerifyReport", "UcmError", "CacheFull", "LoadFailed", "SegmentExists", "SegmentNotFound",
     "IncompatibleSegment", "CorruptSegment", "HalfMadeSegment", "ForeignSegment",
-    "SharedMemoryFull", "RankUnavailable", "HandleClosed", "NotAttached",
+    "SharedMemoryFull", "RankUnavailable", "HandleClosed", "NotAttached", "RedisTier",
 ]
 __version__ = "0.1.0"

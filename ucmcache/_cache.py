@@ -29,6 +29,7 @@ from ._layout import DEFAULT_STRIPES, Layout
 from ._recovery import (RecoveryReport, free_rank, rank_alive, recover_dead_ranks, take_rank)
 from ._locks import Stripes
 from ._ring import Prefetcher, ring_counters
+from ._tier2 import RedisTier, bind_tier2, check_tier2
 from ._segment import Segment
 from . import _stats
 
@@ -60,7 +61,8 @@ class SlotCache:
     other processes with ``SlotCache.attach``, and remove it with ``SlotCache.unlink``.
     """
 
-    def __init__(self, seg: Segment, rank: Optional[int]):
+    def __init__(self, seg: Segment, rank: Optional[int], tier2: Optional[RedisTier] = None):
+        self._tier2 = bind_tier2(tier2, self)  # None, or the tier as this cache uses it
         self._seg = seg
         self._layout: Layout = seg.layout
         ctx = lib.ucm_ctx_new(seg.base, seg.layout.total_size, seg.layout.to_c())
@@ -90,9 +92,11 @@ class SlotCache:
     @classmethod
     def create(cls, uuid: str, *, slots_per_rank: int, slot_size: int, max_ranks: int = 8,
                n_buckets: Optional[int] = None, n_stripes: int = DEFAULT_STRIPES,
-               mode: int = 0o600, exist_ok: bool = False, timeout: float = 10.0) -> "SlotCache":
+               mode: int = 0o600, exist_ok: bool = False, timeout: float = 10.0,
+               tier2: Optional[RedisTier] = None) -> "SlotCache":
         """Create the segment ``uuid`` and attach to it.  With exist_ok, a segment that exists
         with the same params is attached instead (other params: IncompatibleSegment)."""
+        check_tier2(tier2)
         layout = Layout.compute(max_ranks=max_ranks, slots_per_rank=slots_per_rank,
                                 slot_size=slot_size, n_buckets=n_buckets, n_stripes=n_stripes)
         try:
@@ -103,19 +107,19 @@ class SlotCache:
             seg = Segment.attach(uuid, timeout=timeout)
             _check_same_params(seg, layout)
         try:
-            return cls(seg, None)
+            return cls(seg, None, tier2)
         except BaseException:
             seg.detach()
             raise
 
     @classmethod
     def attach(cls, uuid: str, *, rank: Optional[int] = None, timeout: float = 10.0,
-               allow_other_user: bool = False) -> "SlotCache":
+               allow_other_user: bool = False, tier2: Optional[RedisTier] = None) -> "SlotCache":
         """Attach to an existing segment as ``rank`` (None: any free rank).  Waits up to
         ``timeout`` seconds for a segment that is still being created."""
         seg = Segment.attach(uuid, timeout=timeout, allow_other_user=allow_other_user)
         try:
-            return cls(seg, rank)
+            return cls(seg, rank, tier2)
         except BaseException:
             seg.detach()
             raise
@@ -136,6 +140,8 @@ class SlotCache:
                            "open; close them first")
         if self._prefetcher is not None:
             self._prefetcher.stop()  # its thread works on this mapping: it goes first
+        if self._tier2 is not None:
+            self._tier2.close()  # write-throughs queued by this process go out first (bounded)
         ctx = self._ctx
         free_rank(self._seg, ctx, self._stripes, self._rank)
         self._ctx = None
@@ -221,6 +227,8 @@ class SlotCache:
             return Handle(self, r & 0xFFFFFFFF, False, timeout)
         slot, owner = self._pin_slow(block_id, offset, -r)
         self._open_handles += 1
+        if owner and self._tier2 is not None:
+            return self._tier2.owner_handle(slot, block_id, offset, timeout)
         return Handle(self, slot, owner, timeout)
 
     def _pin_slow(self, block_id: bytes, offset: int, code: int) -> Tuple[int, bool]:
@@ -325,6 +333,8 @@ class SlotCache:
                 self._release_slots(slots)
                 raise
         self._open_handles += 1
+        if self._tier2 is not None and owner.any():
+            return self._tier2.owner_batch(slots, owner, split, timeout)
         return HandleBatch(self, slots, owner, timeout)
 
     def _release_slots(self, slots: np.ndarray) -> None:
@@ -408,7 +418,10 @@ class SlotCache:
         ids, offsets, split = pack_keys(keys)
         if not split:
             return 0
-        return lib.ucm_exist_prefix(ctx, ids, _ptr("uint64_t[]", offsets), len(split))
+        n = lib.ucm_exist_prefix(ctx, ids, _ptr("uint64_t[]", offsets), len(split))
+        if self._tier2 is not None and n < len(split):
+            n += self._tier2.exist_prefix(split[n:])  # the rest, from tier 2: one round trip
+        return n
 
     def touch(self, keys: Iterable[Key]) -> None:
         """Mark entries recently used (CLOCK's bit) without pinning; best effort."""

@@ -1,0 +1,579 @@
+"""Tier 2 on real Redis servers (standalone on a unix socket, a 3-master Cluster on loopback).
+
+A "node" is one segment (its own uuid) with its own processes and its own RedisTier; nodes
+share only Redis.  Loader runs are counted in every process.  Events, gates and test points
+order the steps; the only polling is for an external server to come up.
+"""
+import logging
+import os
+import pickle
+import threading
+import time
+import uuid as uuidlib
+
+import pytest
+
+from ucmcache import RedisTier, SlotCache, SegmentNotFound
+from ucmcache import _tier2
+from ucmcache._tier2 import HEADER, MAGIC, decode, encode
+
+# Fixtures used by name: redis_cluster, redis_unix, redis_workdir.
+from redis_fixtures import (RedisProc, free_port, need_redis, redis_cluster,  # noqa: F401
+                            redis_unix, redis_workdir)
+from workers import check_payload, payload_for
+import tier2_workers as tw
+
+SIZE = tw.SIZE
+SLOT = 256
+
+
+def _ns():
+    return f"test-{uuidlib.uuid4().hex[:12]}"
+
+
+def _keys(n):
+    return [os.urandom(16) for _ in range(n)]
+
+
+def _t2(cache):
+    return {k: v for k, v in cache.stats().items() if k.startswith("t2_")}
+
+
+@pytest.fixture
+def nodes():
+    """nodes(n, tier2=None) -> n created SlotCaches on fresh uuids (closed and unlinked after,
+    pass or fail)."""
+    made = []
+
+    def make(n, **kw):
+        out = []
+        for _ in range(n):
+            u = f"t2-{os.getpid()}-{uuidlib.uuid4().hex[:10]}"
+            made.append([u, None])
+            c = SlotCache.create(u, slots_per_rank=64, slot_size=SLOT, max_ranks=6, **kw)
+            made[-1][1] = c
+            out.append(c)
+        return out
+
+    yield make
+    for u, c in made:
+        try:
+            if c is not None:
+                c.close()
+        except Exception:
+            pass
+        try:
+            SlotCache.unlink(u)
+        except SegmentNotFound:
+            pass
+
+
+@pytest.fixture(params=["standalone", "cluster"])
+def backend(request, redis_workdir):
+    """Tier-2 connection settings for a fresh standalone server or the module's cluster."""
+    need_redis(cli=request.param == "cluster")
+    if request.param == "standalone":
+        r = RedisProc(redis_workdir, "b").start()
+        try:
+            yield {"unix_socket": r.sock}
+        finally:
+            r.kill()
+    else:
+        cl = request.getfixturevalue("redis_cluster")
+        yield {"cluster_nodes": cl.startup}
+
+
+def _cfg(backend, **kw):
+    # Generous round-trip bounds: these tests check single flight, not fault handling, and
+    # run beside other suites on two cores.
+    return dict(backend, namespace=_ns(), timeout=2.0, **kw)
+
+
+# ---------------------------------------------------------------- values and keys
+
+
+def test_value_format_rejects_corrupt_truncated_and_foreign():
+    vk, other = b"ucm:v2:ns:{aa:0}", b"ucm:v2:ns:{bb:0}"
+    blob = encode(vk, b"x" * 100)
+    assert bytes(decode(vk, blob, 256)) == b"x" * 100
+    flipped = bytearray(blob)
+    flipped[-1] ^= 1
+    bad_layout = bytearray(blob)
+    bad_layout[5] ^= 0x7F
+    for bad in (b"", b"garbage", blob[:-1], blob + b"!", bytes(flipped), bytes(bad_layout),
+                b"XXXX" + blob[4:]):
+        assert decode(vk, bad, 256) is None
+    assert decode(other, blob, 256) is None      # another key's value
+    assert decode(vk, blob, 99) is None          # longer than the slot
+    assert HEADER.size == 24 and blob[:4] == MAGIC
+
+
+def test_keys_carry_namespace_layout_and_hash_tag():
+    from ucmcache._core import lib
+    t = RedisTier(url="redis://127.0.0.1:1/0", namespace="llama{3}:8b")
+    k = bytes(range(16))
+    v = t.key_for((k, 7))
+    assert v == b"ucm:v%d:llama%%7B3%%7D:8b:{%s:7}" % (lib.UCM_LAYOUT_VERSION, k.hex().encode())
+    assert t.key_for(k) != v and t._keys(k, 7)[1] == v + b":lease"
+    other = RedisTier(url="redis://127.0.0.1:1/0", namespace="llama-3-8b")
+    assert other.key_for(k) != t.key_for(k)
+
+
+def test_arguments_and_pickling():
+    with pytest.raises(ValueError, match="exactly one"):
+        RedisTier(namespace="x")
+    with pytest.raises(ValueError, match="exactly one"):
+        RedisTier("redis://h", unix_socket="/s", namespace="x")
+    with pytest.raises(ValueError, match="namespace"):
+        RedisTier(url="redis://h", namespace="")
+    with pytest.raises(ValueError, match="timeout"):
+        RedisTier(url="redis://h", namespace="x", timeout=0)
+    with pytest.raises(ValueError, match="cluster node"):
+        RedisTier(cluster_nodes=["nohostport"], namespace="x")
+    t = RedisTier(cluster_nodes=["127.0.0.1:7000", ("127.0.0.1", 7001)], namespace="x",
+                  lease_ttl=3.0)
+    t2 = pickle.loads(pickle.dumps(t))
+    assert t2._config == t._config and t2.key_for(b"k" * 16) == t.key_for(b"k" * 16)
+    with pytest.raises(TypeError, match="client"):
+        pickle.dumps(RedisTier(client=object(), namespace="x"))
+
+
+def test_bad_tier2_argument_creates_nothing():
+    u = f"t2-{os.getpid()}-{uuidlib.uuid4().hex[:10]}"
+    with pytest.raises(TypeError, match="RedisTier"):
+        SlotCache.create(u, slots_per_rank=4, slot_size=64, tier2="redis://localhost")
+    with pytest.raises(SegmentNotFound):
+        SlotCache.unlink(u)
+
+
+def test_no_server_every_get_is_served_by_the_loader(nodes):
+    (c,) = nodes(1, tier2=RedisTier(url=f"redis://127.0.0.1:{free_port()}/0", namespace=_ns(),
+                                    timeout=0.05, breaker_failures=2))
+    keys = _keys(5)
+    for k in keys:
+        assert check_payload(k, c.get_or_load(k, lambda k=k: payload_for(k, SIZE)))
+    with c.get_many(_keys(3)) as b:
+        assert b.owner.all()  # the caller loads; nothing failed
+    s = _t2(c)
+    assert s["t2_bypasses"] == 8 and s["t2_hits"] == s["t2_misses"] == 0  # one per owner
+    assert c._tier2.tier.state == "open"
+
+
+# ---------------------------------------------------------------- two nodes
+
+
+def test_a_block_computed_on_node_a_is_served_on_node_b(nodes, backend, procs):
+    cfg = _cfg(backend)
+    a, b = nodes(2)
+    keys = _keys(12)
+    _, qa = procs.start(tw.load_keys, a.uuid, cfg, keys, 1, None, "one")
+    ra = procs.result(qa)
+    assert ra["runs"] == 12 and ra["ok"]
+    assert ra["t2"]["t2_misses"] == 12 and ra["t2"]["t2_writes"] == 12
+
+    # Node B: its prefix check sees tier 2; its processes get everything without a loader.
+    tb = RedisTier(**cfg)
+    b2 = SlotCache.attach(b.uuid, tier2=tb)
+    try:
+        assert b.exist_prefix(keys) == 0          # no tier 2 on this handle of the segment
+        assert b2.exist_prefix(keys) == 12        # one round trip to tier 2
+        assert b2.exist_prefix(keys + _keys(1)) == 12
+    finally:
+        b2.close()
+    _, q1 = procs.start(tw.load_keys, b.uuid, cfg, keys[:6], 2, None, "one")
+    _, q2 = procs.start(tw.load_keys, b.uuid, cfg, keys[6:], 3, None, "many")
+    r1, r2 = procs.result(q1), procs.result(q2)
+    assert (r1["runs"], r2["runs"]) == (0, 0), "node B's loader ran"
+    assert r1["ok"] and r2["ok"]
+    assert r1["t2"]["t2_hits"] == 6 and r2["t2"]["t2_hits"] == 6
+    assert b.exist(keys) == [True] * 12           # published in node B's segment
+
+
+def test_same_cold_keys_on_both_nodes_run_the_loader_once_in_all(nodes, backend, procs, gate):
+    cfg = _cfg(backend)
+    a, b = nodes(2)
+    keys = _keys(16)
+    start = gate()
+    qs = [procs.start(tw.load_keys, node.uuid, cfg, keys, seed, start.path, mode)[1]
+          for seed, (node, mode) in enumerate([(a, "one"), (a, "many"), (b, "one"),
+                                               (b, "many")])]
+    start.release()
+    rs = [procs.result(q) for q in qs]
+    assert all(r["ok"] for r in rs)
+    assert sum(r["runs"] for r in rs) == 16, [r["runs"] for r in rs]
+    t2 = {k: sum(r["t2"][k] for r in rs) for k in rs[0]["t2"]}
+    assert t2["t2_misses"] == 16 and t2["t2_bypasses"] == 0 and t2["t2_bad_values"] == 0
+
+
+def _events(n):
+    import multiprocessing as mp
+    ctx = mp.get_context("spawn")
+    return [ctx.Event() for _ in range(n)]
+
+
+def test_a_node_waits_for_the_node_holding_the_lease(nodes, backend, procs):
+    cfg = _cfg(backend)
+    a, b = nodes(2)
+    (key,) = _keys(1)
+    loading, waiting = _events(2)
+    # A's loader starts (its lease is taken), then waits until B waits on that lease.
+    _, qa = procs.start(tw.hold_lease, a.uuid, cfg, key, loading, waiting)
+    _, qb = procs.start(tw.wait_lease, b.uuid, cfg, key, loading, waiting)
+    ra, rb = procs.result(qa), procs.result(qb)
+    assert (ra["runs"], rb["runs"]) == (1, 0)
+    assert ra["ok"] and rb["ok"]
+    assert rb["t2"]["t2_lease_waits"] == 1 and rb["t2"]["t2_hits"] == 1
+    assert rb["t2"]["t2_misses"] == 0
+
+
+def test_a_dead_lease_holder_is_taken_over_when_its_lease_expires(nodes, redis_unix, procs):
+    # B is up and waiting before A dies, so it asks well within the lease (1.5 s).
+    cfg = dict(unix_socket=redis_unix.sock, namespace=_ns(), timeout=2.0, lease_ttl=1.5)
+    a, b = nodes(2)
+    (key,) = _keys(1)
+    loading, waiting, never, killed = _events(4)
+    pa, qa = procs.start(tw.hold_lease, a.uuid, cfg, key, loading, never)
+    _, qb = procs.start(tw.wait_lease, b.uuid, cfg, key, killed, waiting)
+    assert loading.wait(30)
+    pa.kill()                                   # dies inside its loader, holding the lease
+    pa.join(10)
+    killed.set()
+    rb = procs.result(qb)
+    assert waiting.is_set()
+    assert rb["runs"] == 1 and rb["ok"]         # B waited, then loaded it itself
+    assert rb["t2"]["t2_lease_waits"] == 1 and rb["t2"]["t2_misses"] == 1
+
+
+def test_get_many_takes_leases_in_order_and_never_waits_holding_one(nodes, redis_unix):
+    cfg = dict(unix_socket=redis_unix.sock, namespace=_ns(), timeout=2.0)
+    ta, tb = RedisTier(**cfg), RedisTier(**cfg)
+    a, b = nodes(2)
+    a2 = SlotCache.attach(a.uuid, tier2=ta)
+    b2 = SlotCache.attach(b.uuid, tier2=tb)
+    lo, hi = sorted(_keys(2), key=ta.key_for)
+    waiting = threading.Event()
+    out = {}
+    opened = []
+    try:
+        h_lo = a2.get_many([lo])                    # node A holds lo's lease
+        opened.append(h_lo)
+        assert h_lo.owner.tolist() == [True]
+
+        def node_b():
+            _tier2._points["lease_wait"] = lambda **info: waiting.set()
+            with b2.get_many([lo, hi], timeout=30) as batch:
+                out["owner"] = batch.owner.tolist()
+                batch.wait(30)
+                out["data"] = [bytes(batch.data(i)) for i in range(2)]
+        t = threading.Thread(target=node_b)
+        t.start()
+        try:
+            assert waiting.wait(30)
+            _tier2._points.pop("lease_wait", None)
+            # B waits for lo and holds no lease past it: node A can take hi's lease.
+            h_hi = a2.get_many([hi])
+            opened.append(h_hi)
+            assert h_hi.owner.tolist() == [True]
+            assert a2._tier2.pending[int(h_hi.slots[0])].token is not None
+            for h, k in ((h_hi, hi), (h_lo, lo)):
+                h.data(0)[:SIZE] = payload_for(k, SIZE)
+                h.ready(0, SIZE)
+                h.close()
+        finally:
+            t.join(60)
+            _tier2._points.pop("lease_wait", None)
+        assert out["owner"] == [False, False]      # both came from node A through tier 2
+        assert check_payload(lo, out["data"][0]) and check_payload(hi, out["data"][1])
+        s = b2.stats()["per_rank"][b2.rank]
+        assert s["t2_hits"] == 2 and s["t2_lease_waits"] >= 1 and s["t2_misses"] == 0
+    finally:
+        for h in opened:
+            h.close()
+        a2.close()
+        b2.close()
+
+
+def test_a_caller_owning_other_slots_does_not_wait_for_another_node(nodes, redis_unix):
+    cfg = dict(unix_socket=redis_unix.sock, namespace=_ns(), timeout=2.0)
+    a, b = nodes(2, tier2=None)
+    a2 = SlotCache.attach(a.uuid, tier2=RedisTier(**cfg))
+    b2 = SlotCache.attach(b.uuid, tier2=RedisTier(**cfg))
+    k1, k2 = _keys(2)
+    try:
+        with a2.get(k2) as held:                    # node A loads k2 (lease taken)
+            assert held.owner
+            with b2.get(k1) as mine:                # node B owns k1 ...
+                assert mine.owner
+                with b2.get(k2) as other:           # ... so it loads k2 rather than wait
+                    assert other.owner
+                    other.ready(0)
+                mine.ready(0)
+            held.ready(0)
+        s = b2.stats()["per_rank"][b2.rank]
+        assert s["t2_lease_waits"] == 0 and s["t2_misses"] == 2
+    finally:
+        a2.close()
+        b2.close()
+
+
+# ---------------------------------------------------------------- faults
+
+
+class FakeClock:
+    def __init__(self):
+        self.t = 1000.0
+
+    def __call__(self):
+        return self.t
+
+
+def _messages(caplog, text):
+    return [r for r in caplog.records if r.name == "ucmcache.tier2" and text in r.getMessage()]
+
+
+def test_server_killed_then_restarted(nodes, redis_unix, caplog):
+    caplog.set_level(logging.INFO, logger="ucmcache.tier2")
+    clock = FakeClock()
+    tier = RedisTier(unix_socket=redis_unix.sock, namespace=_ns(), timeout=0.05,
+                     breaker_failures=3, breaker_reset=5.0, clock=clock)
+    (c,) = nodes(1, tier2=tier)
+    keys = _keys(9)
+    runs = []
+
+    def load(k):
+        return c.get_or_load(k, lambda: (runs.append(k), payload_for(k, SIZE))[1])
+
+    assert check_payload(keys[0], load(keys[0]))
+    assert tier.flush() and redis_unix.client().exists(tier.key_for(keys[0]))
+
+    redis_unix.kill()                               # mid-run
+    for k in keys[1:6]:
+        t0 = time.monotonic()
+        assert check_payload(k, load(k))
+        assert time.monotonic() - t0 < 0.5         # never blocked past the bounds
+    assert check_payload(keys[0], load(keys[0]))   # a local hit needs no tier 2
+    assert tier.state == "open"
+    s = _t2(c)
+    assert s["t2_bypasses"] == 5 and s["t2_misses"] == 1 and len(runs) == 6
+    assert len(_messages(caplog, "circuit open")) == 1
+
+    redis_unix.start()                              # back, empty
+    assert check_payload(keys[6], load(keys[6]))   # the breaker waits breaker_reset first
+    assert _t2(c)["t2_bypasses"] == 6 and tier.state == "open"
+    clock.t += 5.0
+    assert check_payload(keys[7], load(keys[7]))   # the probe goes through: closed again
+    assert tier.state == "closed"
+    assert len(_messages(caplog, "circuit closed")) == 1
+    assert len(_messages(caplog, "circuit open")) == 1
+    assert check_payload(keys[8], load(keys[8]))
+    assert tier.flush()
+    r = redis_unix.client()
+    assert r.exists(tier.key_for(keys[7])) and r.exists(tier.key_for(keys[8]))
+    s = _t2(c)
+    assert s["t2_misses"] == 3 and s["t2_writes"] >= 3 and len(runs) == 9
+
+
+def test_slow_server_never_blocks_a_get_past_the_timeout(nodes, redis_unix):
+    tier = RedisTier(unix_socket=redis_unix.sock, namespace=_ns(), timeout=0.05,
+                     write_timeout=0.2, breaker_failures=3, breaker_reset=60.0)
+    (c,) = nodes(1, tier2=tier)
+    keys = _keys(7)
+    assert check_payload(keys[0], c.get_or_load(keys[0], lambda: payload_for(keys[0], SIZE)))
+    redis_unix.pause()                              # accepts, answers nothing
+    try:
+        times = []
+        for k in keys[1:]:
+            t0 = time.monotonic()
+            assert check_payload(k, c.get_or_load(k, lambda k=k: payload_for(k, SIZE)))
+            times.append(time.monotonic() - t0)
+            if len(times) == 3:
+                assert tier.state == "open"
+                fails = tier._breaker.fails
+        assert max(times[:3]) < 0.05 + 0.5, times       # one timed-out round trip each
+        assert max(times[3:]) < 0.5, times
+        assert tier._breaker.fails == fails             # breaker open: no round trip at all
+        assert tier.state == "open" and _t2(c)["t2_bypasses"] == 6
+    finally:
+        redis_unix.resume()
+
+
+def test_corrupt_truncated_and_foreign_values_are_misses(nodes, redis_unix):
+    tier = RedisTier(unix_socket=redis_unix.sock, namespace=_ns(), timeout=2.0)
+    (c,) = nodes(1, tier2=tier)
+    keys = _keys(8)
+    r = redis_unix.client()
+    good = {k: encode(tier.key_for(k), payload_for(k, SIZE)) for k in keys}
+    wrong_layout = bytearray(good[keys[4]])
+    wrong_layout[5] ^= 0x40
+    flipped = bytearray(good[keys[5]])
+    flipped[40] ^= 1
+    planted = [b"not a ucmcache value", good[keys[1]][:-7], good[keys[0]],  # foreign: key 0's
+               b"NOPE" + good[keys[3]][4:], bytes(wrong_layout), bytes(flipped),
+               encode(tier.key_for(keys[6]), b"z" * (SLOT + 1))]             # bigger than a slot
+    for k, blob in zip(keys[1:], planted):
+        r.set(tier.key_for(k), blob)
+    runs = []
+    for k in keys[1:5]:
+        v = c.get_or_load(k, lambda k=k: (runs.append(k), payload_for(k, SIZE))[1])
+        assert check_payload(k, v)
+    with c.get_many(keys[5:]) as b:                 # the batch path too
+        assert b.owner.tolist() == [True, True, True]
+        for i, k in enumerate(keys[5:]):
+            runs.append(k)
+            b.data(i)[:SIZE] = payload_for(k, SIZE)
+            b.ready(i, SIZE)
+    assert len(runs) == 7
+    s = _t2(c)
+    assert s["t2_bad_values"] == 7 and s["t2_misses"] == 7 and s["t2_hits"] == 0
+    assert tier.flush()
+    for k in keys[1:]:                              # written through over the bad ones
+        assert check_payload(k, bytes(decode(tier.key_for(k), r.get(tier.key_for(k)), SLOT)))
+
+
+def test_exist_prefix_consults_tier_2_for_the_rest_only(nodes, redis_unix):
+    from ucmcache import chain_keys
+    cfg = dict(unix_socket=redis_unix.sock, namespace=_ns(), timeout=0.05,
+               breaker_failures=1, breaker_reset=60.0)
+    a, b = nodes(2)
+    a2 = SlotCache.attach(a.uuid, tier2=RedisTier(**cfg))
+    b2 = SlotCache.attach(b.uuid, tier2=RedisTier(**cfg))
+    try:
+        keys = chain_keys([bytes([i]) * 32 for i in range(8)], namespace="m")
+        for k in keys[:6]:
+            a2.get_or_load(k, lambda k=k: payload_for(k, SIZE))
+        a2._tier2.tier.flush()
+        b.get_or_load(keys[0], lambda: payload_for(keys[0], SIZE))  # local only, no tier 2
+        assert b.exist_prefix(keys) == 1
+        assert b2.exist_prefix(keys) == 6
+        redis_unix.kill()
+        assert b2.exist_prefix(keys) == 1           # tier 2 down: what is local
+        assert b2.stats()["per_rank"][b2.rank]["t2_bypasses"] == 1
+    finally:
+        a2.close()
+        b2.close()
+
+
+# ---------------------------------------------------------------- cluster: a slot moves
+
+
+def _key_in_slot(tier, slot, block_id):
+    from redis.crc import key_slot
+    for off in range(1, 1 << 20):
+        if key_slot(tier.key_for((block_id, off))) == slot:
+            return (block_id, off)
+    raise AssertionError("no offset maps to the slot")
+
+
+def test_cluster_a_key_slot_moving_is_followed(nodes, redis_cluster):
+    from redis.crc import key_slot
+    cfg = dict(cluster_nodes=redis_cluster.startup, namespace=_ns(), timeout=2.0)
+    ta, tb = RedisTier(**cfg), RedisTier(**cfg)
+    a, b = nodes(2)
+    a2 = SlotCache.attach(a.uuid, tier2=ta)
+    b2 = SlotCache.attach(b.uuid, tier2=tb)
+    moved = None
+    try:
+        k1, k2 = _keys(2)
+        for k in (k1, k2):
+            a2.get_or_load(k, lambda k=k: payload_for(k, SIZE))
+        assert ta.flush()
+        warm = _keys(1)[0]                          # B's client learns the slot map now
+        b2.get_or_load(warm, lambda: payload_for(warm, SIZE))
+        slot = key_slot(ta.key_for(k1))
+        src = redis_cluster.owner_of(slot)
+        dst = next(n for n in redis_cluster.nodes if n is not src)
+        k3 = _key_in_slot(ta, slot, os.urandom(16))  # a new key in the moving slot
+
+        redis_cluster.begin_migration(slot, src, dst)
+        moved = (slot, dst)
+        # Mid-migration: k1 is on dst already (ASK from src), k3 is new (its lease and value
+        # go to dst by ASK too).
+        runs = []
+        assert check_payload(k1, b2.get_or_load(k1, lambda: runs.append(1) or b"x"))
+        assert check_payload(k3[0], a2.get_or_load(k3, lambda: payload_for(k3[0], SIZE)))
+        assert ta.flush()
+        redis_cluster.end_migration(slot, dst)
+        moved = None
+        # After: B's stale map says src, src answers MOVED.
+        assert check_payload(k3[0], b2.get_or_load(k3, lambda: runs.append(3) or b"x"))
+        assert check_payload(k2, b2.get_or_load(k2, lambda: runs.append(2) or b"x"))
+        assert runs == []
+        s = b2.stats()["per_rank"][b2.rank]
+        assert s["t2_hits"] == 3 and s["t2_bypasses"] == 0
+        c = dst.client()
+        assert c.exists(ta.key_for(k1)) and c.exists(ta.key_for(k3))
+        c.close()
+    finally:
+        if moved is not None:
+            redis_cluster.end_migration(*moved)
+        a2.close()
+        b2.close()
+
+
+def test_a_failed_load_drops_its_lease_at_once(nodes, redis_unix):
+    """A node whose load fails drops its lease: a waiting node takes over at once, long
+    before the lease would expire."""
+    cfg = dict(unix_socket=redis_unix.sock, namespace=_ns(), timeout=2.0, lease_ttl=60.0)
+    a, b = nodes(2)
+    a2 = SlotCache.attach(a.uuid, tier2=RedisTier(**cfg))
+    b2 = SlotCache.attach(b.uuid, tier2=RedisTier(**cfg))
+    (key,) = _keys(1)
+    waiting = threading.Event()
+    out = {}
+    try:
+        h = a2.get(key)
+        assert h.owner                             # node A holds the lease
+
+        def node_b():
+            _tier2._points["lease_wait"] = lambda **info: waiting.set()
+            out["v"] = b2.get_or_load(key, lambda: payload_for(key, SIZE), timeout=30)
+        t = threading.Thread(target=node_b)
+        t.start()
+        try:
+            assert waiting.wait(30)
+            t0 = time.monotonic()
+            h.fail("no GPU")                        # node A's load fails ...
+            h.close()                               # ... and its lease goes with the handle
+        finally:
+            t.join(60)
+            _tier2._points.pop("lease_wait", None)
+        assert time.monotonic() - t0 < 10          # not the lease's 60 s
+        assert check_payload(key, out["v"])
+        s = b2.stats()["per_rank"][b2.rank]
+        assert s["t2_lease_waits"] == 1 and s["t2_misses"] == 1
+        assert a2._tier2.tier.flush() and a2._tier2.tier.counters["releases"] == 1
+    finally:
+        a2.close()
+        b2.close()
+
+
+def test_write_through_is_off_the_path_and_bounded(nodes, redis_unix):
+    """Publishing never waits for Redis: while the writer is held, the value is Ready locally
+    and not yet in Redis; past max_pending_bytes write-throughs are dropped (and counted), and
+    the dropped one's lease is released rather than left to expire."""
+    tier = RedisTier(unix_socket=redis_unix.sock, namespace=_ns(), timeout=2.0,
+                     max_pending_bytes=300)
+    (c,) = nodes(1, tier2=tier)
+    r = redis_unix.client()
+    k1, k2, k3 = _keys(3)
+    holding, go = threading.Event(), threading.Event()
+
+    def hold(**info):
+        holding.set()
+        assert go.wait(30)
+    _tier2._points["before_write"] = hold
+    try:
+        assert check_payload(k1, c.get_or_load(k1, lambda: payload_for(k1, SIZE)))
+        assert holding.wait(30)                     # the writer holds k1's write-through
+        _tier2._points.pop("before_write")
+        assert c.exist([k1]) == [True] and not r.exists(tier.key_for(k1))
+        c.get_or_load(k2, lambda: payload_for(k2, SIZE))   # queued (224 bytes)
+        c.get_or_load(k3, lambda: payload_for(k3, SIZE))   # over 300 bytes queued: dropped
+        assert tier.counters["writes_dropped"] == 1 and _t2(c)["t2_writes"] == 2
+    finally:
+        _tier2._points.pop("before_write", None)
+        go.set()
+    assert tier.flush()
+    assert r.exists(tier.key_for(k1)) and r.exists(tier.key_for(k2))
+    assert not r.exists(tier.key_for(k3)) and not r.exists(tier.key_for(k3) + b":lease")
+    assert tier.counters["releases"] == 1
