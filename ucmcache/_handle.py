@@ -37,10 +37,36 @@ def _owned_slots(cache: "SlotCache") -> set:
     return d.setdefault(id(cache), set())
 
 
-class Handle:
+class _Pins:
+    """What every holder of pins shares: it closes when collected, and is never copied (a copy
+    would release the same pins twice) or pickled (pins belong to this process)."""
+
+    __slots__ = ()
+    _what = "pins"
+
+    def __del__(self) -> None:
+        if not getattr(self, "_closed", True):
+            try:
+                self.close()
+            except Exception:
+                pass
+
+    def __copy__(self):
+        raise TypeError(f"a {type(self).__name__} holds {self._what} and cannot be copied")
+
+    def __deepcopy__(self, memo):
+        self.__copy__()
+
+    def __reduce__(self):
+        raise TypeError(f"a {type(self).__name__} holds {self._what} in this process and cannot "
+                        "be pickled")
+
+
+class Handle(_Pins):
     """A pinned slot.  Use as a context manager; see SlotCache.get."""
 
     __slots__ = ("_cache", "_slot", "_owner", "_timeout", "_views", "_closed", "__weakref__")
+    _what = "one pin"
 
     def __init__(self, cache: "SlotCache", slot: int, owner: bool, timeout: Optional[float]):
         self._cache = cache
@@ -175,22 +201,6 @@ class Handle:
             self.fail(f"{exc_type.__name__}: {exc}")
         self.close()
 
-    def __del__(self) -> None:
-        if not getattr(self, "_closed", True):
-            try:
-                self.close()
-            except Exception:
-                pass
-
-    def __copy__(self):
-        raise TypeError("a Handle is one pin and cannot be copied; get() another")
-
-    def __deepcopy__(self, memo):
-        raise TypeError("a Handle is one pin and cannot be copied; get() another")
-
-    def __reduce__(self):
-        raise TypeError("a Handle is one pin in this process and cannot be pickled")
-
     def __repr__(self) -> str:
         if self._closed:
             return "<Handle closed>"
@@ -294,7 +304,7 @@ def release_views(views: list) -> None:
             pass
 
 
-class HandleBatch:
+class HandleBatch(_Pins):
     """The pins of one request's keys: one C call pins them all, one releases them all.
 
     ``owner`` and ``state`` are numpy arrays over the positions; a key that appears twice is
@@ -412,21 +422,6 @@ class HandleBatch:
                     publish_failed(self._cache, s, True, f"{exc_type.__name__}: {exc}")
         self.close()
 
-    def __del__(self) -> None:
-        if not getattr(self, "_closed", True):
-            try:
-                self.close()
-            except Exception:
-                pass
-
-    def __copy__(self):
-        raise TypeError("a HandleBatch holds pins and cannot be copied")
-
-    def __deepcopy__(self, memo):
-        raise TypeError("a HandleBatch holds pins and cannot be copied")
-
-    def __reduce__(self):
-        raise TypeError("a HandleBatch holds pins in this process and cannot be pickled")
 
 
 def _publish_failed_quietly(cache: "SlotCache", slot: int) -> None:
