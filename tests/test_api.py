@@ -362,3 +362,15 @@ def test_two_threads_of_one_process_share_a_load(make_cache):
         release.set()
         t.join(30)
     assert out == {"a": b"shared"} and c.stats()["loads_started"] == 1
+
+
+def test_batch_owner_view_is_released_on_ready(make_cache):
+    c = make_cache()
+    with c.get_many([K1, K2]) as b:
+        v = b.data(0)
+        v[:2] = b"ab"
+        b.ready(0, 2)
+        with pytest.raises(ValueError, match="released"):
+            v[:1] = b"x"                       # the writable view ended with the load
+        b.fail(1, "no")
+    assert c.exist([K1, K2]) == [True, False]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextvars
 import time
-from typing import TYPE_CHECKING, List, Optional
+from typing import TYPE_CHECKING, Dict, List, Optional
 
 import numpy as np
 
@@ -317,6 +317,7 @@ class HandleBatch(_Pins):
         self._slots = slots
         self.owner = owner
         self._timeout = timeout
+        self._owner_views: Dict[int, list] = {}  # position -> the owner's writable views
         self._views: list = []
         self._closed = False
         for s in slots[owner]:
@@ -351,7 +352,8 @@ class HandleBatch(_Pins):
     def data(self, i: int) -> memoryview:
         self._check_open()
         i = self._index(i)
-        return slot_data(self._cache, int(self._slots[i]), bool(self.owner[i]), self._views)
+        views = self._owner_views.setdefault(i, []) if self.owner[i] else self._views
+        return slot_data(self._cache, int(self._slots[i]), bool(self.owner[i]), views)
 
     def array(self, i: int, dtype, shape=None) -> np.ndarray:
         return as_array(self.data(i), dtype, shape)
@@ -360,11 +362,13 @@ class HandleBatch(_Pins):
         self._check_open()
         i = self._index(i)
         publish_ready(self._cache, int(self._slots[i]), bool(self.owner[i]), nbytes)
+        release_views(self._owner_views.pop(i, []))  # the owner's writable view ends with the load
 
     def fail(self, i: int, message: str = "load failed") -> None:
         self._check_open()
         i = self._index(i)
         publish_failed(self._cache, int(self._slots[i]), bool(self.owner[i]), message)
+        release_views(self._owner_views.pop(i, []))
 
     def wait(self, timeout: Optional[float] = None) -> "HandleBatch":
         """Wait for every position that another caller is loading.  Raises LoadFailed for the
@@ -402,6 +406,9 @@ class HandleBatch(_Pins):
                 s = int(s)
                 if lib.ucm_slot_state(cache._ctx, s) == lib.UCM_LOADING:
                     _publish_failed_quietly(cache, s)
+            for views in self._owner_views.values():
+                release_views(views)
+            self._owner_views = {}
             release_views(self._views)
             self._views = []
         finally:
