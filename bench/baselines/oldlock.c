@@ -297,6 +297,9 @@ static int o_alloc(old_ctx *c, uint32_t b, const uint64_t *k, uint32_t *slot_out
 
 /* ---------------------------------------------------------------- the API the bench calls */
 
+uint32_t old_slot_state(old_ctx *c, uint32_t s);
+
+
 /* Get: bucket lock, FindAt (+reference), else Alloc under the bucket lock.  Returns
  * (state << 32 | slot), with OLD_OWNER_FLAG when the caller must fill it, or -code. */
 int64_t old_get(old_ctx *c, const char *id, uint64_t offset)
@@ -308,6 +311,8 @@ int64_t old_get(old_ctx *c, const char *id, uint64_t offset)
     s = o_find_ref(c, b, k, 1, &st);
     if (s != UCM_NIL) {
         o_bucket_unlock(c, b);
+        /* Handle::Ready(): the ready flag is read again, under the node lock, by the handle. */
+        st = old_slot_state(c, s);
         return ((int64_t)st << 32) | s;
     }
     int r = o_alloc(c, b, k, &s);

@@ -1,0 +1,1 @@
+"""ucmcache benchmarks: see bench/run.py (python -m bench.run --help)."""

@@ -1,0 +1,1 @@
+"""Baselines the benchmark compares ucmcache with (never imported by ucmcache)."""

@@ -1,0 +1,105 @@
+"""Shared pieces of the benchmark: key sets, payloads, timing statistics, small helpers.
+
+Key i of a key set is splitmix64(seed + 2i) || splitmix64(seed + 2i + 1), 16 bytes little endian,
+the same formula as bench/floor.c, so every system (and the C floor) sees the same ids.
+"""
+from __future__ import annotations
+
+import os
+import time
+from typing import Dict, Iterable, List, Sequence
+
+import numpy as np
+
+KEY_SEED = 0x5EED
+MASK64 = np.uint64(0xFFFFFFFFFFFFFFFF)
+
+
+def _splitmix64(x: np.ndarray) -> np.ndarray:
+    with np.errstate(over="ignore"):
+        z = x + np.uint64(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return z ^ (z >> np.uint64(31))
+
+
+def key_block(n: int, seed: int = KEY_SEED, start: int = 0) -> bytes:
+    """n keys (16 bytes each) joined: keys start .. start+n-1 of the set `seed`."""
+    i = np.arange(start, start + n, dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        a = _splitmix64(np.uint64(seed) + np.uint64(2) * i)
+        b = _splitmix64(np.uint64(seed) + np.uint64(2) * i + np.uint64(1))
+    out = np.empty((n, 2), dtype="<u8")
+    out[:, 0] = a
+    out[:, 1] = b
+    return out.tobytes()
+
+
+def keys(n: int, seed: int = KEY_SEED, start: int = 0) -> List[bytes]:
+    blk = key_block(n, seed, start)
+    return [blk[16 * j:16 * j + 16] for j in range(n)]
+
+
+def payload(size: int, tag: int = 1) -> bytes:
+    """A deterministic payload of `size` bytes (same bytes for every system)."""
+    rng = np.random.default_rng(1000 + tag)
+    return rng.integers(0, 256, size=size, dtype=np.uint8).tobytes()
+
+
+def rng_indices(n: int, high: int, seed: int) -> List[int]:
+    return np.random.default_rng(seed).integers(0, high, size=n).tolist()
+
+
+def stats_ns(samples: Sequence[float], overhead: float = 0.0, div: float = 1.0) -> Dict[str, float]:
+    """p50 / p99 / mean of samples (ns), minus a timer overhead, divided by div (per key)."""
+    a = np.asarray(samples, dtype=np.float64)
+    if a.size == 0:
+        return {"p50_ns": None, "p99_ns": None, "mean_ns": None, "n": 0}
+    a = np.maximum(a - overhead, 0.0) / div
+    return {"p50_ns": round(float(np.percentile(a, 50)), 1),
+            "p99_ns": round(float(np.percentile(a, 99)), 1),
+            "mean_ns": round(float(a.mean()), 1), "n": int(a.size)}
+
+
+def timer_overhead(n: int = 20000) -> float:
+    """Median cost of the timing scaffold used around one op (two perf_counter_ns and a store)."""
+    pc = time.perf_counter_ns
+    out = [0] * n
+    for i in range(n):
+        t0 = pc()
+        out[i] = pc() - t0
+    return float(np.median(out))
+
+
+def loop_overhead(seq: Sequence) -> float:
+    """Per-iteration cost of an empty `for k in seq` loop (subtracted from bulk means)."""
+    pc = time.perf_counter_ns
+    t0 = pc()
+    for _k in seq:
+        pass
+    return (pc() - t0) / max(1, len(seq))
+
+
+def spin_ns(ns: int) -> None:
+    """Busy work for about ns nanoseconds (a loader's cost; burns CPU like real work)."""
+    end = time.perf_counter_ns() + ns
+    pc = time.perf_counter_ns
+    while pc() < end:
+        pass
+
+
+def tag() -> str:
+    """A unique tag for segment / store names of this run."""
+    return f"{os.getpid()}-{os.urandom(4).hex()}"
+
+
+def loadavg() -> List[float]:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return []
+
+
+def chunks(seq: Sequence, n: int) -> Iterable[Sequence]:
+    for i in range(0, len(seq), n):
+        yield seq[i:i + n]

@@ -1,0 +1,582 @@
+"""Turns one run's measurements into ratios, targets, latest.json, latest.md and latest.png."""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Dict, List, Optional, Tuple
+
+ORDER = ["ucmcache", "old", "lmdb", "redis", "manager", "diskcache"]
+LABELS = {"ucmcache": "ucmcache", "old": "old design (Python API)", "lmdb": "py-lmdb",
+          "redis": "Redis (unix socket)", "manager": "Manager dict", "diskcache": "diskcache"}
+WRAPPER = "ucmcache bench"
+
+
+def _get(d: Any, *path, default=None):
+    for p in path:
+        if not isinstance(d, dict) or p not in d:
+            return default
+        d = d[p]
+    return d
+
+
+def _ratio(num: Optional[float], den: Optional[float]) -> Optional[float]:
+    if num is None or den is None or den <= 0:
+        return None
+    return round(num / den, 2)
+
+
+def fmt_x(r: Optional[float]) -> str:
+    return "—" if r is None else (f"{r:.2f}x" if r < 10 else f"{r:.0f}x" if r >= 100 else f"{r:.1f}x")
+
+
+def fmt_ns(v: Optional[float]) -> str:
+    if v is None:
+        return "—"
+    if v >= 1e6:
+        return f"{v / 1e6:.2f} ms"
+    if v >= 1e4:
+        return f"{v / 1e3:.1f} µs"
+    return f"{v:.0f} ns"
+
+
+def fmt_ops(v: Optional[float]) -> str:
+    if v is None:
+        return "—"
+    if v >= 1e6:
+        return f"{v / 1e6:.2f} M"
+    if v >= 1e3:
+        return f"{v / 1e3:.1f} k"
+    return f"{v:.0f}"
+
+
+def fmt_us(v: Optional[float]) -> str:
+    return "—" if v is None else (f"{v:.1f} µs" if v < 1000 else f"{v / 1000:.2f} ms")
+
+
+# ====================================================================== ratios
+
+
+def compute_ratios(out: Dict[str, Any]) -> Dict[str, Any]:
+    R: Dict[str, Any] = {}
+    s1 = _get(out, "s1_hit", "by_size", default={})
+    for size, row in s1.items():
+        u = _get(row, "ucmcache", "p50_ns")
+        R.setdefault("s1_hit_p50", {})[size] = {
+            b: _ratio(_get(row, b, "p50_ns"), u) for b in row if b != "ucmcache"}
+    s2 = _get(out, "s2_batch", "systems", default={})
+    ue = _get(s2, "ucmcache", "exist_per_key", "mean_ns")
+    ug = _get(s2, "ucmcache", "get_many_per_key", "mean_ns")
+    R["s2_exist"] = {b: _ratio(_get(v, "exist_per_key", "mean_ns"), ue) for b, v in s2.items() if b != "ucmcache"}
+    R["s2_get_many"] = {b: _ratio(_get(v, "get_many_per_key", "mean_ns"), ug) for b, v in s2.items() if b != "ucmcache"}
+    s3 = _get(out, "s3_mix", "by_size", default={})
+    for size, blk in s3.items():
+        sy = blk["systems"]
+        u2 = _get(sy, "ucmcache", "2p", "ops_per_s")
+        R.setdefault("s3_mix_2p", {})[size] = {b: _ratio(u2, _get(v, "2p", "ops_per_s"))
+                                               for b, v in sy.items() if b != "ucmcache"}
+        R.setdefault("s3_scaling", {})[size] = {
+            b: _ratio(_get(v, "2p", "ops_per_s"), _get(v, "1p", "ops_per_s"))
+            for b, v in sy.items() if "1p" in v}
+    s4 = _get(out, "s4_flight", "systems", default={})
+    uw = _get(s4, "ucmcache", "wake_p50_us")
+    R["s4_wake_p50"] = {b: _ratio(_get(v, "wake_p50_us"), uw) for b, v in s4.items() if b != "ucmcache"}
+    s5 = _get(out, "s5_churn", "by_size", default={})
+    for size, blk in s5.items():
+        sy = blk["systems"]
+        u = _get(sy, "ucmcache", "ops_per_s")
+        R.setdefault("s5_churn", {})[size] = {b: _ratio(u, _get(v, "ops_per_s"))
+                                              for b, v in sy.items() if b != "ucmcache"}
+    cf = _get(out, "c_floor", default={})
+    if "hit" in cf:
+        R["c_floor"] = {
+            "hit_p50_new_vs_old": {s: _ratio(_get(v, "old", "p50_ns"), _get(v, "new", "p50_ns"))
+                                   for s, v in cf["hit"].items()},
+            "exist_new_vs_old": _ratio(_get(cf, "batch", "old", "exist_ns_per_key"),
+                                       _get(cf, "batch", "new", "exist_ns_per_key")),
+            "get_many_new_vs_old": _ratio(_get(cf, "batch", "old", "get_many_ns_per_key"),
+                                          _get(cf, "batch", "new", "get_many_ns_per_key")),
+            "mix_2p_new_vs_old": {s: _ratio(_get(v, "new", "2", "ops_per_s"), _get(v, "old", "2", "ops_per_s"))
+                                  for s, v in cf["mix"].items()},
+            "mix_1p_new_vs_old": {s: _ratio(_get(v, "new", "1", "ops_per_s"), _get(v, "old", "1", "ops_per_s"))
+                                  for s, v in cf["mix"].items()},
+            "mix_scaling_new": {s: _ratio(_get(v, "new", "2", "ops_per_s"), _get(v, "new", "1", "ops_per_s"))
+                                for s, v in cf["mix"].items()},
+            "mix_scaling_old": {s: _ratio(_get(v, "old", "2", "ops_per_s"), _get(v, "old", "1", "ops_per_s"))
+                                for s, v in cf["mix"].items()},
+            "churn_new_vs_old": _ratio(_get(cf, "churn", "new", "ops_per_s"), _get(cf, "churn", "old", "ops_per_s")),
+        }
+    return R
+
+
+def compute_targets(out: Dict[str, Any], R: Dict[str, Any]) -> List[Dict[str, Any]]:
+    T: List[Dict[str, Any]] = []
+
+    def add(name, goal, value, met, detail=""):
+        T.append({"target": name, "goal": goal, "measured": value, "met": met, "detail": detail})
+
+    def ge(v, g):
+        return None if v is None else v >= g
+
+    for b, g, label in (("lmdb", 1.5, "py-lmdb"), ("redis", 20, "Redis"), ("manager", 40, "Manager dict")):
+        v = _get(R, "s1_hit_p50", "4096", b)
+        v64 = _get(R, "s1_hit_p50", "65536", b)
+        add(f"per-key hit vs {label} (scenario 1, p50)", f">= {g}x", v, ge(v, g),
+            f"4 KiB {fmt_x(v)}, 64 KiB {fmt_x(v64)}")
+    v = _get(R, "s2_get_many", "lmdb")
+    add("batch get_many vs py-lmdb, per key (scenario 2)", ">= 4x", v, ge(v, 4), fmt_x(v))
+    v = _get(R, "s2_exist", "lmdb")
+    add("batch exist vs py-lmdb, per key (scenario 2)", ">= 5x", v, ge(v, 5), fmt_x(v))
+    v = _get(R, "c_floor", "mix_2p_new_vs_old", "4096")
+    v64 = _get(R, "c_floor", "mix_2p_new_vs_old", "65536")
+    add("2 processes, hit-heavy mix vs old design, C-only floor", ">= 3x", v, ge(v, 3),
+        f"4 KiB {fmt_x(v)}, 64 KiB {fmt_x(v64)}")
+    v = _get(R, "s3_mix_2p", "4096", "old")
+    v64 = _get(R, "s3_mix_2p", "65536", "old")
+    add("2 processes, hit-heavy mix vs old design, Python API (scenario 3)", ">= 1.3x", v, ge(v, 1.3),
+        f"4 KiB {fmt_x(v)}, 64 KiB {fmt_x(v64)}")
+    w = _get(out, "s4_flight", "systems", "ucmcache", "wake_p50_us")
+    add("waiter wake latency p50 (scenario 4)", "< 20 µs", w, None if w is None else w < 20,
+        f"{fmt_us(w)} (p99 {fmt_us(_get(out, 's4_flight', 'systems', 'ucmcache', 'wake_p99_us'))}); "
+        f"loader runs {_get(out, 's4_flight', 'systems', 'ucmcache', 'loader_runs')} of "
+        f"{_get(out, 's4_flight', 'keys')}; C floor (futex, no Python) "
+        f"{fmt_us(_get(out, 'c_floor', 'flight', 'new', 'wake_p50_us'))}")
+    v = _get(R, "s3_scaling", "4096", "ucmcache")
+    v64 = _get(R, "s3_scaling", "65536", "ucmcache")
+    cf = _get(R, "c_floor", "mix_scaling_new", "4096")
+    add("hit-heavy throughput, 2 processes vs 1 (scenario 3)", ">= 1.8x", v, ge(v, 1.8),
+        f"Python API 4 KiB {fmt_x(v)}, 64 KiB {fmt_x(v64)}; C floor 4 KiB {fmt_x(cf)}")
+    lay = out.get("layout", {})
+    typ = next((v for k, v in lay.items() if k.startswith("typical")), None)
+    if typ:
+        others = "; ".join(f"{k.split(':')[0]} {v['pct']}%" for k, v in lay.items() if not k.startswith("typical"))
+        add("control region / data region at 4 KiB slots", "<= 3%", typ["pct"], typ["pct"] <= 3,
+            f"typical (8 ranks x 16384 slots): {typ['control_bytes'] / 2**20:.1f} MiB control / "
+            f"{typ['data_bytes'] / 2**20:.0f} MiB data = {typ['pct']}%; {others}")
+    return T
+
+
+def ratio_lines(out: Dict[str, Any]) -> List[str]:
+    R = out.get("ratios", {})
+    lines = ["Ratios, ucmcache's speed-up over each baseline (>1: ucmcache faster):"]
+
+    def row(title, d):
+        if d:
+            lines.append(f"  {title}: " + ", ".join(f"{LABELS.get(b, b)} {fmt_x(v)}"
+                                                    for b, v in d.items()))
+
+    for size, d in R.get("s1_hit_p50", {}).items():
+        row(f"1 hit p50, {int(size) // 1024} KiB", d)
+    row("2 batch exist, ns/key", R.get("s2_exist"))
+    row("2 batch get_many, ns/key", R.get("s2_get_many"))
+    for size, d in R.get("s3_mix_2p", {}).items():
+        row(f"3 mix 2 procs, {int(size) // 1024} KiB", d)
+    row("4 flight wake p50", R.get("s4_wake_p50"))
+    for size, d in R.get("s5_churn", {}).items():
+        row(f"5 churn, {int(size) // 1024} KiB", d)
+    cf = R.get("c_floor")
+    if cf:
+        lines.append("  C floor, new vs old: hit p50 " +
+                     ", ".join(f"{int(k) // 1024} KiB {fmt_x(v)}" for k, v in cf["hit_p50_new_vs_old"].items()) +
+                     f"; exist {fmt_x(cf['exist_new_vs_old'])}; get_many {fmt_x(cf['get_many_new_vs_old'])}; "
+                     "mix 2 procs " +
+                     ", ".join(f"{int(k) // 1024} KiB {fmt_x(v)}" for k, v in cf["mix_2p_new_vs_old"].items()) +
+                     f"; churn {fmt_x(cf['churn_new_vs_old'])}")
+    return lines
+
+
+def target_lines(out: Dict[str, Any]) -> List[str]:
+    lines = ["Targets (issue 7) and where this run stands:"]
+    for t in out.get("targets", []):
+        mark = {True: "MET    ", False: "NOT MET", None: "n/a    "}[t["met"]]
+        lines.append(f"  [{mark}] {t['target']}: goal {t['goal']}; measured {t['detail']}")
+    return lines
+
+
+# ====================================================================== markdown
+
+
+def _systems_in(*dicts) -> List[str]:
+    seen = set()
+    for d in dicts:
+        if isinstance(d, dict):
+            seen.update(d.keys())
+    return [s for s in ORDER if s in seen]
+
+
+def markdown(out: Dict[str, Any]) -> str:
+    m = out["meta"]
+    R = out.get("ratios", {})
+    L: List[str] = []
+    L.append("# ucmcache benchmark results")
+    L.append("")
+    L.append(f"Rerun: `{WRAPPER}` (= `.venv/bin/python -m bench.run` from the repository root; add `--quick` for a "
+             "harness check with tiny sizes). This file was written by "
+             f"`{m['command']}` on {m['started']}: {m['cores']} cores, load average "
+             f"{m.get('load_before')} before, {m.get('load_after')} after; wall time "
+             f"{m.get('wall_s')} s{' (QUICK run: tiny sizes, numbers mean little)' if m.get('quick') else ''}.")
+    L.append("Every number below was measured in that one run. **x** = ucmcache's speed-up over that "
+             "system (its time / ucmcache's time, or ucmcache's ops/s / its ops/s): above 1 ucmcache "
+             "is faster, below 1 slower.")
+    lb = m.get("load_before") or []
+    if lb and m.get("cores") and lb[0] > 0.5 * m["cores"]:
+        L.append("")
+        L.append(f"**The machine was busy during this run** (load average {lb[0]} on {m['cores']} "
+                 "cores, from other work): single-process figures are roughly right, but the "
+                 "multi-process ones (2-process throughput and scaling, single-flight wake latency, "
+                 "where a woken process waits for a free CPU) are depressed. Rerun on a quiet "
+                 "machine before quoting them.")
+    L.append("")
+    L.append("## Baselines")
+    L.append("")
+    L.append("| system | status |")
+    L.append("|---|---|")
+    for name, b in out.get("baselines", {}).items():
+        st = "available" + (f" ({b['note']})" if b.get("note") else "") if b["available"] else \
+            f"**skipped**: {b.get('skipped_why')}"
+        L.append(f"| {b['label']} | {st} |")
+    L.append("")
+    L.append("## Targets (issue 7)")
+    L.append("")
+    L.append("| target | goal | measured | met |")
+    L.append("|---|---|---|---|")
+    for t in out.get("targets", []):
+        L.append(f"| {t['target']} | {t['goal']} | {t['detail']} | "
+                 f"{ {True: 'yes', False: '**no**', None: 'n/a'}[t['met']] } |")
+    L.append("")
+
+    # ---- scenario 1
+    s1 = _get(out, "s1_hit", "by_size", default={})
+    if s1:
+        sizes = list(s1)
+        L.append("## 1. Single-process hit: get + release, ns/op")
+        L.append("")
+        L.append(f"{_get(out, 's1_hit', 'resident_keys')} resident keys, random order; each op "
+                 f"timed alone, timer overhead ({_get(out, 's1_hit', 'timer_overhead_ns'):.0f} ns) "
+                 "subtracted; x from p50. ucmcache: `with cache.get(k): pass`.")
+        L.append("")
+        hdr = "| system |" + "".join(f" {int(s) // 1024} KiB p50 | p99 | mean | x |" for s in sizes)
+        L.append(hdr)
+        L.append("|---|" + "---|---|---|---|" * len(sizes))
+        for sysn in _systems_in(*s1.values()):
+            cells = []
+            for s in sizes:
+                r = s1[s].get(sysn, {})
+                if "error" in r:
+                    cells.append(f" error: {r['error'][:60]} | | | |")
+                    continue
+                x = "—" if sysn == "ucmcache" else fmt_x(_get(R, "s1_hit_p50", s, sysn))
+                cells.append(f" {fmt_ns(r.get('p50_ns'))} | {fmt_ns(r.get('p99_ns'))} | "
+                             f"{fmt_ns(r.get('bulk_mean_ns'))} | {x} |")
+            L.append(f"| {LABELS[sysn]} |" + "".join(cells))
+        for extra, label in (("get_close", "ucmcache `h = get(k); h.close()`"),
+                             ("get_data_close", "ucmcache `with get(k) as h: h.data`")):
+            cells = []
+            for s in sizes:
+                r = _get(s1, s, "ucmcache", extra, default={})
+                cells.append(f" {fmt_ns(r.get('p50_ns'))} | {fmt_ns(r.get('p99_ns'))} | "
+                             f"{fmt_ns(r.get('mean_ns'))} | |")
+            L.append(f"| {label} |" + "".join(cells))
+        pf = _get(out, "py_floor", "hit")
+        if pf:
+            L.append("| Python floor (empty context manager + 2 no-op C calls) |" +
+                     "".join(f" {fmt_ns(pf['p50_ns'])} | {fmt_ns(pf['p99_ns'])} | {fmt_ns(pf['mean_ns'])} | |"
+                             for _ in sizes))
+        cf = _get(out, "c_floor", "hit")
+        if cf:
+            for d, label in (("new", "C floor: ucm_lookup_pin + ucm_release"),
+                             ("old", "C floor: old design get + release")):
+                cells = []
+                for s in sizes:
+                    r = _get(cf, s, d, default={})
+                    x = fmt_x(_get(R, "c_floor", "hit_p50_new_vs_old", s)) if d == "old" else ""
+                    cells.append(f" {r.get('p50_ns', '—')} ns | {r.get('p99_ns', '—')} ns | "
+                                 f"{r.get('mean_ns', '—')} ns | {x} |")
+                L.append(f"| {label} |" + "".join(cells))
+            L.append("")
+            L.append("C floor p50/p99 are of 32-op chunk averages; its x column is new vs old.")
+        L.append("")
+
+    # ---- scenario 2
+    s2 = _get(out, "s2_batch", "systems", default={})
+    if s2:
+        L.append(f"## 2. Batches of {_get(out, 's2_batch', 'batch')} keys over "
+                 f"{_get(out, 's2_batch', 'resident_keys'):,} resident keys (4 KiB), ns/key")
+        L.append("")
+        L.append("Per request, divided by its key count; x from the mean. ucmcache: one `exist(keys)`; "
+                 "`with get_many(keys): pass`. LMDB: one read transaction per request.")
+        L.append("")
+        L.append("| system | exist mean | p50 | p99 | x | get_many+release mean | p50 | p99 | x |")
+        L.append("|---|---|---|---|---|---|---|---|---|")
+        for sysn in _systems_in(s2):
+            r = s2[sysn]
+            if "error" in r:
+                L.append(f"| {LABELS[sysn]} | error: {r['error'][:80]} | | | | | | | |")
+                continue
+            e, g = r["exist_per_key"], r["get_many_per_key"]
+            xe = "—" if sysn == "ucmcache" else fmt_x(_get(R, "s2_exist", sysn))
+            xg = "—" if sysn == "ucmcache" else fmt_x(_get(R, "s2_get_many", sysn))
+            L.append(f"| {LABELS[sysn]} | {fmt_ns(e['mean_ns'])} | {fmt_ns(e['p50_ns'])} | "
+                     f"{fmt_ns(e['p99_ns'])} | {xe} | {fmt_ns(g['mean_ns'])} | {fmt_ns(g['p50_ns'])} | "
+                     f"{fmt_ns(g['p99_ns'])} | {xg} |")
+        pf = out.get("py_floor", {})
+        if "exist_per_key" in pf:
+            e, g = pf["exist_per_key"], pf["get_many_per_key"]
+            L.append(f"| Python floor (join ids + no-op C calls) | {fmt_ns(e['mean_ns'])} | "
+                     f"{fmt_ns(e['p50_ns'])} | {fmt_ns(e['p99_ns'])} | | {fmt_ns(g['mean_ns'])} | "
+                     f"{fmt_ns(g['p50_ns'])} | {fmt_ns(g['p99_ns'])} | |")
+        cb = _get(out, "c_floor", "batch")
+        if cb:
+            for d, label in (("new", "C floor: ucm_exist_many / ucm_lookup_pin_many + ucm_release_many"),
+                             ("old", "C floor: old design")):
+                r = cb[d]
+                xe = fmt_x(_get(R, "c_floor", "exist_new_vs_old")) if d == "old" else ""
+                xg = fmt_x(_get(R, "c_floor", "get_many_new_vs_old")) if d == "old" else ""
+                L.append(f"| {label} | {r['exist_ns_per_key']} ns | {r['exist_p50_ns_per_key']} ns | "
+                         f"{r['exist_p99_ns_per_key']} ns | {xe} | {r['get_many_ns_per_key']} ns | "
+                         f"{r['get_many_p50_ns_per_key']} ns | {r['get_many_p99_ns_per_key']} ns | {xg} |")
+        L.append("")
+
+    # ---- scenario 3
+    s3 = _get(out, "s3_mix", "by_size", default={})
+    if s3:
+        sizes = list(s3)
+        L.append(f"## 3. Hit-heavy mix: {100 - _get(out, 's3_mix', 'miss_pct')}% hits / "
+                 f"{_get(out, 's3_mix', 'miss_pct')}% misses (load + evict), total ops/s")
+        L.append("")
+        L.append("Hot set = half of one rank's slots, preloaded; misses are fresh keys (loaded, "
+                 "evicting by CLOCK where the system evicts). " +
+                 "; ".join(f"{int(s) // 1024} KiB: {b['slots_per_rank']} slots/rank, {b['hot_keys']} hot keys"
+                           for s, b in s3.items()) + ". x compares 2-process throughput.")
+        L.append("")
+        L.append("| system |" + "".join(f" {int(s) // 1024} KiB 1 proc | 2 procs | 2p/1p | hit rate | x |"
+                                        for s in sizes))
+        L.append("|---|" + "---|---|---|---|---|" * len(sizes))
+        for sysn in _systems_in(*[b["systems"] for b in s3.values()]):
+            cells = []
+            for s in sizes:
+                v = s3[s]["systems"].get(sysn, {})
+                one, two = v.get("1p", {}), v.get("2p", {})
+                if "error" in two:
+                    cells.append(f" | error: {two['error'][:60]} | | | |")
+                    continue
+                sc = fmt_x(_get(R, "s3_scaling", s, sysn)) if one else "—"
+                x = "—" if sysn == "ucmcache" else fmt_x(_get(R, "s3_mix_2p", s, sysn))
+                cells.append(f" {fmt_ops(one.get('ops_per_s')) if one else '—'} | "
+                             f"{fmt_ops(two.get('ops_per_s'))} | {sc} | {two.get('hit_rate', '—')} | {x} |")
+            L.append(f"| {LABELS[sysn]} |" + "".join(cells))
+        cm = _get(out, "c_floor", "mix")
+        if cm:
+            for d, label in (("new", "C floor: ucmcache protocol steps"), ("old", "C floor: old design")):
+                cells = []
+                for s in sizes:
+                    v = _get(cm, s, d, default={})
+                    one, two = v.get("1", {}), v.get("2", {})
+                    sc = fmt_x(_get(R, "c_floor", f"mix_scaling_{d}", s))
+                    x = fmt_x(_get(R, "c_floor", "mix_2p_new_vs_old", s)) if d == "old" else ""
+                    hr = round(two.get("hits", 0) / max(two.get("ops", 1), 1), 4)
+                    cells.append(f" {fmt_ops(one.get('ops_per_s'))} | {fmt_ops(two.get('ops_per_s'))} | "
+                                 f"{sc} | {hr} | {x} |")
+                L.append(f"| {label} |" + "".join(cells))
+            L.append("")
+            L.append("C floor rows: x is new vs old at 2 processes (the issue's 3x target).")
+        L.append("")
+
+    # ---- scenario 4
+    s4 = _get(out, "s4_flight", "systems", default={})
+    if s4:
+        L.append(f"## 4. Cold single flight: {_get(out, 's4_flight', 'procs')} processes ask the same "
+                 f"{_get(out, 's4_flight', 'keys')} cold keys (loader ≈ {_get(out, 's4_flight', 'load_us')} µs)")
+        L.append("")
+        L.append("Wake latency: from the owner's timestamp taken just before it publishes (ucmcache: "
+                 "before `h.ready()`) to the waiter's return from its wait, across processes. "
+                 "Baselines without a wake-up poll every 50 µs; the old design polls its ready flag. "
+                 "4 processes share 2 cores, so a woken waiter often waits for a CPU while the "
+                 "owner runs on into the next load: the C floor row (no Python) shows how much of "
+                 "the latency is scheduling. Few waits and many 'already ready' mean the processes "
+                 "seldom ran at the same time.")
+        L.append("")
+        L.append("| system | loader runs | waits | already ready | wake p50 | wake p99 | x (p50) |")
+        L.append("|---|---|---|---|---|---|---|")
+        for sysn in _systems_in(s4):
+            r = s4[sysn]
+            if "error" in r:
+                L.append(f"| {LABELS[sysn]} | error: {r['error'][:80]} | | | | | |")
+                continue
+            x = "—" if sysn == "ucmcache" else fmt_x(_get(R, "s4_wake_p50", sysn))
+            ok = "" if r["loader_runs"] == _get(out, "s4_flight", "keys") else " **(!)**"
+            L.append(f"| {LABELS[sysn]} | {r['loader_runs']}{ok} | {r['waits']} | {r['hits']} | "
+                     f"{fmt_us(r['wake_p50_us'])} | {fmt_us(r['wake_p99_us'])} | {x} |")
+        fl = _get(out, "c_floor", "flight")
+        if fl:
+            for d, label in (("new", "C floor: ucmcache steps (futex wait)"),
+                             ("old", "C floor: old design (polls: yield, then 50 µs sleeps)")):
+                r = fl[d]
+                L.append(f"| {label} | {r['loader_runs']} | {r['waits']} | {r['hits']} | "
+                         f"{fmt_us(r['wake_p50_us'])} | {fmt_us(r['wake_p99_us'])} | |")
+        L.append("")
+
+    # ---- scenario 5
+    s5 = _get(out, "s5_churn", "by_size", default={})
+    if s5:
+        sizes = list(s5)
+        L.append("## 5. Eviction churn: working set 4x capacity, 2 processes, ops/s")
+        L.append("")
+        L.append("; ".join(f"{int(s) // 1024} KiB: capacity {b['capacity']} slots, working set "
+                           f"{b['working_set']} keys" for s, b in s5.items()) +
+                 ". Uniform keys, every miss loads. Redis runs with maxmemory = capacity x slot "
+                 "(allkeys-lru), diskcache with size_limit = the same bytes; LMDB and the Manager "
+                 "dict do not evict, so they keep the whole working set (see their hit rates).")
+        L.append("")
+        L.append("| system |" + "".join(f" {int(s) // 1024} KiB ops/s | hit rate | x |" for s in sizes))
+        L.append("|---|" + "---|---|---|" * len(sizes))
+        for sysn in _systems_in(*[b["systems"] for b in s5.values()]):
+            cells = []
+            for s in sizes:
+                r = s5[s]["systems"].get(sysn, {})
+                if "error" in r:
+                    cells.append(f" error: {r['error'][:60]} | | |")
+                    continue
+                x = "—" if sysn == "ucmcache" else fmt_x(_get(R, "s5_churn", s, sysn))
+                cells.append(f" {fmt_ops(r.get('ops_per_s'))} | {r.get('hit_rate')} | {x} |")
+            L.append(f"| {LABELS[sysn]} |" + "".join(cells))
+        ch = _get(out, "c_floor", "churn")
+        if ch:
+            for d, label in (("new", "C floor: ucmcache protocol steps (4 KiB)"), ("old", "C floor: old design (4 KiB)")):
+                r = ch[d]
+                x = fmt_x(_get(R, "c_floor", "churn_new_vs_old")) if d == "old" else ""
+                hr = round(r["hits"] / max(r["ops"], 1), 4)
+                L.append(f"| {label} | {fmt_ops(r['ops_per_s'])} | {hr} | {x} |" +
+                         " | | |" * (len(sizes) - 1))
+        L.append("")
+
+    lay = out.get("layout")
+    if lay:
+        L.append("## Control region vs data region (4 KiB slots)")
+        L.append("")
+        L.append("| config | control region | of which SlotMeta | prefetch rings | bucket heads | data region | control / data |")
+        L.append("|---|---|---|---|---|---|---|")
+        for k, v in lay.items():
+            L.append(f"| {k} | {v['control_bytes'] / 2**20:.2f} MiB | {v['meta_bytes'] / 2**20:.2f} MiB | "
+                     f"{v['ring_bytes'] / 2**20:.2f} MiB | {v['bucket_bytes'] / 2**20:.2f} MiB | "
+                     f"{v['data_bytes'] / 2**20:.0f} MiB | {v['pct']}% |")
+        L.append("")
+    L.append("## How it is measured")
+    L.append("")
+    L.append("- Same payload bytes, key sets (16-byte ids, `bench/common.py`) and process counts for "
+             "every system; processes are forked and start together at a barrier; multi-process "
+             "throughput is the sum over processes of ops / own elapsed time.")
+    L.append("- The old design (`bench/baselines/oldlock.c`) is TransBuffer's locking rebuilt on "
+             "ucmcache's segment layout: a robust process-shared adaptive mutex per bucket taken on "
+             "every lookup, a process-shared spin lock per slot taken for each chain node inspected "
+             "and around every reference change and ready read, one global allocation lock with a "
+             "global CLOCK hand, lock arrays packed as in TransBuffer. Through Python (cffi API "
+             "mode, like ucmcache's core) a hit makes the same C calls as ucmcache's (get: one, "
+             "close: one; a batch: one or two); a miss allocates inside the old design's one get "
+             "call, whereas ucmcache's slow path is several C steps driven from Python (DESIGN 3). "
+             "The old design's Python handle is leaner than ucmcache's (no finalizer, no open-handle "
+             "count, no own-key tracking), which favours the baseline.")
+    L.append("- LMDB: `sync=False, metasync=False` in a temporary directory; diskcache likewise in a "
+             "temporary directory; Redis: a private `redis-server` on a unix socket with "
+             "persistence off, client redis-py with hiredis.")
+    L.append("- Floors: the C floor (`bench/floor.c`, gcc -O2, includes `csrc/ucm_core.c`) runs the "
+             "same protocol steps with no Python; the Python floor is an empty context manager "
+             "object plus the same number of no-op cffi calls. Their gap to the ucmcache rows is the "
+             "Python layer's cost.")
+    L.append("- The machine is shared (2 cores; other work may run): load averages are recorded above.")
+    L.append("")
+    return "\n".join(L)
+
+
+# ====================================================================== chart
+
+
+def draw_chart(out: Dict[str, Any], path: str) -> Tuple[bool, str]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception as e:
+        return False, f"matplotlib unavailable ({type(e).__name__}: {e}); chart skipped"
+    panels = []
+    s1 = _get(out, "s1_hit", "by_size", "4096", default={})
+    if s1:
+        panels.append(("1. hit p50, 4 KiB (ns, lower is better)",
+                       {s: _get(s1, s, "p50_ns") for s in ORDER if s in s1}, True))
+    s2 = _get(out, "s2_batch", "systems", default={})
+    if s2:
+        panels.append(("2. batch exist, ns/key (lower is better)",
+                       {s: _get(s2, s, "exist_per_key", "mean_ns") for s in ORDER if s in s2}, True))
+        panels.append(("2. batch get_many, ns/key (lower is better)",
+                       {s: _get(s2, s, "get_many_per_key", "mean_ns") for s in ORDER if s in s2}, True))
+    s3 = _get(out, "s3_mix", "by_size", "4096", "systems", default={})
+    if s3:
+        panels.append(("3. 95/5 mix, 2 procs, 4 KiB (ops/s, higher is better)",
+                       {s: _get(s3, s, "2p", "ops_per_s") for s in ORDER if s in s3}, True))
+    s4 = _get(out, "s4_flight", "systems", default={})
+    if s4:
+        panels.append(("4. single-flight wake p50 (µs, lower is better)",
+                       {s: _get(s4, s, "wake_p50_us") for s in ORDER if s in s4}, True))
+    s5 = _get(out, "s5_churn", "by_size", "4096", "systems", default={})
+    if s5:
+        panels.append(("5. churn, 2 procs, 4 KiB (ops/s, higher is better)",
+                       {s: _get(s5, s, "ops_per_s") for s in ORDER if s in s5}, True))
+    if not panels:
+        return False, "nothing to chart"
+    cols = 3
+    rows = (len(panels) + cols - 1) // cols
+    fig, axes = plt.subplots(rows, cols, figsize=(15, 4.2 * rows))
+    axes = axes.flatten() if hasattr(axes, "flatten") else [axes]
+    colors = {"ucmcache": "#1f77b4", "old": "#ff7f0e", "lmdb": "#2ca02c", "redis": "#d62728",
+              "manager": "#9467bd", "diskcache": "#8c564b"}
+    for ax, (title, data, logy) in zip(axes, panels):
+        names = [n for n, v in data.items() if v]
+        vals = [data[n] for n in names]
+        bars = ax.bar(range(len(names)), vals, color=[colors.get(n, "gray") for n in names])
+        ax.set_xticks(range(len(names)))
+        ax.set_xticklabels([LABELS[n].replace(" (Python API)", "").replace(" (unix socket)", "")
+                            for n in names], rotation=25, ha="right", fontsize=8)
+        ax.set_title(title, fontsize=10)
+        if logy:
+            ax.set_yscale("log")
+        for b, v in zip(bars, vals):
+            ax.annotate(f"{v:,.3g}", (b.get_x() + b.get_width() / 2, v), ha="center",
+                        va="bottom", fontsize=7)
+    for ax in axes[len(panels):]:
+        ax.axis("off")
+    m = out["meta"]
+    fig.suptitle(f"ucmcache vs baselines — one run, {m['started']} ({m['cores']} cores)"
+                 f"{' — QUICK' if m.get('quick') else ''}", fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return True, ""
+
+
+# ====================================================================== finish
+
+
+def finish(out: Dict[str, Any], outdir: str, chart: bool = True) -> None:
+    os.makedirs(outdir, exist_ok=True)
+    out["ratios"] = compute_ratios(out)
+    out["targets"] = compute_targets(out, out["ratios"])
+    png = os.path.join(outdir, "latest.png")
+    if chart:
+        ok, why = draw_chart(out, png + ".tmp.png")
+        if ok:
+            os.replace(png + ".tmp.png", png)
+            out["chart"] = "latest.png"
+        else:
+            out["chart"] = None
+            out["chart_skipped"] = why
+    md = markdown(out)
+    if out.get("chart"):
+        md += "\n![ucmcache vs baselines](latest.png)\n"
+    elif out.get("chart_skipped"):
+        md += f"\nChart: {out['chart_skipped']}\n"
+    for name, text in (("latest.json", json.dumps(out, indent=1, sort_keys=False, default=str)),
+                       ("latest.md", md)):
+        tmp = os.path.join(outdir, name + ".tmp")
+        with open(tmp, "w") as f:
+            f.write(text)
+        os.replace(tmp, os.path.join(outdir, name))
