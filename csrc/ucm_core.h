@@ -115,9 +115,12 @@
 #define UCM_RING_PRESENT     144
 #define UCM_RING_ENTRIES     192
 
-/* Per-rank stats counters, each a u64 in the rank's stats lines. */
+/* Per-rank stats counters, each a u64 in the rank's stats lines.  A lock-free hit adds one
+ * counter only (FAST_HITS); the outer requests and hits that stats() reports are
+ * GETS + FAST_HITS and HITS + FAST_HITS (GETS and HITS count what took the slow path). */
 #define UCM_ST_GETS          0
 #define UCM_ST_HITS          1
+#define UCM_ST_FAST_HITS     26
 #define UCM_ST_MISSES        2
 #define UCM_ST_JOINS         3
 #define UCM_ST_LOADS_STARTED 4

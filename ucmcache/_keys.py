@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 import hashlib
-from typing import Iterable, List, Sequence, Tuple, Union
+from collections.abc import Sequence
+from typing import Iterable, List, Tuple, Union
 
 import numpy as np
 
@@ -40,12 +41,45 @@ def _id_bytes(block_id: object) -> bytes:
         f"got {type(block_id).__name__}")
 
 
-def pack_keys(keys: Iterable[object]) -> Tuple[bytes, np.ndarray, List[Tuple[bytes, int]]]:
-    """Batch form: all ids joined (16 bytes each), offsets as uint64, and the split keys."""
-    split = [split_key(k) for k in keys]
-    ids = b"".join(k[0] for k in split)
-    offsets = np.fromiter((k[1] for k in split), dtype=np.uint64, count=len(split))
-    return ids, offsets, split
+_ZEROS = np.zeros(0, dtype=np.uint64)
+
+
+class KeyView(Sequence):
+    """A batch of keys as (ids joined, offsets); item i is the key tuple (id16, offset)."""
+
+    __slots__ = ("ids", "offsets")
+
+    def __init__(self, ids: bytes, offsets: np.ndarray):
+        self.ids = ids
+        self.offsets = offsets
+
+    def __len__(self) -> int:
+        return len(self.offsets)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        i = int(i)
+        return self.ids[16 * i:16 * i + 16], int(self.offsets[i])
+
+
+def pack_keys(keys: Iterable[object]) -> Tuple[bytes, np.ndarray, KeyView]:
+    """Batch form: all ids joined (16 bytes each), offsets as uint64, and a view of the keys.
+
+    A list of plain 16-byte ids (the common case) is joined in one step and shares a read-only
+    array of zero offsets; anything else is split key by key."""
+    global _ZEROS
+    if type(keys) is list and all(type(k) is bytes and len(k) == 16 for k in keys):
+        n = len(keys)
+        if len(_ZEROS) < n:
+            _ZEROS = np.zeros(max(n, 2 * len(_ZEROS)), dtype=np.uint64)
+            _ZEROS.flags.writeable = False
+        ids, offsets = b"".join(keys), _ZEROS[:n]
+    else:
+        split = [split_key(k) for k in keys]
+        ids = b"".join(k[0] for k in split)
+        offsets = np.fromiter((k[1] for k in split), dtype=np.uint64, count=len(split))
+    return ids, offsets, KeyView(ids, offsets)
 
 
 def make_key(data: Union[bytes, str], namespace: str, offset: int = 0) -> Key:

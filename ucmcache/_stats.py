@@ -23,7 +23,7 @@ RANK_STATES = {lib.UCM_RANK_FREE: "free", lib.UCM_RANK_INITIALIZING: "initializi
 
 
 def rank_counters(seg) -> np.ndarray:
-    """A (max_ranks, UCM_ST_COUNT) snapshot of every rank's counters (a copy)."""
+    """A (max_ranks, UCM_ST_COUNT) snapshot of every rank's counters (a copy), by UCM_ST_*."""
     L = seg.layout
     words = L.max_ranks * lib.UCM_RANK_SIZE // 8
     table = np.frombuffer(seg.mm, dtype=np.uint64, count=words, offset=L.rank_off)
@@ -31,19 +31,25 @@ def rank_counters(seg) -> np.ndarray:
     first = lib.UCM_R_STATS // 8
     snap = table[:, first:first + lib.UCM_ST_COUNT].copy()
     del table
+    # A lock-free hit bumps only FAST_HITS (see UCM_ST_GETS): outer requests and hits include it.
+    snap[:, lib.UCM_ST_GETS] += snap[:, lib.UCM_ST_FAST_HITS]
+    snap[:, lib.UCM_ST_HITS] += snap[:, lib.UCM_ST_FAST_HITS]
     return snap
+
+
+def _named(row: np.ndarray) -> Dict[str, int]:
+    return {name: int(row[i]) for name, i in COUNTERS.items()}
 
 
 def collect(seg, alive) -> Dict[str, Any]:
     from ._recovery import rank_pid, rank_state
     snap = rank_counters(seg)
-    totals = snap.sum(axis=0)
-    out: Dict[str, Any] = {name: int(totals[i]) for name, i in COUNTERS.items()}
+    out: Dict[str, Any] = _named(snap.sum(axis=0))
     out["wait_seconds"] = out["wait_ns"] / 1e9
     per_rank = []
     for r in range(seg.layout.max_ranks):
         state = rank_state(seg, r)
-        row = {name: int(snap[r, i]) for name, i in COUNTERS.items()}
+        row = _named(snap[r])
         row.update(rank=r, state=RANK_STATES.get(state, f"unknown({state})"),
                    pid=rank_pid(seg, r), alive=alive(r))
         per_rank.append(row)
