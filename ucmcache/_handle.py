@@ -196,6 +196,15 @@ class Handle(_Pins):
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
+        if exc is None and not self._owner and self._views is None and not self._closed:
+            # The hit path: a reader that made no view; one C call drops the pin.
+            cache = self._cache
+            ctx = cache._ctx
+            if ctx is not None:
+                self._closed = True
+                lib.ucm_release(ctx, self._slot)
+                cache._open_handles -= 1
+                return
         if exc is not None and self._owner and not self._closed and self._cache._ctx is not None \
                 and lib.ucm_slot_state(self._cache._ctx, self._slot) == lib.UCM_LOADING:
             self.fail(f"{exc_type.__name__}: {exc}")
