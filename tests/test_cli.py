@@ -543,3 +543,22 @@ def test_demo_is_imported_late_and_gets_its_arguments(monkeypatch, capsys):
     assert cli.main(["demo"]) == 2
     assert capsys.readouterr().err == ("ucmcache: error: the demo is not available: this "
                                        "ucmcache has no ucmcache.demo module\n")
+
+
+def test_inspect_shows_prefetch_rings_and_tier2_counters(names):
+    from ucmcache._core import lib
+    u = names()
+    make_orphan(u)
+    with SlotCache.attach(u) as c:
+        c.prefetch([i.to_bytes(16, "little") for i in range(5)])
+        lib.ucm_stat_add(c._ctx, lib.UCM_ST_T2_HITS, 3)  # as a tier-2 hit would
+        d = inspect_json(u)
+        me = d["ranks"][c.rank]
+        assert me["ring"] == {"depth": 5, "posted": 5, "dropped": 0, "already_present": 0}
+        assert me["counters"]["t2_hits"] == 3
+        r = run("inspect", u)
+        assert r.returncode == 0, r.stderr
+        assert_fits(r.stdout)
+        assert re.search(rf"rings \(rank: depth / posted / dropped / already present\):\n +"
+                         rf"{c.rank}: 5 / 5 / 0 / 0", r.stdout)
+        assert "tier 2: hits 3  misses 0" in r.stdout

@@ -73,7 +73,9 @@ ignore keys they do not know.  Counter names come from the C core (``UCM_ST_*``)
            "slots_used": int,       # slots of its range holding a current entry or a load
            "pins": int,             # slots it pins now
            "claims": int,           # slots it has claimed now
-           "counters": {name: int, ...}}],   # gets, hits, misses, loads_started, ...
+           "ring": {"depth": int, "posted": int, "dropped": int,     # its prefetch ring
+                    "already_present": int},
+           "counters": {name: int, ...}}],   # gets, hits, misses, loads_started, t2_hits, ...
       "totals": {name: int, ...},   # counters summed over ranks
       "stuck": {"pins": int, "claims": int, "loading": int,   # holds of ranks that are dead
                 "items": [{"slot": int, "kind": "pin" | "claim" | "loading", "rank": int},
@@ -275,6 +277,7 @@ def inspect_facts(uuid: str, seg) -> Dict[str, Any]:
     """Everything `inspect` shows, as the documented --json object."""
     import numpy as np
     from ._core import lib
+    from ._ring import ring_counters
     from ._stats import COUNTER_NAMES, COUNTERS, rank_counters
     from ._verify import slot_fields, snapshot, verify_segment
 
@@ -306,6 +309,7 @@ def inspect_facts(uuid: str, seg) -> Dict[str, Any]:
         loading_by = np.flatnonzero(loading_free & (f["loader"] == r))
         ranks.append(dict(row, slots_used=int(used[r * spr:(r + 1) * spr].sum()),
                           pins=len(pinned_by), claims=len(claimed_by),
+                          ring=ring_counters(seg, r),
                           counters={name: int(counters[r, COUNTERS[name]])
                                     for name in COUNTER_NAMES}))
         if row["alive"]:
@@ -536,6 +540,19 @@ def _inspect_lines(d: Dict[str, Any]) -> List[str]:
                f"{t.get('loads_started', 0)}  fails {t.get('loads_failed', 0)}  evictions "
                f"{t.get('evictions', 0)}  bypasses {t.get('bypasses', 0)}  clears "
                f"{t.get('clears', 0)}")
+    rings = [r for r in d["ranks"] if any(r.get("ring", {}).values())]
+    if rings or t.get("prefetched", 0):
+        out.append(f"  prefetch: prefetched {t.get('prefetched', 0)}  skipped "
+                   f"{t.get('prefetch_skipped', 0)};  rings (rank: depth / posted / dropped / "
+                   "already present):")
+        out.extend(_wrap("  ".join(f"{r['rank']}: {r['ring']['depth']} / {r['ring']['posted']} / "
+                                   f"{r['ring']['dropped']} / {r['ring']['already_present']}"
+                                   for r in rings), "    "))
+    if any(t.get(k, 0) for k in ("t2_hits", "t2_misses", "t2_writes", "t2_bypasses")):
+        out.append(f"  tier 2: hits {t.get('t2_hits', 0)}  misses {t.get('t2_misses', 0)}  "
+                   f"write-throughs {t.get('t2_writes', 0)}  bypasses {t.get('t2_bypasses', 0)}  "
+                   f"lease waits {t.get('t2_lease_waits', 0)}  bad values "
+                   f"{t.get('t2_bad_values', 0)}")
     out.append("")
 
     s = d["stuck"]
