@@ -449,6 +449,34 @@ def markdown(out: Dict[str, Any]) -> str:
                          " | | |" * (len(sizes) - 1))
         L.append("")
 
+    t2 = out.get("s6_tier2")
+    if t2:
+        L.append("## 6. Tier 2 (Redis over a unix socket): local hit vs tier-2 hit vs cold miss")
+        L.append("")
+        if t2.get("skipped_why"):
+            L.append(f"Skipped: {t2['skipped_why']}.")
+        else:
+            L.append(f"`get_or_load` of {t2['keys']} keys, {t2['slot_size']} B values, mean per "
+                     "key. Node A loads every key (cold miss, written through); node B, a second "
+                     "segment with the same namespace, then gets every key from Redis; then "
+                     "again, from its own segment.")
+            L.append("")
+            L.append("| path | per key | vs local hit |")
+            L.append("|---|---|---|")
+            base = t2["local_hit_ns"]
+            for label, key in (("local hit (node B, second pass)", "local_hit_ns"),
+                               ("tier-2 hit (node B, first pass)", "tier2_hit_ns"),
+                               ("cold miss: lease + loader + write-through (node A)",
+                                "miss_with_loader_ns"),
+                               ("the loader alone", "loader_alone_ns")):
+                rel = "" if key == "loader_alone_ns" else f"{t2[key] / base:.1f}x"
+                L.append(f"| {label} | {fmt_ns(t2[key])} | {rel} |")
+            L.append("")
+            L.append(f"Loader runs: node A {t2['node_a_loader_runs']}, node B "
+                     f"{t2['node_b_loader_runs']} (it counted {t2['node_b_t2_hits']} tier-2 "
+                     f"hits). {t2['note']}.")
+        L.append("")
+
     lay = out.get("layout")
     if lay:
         L.append("## Control region vs data region (4 KiB slots)")

@@ -52,6 +52,7 @@ FULL = {
     "s5_spr": {4096: 2048, 65536: 256}, "s5_time": 1.0,
     "floor_hit_iters": 2_000_000, "floor_batch_reqs": 20000, "floor_mix_ms": 1000,
     "pyfloor_ops": 100_000,
+    "s6_keys": 2000,
 }
 QUICK = {
     "sizes": [4096, 65536],
@@ -62,8 +63,9 @@ QUICK = {
     "s5_spr": {4096: 32, 65536: 8}, "s5_time": 0.05,
     "floor_hit_iters": 20000, "floor_batch_reqs": 200, "floor_mix_ms": 50,
     "pyfloor_ops": 2000,
+    "s6_keys": 50,
 }
-SCENARIOS = ["1", "2", "3", "4", "5"]
+SCENARIOS = ["1", "2", "3", "4", "5", "6"]
 
 
 # ====================================================================== run-wide environment
@@ -609,6 +611,82 @@ def scenario5(env: Env, systems, cfg, out) -> None:
     out["s5_churn"] = res
 
 
+def scenario6(env: Env, systems, cfg, out) -> None:
+    """Tier 2 (issue 9): a local hit vs a hit served from Redis (another node loaded the key)
+    vs a cold miss that runs the loader, per get_or_load, all in this run."""
+    if env.redis is None:
+        out["s6_tier2"] = {"skipped_why": env.redis_why or "no redis-server"}
+        log(f"[6 tier2] skipped: {out['s6_tier2']['skipped_why']}")
+        return
+    from ucmcache import RedisTier, SlotCache
+
+    n = cfg["s6_keys"]
+    size = 4096
+    pay = common.payload(size)
+    ks = [b"t2" + k[2:] for k in common.keys(n)]
+    ns = f"bench-{env.tag}-{env.next_id()}"
+    uuids = [f"{env.tag}-t2-{env.next_id()}" for _ in range(3)]
+    for u in uuids:
+        env.track_segment(u)
+    caches, tiers = [], []
+    try:
+        for u in uuids:
+            t = RedisTier(unix_socket=env.redis.sock, namespace=ns, timeout=0.5)
+            tiers.append(t)
+            caches.append(SlotCache.create(u, slots_per_rank=n + 64, slot_size=size, max_ranks=1,
+                                           tier2=t))
+        node_a, node_b, node_c = caches
+        loads = [0]
+
+        def loader():
+            loads[0] += 1
+            return pay
+        t0 = time.perf_counter_ns()
+        for k in ks:                       # node A: cold misses, loader runs, written through
+            node_a.get_or_load(k, loader)
+        miss_ns = (time.perf_counter_ns() - t0) / n
+        tiers[0].flush(30)
+        loads_a = loads[0]
+        t0 = time.perf_counter_ns()
+        for k in ks:                       # node B: every key served from Redis
+            node_b.get_or_load(k, loader)
+        t2_ns = (time.perf_counter_ns() - t0) / n
+        t0 = time.perf_counter_ns()
+        for k in ks:                       # node B again: local hits
+            node_b.get_or_load(k, loader)
+        hit_ns = (time.perf_counter_ns() - t0) / n
+        loads_b = loads[0] - loads_a
+        t0 = time.perf_counter_ns()
+        for k in ks:                       # the loader alone, for scale
+            loader()
+        loader_ns = (time.perf_counter_ns() - t0) / n
+        sb = node_b.stats()
+        res = {"keys": n, "slot_size": size, "local_hit_ns": round(hit_ns),
+               "tier2_hit_ns": round(t2_ns), "miss_with_loader_ns": round(miss_ns),
+               "loader_alone_ns": round(loader_ns),
+               "node_a_loader_runs": loads_a, "node_b_loader_runs": loads_b,
+               "node_b_t2_hits": sb["t2_hits"],
+               "note": "get_or_load per key; the loader returns a ready 4 KiB payload, so the "
+                       "miss row is the cache's own cost of a cold key (plus one Redis write-"
+                       "through off the path and a lease round trip)"}
+        out["s6_tier2"] = res
+        log(f"[6 tier2] local hit {res['local_hit_ns']} ns, tier-2 hit {res['tier2_hit_ns']} ns, "
+            f"cold miss {res['miss_with_loader_ns']} ns; node B loader runs "
+            f"{res['node_b_loader_runs']}, t2 hits {res['node_b_t2_hits']}")
+    finally:
+        for c in caches:
+            try:
+                c.close()
+            except Exception:
+                pass
+        for u in uuids:
+            try:
+                SlotCache.unlink(u)
+            except Exception:
+                pass
+            env.untrack_segment(u)
+
+
 def layout_figures(cfg) -> Dict[str, Any]:
     from ucmcache._layout import Layout
 
@@ -640,7 +718,7 @@ def parse(argv):
                    help="directory for latest.json / latest.md / latest.png")
     p.add_argument("--systems", default=",".join(s.name for s in ALL_SYSTEMS),
                    help="comma list of systems (default: all)")
-    p.add_argument("--scenarios", default=",".join(SCENARIOS), help="comma list of 1..5")
+    p.add_argument("--scenarios", default=",".join(SCENARIOS), help="comma list of 1..6")
     p.add_argument("--no-floor", action="store_true", help="skip the C and Python floors")
     p.add_argument("--no-chart", action="store_true", help="skip the PNG chart")
     return p.parse_args(argv)
@@ -694,7 +772,8 @@ def main(argv=None) -> int:
         if not args.no_floor:
             c_floor(env, cfg, out)
             py_floor(env, cfg, out)
-        steps = {"1": scenario1, "2": scenario2, "3": scenario3, "4": scenario4, "5": scenario5}
+        steps = {"1": scenario1, "2": scenario2, "3": scenario3, "4": scenario4, "5": scenario5,
+                 "6": scenario6}
         for s in SCENARIOS:
             if s in scen:
                 steps[s](env, systems, cfg, out)
