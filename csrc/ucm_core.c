@@ -1086,6 +1086,71 @@ int ucm_wait_loaded(ucm_ctx *c, uint32_t s, int64_t timeout_ns, uint32_t *state_
     }
 }
 
+/* ---------------------------------------------------------------- the slow path, whole */
+
+static int lock_stripe_repairing(ucm_ctx *c, uint32_t stripe)
+{
+    /* Blocking lock of the one stripe a writer may wait for.  A dead holder's chains are
+     * rebuilt before the mutex is marked consistent, so it never becomes ENOTRECOVERABLE. */
+    pthread_mutex_t *m = (pthread_mutex_t *)stripe_mutex(c, stripe);
+    int r = mutex_result(pthread_mutex_lock(m));
+    if (r == UCM_OWNERDEAD) {
+        uint32_t dropped;
+        ucm_stripe_repair(c, stripe, &dropped);
+        if (pthread_mutex_consistent(m) != 0) {
+            pthread_mutex_unlock(m);
+            return UCM_CORRUPT;
+        }
+        return UCM_OK;
+    }
+    return r;
+}
+
+int64_t ucm_get_slow(ucm_ctx *c, const char *id, uint64_t offset, uint32_t spin_budget,
+                     uint32_t max_rollbacks)
+{
+    /* Read step 4 and write steps 1-6 as one call: lock the key's stripe, look again (exact
+     * now: nobody else changes this chain), and on a miss claim a victim with our CLOCK hand
+     * and install the key, handing the slot over pinned by us.  The stripe is released before
+     * returning, always.  Answers: (UCM_GOT_OWNER if ours to load | state << 32 | slot), or
+     * -UCM_FULL (nothing claimable: the caller decides), -UCM_BUSY (the key's slot stays
+     * claimed under our stripe: its claimant died), -UCM_CORRUPT. */
+    if (c->rank < 0) return -(int64_t)UCM_NOT_HELD;
+    uint64_t key[3];
+    load_key(id, offset, key);
+    uint32_t b = bucket_of_key(c, key), stripe = ucm_stripe_of(c, b);
+    int r = lock_stripe_repairing(c, stripe);
+    if (r != UCM_OK) return -(int64_t)r;
+    POINT(c, UCM_PT_HOLDING_STRIPE);
+    int64_t answer;
+    uint32_t slot = 0, state = 0;
+    r = lookup_pin_one(c, key, (uint32_t)ucm_generation(c), spin_budget, &slot, &state);
+    if (r == UCM_OK) {
+        STAT(c, state == UCM_READY ? UCM_ST_HITS : UCM_ST_JOINS, 1);
+        answer = ((int64_t)state << 32) | slot;
+    } else if (r != UCM_MISS) {
+        answer = -(int64_t)r;
+    } else {
+        /* One full sweep clears accessed bits, the second takes the first unpinned slot. */
+        uint64_t budget = 2 * c->l.slots_per_rank + 1;
+        answer = -(int64_t)UCM_FULL;
+        for (uint32_t attempt = 0; attempt <= max_rollbacks; attempt++) {
+            if (ucm_clock_claim(c, budget, &slot) != UCM_OK) break;
+            r = ucm_install(c, slot, id, offset, stripe);
+            if (r == UCM_OK) {
+                answer = UCM_GOT_OWNER | ((int64_t)UCM_LOADING << 32) | slot;
+                break;
+            }
+            if (r != UCM_ROLLBACK) {
+                answer = -(int64_t)r; /* the claim was given back */
+                break;
+            }
+        }
+    }
+    pthread_mutex_unlock((pthread_mutex_t *)stripe_mutex(c, stripe));
+    return answer;
+}
+
 /* ---------------------------------------------------------------- stripes */
 
 int ucm_stripe_lock(ucm_ctx *c, uint32_t stripe, int64_t timeout_ns)
@@ -1153,6 +1218,7 @@ int ucm_stripe_repair(ucm_ctx *c, uint32_t stripe, uint32_t *dropped_out)
         dropped++;
     }
     pthread_mutex_unlock(&c->repair_lock);
+    STAT(c, UCM_ST_STRIPE_REPAIRS, 1);
     *dropped_out = dropped;
     return UCM_OK;
 }

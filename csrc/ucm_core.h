@@ -24,6 +24,7 @@
 #define UCM_NIL              0xffffffffu           /* no slot: chain end, empty bucket */
 #define UCM_INVALID_BUCKET   0xffffffffu           /* an unlinked slot's bucket word */
 #define UCM_CLAIMED          0x8000000000000000ULL /* reference: claimed, rank in low bits */
+#define UCM_GOT_OWNER        (1LL << 40)            /* ucm_get_slow: the caller owns the load */
 
 /* Header field offsets (line 0 = identity and params, line 1 = generation, only clear() writes). */
 #define UCM_H_MAGIC          0
@@ -121,6 +122,7 @@
 #define UCM_ST_GETS          0
 #define UCM_ST_HITS          1
 #define UCM_ST_FAST_HITS     26
+#define UCM_ST_STRIPE_REPAIRS 27 /* chains rebuilt after a stripe's holder died */
 #define UCM_ST_MISSES        2
 #define UCM_ST_JOINS         3
 #define UCM_ST_LOADS_STARTED 4
@@ -155,7 +157,8 @@
 #define UCM_PT_MID_PUBLISH   5  /* writer: bucket word stored, chain head not yet */
 #define UCM_PT_BEFORE_HANDOVER 6 /* writer: linked, still claimed */
 #define UCM_PT_BEFORE_PIN_CAS 7 /* reader: reference read, pin CAS not yet tried */
-#define UCM_PT_COUNT         8
+#define UCM_PT_HOLDING_STRIPE 8 /* slow path: the key's stripe is held, nothing looked up yet */
+#define UCM_PT_COUNT         9
 #define UCM_ACT_NONE         0
 #define UCM_ACT_GATE         1
 #define UCM_ACT_KILL         2
@@ -237,6 +240,8 @@ int ucm_release(ucm_ctx *c, uint32_t slot);
 int ucm_release_many(ucm_ctx *c, const uint32_t *slots, uint32_t n);
 uint32_t ucm_slot_state(ucm_ctx *c, uint32_t slot);
 
+int64_t ucm_get_slow(ucm_ctx *c, const char *id, uint64_t offset, uint32_t spin_budget,
+                     uint32_t max_rollbacks);
 int ucm_clock_claim(ucm_ctx *c, uint64_t max_scan, uint32_t *slot_out);
 int ucm_install(ucm_ctx *c, uint32_t slot, const char *id, uint64_t offset, uint32_t held_stripe);
 int ucm_publish(ucm_ctx *c, uint32_t slot, uint32_t state, uint32_t length);

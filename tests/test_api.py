@@ -126,7 +126,7 @@ def test_exception_in_with_block_fails_the_load(make_cache):
     c = make_cache()
     waiter = None
     with pytest.raises(KeyError):
-        with c.get(K1) as h:
+        with c.get(K1):
             waiter = c.get(K1)
             raise KeyError("nope")
     with pytest.raises(LoadFailed, match="KeyError"):

@@ -2,7 +2,6 @@
 import pytest
 
 import ucmcache
-from ucmcache import SlotCache
 
 import workers
 

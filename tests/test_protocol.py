@@ -8,7 +8,7 @@ import threading
 import pytest
 
 import ucmcache
-from ucmcache import CacheFull, SlotCache
+from ucmcache import CacheFull
 from ucmcache._core import lib
 
 import workers

@@ -3,7 +3,6 @@ current waiter, a waiter's timeout abandons the wait and never the load."""
 import pytest
 
 import ucmcache
-from ucmcache import SlotCache
 
 import workers
 

@@ -232,38 +232,23 @@ class SlotCache:
         return Handle(self, slot, owner, timeout)
 
     def _pin_slow(self, block_id: bytes, offset: int, code: int) -> Tuple[int, bool]:
-        """Slow path and allocation for one key; returns (slot, owner), pinned."""
+        """The slow path for one key (one C step: lock, look again, allocate); returns
+        (slot, owner), pinned.  What to do when it cannot is decided here: a dead rank's pins
+        may be what fills the cache, and a key's slot that stays claimed under its stripe has a
+        dead claimant; both are recovered and the step is tried again.  Never CacheFull for a
+        claim, never a spin with a stripe held."""
         if code == lib.UCM_CORRUPT:
             raise CorruptSegment(f"segment {self.uuid!r}: a chain points outside the slot table")
         ctx = self._ctx
-        stripes = self._stripes
-        stripe = stripes.stripe_of_key(block_id, offset)
         recovered_once = False
         deadline = None
         delay = 0.0005
         while True:
-            stripes.lock(stripe)
-            try:
-                if _hooks._armed:
-                    _hooks.fire("holding_stripe")
-                r = lib.ucm_lookup_pin(ctx, block_id, offset, SLOW_SPIN, 0)
-                if r >= 0:
-                    return r & 0xFFFFFFFF, False
-                if -r == lib.UCM_CORRUPT:
-                    raise CorruptSegment(f"segment {self.uuid!r}: a chain points outside the "
-                                         "slot table")
-                busy = -r == lib.UCM_BUSY
-                if not busy:
-                    slot = self._alloc(block_id, offset, stripe)
-                    if slot is not None:
-                        return slot, True
-            finally:
-                stripes.unlock(stripe)
-            if busy:
-                # Our key's slot stays claimed while we hold its stripe, so its claimant cannot
-                # be a live writer (it would roll back): it died, and is being recovered by us
-                # or by someone else.  Never CacheFull for that: recover, or wait for the other
-                # recoverer (bounded), then look again.
+            r = lib.ucm_get_slow(ctx, block_id, offset, SLOW_SPIN, MAX_ROLLBACKS)
+            if r >= 0:
+                return r & 0xFFFFFFFF, bool(r & lib.UCM_GOT_OWNER)
+            code = -r
+            if code == lib.UCM_BUSY:
                 if self.recover().count:
                     continue
                 now = time.monotonic()
@@ -272,36 +257,22 @@ class SlotCache:
                 elif now > deadline:
                     raise UcmError(f"segment {self.uuid!r}: the slot of this key stayed claimed "
                                    f"for {CLAIM_WAIT} s by a rank that neither finished nor died")
-                time.sleep(delay)  # a recovery in another process: milliseconds
+                time.sleep(delay)  # another process is recovering it: milliseconds
                 delay = min(delay * 2, 0.05)
                 continue
-            if not recovered_once:
-                recovered_once = True
-                if self.recover().count:
-                    continue  # a dead rank's pins or claims were in the way: once more
-            break
-        raise CacheFull(
-            f"segment {self.uuid!r}: rank {self._rank} found no claimable slot among its "
-            f"{self._layout.slots_per_rank} (all pinned, loading or contended); release handles "
-            "or give the cache more slots_per_rank")
-
-    def _alloc(self, block_id: bytes, offset: int, stripe: int) -> Optional[int]:
-        """Write steps 1-6 with our stripe held; None when nothing is claimable."""
-        ctx = self._ctx
-        slot_p = ffi.new("uint32_t *")
-        # One full sweep clears accessed bits, the second finds the first unpinned slot.
-        budget = 2 * self._layout.slots_per_rank + 1
-        for _ in range(MAX_ROLLBACKS + 1):
-            if lib.ucm_clock_claim(ctx, budget, slot_p) != lib.UCM_OK:
-                return None
-            r = lib.ucm_install(ctx, slot_p[0], block_id, offset, stripe)
-            if r == lib.UCM_OK:
-                return slot_p[0]
-            if r != lib.UCM_ROLLBACK:  # the claim was given back; the chains need a look
-                raise CorruptSegment(
-                    f"segment {self.uuid!r}: slot {slot_p[0]}'s chain links are inconsistent "
-                    f"(code {r}); `ucmcache verify {self.uuid}` lists what is broken")
-        return None
+            if code == lib.UCM_FULL:
+                if not recovered_once:
+                    recovered_once = True
+                    if self.recover().count:
+                        continue
+                raise CacheFull(
+                    f"segment {self.uuid!r}: rank {self._rank} found no claimable slot among its "
+                    f"{self._layout.slots_per_rank} (all pinned, loading or contended); release "
+                    "handles or give the cache more slots_per_rank")
+            raise CorruptSegment(
+                f"segment {self.uuid!r}: the slow path found inconsistent chain links or a "
+                f"broken stripe lock (code {code}); `ucmcache verify {self.uuid}` lists what is "
+                "broken")
 
     def get_many(self, keys: Sequence[Key], *, timeout: Optional[float] = None) -> HandleBatch:
         """Pin every key of a request with one C call (misses take the slow path one by one).

@@ -26,8 +26,9 @@ C_POINTS = {
     "mid_publish": lib.UCM_PT_MID_PUBLISH,
     "before_handover": lib.UCM_PT_BEFORE_HANDOVER,
     "before_pin_cas": lib.UCM_PT_BEFORE_PIN_CAS,
+    "holding_stripe": lib.UCM_PT_HOLDING_STRIPE,
 }
-PY_POINTS = ("holding_stripe", "inside_loader", "before_ready", "after_ready", "before_magic")
+PY_POINTS = ("inside_loader", "before_ready", "after_ready", "before_magic")
 POINTS = tuple(C_POINTS) + PY_POINTS
 
 _armed: Dict[str, Tuple[str, Optional["Gate"]]] = {}

@@ -1,31 +1,26 @@
-"""Locks: the striped robust bucket locks.
+"""Locks: the striped robust bucket locks, as recovery and repair use them.
 
-Bucket b is guarded by stripe ``b & (n_stripes - 1)`` (``ucm_stripe_of``).  Writers take one
-stripe blocking and any other only by trylock (no lock-order cycles).  A stripe whose holder
-died comes back as EOWNERDEAD: before marking it consistent, the chains of every bucket it
+Bucket b is guarded by stripe ``b & (n_stripes - 1)`` (``ucm_stripe_of``).  The slot protocol
+takes stripes inside its C steps (``ucm_get_slow``: one stripe blocking, any other only by
+trylock, so no lock-order cycles); this module is for the Python-driven steps around them
+(rank recovery freeing a dead claimant's slot).  A stripe whose holder died comes back as EOWNERDEAD: before marking it consistent, the chains of every bucket it
 guards are rebuilt from their heads (``ucm_stripe_repair``), so the next holder finds them whole
 and the mutex never becomes ENOTRECOVERABLE.  The lock is never held across user code or a
 blocking wait (loaders run after it is released).
 """
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Optional
 
 from ._core import ffi, lib
 from ._errors import CorruptSegment
 
 
 class Stripes:
-    def __init__(self, ctx, base, layout,
-                 on_repair: Optional[Callable[[int, int], None]] = None):
+    def __init__(self, ctx, base, layout):
         self._ctx = ctx
         self._base = base
         self._layout = layout
-        self._on_repair = on_repair
-        self.repairs = 0
-
-    def stripe_of_key(self, block_id: bytes, offset: int) -> int:
-        return lib.ucm_stripe_of(self._ctx, lib.ucm_bucket_of(self._ctx, block_id, offset))
 
     def lock(self, stripe: int, timeout: Optional[float] = None) -> None:
         ns = -1 if timeout is None else int(timeout * 1e9)
@@ -38,17 +33,6 @@ class Stripes:
         if r == lib.UCM_TIMEOUT:
             raise TimeoutError(f"stripe {stripe} stayed locked for {timeout} s")
         raise CorruptSegment(f"stripe {stripe}'s mutex is unusable (code {r})")
-
-    def trylock(self, stripe: int) -> bool:
-        r = lib.ucm_stripe_trylock(self._ctx, stripe)
-        if r == lib.UCM_OWNERDEAD:
-            self._repair_or_release(stripe)
-            return True
-        if r == lib.UCM_BUSY:
-            return False
-        if r != lib.UCM_OK:
-            raise CorruptSegment(f"stripe {stripe}'s mutex is unusable (code {r})")
-        return True
 
     def unlock(self, stripe: int) -> None:
         lib.ucm_stripe_unlock(self._ctx, stripe)
@@ -65,13 +49,10 @@ class Stripes:
         """We hold a stripe whose previous holder died: rebuild its chains, then mark the mutex
         consistent.  Keeps I2 (a linked slot's bucket word names its bucket) for the chains the
         dead holder may have left half-changed."""
-        dropped = self.rebuild(stripe)
+        self.rebuild(stripe)
         r = lib.ucm_mutex_consistent(self._base, self._layout.stripe(stripe))
         if r != lib.UCM_OK:
             raise CorruptSegment(f"stripe {stripe} could not be made consistent (code {r})")
-        self.repairs += 1
-        if self._on_repair is not None:
-            self._on_repair(stripe, dropped)
 
     def rebuild(self, stripe: int) -> int:
         """Rebuild the chains of the buckets this stripe guards (held by us); returns how many
@@ -80,21 +61,3 @@ class Stripes:
         if lib.ucm_stripe_repair(self._ctx, stripe, dropped) != lib.UCM_OK:
             raise CorruptSegment(f"stripe {stripe} is out of range")
         return dropped[0]
-
-    def held(self, stripe: int) -> "_Held":
-        return _Held(self, stripe)
-
-
-class _Held:
-    __slots__ = ("_stripes", "_stripe")
-
-    def __init__(self, stripes: Stripes, stripe: int):
-        self._stripes = stripes
-        self._stripe = stripe
-
-    def __enter__(self) -> int:
-        self._stripes.lock(self._stripe)
-        return self._stripe
-
-    def __exit__(self, *exc) -> None:
-        self._stripes.unlock(self._stripe)
