@@ -1030,7 +1030,7 @@ int ucm_publish(ucm_ctx *c, uint32_t s, uint32_t state, uint32_t length)
     int held = (RLX(ref_w(c, s)) & c->rank_bit) && c->local_pins[s] != 0;
     local_unlock(c, s);
     if (!held) return UCM_NOT_HELD;
-    if ((RLX(state_w(c, s)) & UCM_STATE_MASK) != UCM_LOADING) return UCM_NOT_HELD;
+    if ((RLX(state_w(c, s)) & UCM_STATE_MASK) != UCM_LOADING) return UCM_PUBLISHED;
     if ((uint64_t)length > c->l.slot_size) return UCM_CORRUPT;
     SET_RLX(len_w(c, s), length);
     if (state == UCM_READY) {

@@ -96,6 +96,7 @@
 #define UCM_ROLLBACK         6
 #define UCM_OWNERDEAD        7
 #define UCM_NOT_HELD         8
+#define UCM_PUBLISHED        9   /* publish: the slot left Loading already */
 
 /* Parameter errors from ucm_layout_compute (which field is out of range). */
 #define UCM_EP_MAX_RANKS     101

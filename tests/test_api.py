@@ -374,3 +374,18 @@ def test_batch_owner_view_is_released_on_ready(make_cache):
             v[:1] = b"x"                       # the writable view ended with the load
         b.fail(1, "no")
     assert c.exist([K1, K2]) == [True, False]
+
+
+def test_publishing_twice_is_a_clear_error_and_changes_nothing(make_cache):
+    c = make_cache()
+    with c.get(K1) as h:
+        h.data[:2] = b"ok"
+        h.ready(2)
+        with pytest.raises(UcmError, match=r"^ready\(\): the slot was already published$"):
+            h.ready(1)
+        with pytest.raises(UcmError, match=r"^fail\(\): the slot was already published$"):
+            h.fail("late")
+    with c.get(K1) as h:
+        assert bytes(h.data) == b"ok"
+        with pytest.raises(UcmError, match="for the owner of a loading slot"):
+            h.ready()

@@ -65,7 +65,8 @@ class _Pins:
 class Handle(_Pins):
     """A pinned slot.  Use as a context manager; see SlotCache.get."""
 
-    __slots__ = ("_cache", "_slot", "_owner", "_timeout", "_views", "_closed", "__weakref__")
+    __slots__ = ("_cache", "_slot", "_owner", "_timeout", "_views", "_closed", "_published",
+                 "__weakref__")
     _what = "one pin"
 
     def __init__(self, cache: "SlotCache", slot: int, owner: bool, timeout: Optional[float]):
@@ -75,6 +76,7 @@ class Handle(_Pins):
         self._timeout = timeout
         self._views: Optional[List[memoryview]] = None
         self._closed = False
+        self._published = False  # an owner's ready()/fail() went through
         if owner:
             _owned_slots(cache).add(slot)
 
@@ -116,6 +118,9 @@ class Handle(_Pins):
         self._check_open()
         if self._views is None:
             self._views = []
+        if self._owner and not self._published:  # ours and Loading until we publish it
+            return slot_view(self._cache, self._slot, self._cache._layout.slot_size, True,
+                             self._views)
         return slot_data(self._cache, self._slot, self._owner, self._views)
 
     def array(self, dtype, shape=None) -> np.ndarray:
@@ -137,12 +142,14 @@ class Handle(_Pins):
         self._check_open()
         self._release_views()  # the owner's writable view ends with the load
         publish_ready(self._cache, self._slot, self._owner, nbytes)
+        self._published = True
 
     def fail(self, message: str = "load failed") -> None:
         """Publish the slot as Failed; current waiters get LoadFailed(message)."""
         self._check_open()
         self._release_views()
         publish_failed(self._cache, self._slot, self._owner, message)
+        self._published = True
 
     # ---------------------------------------------------------------- waiting
 
@@ -184,7 +191,8 @@ class Handle(_Pins):
             return  # forked child or closed cache: the pin is not ours to drop
         try:
             self._release_views()
-            if self._owner and lib.ucm_slot_state(cache._ctx, self._slot) == lib.UCM_LOADING:
+            if self._owner and not self._published \
+                    and lib.ucm_slot_state(cache._ctx, self._slot) == lib.UCM_LOADING:
                 _publish_failed_quietly(cache, self._slot)
         finally:
             if self._owner:
@@ -267,15 +275,13 @@ def failure_message(cache: "SlotCache", slot: int) -> str:
     return text or "the loader failed without a message"
 
 
-def _check_owner(cache: "SlotCache", slot: int, owner: bool, what: str) -> None:
+def _check_owner(owner: bool, what: str) -> None:
     if not owner:
         raise UcmError(f"{what}() is for the owner of a loading slot; this handle is not")
-    if lib.ucm_slot_state(cache._ctx, slot) != lib.UCM_LOADING:
-        raise UcmError(f"{what}(): the slot was already published")
 
 
 def publish_ready(cache: "SlotCache", slot: int, owner: bool, nbytes: Optional[int]) -> None:
-    _check_owner(cache, slot, owner, "ready")
+    _check_owner(owner, "ready")
     size = cache._layout.slot_size
     if nbytes is None:
         nbytes = size
@@ -284,22 +290,26 @@ def publish_ready(cache: "SlotCache", slot: int, owner: bool, nbytes: Optional[i
     if not 0 <= nbytes <= size:
         raise ValueError(f"nbytes must be in [0, slot_size={size}], got {nbytes}")
     cache._hook("before_ready")
-    _publish(cache, slot, lib.UCM_READY, int(nbytes))
+    _publish(cache, slot, lib.UCM_READY, int(nbytes), "ready")
     cache._hook("after_ready")
 
 
 def publish_failed(cache: "SlotCache", slot: int, owner: bool, message: str) -> None:
-    _check_owner(cache, slot, owner, "fail")
+    _check_owner(owner, "fail")
+    if lib.ucm_slot_state(cache._ctx, slot) != lib.UCM_LOADING:  # before the message lands
+        raise UcmError("fail(): the slot was already published")
     raw = str(message).encode("utf-8", "replace")[: cache._layout.slot_size]
     off = cache._layout.data(slot)
     cache._seg.view[off:off + len(raw)] = raw
-    _publish(cache, slot, lib.UCM_FAILED, len(raw))
+    _publish(cache, slot, lib.UCM_FAILED, len(raw), "fail")
 
 
-def _publish(cache: "SlotCache", slot: int, state: int, nbytes: int) -> None:
+def _publish(cache: "SlotCache", slot: int, state: int, nbytes: int, what: str) -> None:
     r = lib.ucm_publish(cache._ctx, slot, state, nbytes)
     if r != lib.UCM_OK:
-        raise UcmError(f"publish failed (code {r}): no longer the owner of a loading slot")
+        if r == lib.UCM_PUBLISHED:
+            raise UcmError(f"{what}(): the slot was already published")
+        raise UcmError(f"{what}(): no longer the owner of a loading slot (code {r})")
     _owned_slots(cache).discard(slot)
 
 
