@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Dict, List, Optional
 
 import numpy as np
 
+from . import _hooks
 from ._core import lib
 from ._errors import HandleClosed, LoadFailed, UcmError
 
@@ -195,7 +196,7 @@ class Handle(_Pins):
                     and lib.ucm_slot_state(cache._ctx, self._slot) == lib.UCM_LOADING:
                 _publish_failed_quietly(cache, self._slot)
         finally:
-            if self._owner:
+            if self._owner and not self._published:
                 _owned_slots(cache).discard(self._slot)
             lib.ucm_release(cache._ctx, self._slot)
             cache._open_handles -= 1
@@ -289,9 +290,11 @@ def publish_ready(cache: "SlotCache", slot: int, owner: bool, nbytes: Optional[i
         raise TypeError(f"nbytes must be an int, got {type(nbytes).__name__}")
     if not 0 <= nbytes <= size:
         raise ValueError(f"nbytes must be in [0, slot_size={size}], got {nbytes}")
-    cache._hook("before_ready")
+    if _hooks._armed:
+        _hooks.fire("before_ready")
     _publish(cache, slot, lib.UCM_READY, int(nbytes), "ready")
-    cache._hook("after_ready")
+    if _hooks._armed:
+        _hooks.fire("after_ready")
 
 
 def publish_failed(cache: "SlotCache", slot: int, owner: bool, message: str) -> None:
