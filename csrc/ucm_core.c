@@ -1036,7 +1036,10 @@ int ucm_publish(ucm_ctx *c, uint32_t s, uint32_t state, uint32_t length)
     if (state == UCM_READY) {
         uint32_t g = RLX(gen_w(c, s));
         uint32_t me = (uint32_t)c->rank; /* our own range: we installed this slot */
-        if (acc_add(c, me, UCM_R_ACC_ENTRIES, g, 1)) {
+        /* Only a slot of the current generation is counted; one that a clear() overtook is
+         * not (its 20-bit tag could even alias a far newer word's).  A clear() racing this is
+         * decided by acc_add's CAS against the word clear() moves on. */
+        if (g == (uint32_t)ucm_generation(c) && acc_add(c, me, UCM_R_ACC_ENTRIES, g, 1)) {
             if (!acc_add(c, me, UCM_R_ACC_BYTES, g, length)) {
                 /* clear() ran between the two adds: the entry is not in this generation. */
                 acc_sub(c, me, UCM_R_ACC_ENTRIES, g, 1);
@@ -1113,8 +1116,9 @@ int64_t ucm_get_slow(ucm_ctx *c, const char *id, uint64_t offset, uint32_t spin_
      * now: nobody else changes this chain), and on a miss claim a victim with our CLOCK hand
      * and install the key, handing the slot over pinned by us.  The stripe is released before
      * returning, always.  Answers: (UCM_GOT_OWNER if ours to load | state << 32 | slot), or
-     * -UCM_FULL (nothing claimable: the caller decides), -UCM_BUSY (the key's slot stays
-     * claimed under our stripe: its claimant died), -UCM_CORRUPT. */
+     * -UCM_FULL (nothing claimable: the caller decides), -UCM_ROLLBACK (every victim's old
+     * stripe was busy: try again), -UCM_BUSY (the key's slot stays claimed under our stripe:
+     * its claimant died), -UCM_CORRUPT. */
     if (c->rank < 0) return -(int64_t)UCM_NOT_HELD;
     uint64_t key[3];
     load_key(id, offset, key);
@@ -1129,13 +1133,17 @@ int64_t ucm_get_slow(ucm_ctx *c, const char *id, uint64_t offset, uint32_t spin_
         STAT(c, state == UCM_READY ? UCM_ST_HITS : UCM_ST_JOINS, 1);
         answer = ((int64_t)state << 32) | slot;
     } else if (r != UCM_MISS) {
+        if (r == UCM_BUSY) STAT(c, UCM_ST_SPINS_EXHAUSTED, 1);
         answer = -(int64_t)r;
     } else {
         /* One full sweep clears accessed bits, the second takes the first unpinned slot. */
         uint64_t budget = 2 * c->l.slots_per_rank + 1;
-        answer = -(int64_t)UCM_FULL;
+        answer = -(int64_t)UCM_ROLLBACK; /* every candidate's old stripe was busy */
         for (uint32_t attempt = 0; attempt <= max_rollbacks; attempt++) {
-            if (ucm_clock_claim(c, budget, &slot) != UCM_OK) break;
+            if (ucm_clock_claim(c, budget, &slot) != UCM_OK) {
+                answer = -(int64_t)UCM_FULL;
+                break;
+            }
             r = ucm_install(c, slot, id, offset, stripe);
             if (r == UCM_OK) {
                 answer = UCM_GOT_OWNER | ((int64_t)UCM_LOADING << 32) | slot;

@@ -75,3 +75,53 @@ def test_thousand_clears_keep_chains_short_and_capacity_whole(make_cache):
             h.ready(1)
     assert c.entry_count() == 16
     assert c.stats()["clears"] == 1000
+
+
+def test_a_load_that_outlives_half_a_million_clears_is_never_counted(make_cache):
+    from ucmcache._core import lib
+    c = make_cache(slots_per_rank=8, slot_size=32, max_ranks=1)
+    stale = c.get(K)                                 # installed in generation g
+    for _ in range((1 << 19) + 10):                  # the 20-bit tag of g comes round as "older"
+        lib.ucm_clear(c._ctx)
+    for i in range(3):
+        c.get_or_load(bytes([i]) * 16, lambda: b"x" * 10)
+    assert (c.entry_count(), c.size_bytes()) == (3, 30)
+    stale.data[:5] = b"stale"
+    stale.ready(5)
+    stale.close()
+    assert (c.entry_count(), c.size_bytes()) == (3, 30)
+    assert ucmcache.verify(c.uuid).ok
+
+
+def test_owner_published_from_another_thread_is_not_left_owned(make_cache):
+    import threading
+    c = make_cache(slots_per_rank=1, slot_size=32, max_ranks=2)
+    h = c.get(K)                                      # owner in this thread's context
+    t = threading.Thread(target=lambda: (h.data.__setitem__(slice(0, 1), b"v"), h.ready(1)))
+    t.start()
+    t.join(30)
+    h.close()
+    # Another thread reuses our only slot for Z and holds its load; we join and wait.  The slot
+    # must not still count as ours, or the wait would be refused as a recursive load.
+    owning, release = threading.Event(), threading.Event()
+
+    def other_owner():
+        with c.get(b"Z" * 16) as o:
+            assert o.owner and o.slot == h.slot
+            owning.set()
+            assert release.wait(30)
+            o.data[:1] = b"z"
+            o.ready(1)
+    t2 = threading.Thread(target=other_owner)
+    t2.start()
+    try:
+        assert owning.wait(30)
+        with c.get(b"Z" * 16) as joiner:
+            assert not joiner.owner and joiner.state == "loading"
+            with pytest.raises(TimeoutError):       # a wait, not "your own load"
+                joiner.wait(0.01)
+            release.set()
+            assert bytes(joiner.wait(30).data) == b"z"
+    finally:
+        release.set()
+        t2.join(30)

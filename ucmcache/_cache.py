@@ -34,8 +34,10 @@ from ._segment import Segment
 from . import _stats
 
 FAST_SPIN = 64          # yields on a claimed slot before the fast path gives up (the seed's 64)
-SLOW_SPIN = 1 << 16     # under the stripe a claim on our chain is brief: its writer rolls back
+SLOW_SPIN = 64          # under the stripe a live claimant of our chain rolls back at once; a
+                        # claim that stays is a dead rank's, recovered without the stripe held
 MAX_ROLLBACKS = 64      # isolate trylock failures tolerated in one allocation
+MAX_ROLLBACK_ROUNDS = 8 # allocations retried when every one of them rolled back
 LIVENESS_SLICE = 0.5    # a waiter checks that the loader still lives this often (seconds)
 CLAIM_WAIT = 10.0       # the longest a get waits for another process to recover a dead claim
 
@@ -241,6 +243,7 @@ class SlotCache:
             raise CorruptSegment(f"segment {self.uuid!r}: a chain points outside the slot table")
         ctx = self._ctx
         recovered_once = False
+        rollback_rounds = 0
         deadline = None
         delay = 0.0005
         while True:
@@ -260,7 +263,10 @@ class SlotCache:
                 time.sleep(delay)  # another process is recovering it: milliseconds
                 delay = min(delay * 2, 0.05)
                 continue
-            if code == lib.UCM_FULL:
+            if code == lib.UCM_ROLLBACK and rollback_rounds < MAX_ROLLBACK_ROUNDS:
+                rollback_rounds += 1  # contended, not full: the other stripes were busy
+                continue
+            if code in (lib.UCM_FULL, lib.UCM_ROLLBACK):
                 if not recovered_once:
                     recovered_once = True
                     if self.recover().count:

@@ -67,7 +67,7 @@ class Handle(_Pins):
     """A pinned slot.  Use as a context manager; see SlotCache.get."""
 
     __slots__ = ("_cache", "_slot", "_owner", "_timeout", "_views", "_closed", "_published",
-                 "__weakref__")
+                 "_owned", "__weakref__")
     _what = "one pin"
 
     def __init__(self, cache: "SlotCache", slot: int, owner: bool, timeout: Optional[float]):
@@ -78,8 +78,11 @@ class Handle(_Pins):
         self._views: Optional[List[memoryview]] = None
         self._closed = False
         self._published = False  # an owner's ready()/fail() went through
+        # The owned set of the context that became owner: whichever thread publishes or closes,
+        # the slot leaves this set (a waiter in this context must not think it is its load).
+        self._owned = _owned_slots(cache) if owner else None
         if owner:
-            _owned_slots(cache).add(slot)
+            self._owned.add(slot)
 
     # ---------------------------------------------------------------- state
 
@@ -141,16 +144,18 @@ class Handle(_Pins):
     def ready(self, nbytes: Optional[int] = None) -> None:
         """Publish the slot as Ready with nbytes of payload (default: the whole slot)."""
         self._check_open()
-        self._release_views()  # the owner's writable view ends with the load
         publish_ready(self._cache, self._slot, self._owner, nbytes)
         self._published = True
+        self._owned.discard(self._slot)
+        self._release_views()  # the owner's writable view ends with the load
 
     def fail(self, message: str = "load failed") -> None:
         """Publish the slot as Failed; current waiters get LoadFailed(message)."""
         self._check_open()
-        self._release_views()
         publish_failed(self._cache, self._slot, self._owner, message)
         self._published = True
+        self._owned.discard(self._slot)
+        self._release_views()
 
     # ---------------------------------------------------------------- waiting
 
@@ -196,8 +201,8 @@ class Handle(_Pins):
                     and lib.ucm_slot_state(cache._ctx, self._slot) == lib.UCM_LOADING:
                 _publish_failed_quietly(cache, self._slot)
         finally:
-            if self._owner and not self._published:
-                _owned_slots(cache).discard(self._slot)
+            if self._owned is not None:
+                self._owned.discard(self._slot)
             lib.ucm_release(cache._ctx, self._slot)
             cache._open_handles -= 1
 
@@ -313,7 +318,6 @@ def _publish(cache: "SlotCache", slot: int, state: int, nbytes: int, what: str) 
         if r == lib.UCM_PUBLISHED:
             raise UcmError(f"{what}(): the slot was already published")
         raise UcmError(f"{what}(): no longer the owner of a loading slot (code {r})")
-    _owned_slots(cache).discard(slot)
 
 
 def release_views(views: list) -> None:
@@ -342,8 +346,9 @@ class HandleBatch(_Pins):
         self._owner_views: Dict[int, list] = {}  # position -> the owner's writable views
         self._views: list = []
         self._closed = False
+        self._owned = _owned_slots(cache)  # as in Handle: the owning context's set
         for s in slots[owner]:
-            _owned_slots(cache).add(int(s))
+            self._owned.add(int(s))
 
     def __len__(self) -> int:
         return len(self._slots)
@@ -384,12 +389,14 @@ class HandleBatch(_Pins):
         self._check_open()
         i = self._index(i)
         publish_ready(self._cache, int(self._slots[i]), bool(self.owner[i]), nbytes)
+        self._owned.discard(int(self._slots[i]))
         release_views(self._owner_views.pop(i, []))  # the owner's writable view ends with the load
 
     def fail(self, i: int, message: str = "load failed") -> None:
         self._check_open()
         i = self._index(i)
         publish_failed(self._cache, int(self._slots[i]), bool(self.owner[i]), message)
+        self._owned.discard(int(self._slots[i]))
         release_views(self._owner_views.pop(i, []))
 
     def wait(self, timeout: Optional[float] = None) -> "HandleBatch":
@@ -434,9 +441,8 @@ class HandleBatch(_Pins):
             release_views(self._views)
             self._views = []
         finally:
-            owned = _owned_slots(cache)
             for s in self._slots[self.owner]:
-                owned.discard(int(s))
+                self._owned.discard(int(s))
             cache._release_slots(self._slots)
             cache._open_handles -= 1
 

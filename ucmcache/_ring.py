@@ -70,7 +70,10 @@ class Prefetcher:
             for i in range(n_p[0]):
                 if self._stop.is_set():
                     return
-                self._load((bytes(ids[16 * i:16 * i + 16]), int(offsets[i])))
+                try:
+                    self._load((bytes(ids[16 * i:16 * i + 16]), int(offsets[i])))
+                except UcmError as e:  # kept for the owner to see; the worker goes on
+                    self.errors.append(e)
 
     def _load(self, key) -> None:
         cache = self._cache

@@ -765,6 +765,8 @@ class _Bound:
             if payload is not None:
                 self._publish_hit(slot, payload)
                 h._owner = False
+                h._published = True
+                h._owned.discard(slot)
         except BaseException as e:
             h.__exit__(type(e), e, e.__traceback__)
             raise
@@ -787,6 +789,7 @@ class _Bound:
                 if p is not None:
                     self._publish_hit(int(slots[i]), p)
                     owner[i] = False
+                    batch._owned.discard(int(slots[i]))
         except BaseException as e:
             batch.__exit__(type(e), e, e.__traceback__)
             raise
