@@ -389,3 +389,16 @@ def test_publishing_twice_is_a_clear_error_and_changes_nothing(make_cache):
         assert bytes(h.data) == b"ok"
         with pytest.raises(UcmError, match="for the owner of a loading slot"):
             h.ready()
+
+
+def test_owner_handle_dropped_without_close_marks_failed(make_cache):
+    import gc
+    c = make_cache()
+    owner = c.get(K1)
+    waiter = c.get(K1)
+    del owner
+    gc.collect()
+    with pytest.raises(LoadFailed, match="closed its handle without calling ready"):
+        waiter.wait(1)
+    waiter.close()
+    assert c.get_or_load(K1, lambda: b"again") == b"again"
