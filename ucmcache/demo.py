@@ -263,22 +263,29 @@ def _worker(w: int, uuid: str, wl: WorkloadParams, iters: int, spot_rate: float,
 
 # ---------------------------------------------------------------------------------- the parent
 
-class _Terminated(BaseException):
+class Terminated(BaseException):
     """SIGTERM, raised in the main thread so the same cleanup runs as for Ctrl-C."""
 
 
-def _on_sigterm(signum, frame):
-    raise _Terminated()
+def on_sigterm(signum, frame):
+    raise Terminated()
 
 
-class _Progress:
-    """One updating line on stderr when it is a terminal; a line every few seconds otherwise."""
+class Progress:
+    """One updating line on stderr when it is a terminal; a line every few seconds otherwise.
+    (Shared with scripts/embed_demo.py.)"""
 
     def __init__(self, enabled: bool):
         self.enabled = enabled
         self.tty = enabled and sys.stderr.isatty()
         self.last = 0.0
         self.shown = False
+
+    @staticmethod
+    def bar(done: int, total: int, width: int = 24) -> str:
+        frac = done / total if total else 1.0
+        n = int(frac * width)
+        return "[" + "#" * n + "." * (width - n) + f"] {100 * frac:5.1f}%"
 
     def update(self, text: str, force: bool = False) -> None:
         if not self.enabled:
@@ -301,7 +308,7 @@ class _Progress:
             self.shown = False
 
 
-def _reap(procs: Sequence, grace: float = 10.0) -> None:
+def reap(procs: Sequence, grace: float = 10.0) -> None:
     """Join every worker; terminate, then kill, whichever does not leave in time."""
     deadline = time.monotonic() + grace
     for p in procs:
@@ -361,13 +368,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     # One BLAS thread per worker: 4 workers on a small machine, and bit-identical results.
     for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         os.environ.setdefault(var, "1")
-    old_term = signal.signal(signal.SIGTERM, _on_sigterm)
+    old_term = signal.signal(signal.SIGTERM, on_sigterm)
     try:
         return _run(args)
     except KeyboardInterrupt:
         print("\ninterrupted: workers stopped, segment removed", file=sys.stderr)
         return EXIT_INTERRUPTED
-    except _Terminated:
+    except Terminated:
         print("terminated: workers stopped, segment removed", file=sys.stderr)
         return 128 + signal.SIGTERM
     except Exception as e:  # the segment is already removed and the workers reaped
@@ -440,7 +447,7 @@ def _run(args: argparse.Namespace) -> int:
             signal.signal(signal.SIGINT, old_int)
         print(f"workers: pids {' '.join(str(p.pid) for p in procs)}", file=sys.stderr, flush=True)
 
-        bar = _Progress(not args.no_progress)
+        bar = Progress(not args.no_progress)
         deadline = time.monotonic() + args.timeout
 
         def drain(wait: float) -> None:
@@ -492,7 +499,7 @@ def _run(args: argparse.Namespace) -> int:
         bar.update(line(), force=True)
         bar.done()
         serve_time = time.perf_counter() - t_go
-        _reap(procs)
+        reap(procs)
         cache = SlotCache.attach(uuid, timeout=5.0)
         problems += _summarize(args, out, cache, uuid, wl, all_keys, distinct, blocks_asked,
                                reports, procs, serve_time, t_start)
@@ -503,7 +510,7 @@ def _run(args: argparse.Namespace) -> int:
         try:
             stop.value = 1
             go.set()
-            _reap(procs)
+            reap(procs)
             if cache is not None:
                 try:
                     cache.close()
