@@ -165,3 +165,20 @@ def test_close_removes_a_leaked_pin_of_its_own_rank(uuid):
         assert_whole(d)
     finally:
         d.close()
+
+
+def test_two_processes_recovering_at_once_recover_each_dead_rank_once(make_cache, procs, gate):
+    c = make_cache(slots_per_rank=4, slot_size=64, max_ranks=5)
+    c.get_or_load(X, lambda: b"x")
+    held = gate()
+    p, q = procs.start(workers.hold_pin_then_die, c.uuid, X, held.path)
+    held.wait_value(1)
+    p.kill()
+    p.join(10)
+    start = gate()
+    rs = [procs.start(workers.attach_and_recover, c.uuid, start.path) for _ in range(2)]
+    start.release()
+    for _, q in rs:
+        procs.result(q)
+    assert c.stats()["recovered_ranks"] == 1      # one of them did it; the other found nothing
+    assert_whole(c)

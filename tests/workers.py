@@ -359,3 +359,21 @@ def _post_keys(uuid, rank, keys, chunk):
 
 def post_keys(q, *args):
     run(_post_keys, q, *args)
+
+
+def _attach_and_recover(uuid, start_path):
+    start = Gate(start_path)
+    try:
+        start.wait_value(1)
+        c = SlotCache.attach(uuid)
+        try:
+            c.recover()
+            return c.rank
+        finally:
+            c.close()
+    finally:
+        start.close()
+
+
+def attach_and_recover(q, *args):
+    run(_attach_and_recover, q, *args)
