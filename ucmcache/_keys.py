@@ -69,12 +69,21 @@ def pack_keys(keys: Iterable[object]) -> Tuple[bytes, np.ndarray, KeyView]:
     A list of plain 16-byte ids (the common case) is joined in one step and shares a read-only
     array of zero offsets; anything else is split key by key."""
     global _ZEROS
-    if type(keys) is list and all(type(k) is bytes and len(k) == 16 for k in keys):
+    ids = None
+    if type(keys) is list and keys:
+        try:
+            # C speed; a tuple key (length 2) or anything without a length goes the slow way,
+            # and so does anything b"".join refuses (only bytes-like ids pass).
+            if set(map(len, keys)) == {16}:
+                ids = b"".join(keys)
+        except TypeError:
+            ids = None
+    if ids is not None:
         n = len(keys)
         if len(_ZEROS) < n:
             _ZEROS = np.zeros(max(n, 2 * len(_ZEROS)), dtype=np.uint64)
             _ZEROS.flags.writeable = False
-        ids, offsets = b"".join(keys), _ZEROS[:n]
+        offsets = _ZEROS[:n]
     else:
         split = [split_key(k) for k in keys]
         ids = b"".join(k[0] for k in split)
