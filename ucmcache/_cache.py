@@ -310,9 +310,10 @@ class SlotCache:
                 self._release_slots(slots)
                 raise
         self._open_handles += 1
-        if self._tier2 is not None and owner.any():
+        any_owner = bool(len(misses)) and bool(owner.any())
+        if self._tier2 is not None and any_owner:
             return self._tier2.owner_batch(slots, owner, split, timeout)
-        return HandleBatch(self, slots, owner, timeout)
+        return HandleBatch(self, slots, owner, timeout, any_owner)
 
     def _release_slots(self, slots: np.ndarray) -> None:
         if len(slots):

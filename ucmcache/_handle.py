@@ -338,7 +338,7 @@ class HandleBatch(_Pins):
     """
 
     def __init__(self, cache: "SlotCache", slots: np.ndarray, owner: np.ndarray,
-                 timeout: Optional[float]):
+                 timeout: Optional[float], any_owner: bool = True):
         self._cache = cache
         self._slots = slots
         self.owner = owner
@@ -346,9 +346,11 @@ class HandleBatch(_Pins):
         self._owner_views: Dict[int, list] = {}  # position -> the owner's writable views
         self._views: list = []
         self._closed = False
-        self._owned = _owned_slots(cache)  # as in Handle: the owning context's set
-        for s in slots[owner]:
-            self._owned.add(int(s))
+        self._any_owner = any_owner  # False: an all-hit batch skips the owner bookkeeping
+        self._owned = _owned_slots(cache) if any_owner else set()  # as in Handle
+        if any_owner:
+            for s in slots[owner]:
+                self._owned.add(int(s))
 
     def __len__(self) -> int:
         return len(self._slots)
@@ -431,18 +433,21 @@ class HandleBatch(_Pins):
         if cache._ctx is None:
             return
         try:
-            for s in self._slots[self.owner]:
-                s = int(s)
-                if lib.ucm_slot_state(cache._ctx, s) == lib.UCM_LOADING:
-                    _publish_failed_quietly(cache, s)
-            for views in self._owner_views.values():
-                release_views(views)
-            self._owner_views = {}
-            release_views(self._views)
-            self._views = []
+            if self._any_owner:
+                for s in self._slots[self.owner]:
+                    s = int(s)
+                    if lib.ucm_slot_state(cache._ctx, s) == lib.UCM_LOADING:
+                        _publish_failed_quietly(cache, s)
+                for views in self._owner_views.values():
+                    release_views(views)
+                self._owner_views = {}
+            if self._views:
+                release_views(self._views)
+                self._views = []
         finally:
-            for s in self._slots[self.owner]:
-                self._owned.discard(int(s))
+            if self._any_owner:
+                for s in self._slots[self.owner]:
+                    self._owned.discard(int(s))
             cache._release_slots(self._slots)
             cache._open_handles -= 1
 
