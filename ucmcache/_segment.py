@@ -20,7 +20,8 @@ import os
 import re
 import time
 import zlib
-from typing import Dict, Optional
+from contextlib import contextmanager
+from typing import Any, Dict, Iterator, Optional
 
 import numpy as np
 import posix_ipc
@@ -207,7 +208,7 @@ class Segment:
             try:
                 return cls._make(uuid, shm, layout)
             except BaseException:
-                _unlink_quietly(uuid, shm.fd)
+                unlink_if_same(uuid, shm.fd)
                 shm.close_fd()
                 raise
         raise SegmentExists(f"segment {uuid!r} keeps being re-created by another process")
@@ -348,13 +349,38 @@ def _check_room(uuid: str, needed: int) -> None:
         raise SharedMemoryFull(_room_message(uuid, needed))
 
 
-def _unlink_quietly(uuid: str, fd: int) -> None:
-    """Unlink the name only if it still names the file behind fd."""
+def unlink_if_same(uuid: str, fd: int) -> bool:
+    """Unlink the name only if it still names the file behind fd; True if it did."""
     try:
-        if os.stat(shm_path(uuid)).st_ino == os.fstat(fd).st_ino:
-            posix_ipc.unlink_shared_memory(shm_name(uuid))
+        if os.stat(shm_path(uuid)).st_ino != os.fstat(fd).st_ino:
+            return False
+        posix_ipc.unlink_shared_memory(shm_name(uuid))
+        return True
     except (OSError, posix_ipc.ExistentialError):
-        pass
+        return False
+
+
+@contextmanager
+def held_for_removal(uuid: str) -> Iterator[Dict[str, Any]]:
+    """Open the segment and try to take its creator lock and every possible rank's life lock.
+
+    While they are held nobody can attach (taking a rank needs its life lock) or be creating
+    it, so "no live rank" stays true until the caller unlinks (with unlink_if_same).  Yields
+    {fd, busy_ranks, creator_busy, header}; closing the fd drops every lock.  The price: an
+    attach racing a removal in that instant finds every rank taken (RankUnavailable)."""
+    shm = _open_existing(uuid)
+    try:
+        st = os.fstat(shm.fd)
+        if st.st_uid != os.getuid():
+            raise ForeignSegment(f"segment {uuid!r} belongs to uid {st.st_uid}, not to us "
+                                 f"(uid {os.getuid()}); refusing to remove it")
+        creator_busy = lib.ucm_ofd_trylock(shm.fd, CREATOR_LOCK_BYTE) != lib.UCM_OK
+        busy = [r for r in range(lib.UCM_MAX_RANKS)
+                if lib.ucm_ofd_trylock(shm.fd, life_lock_byte(r)) != lib.UCM_OK]
+        yield {"fd": shm.fd, "busy_ranks": busy, "creator_busy": creator_busy,
+               "header": _read_header(shm.fd, st.st_size)}
+    finally:
+        shm.close_fd()
 
 
 def _replace_half_made(uuid: str) -> bool:
@@ -373,7 +399,7 @@ def _replace_half_made(uuid: str) -> bool:
         if header.get("creator_pid", 0) == 0 and time.time() - st.st_ctime <= HALF_MADE_GRACE_S:
             return False
         # Holding its creator lock, nobody else can be replacing it: the name goes.
-        _unlink_quietly(uuid, shm.fd)
+        unlink_if_same(uuid, shm.fd)
         return True
     finally:
         shm.close_fd()

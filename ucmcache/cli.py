@@ -719,44 +719,23 @@ def cmd_recover(args) -> int:
 
 @contextmanager
 def _held_for_removal(uuid: str) -> Iterator[Dict[str, Any]]:
-    """Open the segment and try to take its creator lock and every possible rank's life lock.
-
-    While we hold them nobody can attach (take_rank needs a life lock) or be creating it, so
-    "no live rank" stays true until we unlink.  Yields {fd, busy_ranks, creator_busy, header}.
-    Closing the fd drops every lock.  The price: an attach racing with rm/gc in that instant
-    finds every rank taken (RankUnavailable) instead of a segment about to vanish."""
-    from ._core import lib
-    from ._segment import (CREATOR_LOCK_BYTE, _open_existing, _read_header, life_lock_byte)
+    """_segment.held_for_removal, its errors as one line for the CLI."""
     from . import UcmError
+    from ._segment import held_for_removal
     try:
-        shm = _open_existing(uuid)
+        cm = held_for_removal(uuid)
+        held = cm.__enter__()
     except UcmError as e:
         raise CliError(str(e)) from None
     try:
-        st = os.fstat(shm.fd)
-        if st.st_uid != os.getuid():
-            raise CliError(f"segment {uuid!r} belongs to uid {st.st_uid}, not to us "
-                           f"(uid {os.getuid()}); refusing to remove it")
-        creator_busy = lib.ucm_ofd_trylock(shm.fd, CREATOR_LOCK_BYTE) != lib.UCM_OK
-        busy = [r for r in range(lib.UCM_MAX_RANKS)
-                if lib.ucm_ofd_trylock(shm.fd, life_lock_byte(r)) != lib.UCM_OK]
-        yield {"fd": shm.fd, "busy_ranks": busy, "creator_busy": creator_busy,
-               "header": _read_header(shm.fd, st.st_size)}
+        yield held
     finally:
-        shm.close_fd()
+        cm.__exit__(None, None, None)
 
 
 def _unlink_if_same(uuid: str, fd: int) -> bool:
-    """Unlink the name only if it still names the file behind fd."""
-    import posix_ipc
-    from ._segment import shm_name
-    try:
-        if os.stat(_shm_path(uuid)).st_ino != os.fstat(fd).st_ino:
-            return False
-        posix_ipc.unlink_shared_memory(shm_name(uuid))
-        return True
-    except (OSError, posix_ipc.ExistentialError):
-        return False
+    from ._segment import unlink_if_same
+    return unlink_if_same(uuid, fd)
 
 
 def _live_pids(uuid: str) -> Dict[int, int]:
