@@ -757,7 +757,7 @@ static int acc_add(ucm_ctx *c, uint32_t rank, uint64_t off, uint32_t slot_gen, u
 {
     uint64_t *w = acc_word(c, rank, off);
     uint64_t sg = slot_gen & ACC_GEN_MASK;
-    uint64_t a = __atomic_load_n(w, __ATOMIC_RELAXED);
+    uint64_t a = __atomic_load_n(w, __ATOMIC_RELAXED); /* a first guess: the CAS below decides */
     for (;;) {
         uint64_t ag = a >> UCM_ACC_VALUE_BITS, nv;
         if (ag == sg) nv = a + delta;
@@ -773,7 +773,7 @@ static void acc_sub(ucm_ctx *c, uint32_t rank, uint64_t off, uint32_t slot_gen, 
 {
     uint64_t *w = acc_word(c, rank, off);
     uint64_t sg = slot_gen & ACC_GEN_MASK;
-    uint64_t a = __atomic_load_n(w, __ATOMIC_RELAXED);
+    uint64_t a = __atomic_load_n(w, __ATOMIC_RELAXED); /* a first guess: the CAS below decides */
     for (;;) {
         if ((a >> UCM_ACC_VALUE_BITS) != sg) return; /* counted in a generation since cleared */
         uint64_t v = a & ACC_VAL_MASK;
@@ -812,7 +812,7 @@ uint64_t ucm_clear(ucm_ctx *c)
         uint64_t offs[2] = {UCM_R_ACC_ENTRIES, UCM_R_ACC_BYTES};
         for (int i = 0; i < 2; i++) {
             uint64_t *w = acc_word(c, r, offs[i]);
-            uint64_t a = __atomic_load_n(w, __ATOMIC_RELAXED);
+            uint64_t a = __atomic_load_n(w, __ATOMIC_RELAXED); /* a first guess: the CAS below decides */
             /* seq_cst: see acc_add. */
             while (gen_older(a >> UCM_ACC_VALUE_BITS, ng) &&
                    !__atomic_compare_exchange_n(w, &a, ng << UCM_ACC_VALUE_BITS, 0, __ATOMIC_SEQ_CST,
