@@ -411,11 +411,57 @@ class LmdbSystem:
 # ====================================================================== Redis
 
 
-class RedisClient:
+class _GetSetLoops:
+    """The timed loops of a client whose store is a get(key) / set(key, value) object
+    (self._kv): Redis and diskcache share them, so their measurements are the same code."""
+
+    def hit_timed(self, seq, out) -> None:
+        get = self._kv.get
+        pc = time.perf_counter_ns
+        i = 0
+        for k in seq:
+            t0 = pc()
+            get(k)
+            out[i] = pc() - t0
+            i += 1
+
+    def hit_bulk(self, seq) -> int:
+        get = self._kv.get
+        pc = time.perf_counter_ns
+        t0 = pc()
+        for k in seq:
+            get(k)
+        return pc() - t0
+
+    def mix(self, seq, cold_prefix, payload, deadline) -> Tuple[int, int]:
+        get, set_ = self._kv.get, self._kv.set
+        pc = time.perf_counter_ns
+        ops = hits = cold = i = 0
+        L = len(seq)
+        while True:
+            for _ in range(64):
+                k = seq[i]
+                i += 1
+                if i == L:
+                    i = 0
+                if k is None:
+                    k = cold_prefix + cold.to_bytes(8, "little")
+                    cold += 1
+                if get(k) is not None:
+                    hits += 1
+                else:
+                    set_(k, payload)
+            ops += 64
+            if pc() >= deadline:
+                return ops, hits
+
+
+class RedisClient(_GetSetLoops):
     def __init__(self, spec):
         import redis
 
         self.r = redis.Redis(unix_socket_path=spec["sock"])
+        self._kv = self.r
 
     def close(self) -> None:
         if self.r is not None:
@@ -428,24 +474,6 @@ class RedisClient:
             for k in keys[i:i + 500]:
                 p.set(k, payload)
             p.execute()
-
-    def hit_timed(self, seq, out) -> None:
-        get = self.r.get
-        pc = time.perf_counter_ns
-        i = 0
-        for k in seq:
-            t0 = pc()
-            get(k)
-            out[i] = pc() - t0
-            i += 1
-
-    def hit_bulk(self, seq) -> int:
-        get = self.r.get
-        pc = time.perf_counter_ns
-        t0 = pc()
-        for k in seq:
-            get(k)
-        return pc() - t0
 
     def exist_timed(self, reqs, out) -> int:
         pipe = self.r.pipeline
@@ -471,28 +499,6 @@ class RedisClient:
             out[i] = pc() - t0
             got += len(res) - res.count(None)
         return got
-
-    def mix(self, seq, cold_prefix, payload, deadline) -> Tuple[int, int]:
-        get, set_ = self.r.get, self.r.set
-        pc = time.perf_counter_ns
-        ops = hits = cold = i = 0
-        L = len(seq)
-        while True:
-            for _ in range(64):
-                k = seq[i]
-                i += 1
-                if i == L:
-                    i = 0
-                if k is None:
-                    k = cold_prefix + cold.to_bytes(8, "little")
-                    cold += 1
-                if get(k) is not None:
-                    hits += 1
-                else:
-                    set_(k, payload)
-            ops += 64
-            if pc() >= deadline:
-                return ops, hits
 
     def flight(self, keys, payload, load_ns, timeout) -> Dict[str, Any]:
         get, set_ = self.r.get, self.r.set
@@ -701,7 +707,7 @@ class ManagerSystem:
 # ====================================================================== diskcache
 
 
-class DiskcacheClient:
+class DiskcacheClient(_GetSetLoops):
     def __init__(self, spec, create: bool = False):
         import diskcache
 
@@ -709,6 +715,7 @@ class DiskcacheClient:
         if create:
             kw = {"size_limit": spec["size_limit"], "eviction_policy": "least-recently-used"}
         self.c = diskcache.Cache(spec["dir"], **kw)
+        self._kv = self.c
 
     def close(self) -> None:
         if self.c is not None:
@@ -721,24 +728,6 @@ class DiskcacheClient:
             with c.transact():
                 for k in keys[i:i + 1000]:
                     c.set(k, payload)
-
-    def hit_timed(self, seq, out) -> None:
-        get = self.c.get
-        pc = time.perf_counter_ns
-        i = 0
-        for k in seq:
-            t0 = pc()
-            get(k)
-            out[i] = pc() - t0
-            i += 1
-
-    def hit_bulk(self, seq) -> int:
-        get = self.c.get
-        pc = time.perf_counter_ns
-        t0 = pc()
-        for k in seq:
-            get(k)
-        return pc() - t0
 
     def exist_timed(self, reqs, out) -> int:
         c = self.c
@@ -761,28 +750,6 @@ class DiskcacheClient:
             out[i] = pc() - t0
             got += len(res) - res.count(None)
         return got
-
-    def mix(self, seq, cold_prefix, payload, deadline) -> Tuple[int, int]:
-        get, set_ = self.c.get, self.c.set
-        pc = time.perf_counter_ns
-        ops = hits = cold = i = 0
-        L = len(seq)
-        while True:
-            for _ in range(64):
-                k = seq[i]
-                i += 1
-                if i == L:
-                    i = 0
-                if k is None:
-                    k = cold_prefix + cold.to_bytes(8, "little")
-                    cold += 1
-                if get(k) is not None:
-                    hits += 1
-                else:
-                    set_(k, payload)
-            ops += 64
-            if pc() >= deadline:
-                return ops, hits
 
     def flight(self, keys, payload, load_ns, timeout) -> Dict[str, Any]:
         c = self.c
