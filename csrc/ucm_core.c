@@ -421,18 +421,6 @@ void ucm_ctx_set_rank(ucm_ctx *c, int32_t rank)
     c->stats = W64(c->base, c->l.rank_off + (uint64_t)rank * UCM_RANK_SIZE + UCM_R_STATS);
 }
 
-void ucm_ctx_forget_pins(ucm_ctx *c)
-{
-    /* After fork: the child's copy of the counts describes the parent's pins, not its own. */
-    memset(c->local_pins, 0, c->l.n_slots * sizeof(uint32_t));
-    memset(c->local_locks, 0, sizeof c->local_locks); /* a parent thread may have held one */
-}
-
-uint32_t ucm_local_pins(ucm_ctx *c, uint32_t slot)
-{
-    return slot < c->l.n_slots ? c->local_pins[slot] : 0;
-}
-
 void ucm_stat_add(ucm_ctx *c, int32_t counter, uint64_t n)
 {
     /* Relaxed: a counter orders nothing; only this rank (its threads) writes its stats line. */
@@ -1340,14 +1328,6 @@ int ucm_ring_wake(ucm_ctx *c, uint32_t ring)
     if (ring >= c->l.max_ranks) return UCM_CORRUPT;
     futex_wake_word(W32(ring_base(c, ring), UCM_RING_TAIL), INT32_MAX);
     return UCM_OK;
-}
-
-uint32_t ucm_ring_depth(ucm_ctx *c, uint32_t ring)
-{
-    if (ring >= c->l.max_ranks) return 0;
-    char *r = ring_base(c, ring);
-    uint32_t d = ACQ(W32(r, UCM_RING_TAIL)) - (uint32_t)ACQ(W64(r, UCM_RING_HEAD)); /* a snapshot */
-    return d > UCM_RING_DEPTH ? UCM_RING_DEPTH : d;
 }
 
 /* ---------------------------------------------------------------- recovery (I5) */

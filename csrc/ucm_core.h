@@ -195,8 +195,6 @@ void ucm_ctx_free(ucm_ctx *c);
 void ucm_ctx_set_rank(ucm_ctx *c, int32_t rank);
 void ucm_ctx_set_point(ucm_ctx *c, int32_t point, int32_t action, uint32_t *gate_word,
                        int64_t timeout_ns);
-void ucm_ctx_forget_pins(ucm_ctx *c);
-uint32_t ucm_local_pins(ucm_ctx *c, uint32_t slot);
 
 uint32_t ucm_load32(char *base, uint64_t off);
 uint64_t ucm_load64(char *base, uint64_t off);
@@ -262,7 +260,6 @@ int ucm_ring_post(ucm_ctx *c, uint32_t ring, const char *ids, const uint64_t *of
 int ucm_ring_take(ucm_ctx *c, char *ids_out, uint64_t *offsets_out, uint32_t max,
                   int64_t timeout_ns, uint32_t *n_out);
 int ucm_ring_wake(ucm_ctx *c, uint32_t ring);
-uint32_t ucm_ring_depth(ucm_ctx *c, uint32_t ring);
 
 int ucm_recover_pins(ucm_ctx *c, uint32_t dead_rank, uint32_t *claimed_out, uint32_t cap,
                      uint32_t *n_claimed_out, uint32_t *pins_out, uint32_t *loading_out);

@@ -12,7 +12,6 @@ from typing import Any, Dict, List
 import numpy as np
 
 from ._core import lib
-from ._errors import UcmError
 from ._recovery import rank_alive
 from ._segment import Segment
 from ._stats import RANK_STATES
@@ -201,11 +200,4 @@ def verify_segment(seg: Segment) -> VerifyReport:
         },
         "ranks": rank_rows,
     }
-    return rep
-
-
-def assert_ok(uuid: str) -> VerifyReport:
-    rep = verify(uuid)
-    if not rep.ok:
-        raise UcmError(str(rep))
     return rep
