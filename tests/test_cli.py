@@ -9,6 +9,7 @@ import multiprocessing as mp
 import os
 import re
 import signal
+import stat
 import struct
 import subprocess
 import sys
@@ -203,12 +204,10 @@ def test_every_command_has_help(command, call):
 
 def test_usage_errors_exit_2(call):
     r = run()
-    assert r.returncode == 2 and r.stderr.startswith("usage: ucmcache"), r.stderr
-    assert "Traceback" not in r.stderr
+    assert_one_error_line(r, 2, r"the following arguments are required: COMMAND")
     for argv in (["frobnicate"], ["inspect"], ["watch", "x", "--interval", "zero"],
                  ["create", "x", "--slot-size", "64"]):
-        r = call(*argv)
-        assert r.returncode == 2 and "usage: ucmcache" in r.stderr, (argv, r)
+        assert_one_error_line(call(*argv), 2, r"--help` shows the usage\)$")
 
 
 @pytest.mark.parametrize("argv", [["inspect"], ["inspect", "--json"], ["watch"], ["verify"],
@@ -562,3 +561,93 @@ def test_inspect_shows_prefetch_rings_and_tier2_counters(names):
         assert re.search(rf"rings \(rank: depth / posted / dropped / already present\):\n +"
                          rf"{c.rank}: 5 / 5 / 0 / 0", r.stdout)
         assert "tier 2: hits 3  misses 0" in r.stdout
+
+
+# ------------------------------------------------------------------------- issue 13: bad input
+
+USAGE = r" \(`ucmcache{sub} --help` shows the usage\)$"
+CREATE = ["create", "--slots-per-rank", "4", "--slot-size", "64"]     # the uuid goes second
+
+
+@pytest.mark.parametrize("argv, pattern", [
+    ([], r"^ucmcache: error: the following arguments are required: COMMAND" + USAGE.format(sub="")),
+    (["frobnicate"], r"^ucmcache: error: argument COMMAND: invalid choice: 'frobnicate' \(choose "
+                     r"from 'ls', .*\)" + USAGE.format(sub="")),
+    (["inspect"], r"^ucmcache: error: the following arguments are required: UUID" +
+                  USAGE.format(sub=" inspect")),
+    (["rm", "--forse", "x"], r"^ucmcache: error: unrecognized arguments: --forse"),
+    (CREATE + ["--mode", "7777"], r"^ucmcache: error: argument --mode: must be octal permission "
+                                  r"bits from 0 to 777 \(like 600\), got '7777'" +
+                                  USAGE.format(sub=" create")),
+], ids=["no command", "unknown command", "missing uuid", "unknown option", "bad mode"])
+def test_usage_errors_are_one_line(argv, pattern, names):
+    """Run as a subprocess: stderr holds exactly one line, nothing else (no usage block)."""
+    if argv[:1] == ["create"]:
+        u = names("bad-mode")
+        argv = argv[:1] + [u] + argv[1:]
+    r = run(*argv)
+    assert_one_error_line(r, 2, pattern)
+    assert r.stdout == ""
+    if argv[:1] == ["create"]:
+        assert not os.path.lexists(path_of(u))
+
+
+@pytest.mark.parametrize("mode", ["7777", "4755", "1777", "2700", "1000", "-1", "rw", "0x1ff",
+                                  "", "8"])
+def test_create_mode_is_permission_bits_only(mode, names, call):
+    u = names("mode")
+    r = call(CREATE[0], u, *CREATE[1:], f"--mode={mode}")
+    assert_one_error_line(r, 2, r"^ucmcache: error: argument --mode: must be octal permission "
+                                rf"bits from 0 to 777 \(like 600\), got {re.escape(repr(mode))}")
+    assert not os.path.lexists(path_of(u))          # refused before any file was made
+
+
+def test_create_mode_sets_the_permission_bits(names):
+    u = names("mode")
+    umask = os.umask(0)
+    os.umask(umask)
+    r = run(CREATE[0], u, *CREATE[1:], "--mode", "640")
+    assert r.returncode == 0, r.stderr
+    assert stat.S_IMODE(os.stat(path_of(u)).st_mode) == 0o640 & ~umask
+
+
+def test_non_file_entries_are_foreign_never_collected_and_refused(names, call):
+    """Anyone can mkdir /dev/shm/ucmcache-x: ls shows it (and every real segment), gc keeps it,
+    and commands naming it refuse it in one line."""
+    idle = names("idle")
+    make_orphan(idle)               # created and closed: idle, which gc --idle removes
+    strays = {names.prefix + "dir": "directory", names.prefix + "fifo": "FIFO",
+              names.prefix + "link": "symbolic link"}
+    try:
+        for u, kind in strays.items():
+            {"directory": os.mkdir, "FIFO": os.mkfifo,
+             "symbolic link": lambda p: os.symlink(path_of(idle), p)}[kind](path_of(u))
+        rows = ls_json()
+        assert rows[idle]["status"] == "idle"
+        for u, kind in strays.items():
+            assert rows[u]["status"] == "foreign"
+            assert rows[u]["error"] == (f"a {kind}, not a shared-memory file: not a ucmcache "
+                                        "segment")
+        r = run("ls")
+        assert r.returncode == 0 and r.stderr == "", r.stderr
+        assert_fits(r.stdout)
+        shown = {line.split()[0]: line.split()[1] for line in r.stdout.splitlines()[1:]
+                 if line.startswith(names.prefix)}
+        assert shown == {idle: "idle", **{u: "foreign" for u in strays}}
+        for u, kind in strays.items():
+            named = re.escape(f"segment {u!r}: {path_of(u)} is a {kind}, not a shared-memory "
+                              "file, so not a ucmcache segment; refusing to use it")
+            for argv in (["inspect", u], ["verify", u], ["recover", u], ["rm", u],
+                         ["rm", u, "--force"]):
+                assert_one_error_line(call(*argv), 2, rf"^ucmcache: error: {named}$")
+        r = call("gc", "--prefix", names.prefix, "--idle")
+        assert (r.returncode, r.stdout) == (0, f"removed {idle} (idle)\n"), r
+        assert not os.path.lexists(path_of(idle))
+        assert all(os.path.lexists(path_of(u)) for u in strays)
+    finally:
+        for u in strays:
+            p = path_of(u)
+            if os.path.isdir(p) and not os.path.islink(p):
+                os.rmdir(p)
+            elif os.path.lexists(p):
+                os.unlink(p)

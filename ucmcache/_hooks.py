@@ -28,7 +28,7 @@ C_POINTS = {
     "before_pin_cas": lib.UCM_PT_BEFORE_PIN_CAS,
     "holding_stripe": lib.UCM_PT_HOLDING_STRIPE,
 }
-PY_POINTS = ("inside_loader", "before_ready", "after_ready", "before_magic")
+PY_POINTS = ("inside_loader", "before_ready", "after_ready", "before_magic", "after_shm_open")
 POINTS = tuple(C_POINTS) + PY_POINTS
 
 _armed: Dict[str, Tuple[str, Optional["Gate"]]] = {}

@@ -13,7 +13,10 @@ _MAX_OFFSET = (1 << 64) - 1
 
 
 def split_key(key: object) -> Tuple[bytes, int]:
-    """(id16, offset) for a key, or TypeError/ValueError naming what is wrong."""
+    """(id16, offset) for a key, or TypeError/ValueError naming what is wrong.
+
+    A key is a block id (bytes, or a bytearray/memoryview, of exactly 16 bytes) or the tuple
+    (block id, offset).  Nothing else: a 16-element array of wider items is 64 bytes, not an id."""
     if type(key) is bytes and len(key) == 16:
         return key, 0
     if isinstance(key, tuple):
@@ -31,11 +34,14 @@ def split_key(key: object) -> Tuple[bytes, int]:
 
 
 def _id_bytes(block_id: object) -> bytes:
+    if type(block_id) is bytes and len(block_id) == 16:
+        return block_id
     if isinstance(block_id, (bytes, bytearray, memoryview)):
-        b = bytes(block_id)
-        if len(b) == 16:
-            return b
-        raise ValueError(f"a block id must be 16 bytes, got {len(b)}")
+        # The byte length, not len(): a memoryview of uint32 items has len() = items.
+        nbytes = memoryview(block_id).nbytes
+        if nbytes == 16:
+            return bytes(block_id)
+        raise ValueError(f"a block id must be 16 bytes, got {nbytes}")
     raise TypeError(
         "a key must be a 16-byte block id (bytes) or a tuple (block_id, offset), "
         f"got {type(block_id).__name__}")
@@ -66,29 +72,46 @@ class KeyView(Sequence):
 def pack_keys(keys: Iterable[object]) -> Tuple[bytes, np.ndarray, KeyView]:
     """Batch form: all ids joined (16 bytes each), offsets as uint64, and a view of the keys.
 
-    A list of plain 16-byte ids (the common case) is joined in one step and shares a read-only
-    array of zero offsets; anything else is split key by key."""
+    Every key is held to split_key's rules, and a bad one raises TypeError/ValueError naming
+    its position before the caller touches shared memory.  A list of plain 16-byte ``bytes``
+    (the common case) is checked and joined at C speed and shares a read-only array of zero
+    offsets; anything else is split key by key."""
     global _ZEROS
-    ids = None
-    if type(keys) is list and keys:
-        try:
-            # C speed; a tuple key (length 2) or anything without a length goes the slow way,
-            # and so does anything b"".join refuses (only bytes-like ids pass).
-            if set(map(len, keys)) == {16}:
-                ids = b"".join(keys)
-        except TypeError:
-            ids = None
-    if ids is not None:
-        n = len(keys)
+    # Both counts are needed: b"".join takes any buffer, so "every item has len 16" alone lets
+    # a uint32[16] array in as 64 bytes and shifts every later key (a false hit).  list.count
+    # over map() is the cheapest C-speed form of "all are exactly bytes, all of length 16".
+    n = len(keys) if type(keys) is list else 0
+    if n and list(map(type, keys)).count(bytes) == n and list(map(len, keys)).count(16) == n:
+        ids = b"".join(keys)
         if len(_ZEROS) < n:
             _ZEROS = np.zeros(max(n, 2 * len(_ZEROS)), dtype=np.uint64)
             _ZEROS.flags.writeable = False
         offsets = _ZEROS[:n]
     else:
-        split = [split_key(k) for k in keys]
+        split = _split_all(keys)
         ids = b"".join(k[0] for k in split)
         offsets = np.fromiter((k[1] for k in split), dtype=np.uint64, count=len(split))
     return ids, offsets, KeyView(ids, offsets)
+
+
+def _split_all(keys: Iterable[object]) -> List[Tuple[bytes, int]]:
+    if isinstance(keys, (bytes, bytearray, memoryview, str)):
+        raise TypeError(f"keys must be a list of keys, got one {type(keys).__name__} object "
+                        "(for a single key, pass [key])")
+    try:
+        it = iter(keys)
+    except TypeError:
+        raise TypeError(f"keys must be an iterable of keys, got {type(keys).__name__}") from None
+    split: List[Tuple[bytes, int]] = []
+    append = split.append
+    try:
+        for key in it:
+            append(split_key(key))
+    except TypeError as e:          # the bad key is the one after those split so far
+        raise TypeError(f"keys[{len(split)}]: {e}") from None
+    except ValueError as e:
+        raise ValueError(f"keys[{len(split)}]: {e}") from None
+    return split
 
 
 def make_key(data: Union[bytes, str], namespace: str, offset: int = 0) -> Key:
@@ -117,10 +140,16 @@ def make_key(data: Union[bytes, str], namespace: str, offset: int = 0) -> Key:
 
 
 def chain_keys(blocks: Sequence[bytes], namespace: str) -> List[bytes]:
-    """Chained block hashes (vLLM/UCM style): each id covers its block and every block before it."""
+    """Chained block hashes (vLLM/UCM style): each id covers its block and every block before it.
+
+    Each block is bytes-like (bytes, bytearray, memoryview): bytes(3) would be three zero
+    bytes, so an int is refused rather than hashed as something it is not."""
     ids: List[bytes] = []
     parent = b""
-    for block in blocks:
+    for i, block in enumerate(blocks):
+        if not isinstance(block, (bytes, bytearray, memoryview)):
+            raise TypeError(f"chain_keys blocks[{i}] must be bytes-like (bytes, bytearray or "
+                            f"memoryview), got {type(block).__name__}")
         block_id = make_key(parent + bytes(block), namespace)
         assert isinstance(block_id, bytes)
         ids.append(block_id)

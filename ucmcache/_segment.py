@@ -3,10 +3,13 @@
 Bootstrap protocol
 ------------------
 create:  shm_open(O_CREAT|O_EXCL, 0600) -> take the creator lock (an OFD lock on a byte far past
-         the end of the file) -> size and reserve the memory (posix_fallocate, so a full /dev/shm
-         fails here and not with SIGBUS later) -> write the creator pid (from here on, "pid set
-         and creator lock free" means the creator died) -> initialise every region -> write the
-         magic last with release order and wake attachers -> drop the creator lock.
+         the end of the file) -> check that the name still names our file (a creator stalled
+         before its lock for HALF_MADE_GRACE_S can have it replaced as half-made; it then
+         closes its fd and starts again, never making an unlinked file) -> size and reserve the
+         memory (posix_fallocate, so a full /dev/shm fails here and not with SIGBUS later) ->
+         write the creator pid (from here on, "pid set and creator lock free" means the
+         creator died) -> initialise every region -> write the magic last with release order
+         and wake attachers -> drop the creator lock.
 attach:  open -> check the owner uid -> wait, bounded, for the magic (futex on its low word) ->
          check layout version, then every header field, then the file size -> map it all.
          Until all of that holds nothing in the segment is trusted.
@@ -18,6 +21,7 @@ from __future__ import annotations
 import mmap
 import os
 import re
+import stat
 import time
 import zlib
 from contextlib import contextmanager
@@ -41,6 +45,8 @@ LIFE_LOCK_BYTE0 = CREATOR_LOCK_BYTE + 1
 # A segment with neither a creator pid nor a creator lock is only "being made" for the few
 # microseconds between shm_open and the lock; older than this, its creator died in that window.
 HALF_MADE_GRACE_S = 2.0
+# A segment file's mode is permission bits only: no setuid, setgid or sticky bit, no file type.
+MAX_MODE = 0o777
 
 _UUID_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
@@ -63,13 +69,60 @@ def life_lock_byte(rank: int) -> int:
     return LIFE_LOCK_BYTE0 + rank
 
 
+def check_mode(mode: object) -> int:
+    """A segment file's mode: an int of permission bits only (0 to 0o777), else ValueError."""
+    if isinstance(mode, bool) or not isinstance(mode, int):
+        raise ValueError(f"mode must be an int of permission bits from 0 to {MAX_MODE:#o}, "
+                         f"got {mode!r}")
+    if not 0 <= mode <= MAX_MODE:
+        raise ValueError(f"mode must be permission bits from 0 to {MAX_MODE:#o}, got {mode:#o} "
+                         "(setuid, setgid, sticky and file-type bits are refused)")
+    return mode
+
+
+_FILE_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISLNK, "a symbolic link"),
+               (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
+               (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
+
+
+def file_kind(st_mode: int) -> str:
+    """'a directory', 'a symbolic link', ... for a /dev/shm entry that is not a regular file."""
+    return next((name for test, name in _FILE_KINDS if test(st_mode)), f"type {st_mode:#o}")
+
+
+def _not_a_file(uuid: str, st_mode: int) -> ForeignSegment:
+    return ForeignSegment(f"segment {uuid!r}: {shm_path(uuid)} is {file_kind(st_mode)}, not a "
+                          "shared-memory file, so not a ucmcache segment; refusing to use it")
+
+
 def _open_existing(uuid: str) -> posix_ipc.SharedMemory:
+    """Open the segment's file; anything but a regular file there (a directory any local user
+    can make, a symlink, a FIFO) is ForeignSegment naming it, and is never opened if lstat sees
+    it first (opening a FIFO or a device can have effects of its own)."""
     try:
-        return posix_ipc.SharedMemory(shm_name(uuid), flags=0)
+        st = os.lstat(shm_path(uuid))
+    except FileNotFoundError:
+        st = None               # shm_open below says so, in its words
+    if st is not None and not stat.S_ISREG(st.st_mode):
+        raise _not_a_file(uuid, st.st_mode)
+    try:
+        shm = posix_ipc.SharedMemory(shm_name(uuid), flags=0)
     except posix_ipc.ExistentialError:
         raise SegmentNotFound(f"no ucmcache segment {uuid!r} ({shm_path(uuid)} does not exist)") from None
     except posix_ipc.PermissionsError as e:
         raise ForeignSegment(f"segment {uuid!r} cannot be opened: {e}") from None
+    except (ValueError, OSError) as e:  # replaced by a non-file since the lstat (EISDIR, ELOOP)
+        raise ForeignSegment(f"segment {uuid!r}: {shm_path(uuid)} cannot be opened as a "
+                             f"shared-memory file: {e}") from None
+    try:
+        mode = os.fstat(shm.fd).st_mode
+    except BaseException:
+        shm.close_fd()
+        raise
+    if not stat.S_ISREG(mode):          # the same race, caught on what was really opened
+        shm.close_fd()
+        raise _not_a_file(uuid, mode)
+    return shm
 
 
 def _creator_lock_free(fd: int) -> bool:
@@ -197,6 +250,7 @@ class Segment:
     @classmethod
     def create(cls, uuid: str, layout: Layout, *, mode: int = 0o600) -> "Segment":
         check_uuid(uuid)
+        check_mode(mode)
         _check_room(uuid, layout.total_size)
         for _ in range(3):
             try:
@@ -206,18 +260,29 @@ class Segment:
                     continue
                 raise SegmentExists(f"segment {uuid!r} already exists ({shm_path(uuid)})") from None
             try:
-                return cls._make(uuid, shm, layout)
+                seg = cls._make(uuid, shm, layout)
             except BaseException:
                 unlink_if_same(uuid, shm.fd)
                 shm.close_fd()
                 raise
+            if seg is not None:
+                return seg
+            shm.close_fd()      # our file was replaced before we locked it: start again
         raise SegmentExists(f"segment {uuid!r} keeps being re-created by another process")
 
     @classmethod
-    def _make(cls, uuid: str, shm: posix_ipc.SharedMemory, layout: Layout) -> "Segment":
+    def _make(cls, uuid: str, shm: posix_ipc.SharedMemory, layout: Layout) -> Optional["Segment"]:
+        """Make the segment in the file just created; None if the name no longer names it."""
         fd = shm.fd
+        if _hooks._armed:
+            _hooks.fire("after_shm_open")
         if lib.ucm_ofd_trylock(fd, CREATOR_LOCK_BYTE) != lib.UCM_OK:
             raise SegmentExists(f"segment {uuid!r} is being created by another process")
+        # Re-check under the lock.  Until we held it, our empty file looked half-made to any
+        # create() once HALF_MADE_GRACE_S had passed, and that one may have unlinked it and made
+        # its own under the name.  Now nobody can: replacing takes the creator lock first.
+        if not names_file(uuid, fd):
+            return None
         os.ftruncate(fd, layout.total_size)
         try:
             os.posix_fallocate(fd, 0, layout.total_size)
@@ -327,6 +392,12 @@ class Segment:
     @staticmethod
     def unlink(uuid: str) -> None:
         try:
+            st = os.lstat(shm_path(uuid))
+        except FileNotFoundError:
+            st = None
+        if st is not None and not stat.S_ISREG(st.st_mode):
+            raise _not_a_file(uuid, st.st_mode)
+        try:
             posix_ipc.unlink_shared_memory(shm_name(uuid))
         except posix_ipc.ExistentialError:
             raise SegmentNotFound(f"no ucmcache segment {uuid!r} to unlink") from None
@@ -349,10 +420,20 @@ def _check_room(uuid: str, needed: int) -> None:
         raise SharedMemoryFull(_room_message(uuid, needed))
 
 
+def names_file(uuid: str, fd: int) -> bool:
+    """Whether the segment's name still names the file behind fd (not unlinked, not replaced)."""
+    try:
+        st = os.stat(shm_path(uuid))
+    except FileNotFoundError:
+        return False
+    own = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (own.st_dev, own.st_ino)
+
+
 def unlink_if_same(uuid: str, fd: int) -> bool:
     """Unlink the name only if it still names the file behind fd; True if it did."""
     try:
-        if os.stat(shm_path(uuid)).st_ino != os.fstat(fd).st_ino:
+        if not names_file(uuid, fd):
             return False
         posix_ipc.unlink_shared_memory(shm_name(uuid))
         return True
@@ -384,10 +465,11 @@ def held_for_removal(uuid: str) -> Iterator[Dict[str, Any]]:
 
 
 def _replace_half_made(uuid: str) -> bool:
-    """True if the name is free to create again (it was half-made, or vanished)."""
+    """True if the name is free to create again (it was half-made, or vanished).  Anything but
+    a regular file under the name is ForeignSegment: never removed, never created over."""
     try:
-        shm = posix_ipc.SharedMemory(shm_name(uuid), flags=0)
-    except posix_ipc.ExistentialError:
+        shm = _open_existing(uuid)
+    except SegmentNotFound:
         return True
     try:
         st = os.fstat(shm.fd)

@@ -28,7 +28,8 @@ making        its creator is still initialising it
 half-made     its creator died before finishing it; gc removes it
 incompatible  a ucmcache segment of another layout version
 corrupt       the header is not what any ucmcache writes (or not a ucmcache segment at all)
-foreign       another user's segment, or a name that is not a ucmcache uuid
+foreign       another user's segment, a name that is not a ucmcache uuid, or an entry that is
+              not a file (a directory, symlink, FIFO...); gc never removes one
 
 Exit codes
 ----------
@@ -95,6 +96,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import stat
 import subprocess
 import sys
 import textwrap
@@ -380,7 +382,7 @@ def ls_row(name: str) -> Optional[Dict[str, Any]]:
     """One `ls` row for the /dev/shm name; None if it vanished meanwhile."""
     from . import UcmError
     from ._errors import SegmentNotFound
-    from ._segment import PREFIX, SHM_DIR, Segment, check_uuid, probe
+    from ._segment import PREFIX, SHM_DIR, Segment, check_uuid, file_kind, probe
     uuid = name[len(PREFIX):]
     row: Dict[str, Any] = {"uuid": uuid, "path": os.path.join(SHM_DIR, name), "status": None,
                            "size": None, "uid": None, "layout_version": None, "params": None,
@@ -388,14 +390,19 @@ def ls_row(name: str) -> Optional[Dict[str, Any]]:
                            "generation": None, "entries": None, "slots": None,
                            "occupancy": None, "error": None}
     try:
+        st = os.lstat(row["path"])
+    except FileNotFoundError:
+        return None
+    row["uid"] = st.st_uid
+    if not stat.S_ISREG(st.st_mode):
+        # Anyone can mkdir /dev/shm/ucmcache-x: it is shown, never opened, never collected.
+        row.update(status="foreign", error=f"{file_kind(st.st_mode)}, not a shared-memory "
+                                           "file: not a ucmcache segment")
+        return row
+    try:
         check_uuid(uuid)
     except ValueError:
-        try:
-            st = os.stat(row["path"])
-        except FileNotFoundError:
-            return None
-        row.update(status="foreign", size=st.st_size, uid=st.st_uid,
-                   error="the name is not a ucmcache uuid")
+        row.update(status="foreign", size=st.st_size, error="the name is not a ucmcache uuid")
         return row
     try:
         info = probe(uuid)
@@ -833,12 +840,9 @@ def cmd_create(args) -> int:
     except (LayoutError, TypeError) as e:
         raise CliError(f"bad params: {e}") from None
     try:
-        mode = int(args.mode, 8)
-    except ValueError:
-        raise CliError(f"--mode must be octal like 600, got {args.mode!r}") from None
-    try:
-        # The segment only: no rank is taken, so nothing is attached when we exit.
-        Segment.create(args.uuid, layout, mode=mode).detach()
+        # The segment only: no rank is taken, so nothing is attached when we exit.  The mode
+        # was checked by argparse (_mode_arg).
+        Segment.create(args.uuid, layout, mode=args.mode).detach()
     except SharedMemoryFull as e:
         raise CliError(str(e), 1) from None
     except UcmError as e:
@@ -892,8 +896,28 @@ def cmd_bench(argv: List[str]) -> int:
 _PASS_THROUGH = {"demo": cmd_demo, "bench": cmd_bench}
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with the CLI's promise for usage errors: one line on stderr, exit code 2.
+    (Subparsers are made of the same class, so theirs keep it too.)"""
+
+    def error(self, message: str):
+        _error(f"{message} (`{self.prog} --help` shows the usage)")
+        raise SystemExit(2)
+
+
+def _mode_arg(text: str) -> int:
+    """--mode: octal permission bits, checked by the rule Segment.create applies."""
+    from ._segment import MAX_MODE, check_mode
+    try:
+        return check_mode(int(text, 8))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"must be octal permission bits from 0 to {MAX_MODE:o} (like 600), "
+            f"got {text!r}") from None
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="ucmcache",
         description="See inside and operate ucmcache shared-memory segments (/dev/shm).",
         epilog="exit codes: 0 ok, 1 problem found, 2 usage or bad input")
@@ -954,7 +978,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--n-buckets", type=int, default=None, metavar="K",
                     help="a power of two (default: sized for a mean chain <= 2)")
     sp.add_argument("--n-stripes", type=int, default=64, metavar="S", help="default 64")
-    sp.add_argument("--mode", default="600", help="octal file mode (default 600)")
+    sp.add_argument("--mode", type=_mode_arg, default="600", metavar="OCTAL",
+                    help="the file's permission bits, 0 to 777 (default 600)")
 
     sub.add_parser("demo", help="run the demo (ucmcache demo --help for its options)",
                    add_help=False)
