@@ -69,10 +69,39 @@ struct ucm_ctx {
     uint32_t local_locks[LOCAL_LOCKS]; /* process-local spinlocks, see local_lock() */
     uint8_t *repair_seen;    /* process-local visited set for stripe repair, made up front */
     pthread_mutex_t repair_lock;
+    uint32_t refs;           /* 1 for the cache + 1 per armed token; freed at 0 */
+    uint32_t closed;         /* the cache closed (or this is a forked child's copy): no token
+                              * may touch shared memory through this context any more */
     int32_t point_action[UCM_PT_COUNT];
     uint32_t *point_gate[UCM_PT_COUNT];
     int64_t point_timeout[UCM_PT_COUNT];
 };
+
+/* The pin a C step handed to the Python layer last, per thread (process-local memory, no
+ * atomics).  Between the moment a C call that pins returns and the moment a Handle owns that
+ * pin, Python can raise at its next eval-breaker check (a signal handler, KeyboardInterrupt)
+ * and the returned value is lost with the exception.  The Python layer makes its Handle before
+ * the call, inert; if the Handle never took the pin, the except path asks ucm_abandon_inflight
+ * to drop (and, for an owner, fail) what this record names, so no pin or Loading slot is left
+ * without an owner object.  Every pinning single-key step resets the record on entry. */
+static __thread struct {
+    ucm_ctx *c;
+    uint32_t slot;  /* UCM_NIL: nothing pinned by the last step */
+    uint32_t owner; /* 1: the step made us the owner of a Loading slot */
+} inflight = {0, UCM_NIL, 0};
+
+static inline void inflight_reset(ucm_ctx *c)
+{
+    inflight.c = c;
+    inflight.slot = UCM_NIL;
+    inflight.owner = 0;
+}
+
+static inline void inflight_set(uint32_t slot, uint32_t owner)
+{
+    inflight.slot = slot;
+    inflight.owner = owner;
+}
 
 /* ---------------------------------------------------------------- layout */
 
@@ -320,6 +349,14 @@ int ucm_mutex_unlock(char *base, uint64_t off)
     return mutex_result(pthread_mutex_unlock((pthread_mutex_t *)(base + off)));
 }
 
+uint32_t ucm_mutex_holder(char *base, uint64_t off)
+{
+    /* The thread id a robust mutex's lock word names (Linux robust futex ABI: the owner's TID in
+     * the low 30 bits of the futex word, the first int of glibc's pthread_mutex_t), 0 when free.
+     * Relaxed: a diagnostic read for an error message or verify; nothing is ordered by it. */
+    return __atomic_load_n(W32(base, off), __ATOMIC_RELAXED) & 0x3fffffffu;
+}
+
 int ucm_mutex_consistent(char *base, uint64_t off)
 {
     return mutex_result(pthread_mutex_consistent((pthread_mutex_t *)(base + off)));
@@ -396,16 +433,35 @@ ucm_ctx *ucm_ctx_new(char *base, uint64_t map_size, const ucm_layout *l)
         return NULL;
     }
     pthread_mutex_init(&c->repair_lock, NULL);
+    c->refs = 1;
     return c;
 }
 
-void ucm_ctx_free(ucm_ctx *c)
+static void ctx_put(ucm_ctx *c)
 {
-    if (!c) return;
+    /* Acq_rel: the last holder sees every other holder's writes before it frees. */
+    if (__atomic_sub_fetch(&c->refs, 1, __ATOMIC_ACQ_REL) != 0) return;
     pthread_mutex_destroy(&c->repair_lock);
     free(c->repair_seen);
     free(c->local_pins);
     free(c);
+}
+
+void ucm_ctx_free(ucm_ctx *c)
+{
+    /* The cache is done with it; a token that outlives the cache (a handle kept by a
+     * traceback, collected later) keeps the memory alive but touches nothing through it.
+     * Release: pairs with the token's acquire load of `closed`. */
+    if (!c) return;
+    __atomic_store_n(&c->closed, 1, __ATOMIC_RELEASE);
+    ctx_put(c);
+}
+
+void ucm_ctx_forget(ucm_ctx *c)
+{
+    /* In a forked child: the parent's rank and pins are not ours; tokens copied into the
+     * child must never drop them.  The copy is never freed (the parent owns the original). */
+    if (c) __atomic_store_n(&c->closed, 1, __ATOMIC_RELEASE);
 }
 
 void ucm_ctx_set_rank(ucm_ctx *c, int32_t rank)
@@ -619,8 +675,10 @@ int64_t ucm_lookup_pin(ucm_ctx *c, const char *id, uint64_t offset, uint32_t spi
      * does; the slow path's second look does not). */
     uint64_t key[3];
     uint32_t slot = 0, state = 0;
+    inflight_reset(c);
     load_key(id, offset, key);
     int r = lookup_pin_one(c, key, (uint32_t)ucm_generation(c), spin_budget, &slot, &state);
+    if (r == UCM_OK) inflight_set(slot, 0);
     if (r == UCM_OK && state == UCM_READY) {
         STAT(c, outer ? UCM_ST_FAST_HITS : UCM_ST_HITS, 1); /* the hit path's one counter */
         return ((int64_t)state << 32) | slot;
@@ -874,6 +932,61 @@ int ucm_clock_claim(ucm_ctx *c, uint64_t max_scan, uint32_t *slot_out)
     return UCM_FULL;
 }
 
+/* ---------------------------------------------------------------- stripes */
+
+/* Lock a stripe, repairing a dead holder: the one way every C step and the Python layer take a
+ * stripe.  timeout_ns < 0 waits without bound, 0 only tries, > 0 waits that long.  A holder that
+ * died hands us EOWNERDEAD: its chains are rebuilt before the mutex is marked consistent, all in
+ * this call, so no exception or signal in the Python layer can fall between the two and leave
+ * the mutex ENOTRECOVERABLE.  Returns UCM_OK (held), UCM_BUSY (try only), UCM_TIMEOUT, or
+ * UCM_CORRUPT (not a usable mutex any more; not held). */
+static int lock_stripe_repairing(ucm_ctx *c, uint32_t stripe, int64_t timeout_ns)
+{
+    pthread_mutex_t *m = (pthread_mutex_t *)stripe_mutex(c, stripe);
+    int r;
+    if (timeout_ns < 0) {
+        r = pthread_mutex_lock(m);
+    } else if (timeout_ns == 0) {
+        r = pthread_mutex_trylock(m);
+    } else {
+        struct timespec ts;
+        clock_gettime(CLOCK_REALTIME, &ts); /* timedlock's clock */
+        int64_t ns = ts.tv_nsec + timeout_ns;
+        ts.tv_sec += ns / 1000000000LL;
+        ts.tv_nsec = ns % 1000000000LL;
+        r = pthread_mutex_timedlock(m, &ts);
+    }
+    r = mutex_result(r);
+    if (r == UCM_OWNERDEAD) {
+        uint32_t dropped;
+        ucm_stripe_repair(c, stripe, &dropped);
+        if (pthread_mutex_consistent(m) != 0) {
+            pthread_mutex_unlock(m);
+            return UCM_CORRUPT;
+        }
+        return UCM_OK;
+    }
+    return r;
+}
+
+static void unlock_stripe(ucm_ctx *c, uint32_t stripe)
+{
+    pthread_mutex_unlock((pthread_mutex_t *)stripe_mutex(c, stripe));
+}
+
+int ucm_stripe_lock(ucm_ctx *c, uint32_t stripe, int64_t timeout_ns)
+{
+    if (stripe >= c->l.n_stripes) return UCM_CORRUPT;
+    return lock_stripe_repairing(c, stripe, timeout_ns);
+}
+
+int ucm_stripe_unlock(ucm_ctx *c, uint32_t stripe)
+{
+    if (stripe >= c->l.n_stripes) return UCM_CORRUPT;
+    return mutex_result(pthread_mutex_unlock((pthread_mutex_t *)stripe_mutex(c, stripe)));
+}
+
+
 static int unlink_slot(ucm_ctx *c, uint32_t s, uint32_t b)
 {
     /* Caller holds b's stripe.  The unlinked slot keeps its next pointer, so a lock-free walker
@@ -945,15 +1058,10 @@ int ucm_install(ucm_ctx *c, uint32_t s, const char *id, uint64_t offset, uint32_
         }
         uint32_t os = ucm_stripe_of(c, old_b);
         if (os != held_stripe) {
-            int r = mutex_result(pthread_mutex_trylock((pthread_mutex_t *)stripe_mutex(c, os)));
-            if (r == UCM_OWNERDEAD) {
-                uint32_t dropped;
-                ucm_stripe_repair(c, os, &dropped);
-                if (pthread_mutex_consistent((pthread_mutex_t *)stripe_mutex(c, os)) != 0) {
-                    pthread_mutex_unlock((pthread_mutex_t *)stripe_mutex(c, os));
-                    unclaim(c, s);
-                    return UCM_CORRUPT;
-                }
+            int r = lock_stripe_repairing(c, os, 0);
+            if (r == UCM_CORRUPT) {
+                unclaim(c, s);
+                return UCM_CORRUPT;
             } else if (r != UCM_OK) {
                 unclaim(c, s);
                 STAT(c, UCM_ST_CLAIM_ROLLBACKS, 1);
@@ -972,7 +1080,11 @@ int ucm_install(ucm_ctx *c, uint32_t s, const char *id, uint64_t offset, uint32_
     /* The old entry leaves the accounting if it is counted in the current generation (I4); an
      * older generation's count was dropped by clear() moving the words on. */
     uint32_t old_gen = RLX(gen_w(c, s));
-    if ((RLX(flags_w(c, s)) & UCM_F_COUNTED) && old_gen == (uint32_t)ucm_generation(c)) {
+    uint32_t old_state = RLX(state_w(c, s)) & UCM_STATE_MASK;
+    /* Only a Ready entry is in the words (publish sets COUNTED just before its Ready exchange;
+     * recovery clears COUNTED when it fails a Loading slot): a Failed slot is never uncounted. */
+    if (old_state == UCM_READY && (RLX(flags_w(c, s)) & UCM_F_COUNTED)
+        && old_gen == (uint32_t)ucm_generation(c)) {
         STAT(c, UCM_ST_EVICTIONS, 1);
         acc_sub(c, (uint32_t)c->rank, UCM_R_ACC_ENTRIES, old_gen, 1);
         acc_sub(c, (uint32_t)c->rank, UCM_R_ACC_BYTES, old_gen, RLX(len_w(c, s)));
@@ -1033,6 +1145,7 @@ int ucm_publish(ucm_ctx *c, uint32_t s, uint32_t state, uint32_t length)
                 acc_sub(c, me, UCM_R_ACC_ENTRIES, g, 1);
             } else {
                 SET_RLX(flags_w(c, s), UCM_F_COUNTED);
+                POINT(c, UCM_PT_COUNTED_NOT_READY);
             }
         }
         STAT(c, UCM_ST_LOADS_READY, 1);
@@ -1044,6 +1157,132 @@ int ucm_publish(ucm_ctx *c, uint32_t s, uint32_t state, uint32_t length)
     uint32_t old = __atomic_exchange_n(state_w(c, s), state, __ATOMIC_RELEASE);
     if (old & UCM_WAITERS) futex_wake_word(state_w(c, s), INT32_MAX);
     return UCM_OK;
+}
+
+/* A Loading slot becomes Failed with a message, waking its waiters.  Called by its owner (an
+ * abandon) or by recovery, either way by whoever the slot's pin or loader rank makes
+ * responsible for it.  COUNTED is cleared first: an owner that died inside publish after
+ * setting it and before its Ready exchange left a slot that is not in the words (recount skips
+ * it), and a later install must not subtract it. */
+static void fail_loading(ucm_ctx *c, uint32_t s, const char *msg, uint32_t len)
+{
+    uint64_t n = (uint64_t)len < c->l.slot_size ? (uint64_t)len : c->l.slot_size;
+    if (n) memcpy(c->base + c->l.data_off + (uint64_t)s * c->l.slot_stride, msg, n);
+    SET_RLX(len_w(c, s), (uint32_t)n);
+    SET_RLX(flags_w(c, s), 0);
+    /* Release: the message, length and flags are visible to whoever acquires the state. */
+    uint32_t old = __atomic_exchange_n(state_w(c, s), UCM_FAILED, __ATOMIC_RELEASE);
+    if (old & UCM_WAITERS) futex_wake_word(state_w(c, s), INT32_MAX);
+}
+
+static int abandon_one(ucm_ctx *c, uint32_t s, int owner, const char *msg, uint32_t len)
+{
+    /* Drop a pin that no Handle will drop; for the owner of a load that was never published,
+     * publish Failed first, while the pin still keeps the slot from being reclaimed.  One step,
+     * so nothing between the two can leave a Loading slot whose owner holds no pin. */
+    if (s >= c->l.n_slots) return UCM_CORRUPT;
+    if (owner && c->rank >= 0) {
+        local_lock(c, s);
+        int held = (RLX(ref_w(c, s)) & c->rank_bit) && c->local_pins[s] != 0;
+        local_unlock(c, s);
+        /* Acquire: pairs with a publish's release exchange by another thread of ours. */
+        if (held && (ACQ(state_w(c, s)) & UCM_STATE_MASK) == UCM_LOADING
+            && RLX(loader_w(c, s)) == (uint16_t)c->rank) {
+            fail_loading(c, s, msg, len);
+            STAT(c, UCM_ST_LOADS_FAILED, 1);
+        }
+    }
+    return unpin(c, s);
+}
+
+int ucm_abandon(ucm_ctx *c, uint32_t s, const char *msg, uint32_t len)
+{
+    return abandon_one(c, s, 1, msg, len);
+}
+
+int ucm_abandon_many(ucm_ctx *c, uint32_t *slots, const uint8_t *owner, uint32_t n,
+                     const char *msg, uint32_t len)
+{
+    /* A batch that never reached its HandleBatch (or a batch's close): every pinned position is
+     * dropped, owned ones failed first; positions are set to UCM_NIL as they go, so a second
+     * call (an interrupted close retried by the finalizer) drops nothing twice. */
+    int worst = UCM_OK;
+    for (uint32_t i = 0; i < n; i++) {
+        uint32_t s = slots[i];
+        if (s == UCM_NIL) continue;
+        slots[i] = UCM_NIL;
+        int r = abandon_one(c, s, owner ? owner[i] : 0, msg, len);
+        if (r != UCM_OK) worst = r;
+    }
+    return worst;
+}
+
+int ucm_abandon_inflight(ucm_ctx *c, const char *msg, uint32_t len)
+{
+    /* The except path of a single-key get whose Handle never took the pin: drop what this
+     * thread's last pinning step took, if it took one on this context.  1: dropped, 0: none. */
+    if (inflight.c != c || inflight.slot == UCM_NIL) return 0;
+    uint32_t s = inflight.slot, owner = inflight.owner;
+    inflight_reset(c);
+    abandon_one(c, s, (int)owner, msg, len);
+    return 1;
+}
+
+/* Pin tokens.  A Python object's death can be interrupted at any Python call (a signal
+ * handler raising inside __exit__ or __del__), so a hold whose loss would wedge others (an
+ * owner's Loading slot) or that a batch took must be released by something that runs no
+ * Python: a token, allocated before the pinning step and handed the pins inside it, whose
+ * cffi destructor (ucm_token_release, called from C when the token is collected) drops them.
+ * Closing a handle drops its token explicitly; dropping is idempotent (`armed`).  Tokens are
+ * process-local memory used by one handle's holder at a time: plain loads and stores, except
+ * the context's reference count. */
+static void token_arm(ucm_ctx *c, ucm_token *t, uint32_t slot, uint32_t owner)
+{
+    __atomic_add_fetch(&c->refs, 1, __ATOMIC_RELAXED); /* relaxed: we hold a reference already */
+    t->c = c;
+    t->slot = slot;
+    t->owner = owner;
+    t->armed = 1;
+}
+
+void ucm_token_drop(ucm_token *t, const char *msg, uint32_t len)
+{
+    if (!t->armed) return;
+    ucm_ctx *c = t->c;
+    t->armed = 0;
+    /* Acquire: pairs with the release store in ucm_ctx_free/forget. */
+    if (!__atomic_load_n(&c->closed, __ATOMIC_ACQUIRE)) abandon_one(c, t->slot, (int)t->owner, msg, len);
+    ctx_put(c);
+}
+
+static const char collected_msg[] = "the owner's handle was collected without ready()";
+
+void ucm_token_release(ucm_token *t)
+{
+    ucm_token_drop(t, collected_msg, sizeof collected_msg - 1);
+}
+
+void ucm_batch_token_arm(ucm_ctx *c, ucm_token *t, uint32_t n)
+{
+    /* Armed before any pin: the batch's arrays (all UCM_NIL) are what it covers from now on. */
+    token_arm(c, t, UCM_NIL, 0);
+    t->n = n;
+}
+
+void ucm_batch_token_drop(uint32_t *slots, uint8_t *owner, ucm_token *t, const char *msg,
+                          uint32_t len)
+{
+    if (!t->armed) return;
+    ucm_ctx *c = t->c;
+    t->armed = 0;
+    /* Acquire: as in ucm_token_drop. */
+    if (!__atomic_load_n(&c->closed, __ATOMIC_ACQUIRE)) ucm_abandon_many(c, slots, owner, t->n, msg, len);
+    ctx_put(c);
+}
+
+void ucm_batch_token_release(uint32_t *slots, uint8_t *owner, ucm_token *t)
+{
+    ucm_batch_token_drop(slots, owner, t, collected_msg, sizeof collected_msg - 1);
 }
 
 int ucm_wait_loaded(ucm_ctx *c, uint32_t s, int64_t timeout_ns, uint32_t *state_out)
@@ -1079,43 +1318,29 @@ int ucm_wait_loaded(ucm_ctx *c, uint32_t s, int64_t timeout_ns, uint32_t *state_
 
 /* ---------------------------------------------------------------- the slow path, whole */
 
-static int lock_stripe_repairing(ucm_ctx *c, uint32_t stripe)
-{
-    /* Blocking lock of the one stripe a writer may wait for.  A dead holder's chains are
-     * rebuilt before the mutex is marked consistent, so it never becomes ENOTRECOVERABLE. */
-    pthread_mutex_t *m = (pthread_mutex_t *)stripe_mutex(c, stripe);
-    int r = mutex_result(pthread_mutex_lock(m));
-    if (r == UCM_OWNERDEAD) {
-        uint32_t dropped;
-        ucm_stripe_repair(c, stripe, &dropped);
-        if (pthread_mutex_consistent(m) != 0) {
-            pthread_mutex_unlock(m);
-            return UCM_CORRUPT;
-        }
-        return UCM_OK;
-    }
-    return r;
-}
-
 int64_t ucm_get_slow(ucm_ctx *c, const char *id, uint64_t offset, uint32_t spin_budget,
-                     uint32_t max_rollbacks)
+                     uint32_t max_rollbacks, int64_t timeout_ns, ucm_token *tok,
+                     uint32_t *slot_out, uint8_t *owner_out)
 {
-    /* Read step 4 and write steps 1-6 as one call: lock the key's stripe, look again (exact
-     * now: nobody else changes this chain), and on a miss claim a victim with our CLOCK hand
-     * and install the key, handing the slot over pinned by us.  The stripe is released before
-     * returning, always.  Answers: (UCM_GOT_OWNER if ours to load | state << 32 | slot), or
-     * -UCM_FULL (nothing claimable: the caller decides), -UCM_ROLLBACK (every victim's old
-     * stripe was busy: try again), -UCM_BUSY (the key's slot stays claimed under our stripe:
-     * its claimant died), -UCM_CORRUPT. */
+    /* Read step 4 and write steps 1-6 as one call: lock the key's stripe (bounded by timeout_ns,
+     * see lock_stripe_repairing), look again (exact now: nobody else changes this chain), and on
+     * a miss claim a victim with our CLOCK hand and install the key, handing the slot over
+     * pinned by us.  The stripe is released before returning, always.  Answers: (UCM_GOT_OWNER
+     * if ours to load | state << 32 | slot), or -UCM_FULL (nothing claimable: the caller
+     * decides), -UCM_ROLLBACK (every victim's old stripe was busy: try again), -UCM_BUSY (the
+     * key's slot stays claimed under our stripe: its claimant died), -UCM_TIMEOUT (the stripe
+     * stayed held), -UCM_CORRUPT.  A pin taken is also handed, inside this step, to whatever
+     * will own it: the token (a single key), or slot_out/owner_out (a batch's arrays, which its
+     * token covers). */
     if (c->rank < 0) return -(int64_t)UCM_NOT_HELD;
     uint64_t key[3];
     load_key(id, offset, key);
     uint32_t b = bucket_of_key(c, key), stripe = ucm_stripe_of(c, b);
-    int r = lock_stripe_repairing(c, stripe);
+    int r = lock_stripe_repairing(c, stripe, timeout_ns);
     if (r != UCM_OK) return -(int64_t)r;
     POINT(c, UCM_PT_HOLDING_STRIPE);
     int64_t answer;
-    uint32_t slot = 0, state = 0;
+    uint32_t slot = 0, state = 0, owner = 0;
     r = lookup_pin_one(c, key, (uint32_t)ucm_generation(c), spin_budget, &slot, &state);
     if (r == UCM_OK) {
         STAT(c, state == UCM_READY ? UCM_ST_HITS : UCM_ST_JOINS, 1);
@@ -1134,6 +1359,7 @@ int64_t ucm_get_slow(ucm_ctx *c, const char *id, uint64_t offset, uint32_t spin_
             }
             r = ucm_install(c, slot, id, offset, stripe);
             if (r == UCM_OK) {
+                owner = 1;
                 answer = UCM_GOT_OWNER | ((int64_t)UCM_LOADING << 32) | slot;
                 break;
             }
@@ -1143,29 +1369,18 @@ int64_t ucm_get_slow(ucm_ctx *c, const char *id, uint64_t offset, uint32_t spin_
             }
         }
     }
-    pthread_mutex_unlock((pthread_mutex_t *)stripe_mutex(c, stripe));
+    if (answer >= 0) {
+        if (slot_out) {
+            *slot_out = slot;
+            *owner_out = (uint8_t)owner;
+        }
+        if (tok) token_arm(c, tok, slot, owner);
+    }
+    unlock_stripe(c, stripe);
     return answer;
 }
 
-/* ---------------------------------------------------------------- stripes */
-
-int ucm_stripe_lock(ucm_ctx *c, uint32_t stripe, int64_t timeout_ns)
-{
-    if (stripe >= c->l.n_stripes) return UCM_CORRUPT;
-    return ucm_mutex_lock(c->base, c->l.stripe_off + (uint64_t)stripe * UCM_LINE, timeout_ns);
-}
-
-int ucm_stripe_trylock(ucm_ctx *c, uint32_t stripe)
-{
-    if (stripe >= c->l.n_stripes) return UCM_CORRUPT;
-    return ucm_mutex_trylock(c->base, c->l.stripe_off + (uint64_t)stripe * UCM_LINE);
-}
-
-int ucm_stripe_unlock(ucm_ctx *c, uint32_t stripe)
-{
-    if (stripe >= c->l.n_stripes) return UCM_CORRUPT;
-    return ucm_mutex_unlock(c->base, c->l.stripe_off + (uint64_t)stripe * UCM_LINE);
-}
+/* ---------------------------------------------------------------- stripe repair */
 
 int ucm_stripe_repair(ucm_ctx *c, uint32_t stripe, uint32_t *dropped_out)
 {
@@ -1332,14 +1547,11 @@ int ucm_ring_wake(ucm_ctx *c, uint32_t ring)
 
 /* ---------------------------------------------------------------- recovery (I5) */
 
-int ucm_recover_pins(ucm_ctx *c, uint32_t dead, uint32_t *claimed_out, uint32_t cap,
-                     uint32_t *n_claimed_out, uint32_t *pins_out, uint32_t *loading_out)
+static uint32_t recover_pins(ucm_ctx *c, uint32_t dead, uint32_t *pins_out, uint32_t *loading_out)
 {
-    /* The caller holds the dead rank's life lock, so the rank cannot come back meanwhile.
-     * Phase 1: its Loading slots become Failed while its pin still keeps them from being
-     * reclaimed, waking their waiters.  Phase 2: clear its pin bits.  Claimed slots are only
-     * listed: freeing them needs their bucket's stripe, which the Python layer takes. */
-    if (dead >= c->l.max_ranks) return UCM_CORRUPT;
+    /* Phase 1 of a rank's recovery: its Loading slots become Failed while its pin still keeps
+     * them from being reclaimed, waking their waiters; then its pin bits are cleared.  Returns
+     * how many slots it still claims (freed in phase 2, each under its stripe). */
     uint64_t bit = 1ULL << dead, claim = UCM_CLAIMED | dead;
     uint32_t n_claimed = 0, pins = 0, loading = 0;
     char msg[64];
@@ -1347,19 +1559,12 @@ int ucm_recover_pins(ucm_ctx *c, uint32_t dead, uint32_t *claimed_out, uint32_t 
     for (uint32_t s = 0; s < c->l.n_slots; s++) {
         uint64_t r = ACQ(ref_w(c, s)); /* acquire: the dead rank's last writes to the slot */
         if (r == claim) {
-            if (n_claimed < cap) claimed_out[n_claimed] = s;
             n_claimed++;
             continue;
         }
         if (r & UCM_CLAIMED || !(r & bit)) continue;
-        uint32_t st = RLX(state_w(c, s));
-        if ((st & UCM_STATE_MASK) == UCM_LOADING && RLX(loader_w(c, s)) == dead) {
-            uint64_t n = (uint64_t)msg_len < c->l.slot_size ? (uint64_t)msg_len : c->l.slot_size;
-            memcpy(c->base + c->l.data_off + (uint64_t)s * c->l.slot_stride, msg, n);
-            SET_RLX(len_w(c, s), (uint32_t)n);
-            /* Release: the message is visible to waiters that acquire the state. */
-            uint32_t old = __atomic_exchange_n(state_w(c, s), UCM_FAILED, __ATOMIC_RELEASE);
-            if (old & UCM_WAITERS) futex_wake_word(state_w(c, s), INT32_MAX);
+        if ((RLX(state_w(c, s)) & UCM_STATE_MASK) == UCM_LOADING && RLX(loader_w(c, s)) == dead) {
+            fail_loading(c, s, msg, (uint32_t)msg_len);
             loading++;
         }
         /* Release: as in unpin; our writes above happen before a claimant's acquire. */
@@ -1373,19 +1578,17 @@ int ucm_recover_pins(ucm_ctx *c, uint32_t dead, uint32_t *claimed_out, uint32_t 
         __atomic_compare_exchange_n(W32(ring_base(c, ring), UCM_RING_LOCK), &held, 0, 0,
                                     __ATOMIC_RELEASE, __ATOMIC_RELAXED);
     }
-    *n_claimed_out = n_claimed;
     *pins_out = pins;
     *loading_out = loading;
-    return UCM_OK;
+    return n_claimed;
 }
 
-int ucm_reclaim_claimed(ucm_ctx *c, uint32_t s, uint32_t dead, uint32_t held_stripe)
+static int reclaim_claimed(ucm_ctx *c, uint32_t s, uint32_t dead, uint32_t held_stripe)
 {
     /* A slot the dead rank claimed: it may be anywhere between claim and handover.  With the
      * stripe of its bucket word held (or any stripe, for INVALID), unlink it if it is reachable,
      * make it Empty and unclaim it.  A slot that a half-done link left unreachable but with a
      * bucket word is freed the same way. */
-    if (s >= c->l.n_slots || dead >= c->l.max_ranks) return UCM_CORRUPT;
     if (ACQ(ref_w(c, s)) != (UCM_CLAIMED | dead)) return UCM_NOT_HELD;
     uint32_t b = RLX(bucket_w(c, s));
     if (b != UCM_INVALID_BUCKET) {
@@ -1410,4 +1613,40 @@ int ucm_reclaim_claimed(ucm_ctx *c, uint32_t s, uint32_t dead, uint32_t held_str
     if (old & UCM_WAITERS) futex_wake_word(state_w(c, s), INT32_MAX);
     unclaim(c, s);
     return UCM_OK;
+}
+
+int ucm_recover_rank(ucm_ctx *c, uint32_t dead, int64_t stripe_timeout_ns, uint32_t *counts_out)
+{
+    /* Every hold of a dead rank, removed in one step (I5); the caller holds the rank's life
+     * lock, so the rank cannot come back meanwhile.  counts_out: [pins, failed loads, claims
+     * freed, the stripe that stayed held (UCM_NIL if none)].  Each claimed slot is freed under
+     * its bucket's stripe, taken and dropped here, so the Python layer never holds a stripe.
+     * Then the rank's accounting words are recounted from its range (exact whatever step it
+     * died in: I4, I5).  UCM_TIMEOUT: a stripe stayed held past the deadline; what was done
+     * stays done and the rest is found again by the next recovery. */
+    if (dead >= c->l.max_ranks) return UCM_CORRUPT;
+    uint32_t pins = 0, loading = 0, freed = 0;
+    uint32_t claimed = recover_pins(c, dead, &pins, &loading);
+    int result = UCM_OK;
+    counts_out[3] = UCM_NIL;
+    for (uint32_t s = 0; claimed && s < c->l.n_slots; s++) {
+        if (ACQ(ref_w(c, s)) != (UCM_CLAIMED | dead)) continue; /* acquire: as in reclaim */
+        claimed--;
+        uint32_t b = RLX(bucket_w(c, s));
+        uint32_t stripe = b < c->l.n_buckets ? ucm_stripe_of(c, b) : 0;
+        int r = lock_stripe_repairing(c, stripe, stripe_timeout_ns);
+        if (r != UCM_OK) {
+            counts_out[3] = stripe;
+            result = r == UCM_CORRUPT ? UCM_CORRUPT : UCM_TIMEOUT;
+            break;
+        }
+        if (reclaim_claimed(c, s, dead, stripe) == UCM_OK) freed++;
+        unlock_stripe(c, stripe);
+    }
+    uint64_t entries, bytes;
+    ucm_recount_rank(c, dead, &entries, &bytes);
+    counts_out[0] = pins;
+    counts_out[1] = loading;
+    counts_out[2] = freed;
+    return result;
 }

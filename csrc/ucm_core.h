@@ -159,7 +159,8 @@
 #define UCM_PT_BEFORE_HANDOVER 6 /* writer: linked, still claimed */
 #define UCM_PT_BEFORE_PIN_CAS 7 /* reader: reference read, pin CAS not yet tried */
 #define UCM_PT_HOLDING_STRIPE 8 /* slow path: the key's stripe is held, nothing looked up yet */
-#define UCM_PT_COUNT         9
+#define UCM_PT_COUNTED_NOT_READY 9 /* owner's publish: counted (COUNTED set), still Loading */
+#define UCM_PT_COUNT         10
 #define UCM_ACT_NONE         0
 #define UCM_ACT_GATE         1
 #define UCM_ACT_KILL         2
@@ -185,6 +186,16 @@ typedef struct {
 
 typedef struct ucm_ctx ucm_ctx;
 
+/* The owner object of the pins one slow-path get or one batch took (see "Pin tokens" in
+ * ucm_core.c).  Allocated by the Python layer before the pinning step, armed by C. */
+typedef struct {
+    ucm_ctx *c;
+    uint32_t slot;   /* single key: the slot pinned, UCM_NIL for none */
+    uint32_t owner;  /* single key: 1 if the step made us the owner of a Loading slot */
+    uint32_t n;      /* batch: positions in the arrays given to ucm_batch_token_* */
+    uint32_t armed;  /* 1 while it holds what it names */
+} ucm_token;
+
 uint64_t ucm_default_buckets(uint64_t n_slots);
 int ucm_layout_compute(ucm_layout *l);
 uint32_t ucm_layout_fingerprint(void);
@@ -192,6 +203,7 @@ uint64_t ucm_mix(uint64_t k0, uint64_t k1);
 
 ucm_ctx *ucm_ctx_new(char *base, uint64_t map_size, const ucm_layout *l);
 void ucm_ctx_free(ucm_ctx *c);
+void ucm_ctx_forget(ucm_ctx *c);
 void ucm_ctx_set_rank(ucm_ctx *c, int32_t rank);
 void ucm_ctx_set_point(ucm_ctx *c, int32_t point, int32_t action, uint32_t *gate_word,
                        int64_t timeout_ns);
@@ -212,6 +224,7 @@ int ucm_mutex_lock(char *base, uint64_t off, int64_t timeout_ns);
 int ucm_mutex_trylock(char *base, uint64_t off);
 int ucm_mutex_unlock(char *base, uint64_t off);
 int ucm_mutex_consistent(char *base, uint64_t off);
+uint32_t ucm_mutex_holder(char *base, uint64_t off);
 
 int ucm_futex_wait(char *base, uint64_t off, uint32_t expected, int64_t timeout_ns);
 int ucm_futex_wake(char *base, uint64_t off, int32_t n);
@@ -240,18 +253,28 @@ int ucm_release_many(ucm_ctx *c, const uint32_t *slots, uint32_t n);
 uint32_t ucm_slot_state(ucm_ctx *c, uint32_t slot);
 
 int64_t ucm_get_slow(ucm_ctx *c, const char *id, uint64_t offset, uint32_t spin_budget,
-                     uint32_t max_rollbacks);
+                     uint32_t max_rollbacks, int64_t timeout_ns, ucm_token *tok,
+                     uint32_t *slot_out, uint8_t *owner_out);
 int ucm_clock_claim(ucm_ctx *c, uint64_t max_scan, uint32_t *slot_out);
 int ucm_install(ucm_ctx *c, uint32_t slot, const char *id, uint64_t offset, uint32_t held_stripe);
 int ucm_publish(ucm_ctx *c, uint32_t slot, uint32_t state, uint32_t length);
 int ucm_wait_loaded(ucm_ctx *c, uint32_t slot, int64_t timeout_ns, uint32_t *state_out);
+int ucm_abandon(ucm_ctx *c, uint32_t slot, const char *msg, uint32_t len);
+int ucm_abandon_many(ucm_ctx *c, uint32_t *slots, const uint8_t *owner, uint32_t n,
+                     const char *msg, uint32_t len);
+int ucm_abandon_inflight(ucm_ctx *c, const char *msg, uint32_t len);
+void ucm_token_drop(ucm_token *t, const char *msg, uint32_t len);
+void ucm_token_release(ucm_token *t);
+void ucm_batch_token_arm(ucm_ctx *c, ucm_token *t, uint32_t n);
+void ucm_batch_token_drop(uint32_t *slots, uint8_t *owner, ucm_token *t, const char *msg,
+                          uint32_t len);
+void ucm_batch_token_release(uint32_t *slots, uint8_t *owner, ucm_token *t);
 
 uint64_t ucm_clear(ucm_ctx *c);
 uint64_t ucm_acc_value(ucm_ctx *c, uint64_t rank_off);
 int ucm_recount_rank(ucm_ctx *c, uint32_t rank, uint64_t *entries_out, uint64_t *bytes_out);
 
 int ucm_stripe_lock(ucm_ctx *c, uint32_t stripe, int64_t timeout_ns);
-int ucm_stripe_trylock(ucm_ctx *c, uint32_t stripe);
 int ucm_stripe_unlock(ucm_ctx *c, uint32_t stripe);
 int ucm_stripe_repair(ucm_ctx *c, uint32_t stripe, uint32_t *dropped_out);
 
@@ -261,9 +284,8 @@ int ucm_ring_take(ucm_ctx *c, char *ids_out, uint64_t *offsets_out, uint32_t max
                   int64_t timeout_ns, uint32_t *n_out);
 int ucm_ring_wake(ucm_ctx *c, uint32_t ring);
 
-int ucm_recover_pins(ucm_ctx *c, uint32_t dead_rank, uint32_t *claimed_out, uint32_t cap,
-                     uint32_t *n_claimed_out, uint32_t *pins_out, uint32_t *loading_out);
-int ucm_reclaim_claimed(ucm_ctx *c, uint32_t slot, uint32_t dead_rank, uint32_t held_stripe);
+int ucm_recover_rank(ucm_ctx *c, uint32_t dead_rank, int64_t stripe_timeout_ns,
+                     uint32_t *counts_out);
 /* CDEF-END */
 
 #endif

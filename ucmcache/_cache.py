@@ -12,6 +12,7 @@ the cache), then tries once more, then raises CacheFull: never spins holding a s
 """
 from __future__ import annotations
 
+import functools
 import os
 import time
 import weakref
@@ -23,11 +24,12 @@ from . import _hooks
 from ._core import ffi, lib
 from ._errors import (CacheFull, CorruptSegment, IncompatibleSegment, NotAttached,
                       SegmentExists, UcmError)
-from ._handle import Handle, HandleBatch, publish_failed
+from ._handle import ABANDONED, Handle, HandleBatch, check_timeout
 from ._keys import Key, pack_keys, split_key
 from ._layout import DEFAULT_STRIPES, Layout
+from ._locks import Stripes, describe_stripe_holder
 from ._recovery import (RecoveryReport, free_rank, rank_alive, recover_dead_ranks, take_rank)
-from ._locks import Stripes
+from ._results import code_name
 from ._ring import Prefetcher, ring_counters
 from ._tier2 import RedisTier, bind_tier2, check_tier2
 from ._segment import Segment
@@ -40,6 +42,8 @@ MAX_ROLLBACKS = 64      # isolate trylock failures tolerated in one allocation
 MAX_ROLLBACK_ROUNDS = 8 # allocations retried when every one of them rolled back
 LIVENESS_SLICE = 0.5    # a waiter checks that the loader still lives this often (seconds)
 CLAIM_WAIT = 10.0       # the longest a get waits for another process to recover a dead claim
+STRIPE_WAIT = 10.0      # the longest a get with no timeout waits for a bucket's stripe; held
+                        # for microseconds normally, so past this its holder is stopped or stuck
 
 _live_caches: "weakref.WeakSet[SlotCache]" = weakref.WeakSet()
 
@@ -54,6 +58,10 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 
 def _ptr(ctype: str, arr: np.ndarray):
     return ffi.from_buffer(ctype, arr)
+
+
+_new = object.__new__  # an inert handle: every field is stored by get()/get_many()
+_NO_OWNED: frozenset = frozenset()  # an all-hit batch's owned set (HandleBatch.own replaces it)
 
 
 class SlotCache:
@@ -71,14 +79,16 @@ class SlotCache:
         if ctx == ffi.NULL:
             raise MemoryError("could not allocate the process-local cache context")
         self._ctx = ctx
-        self._ctx_owned = ctx
-        self._stripes = Stripes(ctx, seg.base, seg.layout)
+        self._stripes = Stripes(ctx, seg.base, seg.layout)  # for tests and tools only
         self._open_handles = 0
         self._prefetcher: Optional[Prefetcher] = None
         self._pid = os.getpid()
         self._why_unusable = ""
+        # The handle classes get()/get_many() build (a tier makes its own, see _tier2).
+        self._handle_cls = Handle if self._tier2 is None else self._tier2.handle_cls
+        self._batch_cls = HandleBatch if self._tier2 is None else self._tier2.batch_cls
         try:
-            self._rank, recovered = take_rank(seg, ctx, self._stripes, rank)
+            self._rank, recovered = take_rank(seg, ctx, rank)
         except BaseException:
             lib.ucm_ctx_free(ctx)
             self._ctx = None
@@ -134,9 +144,7 @@ class SlotCache:
     def close(self) -> None:
         """Detach: the rank is freed (its Ready entries stay for others), the mapping dropped."""
         if self._ctx is None:
-            if self._why_unusable.startswith("forked"):
-                return
-            return
+            return  # closed already, or a forked child's copy (the parent's rank is not ours)
         if self._open_handles > 0:
             raise UcmError(f"cannot close: {self._open_handles} handle(s) or batch(es) are still "
                            "open; close them first")
@@ -145,11 +153,10 @@ class SlotCache:
         if self._tier2 is not None:
             self._tier2.close()  # write-throughs queued by this process go out first (bounded)
         ctx = self._ctx
-        free_rank(self._seg, ctx, self._stripes, self._rank)
+        free_rank(self._seg, ctx, self._rank)
         self._ctx = None
         self._why_unusable = "closed"
         lib.ucm_ctx_free(ctx)
-        self._ctx_owned = None
         _live_caches.discard(self)
         self._seg.detach()
 
@@ -162,6 +169,7 @@ class SlotCache:
     def _forget_after_fork(self) -> None:
         if self._ctx is None:
             return
+        lib.ucm_ctx_forget(self._ctx)  # tokens copied into the child must drop nothing
         self._ctx = None
         self._why_unusable = f"forked: attached by pid {self._pid}, this is pid {os.getpid()}"
         self._seg.forget_after_fork()
@@ -215,52 +223,97 @@ class SlotCache:
     def get(self, key: Key, *, timeout: Optional[float] = None) -> Handle:
         """Pin the slot for key.  A hit returns at once; a cold key makes this caller the owner
         (h.owner: fill h.data, then h.ready(n) or h.fail(msg)); a key another caller is loading
-        returns a handle to wait() on.  ``timeout`` is the default for that wait."""
+        returns a handle to wait() on.  ``timeout`` bounds this call's wait for a bucket lock
+        and is the default for that wait."""
         ctx = self._ctx
         if ctx is None:
             self._check_usable()
+        if timeout is not None:
+            timeout = check_timeout(timeout)
         if type(key) is bytes and len(key) == 16:
             block_id, offset = key, 0
         else:
             block_id, offset = split_key(key)
-        r = lib.ucm_lookup_pin(ctx, block_id, offset, FAST_SPIN, 1)
-        if r >= 0:
+        # No window without an owner object (a signal handler may raise at any call): the
+        # handle exists, inert, before the pin; the pin becomes its own in plain stores, with
+        # no call in between; until then the C step's in-flight record names the pin, and the
+        # except path drops it (failing a load we own).
+        h = _new(self._handle_cls)
+        h._closed = True
+        try:
+            r = lib.ucm_lookup_pin(ctx, block_id, offset, FAST_SPIN, 1)
+            if r >= 0:
+                slot = r & 0xFFFFFFFF
+                owner = False
+                token = None
+            else:
+                # The slow path can make us an owner: its pin goes to a token, which releases
+                # it (failing the load) from C when collected, even if every Python finalizer
+                # is interrupted.  Hits keep the cheaper in-flight record.
+                token = ffi.gc(ffi.new("ucm_token *"), lib.ucm_token_release)
+                slot, owner = self._pin_slow(block_id, offset, -r, timeout, token, ffi.NULL,
+                                             ffi.NULL)
+            h._token = token
+            h._cache = self
+            h._slot = slot
+            h._owner = owner
+            h._timeout = timeout
+            h._views = None
+            h._published = False
+            h._owned = None
             self._open_handles += 1
-            return Handle(self, r & 0xFFFFFFFF, False, timeout)
-        slot, owner = self._pin_slow(block_id, offset, -r)
-        self._open_handles += 1
-        if owner and self._tier2 is not None:
-            return self._tier2.owner_handle(slot, block_id, offset, timeout)
-        return Handle(self, slot, owner, timeout)
+            h._closed = False
+        except BaseException:
+            if h._closed:
+                lib.ucm_abandon_inflight(ctx, ABANDONED, len(ABANDONED))
+            raise
+        if owner:  # the handle holds the load now: if this is cut short, its token fails it
+            h.own()
+            if self._tier2 is not None:
+                return self._tier2.owner_handle(h, block_id, offset, timeout)
+        return h
 
-    def _pin_slow(self, block_id: bytes, offset: int, code: int) -> Tuple[int, bool]:
+    def _pin_slow(self, block_id: bytes, offset: int, code: int, timeout: Optional[float],
+                  token, slot_out, owner_out) -> Tuple[int, bool]:
         """The slow path for one key (one C step: lock, look again, allocate); returns
-        (slot, owner), pinned.  What to do when it cannot is decided here: a dead rank's pins
-        may be what fills the cache, and a key's slot that stays claimed under its stripe has a
-        dead claimant; both are recovered and the step is tried again.  Never CacheFull for a
-        claim, never a spin with a stripe held."""
+        (slot, owner), pinned, the pin also handed inside the step to its owner object: the
+        token, or slot_out/owner_out (a batch's arrays, covered by the batch's token).  What to do when it cannot is decided here: a
+        dead rank's pins may be what fills the cache, and a key's slot that stays claimed under
+        its stripe has a dead claimant; both are recovered and the step is tried again.  Never
+        CacheFull for a claim, never a spin with a stripe held, never a wait past the deadline
+        (``timeout``, or STRIPE_WAIT for the stripe and CLAIM_WAIT for a dead claim)."""
         if code == lib.UCM_CORRUPT:
             raise CorruptSegment(f"segment {self.uuid!r}: a chain points outside the slot table")
         ctx = self._ctx
         recovered_once = False
         rollback_rounds = 0
-        deadline = None
+        start = time.monotonic()
+        stripe_deadline = start + (STRIPE_WAIT if timeout is None else timeout)
+        claim_deadline = start + (CLAIM_WAIT if timeout is None else timeout)
         delay = 0.0005
         while True:
-            r = lib.ucm_get_slow(ctx, block_id, offset, SLOW_SPIN, MAX_ROLLBACKS)
+            left = max(0.0, stripe_deadline - time.monotonic())
+            r = lib.ucm_get_slow(ctx, block_id, offset, SLOW_SPIN, MAX_ROLLBACKS,
+                                 max(1, int(left * 1e9)), token, slot_out, owner_out)
             if r >= 0:
                 return r & 0xFFFFFFFF, bool(r & lib.UCM_GOT_OWNER)
             code = -r
+            if code == lib.UCM_TIMEOUT:
+                stripe = lib.ucm_stripe_of(ctx, lib.ucm_bucket_of(ctx, block_id, offset))
+                raise UcmError(
+                    f"segment {self.uuid!r}: stripe {stripe} (this key's bucket lock) stayed held "
+                    f"for {time.monotonic() - start:.1f} s by "
+                    f"{describe_stripe_holder(self._seg, stripe)}; a stripe is held for "
+                    "microseconds, so its holder is stopped, stuck, or the lock word is corrupt")
             if code == lib.UCM_BUSY:
                 if self.recover().count:
                     continue
                 now = time.monotonic()
-                if deadline is None:
-                    deadline = now + CLAIM_WAIT
-                elif now > deadline:
+                if now > claim_deadline:
                     raise UcmError(f"segment {self.uuid!r}: the slot of this key stayed claimed "
-                                   f"for {CLAIM_WAIT} s by a rank that neither finished nor died")
-                time.sleep(delay)  # another process is recovering it: milliseconds
+                                   f"for {now - start:.1f} s by a rank that neither finished nor "
+                                   "died")
+                time.sleep(min(delay, claim_deadline - now))  # another process recovers it
                 delay = min(delay * 2, 0.05)
                 continue
             if code == lib.UCM_ROLLBACK and rollback_rounds < MAX_ROLLBACK_ROUNDS:
@@ -277,51 +330,74 @@ class SlotCache:
                     "handles or give the cache more slots_per_rank")
             raise CorruptSegment(
                 f"segment {self.uuid!r}: the slow path found inconsistent chain links or a "
-                f"broken stripe lock (code {code}); `ucmcache verify {self.uuid}` lists what is "
-                "broken")
+                f"broken stripe lock ({code_name(code)}); `ucmcache verify {self.uuid}` lists "
+                "what is broken")
 
     def get_many(self, keys: Sequence[Key], *, timeout: Optional[float] = None) -> HandleBatch:
         """Pin every key of a request with one C call (misses take the slow path one by one).
-        Positions that come back owned must be filled and published by the caller."""
+        Positions that come back owned must be filled and published by the caller.  All or
+        nothing: if any key cannot be pinned, nothing stays pinned or owned."""
         ctx = self._ctx
         if ctx is None:
             self._check_usable()
+        if timeout is not None:
+            timeout = check_timeout(timeout)
         ids, offsets, split = pack_keys(keys)
         n = len(split)
-        slots = np.empty(n, dtype=np.uint32)
-        states = np.empty(n, dtype=np.uint8)
-        codes = np.empty(n, dtype=np.uint8)
-        if n:
-            lib.ucm_lookup_pin_many(ctx, ids, _ptr("uint64_t[]", offsets), n, FAST_SPIN,
-                                    _ptr("uint32_t[]", slots), _ptr("uint8_t[]", states),
-                                    _ptr("uint8_t[]", codes))
+        slots = np.full(n, lib.UCM_NIL, dtype=np.uint32)
         owner = np.zeros(n, dtype=bool)
-        misses = np.flatnonzero(codes)
-        for j, i in enumerate(misses):
+        states = np.empty(n, dtype=np.uint8)
+        codes = np.zeros(n, dtype=np.uint8)
+        slots_p = ffi.from_buffer("uint32_t[]", slots)
+        owner_p = ffi.from_buffer("uint8_t[]", owner)
+        # The batch's token covers its arrays from before the first pin: every C step pins
+        # straight into them, so whatever is raised where (a signal handler, CacheFull), the
+        # token's drop (explicit below, or from C when collected) releases every pin and fails
+        # every owned load.
+        token = ffi.gc(ffi.new("ucm_token *"),
+                       functools.partial(lib.ucm_batch_token_release, slots_p, owner_p))
+        lib.ucm_batch_token_arm(ctx, token, n)
+        try:
+            if n:
+                lib.ucm_lookup_pin_many(ctx, ids, _ptr("uint64_t[]", offsets), n, FAST_SPIN,
+                                        slots_p, _ptr("uint8_t[]", states), _ptr("uint8_t[]", codes))
+            misses = np.flatnonzero(codes)
+            for i in misses.tolist():
+                self._pin_slow(split[i][0], split[i][1], int(codes[i]), timeout, ffi.NULL,
+                               slots_p + i, owner_p + i)
+        except BaseException as e:
+            message = ABANDONED
             try:
-                slots[i], owner[i] = self._pin_slow(split[i][0], split[i][1], int(codes[i]))
-            except BaseException as e:
-                # All or nothing: fail what we own, drop every pin taken so far (positions from
-                # this one on hold none).
-                for s in slots[owner]:
-                    publish_failed(self, int(s), True,
-                                   f"the batch loading this key gave up: {type(e).__name__}: {e}")
-                slots[misses[j:]] = lib.UCM_NIL
-                self._release_slots(slots)
-                raise
+                message = (f"the batch loading this key gave up: {type(e).__name__}: "
+                           f"{e}").encode("utf-8", "replace")
+            finally:
+                lib.ucm_batch_token_drop(slots_p, owner_p, token, message, len(message))
+            raise
+        batch = _new(self._batch_cls)
+        batch._cache = self
+        batch._slots = slots
+        batch.owner = owner
+        batch._slots_p = slots_p
+        batch._owner_p = owner_p
+        batch._token = token
+        batch._n = n
+        batch._timeout = timeout
+        batch._owner_views = {}
+        batch._views = []
+        batch._any_owner = any_owner = len(misses) > 0 and bool(owner.any())
+        batch._owned = _NO_OWNED
+        batch._closed = False
         self._open_handles += 1
-        any_owner = bool(len(misses)) and bool(owner.any())
-        if self._tier2 is not None and any_owner:
-            return self._tier2.owner_batch(slots, owner, split, timeout)
-        return HandleBatch(self, slots, owner, timeout, any_owner)
-
-    def _release_slots(self, slots: np.ndarray) -> None:
-        if len(slots):
-            lib.ucm_release_many(self._ctx, _ptr("uint32_t[]", slots), len(slots))
+        if any_owner:
+            batch.own()
+            if self._tier2 is not None:
+                return self._tier2.owner_batch(batch, split, timeout)
+        return batch
 
     def _wait_loaded(self, slot: int, timeout: Optional[float]) -> int:
-        """Block on the slot's state word until it leaves Loading.  Every LIVENESS_SLICE the
-        loader's life lock is checked, so a dead loader is recovered rather than waited for."""
+        """Block on the slot's state word until it leaves Loading, never past ``timeout`` and
+        never spinning.  Every LIVENESS_SLICE the loader's life lock is checked, so a dead
+        loader is recovered rather than waited for."""
         ctx = self._ctx
         state = ffi.new("uint32_t *")
         start = time.monotonic()
@@ -337,8 +413,10 @@ class SlotCache:
                                         lib.UCM_M_LOADER) & 0xFFFF
                 if loader != self._rank and loader < self._layout.max_ranks \
                         and not rank_alive(self._seg, loader):
-                    self.recover()
-                    continue
+                    self.recover()  # fails its loads, this one included, waking us
+                    st = lib.ucm_slot_state(ctx, slot)
+                    if st != lib.UCM_LOADING:
+                        return st
                 if deadline is not None and time.monotonic() >= deadline:
                     lib.ucm_stat_add(ctx, lib.UCM_ST_WAIT_TIMEOUTS, 1)
                     raise TimeoutError(f"key still loading after {timeout} s (the load goes on; "
@@ -353,6 +431,9 @@ class SlotCache:
         loader returns a bytes-like of at most slot_size bytes.  Its exception reaches this
         caller as itself and every concurrent waiter as LoadFailed.  When the cache is full the
         loader runs uncached (counted as a bypass)."""
+        if not callable(loader):
+            raise TypeError(f"loader must be a callable returning bytes, got "
+                            f"{type(loader).__name__}")
         try:
             h = self.get(key, timeout=timeout)
         except CacheFull:
@@ -428,10 +509,21 @@ class SlotCache:
         total = 0
         for start in range(0, len(split), lib.UCM_RING_DEPTH):  # one lock hold per chunk
             n = min(lib.UCM_RING_DEPTH, len(split) - start)
-            lib.ucm_ring_post(ctx, rank, ids[16 * start:16 * (start + n)],
-                              _ptr("uint64_t[]", offsets[start:start + n]), n, posted)
+            args = (ctx, rank, ids[16 * start:16 * (start + n)],
+                    _ptr("uint64_t[]", offsets[start:start + n]), n, posted)
+            if lib.ucm_ring_post(*args) == lib.UCM_BUSY and self._ring_holder_dead(rank):
+                # A producer died holding the lock (it names its rank): recovery releases it,
+                # so a dead producer costs one dropped post, not every post until a recovery.
+                self.recover()
+                lib.ucm_ring_post(*args)
             total += posted[0]
         return total
+
+    def _ring_holder_dead(self, ring: int) -> bool:
+        L = self._layout
+        holder = lib.ucm_load32(self._seg.base, L.ring_off + ring * L.ring_size + lib.UCM_RING_LOCK)
+        return 0 < holder <= L.max_ranks and holder - 1 != self._rank \
+            and not rank_alive(self._seg, holder - 1)
 
     def prefetcher(self, loader: Callable[[Key], Any], *, batch: int = 64) -> Prefetcher:
         """Start a thread that drains this rank's ring, loading each cold key with
@@ -473,7 +565,7 @@ class SlotCache:
     def recover(self) -> RecoveryReport:
         """Recover every dead rank now (also done on attach and when allocation is starved)."""
         self._check_usable()
-        return recover_dead_ranks(self._seg, self._ctx, self._stripes, self._rank)
+        return recover_dead_ranks(self._seg, self._ctx, self._rank)
 
     # ---------------------------------------------------------------- test hooks
 
@@ -491,10 +583,6 @@ class SlotCache:
             lib.ucm_ctx_set_point(self._ctx, _hooks.C_POINTS[point], actions[action], word, t)
         else:
             _hooks.arm_python(point, action, gate)
-
-    def _hook(self, point: str) -> None:
-        if _hooks._armed:
-            _hooks.fire(point)
 
     def __repr__(self) -> str:
         state = "attached" if self._ctx is not None else self._why_unusable or "closed"

@@ -67,22 +67,20 @@ class Handle(_Pins):
     """A pinned slot.  Use as a context manager; see SlotCache.get."""
 
     __slots__ = ("_cache", "_slot", "_owner", "_timeout", "_views", "_closed", "_published",
-                 "_owned", "__weakref__")
+                 "_owned", "_token", "__weakref__")
     _what = "one pin"
 
-    def __init__(self, cache: "SlotCache", slot: int, owner: bool, timeout: Optional[float]):
-        self._cache = cache
-        self._slot = slot
-        self._owner = owner
-        self._timeout = timeout
-        self._views: Optional[List[memoryview]] = None
-        self._closed = False
-        self._published = False  # an owner's ready()/fail() went through
-        # The owned set of the context that became owner: whichever thread publishes or closes,
-        # the slot leaves this set (a waiter in this context must not think it is its load).
-        self._owned = _owned_slots(cache) if owner else None
-        if owner:
-            self._owned.add(slot)
+    # SlotCache.get builds handles itself: an inert one (_closed True) before the pinning C
+    # call, its fields stored after it with no call in between (see SlotCache.get).  Fields:
+    #   _published  an owner's ready()/fail() went through
+    #   _owned      the owned set of the context that became owner (see own()): whichever
+    #               thread publishes or closes, the slot leaves this set
+
+    def own(self) -> None:
+        """Record an owner's slot in its context's owned set (a waiter in this context on the
+        same slot would wait for itself)."""
+        self._owned = _owned_slots(self._cache)
+        self._owned.add(self._slot)
 
     # ---------------------------------------------------------------- state
 
@@ -131,11 +129,6 @@ class Handle(_Pins):
         """A numpy view of data (see data); shape defaults to as many items as fit."""
         return as_array(self.data, dtype, shape)
 
-    def _view(self, n: int, writable: bool) -> memoryview:
-        if self._views is None:
-            self._views = []
-        return slot_view(self._cache, self._slot, n, writable, self._views)
-
     def _failure_message(self) -> str:
         return failure_message(self._cache, self._slot)
 
@@ -146,7 +139,8 @@ class Handle(_Pins):
         self._check_open()
         publish_ready(self._cache, self._slot, self._owner, nbytes)
         self._published = True
-        self._owned.discard(self._slot)
+        if self._owned is not None:
+            self._owned.discard(self._slot)
         self._release_views()  # the owner's writable view ends with the load
 
     def fail(self, message: str = "load failed") -> None:
@@ -154,7 +148,8 @@ class Handle(_Pins):
         self._check_open()
         publish_failed(self._cache, self._slot, self._owner, message)
         self._published = True
-        self._owned.discard(self._slot)
+        if self._owned is not None:
+            self._owned.discard(self._slot)
         self._release_views()
 
     # ---------------------------------------------------------------- waiting
@@ -166,6 +161,8 @@ class Handle(_Pins):
         self._check_open()
         if timeout is None:
             timeout = self._timeout
+        else:
+            timeout = check_timeout(timeout)
         st = lib.ucm_slot_state(self._cache._ctx, self._slot)
         if st == lib.UCM_LOADING:
             if self._owner:
@@ -189,40 +186,47 @@ class Handle(_Pins):
 
     def close(self) -> None:
         """Unpin the slot (idempotent).  An owner that did not publish publishes Failed."""
+        self._close(UNPUBLISHED)
+
+    def _close(self, message: bytes) -> None:
+        # Interruptible anywhere (a signal handler may raise at any call): the counter and the
+        # closed flag change before any call, and the pin is dropped first thing in `finally`,
+        # by one C step that also fails an owner's unpublished load.  Only bookkeeping that
+        # cannot leak a hold (the owned set, view release) can be cut short.
         if self._closed:
             return
-        self._closed = True
         cache = self._cache
-        if cache._ctx is None:
+        ctx = cache._ctx
+        self._closed = True
+        if ctx is None:
             return  # forked child or closed cache: the pin is not ours to drop
+        cache._open_handles -= 1
         try:
-            self._release_views()
-            if self._owner and not self._published \
-                    and lib.ucm_slot_state(cache._ctx, self._slot) == lib.UCM_LOADING:
-                _publish_failed_quietly(cache, self._slot)
-        finally:
             if self._owned is not None:
                 self._owned.discard(self._slot)
-            lib.ucm_release(cache._ctx, self._slot)
-            cache._open_handles -= 1
+            self._release_views()
+        finally:
+            if self._token is not None:  # a slow-path pin: its token drops it (and fails it)
+                lib.ucm_token_drop(self._token, message, len(message))
+            elif self._owner and not self._published:
+                lib.ucm_abandon(ctx, self._slot, message, len(message))
+            else:
+                lib.ucm_release(ctx, self._slot)
 
     def __enter__(self) -> "Handle":
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        if exc is None and not self._owner and self._views is None and not self._closed:
+        if exc is None and self._token is None and self._views is None and not self._closed:
             # The hit path: a reader that made no view; one C call drops the pin.
             cache = self._cache
             ctx = cache._ctx
             if ctx is not None:
                 self._closed = True
-                lib.ucm_release(ctx, self._slot)
                 cache._open_handles -= 1
+                lib.ucm_release(ctx, self._slot)
                 return
-        if exc is not None and self._owner and not self._closed and self._cache._ctx is not None \
-                and lib.ucm_slot_state(self._cache._ctx, self._slot) == lib.UCM_LOADING:
-            self.fail(f"{exc_type.__name__}: {exc}")
-        self.close()
+        self._close(UNPUBLISHED if exc is None else exit_message(exc_type, exc))
 
     def __repr__(self) -> str:
         if self._closed:
@@ -337,20 +341,16 @@ class HandleBatch(_Pins):
     pinned twice and owned (if it was cold) by its first position only.
     """
 
-    def __init__(self, cache: "SlotCache", slots: np.ndarray, owner: np.ndarray,
-                 timeout: Optional[float], any_owner: bool = True):
-        self._cache = cache
-        self._slots = slots
-        self.owner = owner
-        self._timeout = timeout
-        self._owner_views: Dict[int, list] = {}  # position -> the owner's writable views
-        self._views: list = []
-        self._closed = False
-        self._any_owner = any_owner  # False: an all-hit batch skips the owner bookkeeping
-        self._owned = _owned_slots(cache) if any_owner else set()  # as in Handle
-        if any_owner:
-            for s in slots[owner]:
-                self._owned.add(int(s))
+    # SlotCache.get_many builds batches as get builds handles: inert first, the C calls pin
+    # straight into _slots/owner (through _slots_p/_owner_p), the fields are stored after.
+    # _owner_views: position -> the owner's writable views; _any_owner False: an all-hit batch
+    # skips the owner bookkeeping.
+
+    def own(self) -> None:
+        """Record the owned positions in the owning context's set (see Handle.own)."""
+        self._owned = _owned_slots(self._cache)
+        for s in self._slots[self.owner]:
+            self._owned.add(int(s))
 
     def __len__(self) -> int:
         return len(self._slots)
@@ -407,6 +407,8 @@ class HandleBatch(_Pins):
         self._check_open()
         if timeout is None:
             timeout = self._timeout
+        else:
+            timeout = check_timeout(timeout)
         cache = self._cache
         mine = set(int(s) for s in self._slots[self.owner])
         deadline = None if timeout is None else _now() + timeout
@@ -426,18 +428,24 @@ class HandleBatch(_Pins):
         return self
 
     def close(self) -> None:
+        """Unpin every position (idempotent); owned positions not published publish Failed."""
+        self._close(UNPUBLISHED)
+
+    def _close(self, message: bytes) -> None:
+        # As Handle._close: flags first, every pin dropped first thing in `finally`, by one C
+        # step over the whole batch that fails the owned positions still Loading.
         if self._closed:
             return
-        self._closed = True
         cache = self._cache
-        if cache._ctx is None:
+        ctx = cache._ctx
+        self._closed = True
+        if ctx is None:
             return
+        cache._open_handles -= 1
         try:
             if self._any_owner:
                 for s in self._slots[self.owner]:
-                    s = int(s)
-                    if lib.ucm_slot_state(cache._ctx, s) == lib.UCM_LOADING:
-                        _publish_failed_quietly(cache, s)
+                    self._owned.discard(int(s))
                 for views in self._owner_views.values():
                     release_views(views)
                 self._owner_views = {}
@@ -445,27 +453,36 @@ class HandleBatch(_Pins):
                 release_views(self._views)
                 self._views = []
         finally:
-            if self._any_owner:
-                for s in self._slots[self.owner]:
-                    self._owned.discard(int(s))
-            cache._release_slots(self._slots)
-            cache._open_handles -= 1
+            lib.ucm_batch_token_drop(self._slots_p, self._owner_p, self._token, message,
+                                     len(message))
 
     def __enter__(self) -> "HandleBatch":
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        if exc is not None and not self._closed and self._cache._ctx is not None:
-            for s in self._slots[self.owner]:
-                s = int(s)
-                if lib.ucm_slot_state(self._cache._ctx, s) == lib.UCM_LOADING:
-                    publish_failed(self._cache, s, True, f"{exc_type.__name__}: {exc}")
-        self.close()
+        self._close(UNPUBLISHED if exc is None else exit_message(exc_type, exc))
 
 
+UNPUBLISHED = b"the owner closed its handle without calling ready()"
+# A pin (and, for an owner, a Loading slot) taken by a get whose handle was never made: an
+# exception (a signal handler, KeyboardInterrupt) arrived between the C call and the handle.
+ABANDONED = b"the loading caller was interrupted before it took its handle"
 
-def _publish_failed_quietly(cache: "SlotCache", slot: int) -> None:
-    publish_failed(cache, slot, True, "the owner closed its handle without calling ready()")
+
+def exit_message(exc_type, exc) -> bytes:
+    """The Failed message for an owner's with-block that raised: the exception, named."""
+    try:
+        return f"{exc_type.__name__}: {exc}".encode("utf-8", "replace")
+    except Exception:
+        return exc_type.__name__.encode("utf-8", "replace")
+
+
+def check_timeout(timeout: object) -> float:
+    """A wait's timeout: None (checked by the caller) or a number of seconds >= 0."""
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout != timeout \
+            or timeout < 0:
+        raise ValueError(f"timeout must be None or a number of seconds >= 0, got {timeout!r}")
+    return float(timeout)
 
 
 def _now() -> float:

@@ -27,6 +27,7 @@ C_POINTS = {
     "before_handover": lib.UCM_PT_BEFORE_HANDOVER,
     "before_pin_cas": lib.UCM_PT_BEFORE_PIN_CAS,
     "holding_stripe": lib.UCM_PT_HOLDING_STRIPE,
+    "counted_not_ready": lib.UCM_PT_COUNTED_NOT_READY,
 }
 PY_POINTS = ("inside_loader", "before_ready", "after_ready", "before_magic", "after_shm_open")
 POINTS = tuple(C_POINTS) + PY_POINTS

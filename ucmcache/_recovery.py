@@ -20,11 +20,14 @@ are reachable and freed, under their bucket's stripe.
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import List, Optional, Tuple
+from typing import Iterator, List, Optional, Tuple
 
 from ._core import ffi, lib
-from ._errors import CorruptSegment, RankUnavailable
+from ._errors import CorruptSegment, RankUnavailable, UcmError
+from ._locks import describe_stripe_holder
+from ._results import code_name
 from ._segment import Segment, life_lock_byte
 
 
@@ -56,13 +59,32 @@ def rank_pid(seg: Segment, rank: int) -> int:
 
 def rank_alive(seg: Segment, rank: int) -> bool:
     """True if some open file description other than ours holds the rank's life lock."""
-    r = lib.ucm_ofd_held_by_other(seg.fd, life_lock_byte(rank))
+    r = lib.ucm_ofd_held_by_other(seg.lock_fd, life_lock_byte(rank))
     if r < 0:
         raise OSError(-r, os.strerror(-r), "OFD lock probe")
     return bool(r)
 
 
-def take_rank(seg: Segment, ctx, stripes, rank: Optional[int]) -> Tuple[int, Optional[Recovered]]:
+# The longest recovery waits for one stripe (to free a dead claimant's slot) before it gives up
+# for now; the rank stays as it is and the next recovery finishes it.
+RECOVERY_STRIPE_WAIT = 10.0
+# The longest a thread waits for another thread of this process to finish recovering.
+RANK_LOCK_WAIT = 60.0
+
+
+@contextmanager
+def _rank_lock(seg: Segment) -> Iterator[bool]:
+    """Held around every trylock -> recover -> unlock of this process (see Segment.rank_lock).
+    Yields False if another thread held it past RANK_LOCK_WAIT (a bounded wait, never a hang)."""
+    got = seg.rank_lock.acquire(timeout=RANK_LOCK_WAIT)
+    try:
+        yield got
+    finally:
+        if got:
+            seg.rank_lock.release()
+
+
+def take_rank(seg: Segment, ctx, rank: Optional[int]) -> Tuple[int, Optional[Recovered]]:
     """Take a free rank (or `rank`); a rank whose holder died is recovered first and returned
     with what was reclaimed."""
     L = seg.layout
@@ -72,22 +94,18 @@ def take_rank(seg: Segment, ctx, stripes, rank: Optional[int]) -> Tuple[int, Opt
         candidates = [rank]
     else:
         candidates = list(range(L.max_ranks))
-    for r in candidates:
-        if lib.ucm_ofd_trylock(seg.fd, life_lock_byte(r)) != lib.UCM_OK:
-            continue
-        off = L.rank(r)
-        recovered = None
-        if rank_state(seg, r) != lib.UCM_RANK_FREE:
-            recovered = _recover_held(seg, ctx, stripes, r)  # its holder died; its lock is ours
-        # The life lock makes us the only writer of this descriptor; the CAS states the rule.
-        if not lib.ucm_cas32(seg.base, off + lib.UCM_R_STATE, lib.UCM_RANK_FREE,
-                             lib.UCM_RANK_INITIALIZING):
-            lib.ucm_ofd_unlock(seg.fd, life_lock_byte(r))
-            raise CorruptSegment(f"rank {r}'s state word changed under its life lock")
-        lib.ucm_store32(seg.base, off + lib.UCM_R_PID, os.getpid())
-        lib.ucm_fetch_add64(seg.base, off + lib.UCM_R_ATTACHES, 1)
-        lib.ucm_store32(seg.base, off + lib.UCM_R_STATE, lib.UCM_RANK_READY)
-        return r, recovered
+    with _rank_lock(seg) as got:
+        if not got:
+            raise RankUnavailable(f"segment {seg.uuid!r}: another thread of this process held "
+                                  f"its rank lock for {RANK_LOCK_WAIT} s")
+        for r in candidates:
+            if lib.ucm_ofd_trylock(seg.lock_fd, life_lock_byte(r)) != lib.UCM_OK:
+                continue
+            try:
+                return r, _take_locked(seg, ctx, r)
+            except BaseException:
+                lib.ucm_ofd_unlock(seg.lock_fd, life_lock_byte(r))
+                raise
     if rank is not None:
         raise RankUnavailable(f"rank {rank} of segment {seg.uuid!r} is held by a live process "
                               f"(pid {rank_pid(seg, rank)})")
@@ -95,68 +113,76 @@ def take_rank(seg: Segment, ctx, stripes, rank: Optional[int]) -> Tuple[int, Opt
                           "processes")
 
 
-def free_rank(seg: Segment, ctx, stripes, rank: int) -> None:
+def _take_locked(seg: Segment, ctx, r: int) -> Optional[Recovered]:
+    off = seg.layout.rank(r)
+    recovered = None
+    if rank_state(seg, r) != lib.UCM_RANK_FREE:
+        recovered = _recover_held(seg, ctx, r)  # its holder died; its lock is ours
+    # The life lock makes us the only writer of this descriptor; the CAS states the rule.
+    if not lib.ucm_cas32(seg.base, off + lib.UCM_R_STATE, lib.UCM_RANK_FREE,
+                         lib.UCM_RANK_INITIALIZING):
+        raise CorruptSegment(f"rank {r}'s state word changed under its life lock")
+    lib.ucm_store32(seg.base, off + lib.UCM_R_PID, os.getpid())
+    lib.ucm_fetch_add64(seg.base, off + lib.UCM_R_ATTACHES, 1)
+    lib.ucm_store32(seg.base, off + lib.UCM_R_STATE, lib.UCM_RANK_READY)
+    return recovered
+
+
+def free_rank(seg: Segment, ctx, rank: int) -> None:
     """close(): the rank goes back to FREE; its Ready slots stay (entries outlive loaders).
     With no handle open, any hold still naming the rank is a leak (a pin taken just before an
     exception, say): it is removed as a dead rank's would be."""
-    _recover_holds(seg, ctx, stripes, rank)
-    off = seg.layout.rank(rank)
-    lib.ucm_store32(seg.base, off + lib.UCM_R_STATE, lib.UCM_RANK_STOPPED)
-    lib.ucm_store32(seg.base, off + lib.UCM_R_PID, 0)
-    lib.ucm_store32(seg.base, off + lib.UCM_R_STATE, lib.UCM_RANK_FREE)
-    lib.ucm_ofd_unlock(seg.fd, life_lock_byte(rank))
+    with _rank_lock(seg):
+        _recover_holds(seg, ctx, rank)
+        off = seg.layout.rank(rank)
+        lib.ucm_store32(seg.base, off + lib.UCM_R_STATE, lib.UCM_RANK_STOPPED)
+        lib.ucm_store32(seg.base, off + lib.UCM_R_PID, 0)
+        lib.ucm_store32(seg.base, off + lib.UCM_R_STATE, lib.UCM_RANK_FREE)
+        lib.ucm_ofd_unlock(seg.lock_fd, life_lock_byte(rank))
 
 
-def _recover_held(seg: Segment, ctx, stripes, dead: int) -> Recovered:
+def _recover_held(seg: Segment, ctx, dead: int) -> Recovered:
     """Remove every hold of a rank whose life lock we hold, then mark it FREE."""
-    rec = _recover_holds(seg, ctx, stripes, dead)
+    rec = _recover_holds(seg, ctx, dead)
     off = seg.layout.rank(dead)
     lib.ucm_store32(seg.base, off + lib.UCM_R_PID, 0)
     lib.ucm_store32(seg.base, off + lib.UCM_R_STATE, lib.UCM_RANK_FREE)
     return rec
 
 
-def _recover_holds(seg: Segment, ctx, stripes, dead: int) -> Recovered:
+def _recover_holds(seg: Segment, ctx, dead: int) -> Recovered:
+    """One C step (ucm_recover_rank): fail its loads, clear its pins, free its claims under
+    their stripes, recount its range's words.  Raises if a stripe stayed held, leaving the rank
+    as it is for the next recovery."""
     rec = Recovered(rank=dead, pid=rank_pid(seg, dead))
-    cap = 256
-    while True:
-        claimed = ffi.new("uint32_t[]", cap)
-        n, pins, loading = ffi.new("uint32_t *"), ffi.new("uint32_t *"), ffi.new("uint32_t *")
-        if lib.ucm_recover_pins(ctx, dead, claimed, cap, n, pins, loading) != lib.UCM_OK:
-            raise CorruptSegment(f"rank {dead} is out of range")
-        rec.pins += pins[0]
-        rec.failed_loads += loading[0]
-        if n[0] <= cap:
-            break
-        cap = n[0]  # more claims than we had room for: look again (pins are already cleared)
-    L = seg.layout
-    for s in list(claimed)[: n[0]]:
-        bucket = lib.ucm_load32(seg.base, L.meta(s) + lib.UCM_M_BUCKET)
-        stripe = lib.ucm_stripe_of(ctx, bucket) if bucket < L.n_buckets else 0
-        stripes.lock(stripe)
-        try:
-            r = lib.ucm_reclaim_claimed(ctx, s, dead, stripe)
-        finally:
-            stripes.unlock(stripe)
-        if r == lib.UCM_OK:
-            rec.claims += 1
-    # Its range's accounting words from its slots: exact whatever step it died in (I4, I5).
-    entries, size = ffi.new("uint64_t *"), ffi.new("uint64_t *")
-    lib.ucm_recount_rank(ctx, dead, entries, size)
+    counts = ffi.new("uint32_t[4]")
+    r = lib.ucm_recover_rank(ctx, dead, int(RECOVERY_STRIPE_WAIT * 1e9), counts)
+    rec.pins, rec.failed_loads, rec.claims = counts[0], counts[1], counts[2]
+    if r == lib.UCM_TIMEOUT:
+        raise UcmError(f"segment {seg.uuid!r}: recovering rank {dead} waits for stripe "
+                       f"{counts[3]}, held for {RECOVERY_STRIPE_WAIT} s by "
+                       f"{describe_stripe_holder(seg, counts[3])}; recovery will be "
+                       "retried")
+    if r != lib.UCM_OK:
+        raise CorruptSegment(f"segment {seg.uuid!r}: recovering rank {dead} found "
+                             f"{code_name(r)}")
     return rec
 
 
-def recover_dead_ranks(seg: Segment, ctx, stripes, my_rank: Optional[int]) -> RecoveryReport:
+def recover_dead_ranks(seg: Segment, ctx, my_rank: Optional[int]) -> RecoveryReport:
     report = RecoveryReport()
-    for r in range(seg.layout.max_ranks):
-        if r == my_rank or rank_state(seg, r) == lib.UCM_RANK_FREE:
-            continue
-        if lib.ucm_ofd_trylock(seg.fd, life_lock_byte(r)) != lib.UCM_OK:
-            continue  # alive (or another recoverer is at it)
-        try:
-            if rank_state(seg, r) != lib.UCM_RANK_FREE:
-                report.ranks.append(_recover_held(seg, ctx, stripes, r))
-                lib.ucm_stat_add(ctx, lib.UCM_ST_RECOVERED_RANKS, 1)
-        finally:
-            lib.ucm_ofd_unlock(seg.fd, life_lock_byte(r))
+    with _rank_lock(seg) as got:
+        if not got:
+            return report  # another thread of ours is recovering: it finds what we would
+        for r in range(seg.layout.max_ranks):
+            if r == my_rank or rank_state(seg, r) == lib.UCM_RANK_FREE:
+                continue
+            if lib.ucm_ofd_trylock(seg.lock_fd, life_lock_byte(r)) != lib.UCM_OK:
+                continue  # alive (or another process's recoverer is at it)
+            try:
+                if rank_state(seg, r) != lib.UCM_RANK_FREE:
+                    report.ranks.append(_recover_held(seg, ctx, r))
+                    lib.ucm_stat_add(ctx, lib.UCM_ST_RECOVERED_RANKS, 1)
+            finally:
+                lib.ucm_ofd_unlock(seg.lock_fd, life_lock_byte(r))
     return report

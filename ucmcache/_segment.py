@@ -22,6 +22,7 @@ import mmap
 import os
 import re
 import stat
+import threading
 import time
 import zlib
 from contextlib import contextmanager
@@ -231,14 +232,33 @@ def _validate(uuid: str, h: Dict[str, int], file_size: int) -> Layout:
     return layout
 
 
-class Segment:
-    """A mapped, validated segment: its fd (kept open for the OFD life locks), its mapping,
-    and the base pointer the C core works on."""
+def _open_lock_fd(fd: int, writable: bool) -> int:
+    """A second open file description of the segment's file, used for nothing but OFD locks.
 
-    def __init__(self, uuid: str, shm: posix_ipc.SharedMemory, mm: mmap.mmap, layout: Layout):
+    OFD locks belong to an open file description, and every fd that shares one shares its
+    locks.  CPython's mmap keeps its own dup of the fd it maps, so a forked child (a fork pool,
+    a DataLoader worker) would keep a life lock taken on the shm fd alive after its parent died.
+    This description is shared with nothing: its fd is close-on-exec and closed in a forked
+    child (SlotCache's after-fork hook), so the kernel drops the locks when this process dies.
+    Reopened through /proc/self/fd, so it is the same file even if the name was replaced."""
+    flags = (os.O_RDWR if writable else os.O_RDONLY) | os.O_CLOEXEC
+    return os.open(f"/proc/self/fd/{fd}", flags)
+
+
+class Segment:
+    """A mapped, validated segment: its fd and mapping, the base pointer the C core works on,
+    and a separate lock fd for the OFD life locks (see _open_lock_fd)."""
+
+    def __init__(self, uuid: str, shm: posix_ipc.SharedMemory, mm: mmap.mmap, layout: Layout,
+                 writable: bool = True):
         self.uuid = uuid
         self.shm = shm
         self.fd = shm.fd
+        self.lock_fd = _open_lock_fd(shm.fd, writable)
+        # Recovery and rank taking are exclusive between processes by the life lock itself, but
+        # the threads of this process share lock_fd's description, so each one's trylock would
+        # succeed: this lock makes "trylock -> recover -> unlock" exclusive among them too.
+        self.rank_lock = threading.Lock()
         self.mm = mm
         self.layout = layout
         self._buf = ffi.from_buffer(mm)
@@ -356,7 +376,11 @@ class Segment:
             layout = _validate(uuid, header, size)
             prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
             mm = mmap.mmap(shm.fd, layout.total_size, mmap.MAP_SHARED, prot)
-            return cls(uuid, shm, mm, layout)
+            try:
+                return cls(uuid, shm, mm, layout, writable)
+            except BaseException:
+                mm.close()
+                raise
         except BaseException:
             shm.close_fd()
             raise
@@ -379,13 +403,15 @@ class Segment:
                 f"segment {self.uuid!r} cannot be unmapped: data views (memoryviews or numpy "
                 "arrays from handles) are still alive; drop them first") from None
         self.mm = None
+        os.close(self.lock_fd)  # drops every OFD lock this attachment holds
         self.shm.close_fd()
 
     def forget_after_fork(self) -> None:
-        """In a forked child: close the inherited fd so the parent's life lock dies with the
-        parent, and never use the parent's attachment."""
+        """In a forked child: close the inherited lock fd so the parent's life lock dies with
+        the parent (the shm fd and mmap's dup hold no lock), and never use the parent's
+        attachment."""
         try:
-            os.close(self.fd)
+            os.close(self.lock_fd)
         except OSError:
             pass
 

@@ -752,12 +752,15 @@ class _Bound:
 
     # ---------------------------------------------------------------- hooks from SlotCache
 
-    def owner_handle(self, slot: int, block_id: bytes, offset: int,
+    handle_cls: type = None  # set below, once the classes exist
+    batch_cls: type = None
+
+    def owner_handle(self, h: "_T2Handle", block_id: bytes, offset: int,
                      timeout: Optional[float]) -> Handle:
-        """get(): we own a cold slot.  Returns a Ready non-owner handle when tier 2 had the
-        value, else an owner handle whose ready() writes through."""
+        """get(): h owns a cold slot.  Returns it Ready and no longer owner when tier 2 had
+        the value, else still the owner, its ready() writing through."""
         cache = self.cache
-        h = _T2Handle(cache, slot, True, timeout)
+        slot = h._slot
         h._t2 = self
         try:
             alone = not (_owned_slots(cache) - {slot})
@@ -772,12 +775,12 @@ class _Bound:
             raise
         return h
 
-    def owner_batch(self, slots: np.ndarray, owner: np.ndarray,
-                    split: Sequence[Tuple[bytes, int]], timeout: Optional[float]) -> HandleBatch:
+    def owner_batch(self, batch: "_T2Batch", split: Sequence[Tuple[bytes, int]],
+                    timeout: Optional[float]) -> HandleBatch:
         """get_many(): the owned positions ask tier 2 together; those it serves come back
         Ready and not owned."""
         cache = self.cache
-        batch = _T2Batch(cache, slots, owner, timeout)
+        slots, owner = batch._slots, batch.owner
         batch._t2 = self
         try:
             idx = [int(i) for i in np.flatnonzero(owner)]
@@ -1012,11 +1015,13 @@ class _T2Handle(Handle):
         if t2 is not None:
             t2.published(self._slot)
 
-    def close(self) -> None:
+    def _close(self, message: bytes) -> None:
         t2 = getattr(self, "_t2", None)
-        if not self._closed and t2 is not None and self._cache._ctx is not None:
-            t2.abandon(self._slot)
-        super().close()
+        try:
+            if not self._closed and t2 is not None and self._cache._ctx is not None:
+                t2.abandon(self._slot)
+        finally:
+            super()._close(message)
 
 
 class _T2Batch(HandleBatch):
@@ -1029,8 +1034,14 @@ class _T2Batch(HandleBatch):
         if self._t2 is not None:
             self._t2.published(int(self._slots[self._index(i)]))
 
-    def close(self) -> None:
-        if not self._closed and self._t2 is not None and self._cache._ctx is not None:
-            for s in self._slots[self.owner]:
-                self._t2.abandon(int(s))
-        super().close()
+    def _close(self, message: bytes) -> None:
+        try:
+            if not self._closed and self._t2 is not None and self._cache._ctx is not None:
+                for s in self._slots[self.owner]:
+                    self._t2.abandon(int(s))
+        finally:
+            super()._close(message)
+
+
+_Bound.handle_cls = _T2Handle
+_Bound.batch_cls = _T2Batch

@@ -12,6 +12,7 @@ from typing import Any, Dict, List
 import numpy as np
 
 from ._core import lib
+from ._locks import describe_stripe_holder, stripe_holder
 from ._recovery import rank_alive
 from ._segment import Segment
 from ._stats import RANK_STATES
@@ -178,6 +179,13 @@ def verify_segment(seg: Segment) -> VerifyReport:
     uncounted = np.flatnonzero(current_ready & ~counted)
     for s in uncounted[:20]:
         p.append(f"slot {s}: Ready in the current generation but not counted")
+
+    # Stripes: one held by a process that is stopped (SIGSTOP, a debugger) or by a thread that
+    # does not exist (a forged or stale lock word) wedges every cold get of its buckets.
+    for st in range(L.n_stripes):
+        h = stripe_holder(seg, st)
+        if h["state"] in ("stopped", "gone"):
+            p.append(f"stripe {st}: held by {describe_stripe_holder(seg, st)}")
 
     states = {name: int((f["state"] == v).sum()) for v, name in STATE_NAMES.items()}
     used = lengths[lengths > 0]

@@ -691,14 +691,13 @@ def cmd_verify(args) -> int:
 
 
 def cmd_recover(args) -> int:
-    from ._locks import Stripes
     from ._recovery import recover_dead_ranks
     from ._verify import verify_segment
     with _attached(args.uuid, writable=True, timeout=args.timeout) as seg:
         with _context(seg) as ctx:
             # No rank of our own: recovery needs none (every hold names its rank, I5), and
             # taking one would count an attach in the segment's stats.
-            report = recover_dead_ranks(seg, ctx, Stripes(ctx, seg.base, seg.layout), None)
+            report = recover_dead_ranks(seg, ctx, None)
         after = verify_segment(seg)
     lines = []
     if not report.ranks:

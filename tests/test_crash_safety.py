@@ -1,0 +1,173 @@
+"""Crash safety in the processes users really run (issue 13): forked helpers, threads, signal
+handlers that raise, the publish kill window, a stopped or forged stripe holder.  Each test
+failed on the code before the fix."""
+import os
+import signal
+import threading
+
+import pytest
+
+import ucmcache
+from ucmcache import SlotCache, UcmError
+from ucmcache._core import lib
+
+import safety_workers
+
+K = b"K" * 16
+
+
+def _kill(pid):
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def test_a_forked_child_does_not_keep_its_killed_parents_rank_alive(make_cache, procs, gate):
+    c = make_cache(max_ranks=4)
+    g = gate()
+    p, q = procs.start(safety_workers.own_then_fork, c.uuid, K, g.path)
+    rank, parent, child, slot = procs.result(q)
+    try:
+        _kill(parent)
+        p.join(10)
+        os.kill(child, 0)  # the forked helper outlives its parent
+        rep = c.recover()
+        assert [r.rank for r in rep.ranks] == [rank]
+        assert rep.ranks[0].failed_loads == 1
+        with c.get(K) as h:  # the dead owner's load is Failed: the next get is the owner
+            assert h.owner
+            h.ready(1)
+        assert ucmcache.verify(c.uuid).ok
+    finally:
+        g.release()
+        _kill(child)
+
+
+@pytest.mark.parametrize("round_", range(4))
+def test_threads_recover_a_dead_rank_exactly_once(make_cache, procs, gate, round_):
+    c = make_cache(slots_per_rank=64, max_ranks=3)
+    g = gate()
+    keys = [bytes([round_, i]) * 8 for i in range(8)]
+    p, q = procs.start(safety_workers.pin_and_block, c.uuid, keys, g.path)
+    (rank, owners) = procs.result(q)
+    assert all(owners)
+    _kill(p.pid)
+    p.join(10)
+    start = threading.Barrier(4, timeout=30)
+    found = []
+
+    def recover():
+        start.wait()
+        found.extend(r.rank for r in c.recover().ranks)
+
+    threads = [threading.Thread(target=recover) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert found == [rank]
+    assert ucmcache.verify(c.uuid).ok
+
+
+def test_a_wait_on_a_load_nobody_finishes_ends_at_its_timeout(make_cache, procs):
+    c = make_cache(max_ranks=4)
+    h = c.get(K)
+    assert h.owner
+    # The slot names a loader rank nobody holds and recovery cannot fail it (no pin of that
+    # rank): before the fix, the waiter recovered in a loop past its deadline at 100% CPU.
+    meta = c.layout.meta(h.slot)
+    lib.ucm_store32(c._seg.base, meta + lib.UCM_M_LOADER, 3)
+    try:
+        _, q = procs.start(safety_workers.wait_for, c.uuid, K, 0.3)
+        what, _elapsed = procs.result(q, timeout=30)
+        assert what == "timeout"
+    finally:
+        lib.ucm_store32(c._seg.base, meta + lib.UCM_M_LOADER, c.rank)
+        h.close()
+
+
+def test_signal_handlers_raising_inside_gets_leave_nothing_held(make_cache, procs):
+    c = make_cache(slots_per_rank=16, slot_size=256, max_ranks=4)
+    runs = [procs.start(safety_workers.interrupted_workload, c.uuid, 3.0, 0.0003, seed)[1]
+            for seed in (1, 2)]
+    for q in runs:
+        counts = procs.result(q, timeout=120)
+        assert counts["interrupts"] > 100, counts  # the handler really ran inside the calls
+        assert (counts["pinned"], counts["loading"], counts["open_handles"]) == (0, 0, 0), counts
+        assert counts["bad"] == 0, counts
+    rep = ucmcache.verify(c.uuid)
+    assert rep.ok, rep
+
+
+def test_an_owner_killed_after_counting_before_ready_leaves_the_words_exact(make_cache, procs):
+    c = make_cache(slots_per_rank=2, slot_size=64, max_ranks=2)
+    A, B, C, D = (bytes([x]) * 16 for x in b"ABCD")
+    p, q = procs.start(safety_workers.publish_and_die, c.uuid, 1, A, B)
+    p.join(30)
+    assert p.exitcode == -signal.SIGKILL
+    assert c.recover().count == 1
+    assert ucmcache.verify(c.uuid).ok
+    with SlotCache.attach(c.uuid, rank=1) as again:  # allocates over B's Failed slot
+        for k in (C, D):
+            again.get_or_load(k, lambda: b"x" * 8)
+        present = sum(c.exist([A, C, D]))
+        assert c.entry_count() == present
+        rep = ucmcache.verify(c.uuid)
+        assert rep.ok, rep
+
+
+def test_a_stopped_stripe_holder_is_named_and_never_waited_for_past_the_timeout(
+        make_cache, procs, gate):
+    c = make_cache(slots_per_rank=8, max_ranks=3, n_buckets=2, n_stripes=1)
+    g = gate()
+    p, q = procs.start(safety_workers.hold_stripe_stopped, c.uuid, 0, g.path)
+    g.wait_arrived()
+    _, status = os.waitpid(p.pid, os.WUNTRACED)  # returns once it has stopped itself
+    assert os.WIFSTOPPED(status)
+    try:
+        with pytest.raises(UcmError, match=rf"stripe 0 .*held .* by rank \d pid {p.pid} "
+                                           r"\(thread \d+, stopped\)"):
+            c.get(K, timeout=0.3)
+        rep = ucmcache.verify(c.uuid)
+        assert any(f"pid {p.pid}" in x and "stopped" in x for x in rep.problems), rep
+    finally:
+        _kill(p.pid)
+        os.kill(p.pid, signal.SIGCONT)
+        p.join(10)
+    with c.get(K, timeout=5) as h:  # the dead holder's stripe is repaired by the next locker
+        assert h.owner
+        h.ready(1)
+
+
+def test_a_forged_stripe_lock_word_is_an_error_not_a_hang(make_cache):
+    c = make_cache(slots_per_rank=8, max_ranks=3, n_buckets=2, n_stripes=1)
+    off = c.layout.stripe(0)
+    tid = 0x3ffffff0
+    assert not os.path.exists(f"/proc/{tid}")
+    lib.ucm_store32(c._seg.base, off, tid)
+    try:
+        with pytest.raises(UcmError, match=r"stripe 0 .*thread \d+, which does not exist"):
+            c.get(K, timeout=0.3)
+        rep = ucmcache.verify(c.uuid)
+        assert any("stripe 0" in x and "does not exist" in x for x in rep.problems), rep
+    finally:
+        lib.ucm_store32(c._seg.base, off, 0)
+    assert ucmcache.verify(c.uuid).ok
+
+
+def test_rejected_arguments_change_nothing_shared(make_cache):
+    c = make_cache()
+    with pytest.raises(TypeError, match="loader must be a callable"):
+        c.get_or_load(K, None)
+    assert c.exist([K]) == [False]
+    with c.get(K) as h:  # nothing was installed: the next get is the owner
+        assert h.owner
+        h.fail("x")
+    for bad in (-1, "x", float("nan"), True):
+        with pytest.raises(ValueError, match="timeout must be None or a number of seconds"):
+            c.get(K, timeout=bad)
+        with pytest.raises(ValueError, match="timeout must be None or a number of seconds"):
+            c.get_many([K], timeout=bad)
+    assert c._open_handles == 0
+    assert ucmcache.verify(c.uuid).ok
