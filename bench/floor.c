@@ -181,7 +181,7 @@ static int get_pin(cli_t *k, const char *id, uint32_t *slot, int *owner, uint32_
     ucm_ctx *c = k->c;
     int64_t r = ucm_lookup_pin(c, id, 0, 64, 1);
     if (r < 0) {
-        uint32_t stripe = ucm_stripe_of(c, ucm_bucket_of(c, id, 0)), s;
+        uint32_t stripe = ucm_stripe_of(c, ucm_bucket_of(c, id, 0)), s = 0;
         ucm_stripe_lock(c, stripe, -1);
         r = ucm_lookup_pin(c, id, 0, 1u << 16, 0);
         if (r < 0) {
@@ -206,9 +206,9 @@ static int get_pin(cli_t *k, const char *id, uint32_t *slot, int *owner, uint32_
         }
         ucm_stripe_unlock(c, stripe);
     }
-    *slot = (uint32_t)(r & 0xffffffffu);
+    *slot = UCM_PIN_SLOT(r);
     *owner = 0;
-    *state = (uint32_t)(r >> 32);
+    *state = (r & UCM_PIN_READY) ? UCM_READY : UCM_LOADING;
     return 0;
 }
 
@@ -278,8 +278,8 @@ static int op_fill(cli_t *k, const char *id, const char *payload, uint32_t len)
         }
         ucm_stripe_unlock(c, stripe);
     }
-    s = (uint32_t)(r & 0xffffffffu);
-    if ((r >> 32) == UCM_LOADING) ucm_wait_loaded(c, s, -1, &st);
+    s = UCM_PIN_SLOT(r);
+    if (!(r & UCM_PIN_READY)) ucm_wait_loaded(c, s, -1, &st);
     ucm_release(c, s);
     return 1;
 }
@@ -295,7 +295,7 @@ static inline int op_hit(cli_t *k, const char *id)
     }
     int64_t r = ucm_lookup_pin(k->c, id, 0, 64, 1);
     if (r < 0) return -1;
-    ucm_release(k->c, (uint32_t)(r & 0xffffffffu));
+    ucm_release(k->c, UCM_PIN_SLOT(r));
     return 0;
 }
 
@@ -380,6 +380,7 @@ static int mode_batch(int old, int argc, char **argv)
     uint64_t *offs = calloc(bs, sizeof(uint64_t));
     uint8_t *out = malloc(bs), *states = malloc(bs), *codes = malloc(bs), *own = malloc(bs);
     uint32_t *slots = malloc(sizeof(uint32_t) * bs);
+    int64_t *lens = malloc(sizeof(int64_t) * bs);
     int64_t *te = malloc(sizeof(int64_t) * reqs), *tg = malloc(sizeof(int64_t) * reqs);
     uint64_t found = 0, got = 0;
     for (int pass = 0; pass < 2; pass++) { /* pass 0: warm-up over every distinct request */
@@ -394,7 +395,7 @@ static int mode_batch(int old, int argc, char **argv)
                 old_get_many(k.o, q, offs, (uint32_t)bs, slots, states, own, codes);
                 old_release_many(k.o, slots, (uint32_t)bs);
             } else {
-                ucm_lookup_pin_many(k.c, q, offs, (uint32_t)bs, 64, slots, states, codes);
+                ucm_lookup_pin_many(k.c, q, offs, (uint32_t)bs, 64, slots, states, codes, lens);
                 ucm_release_many(k.c, slots, (uint32_t)bs);
             }
             int64_t e = mono_ns();

@@ -662,17 +662,38 @@ static int lookup_pin_one(ucm_ctx *c, const uint64_t *key, uint32_t gen, uint32_
     }
     mark_accessed(c, s);
     *slot_out = s;
-    /* Acquire: pairs with the owner's release in publish, so a Ready slot's data is visible. */
+    /* Acquire: pairs with the owner's release in publish, so a Ready slot's data and length
+     * are visible; both stay as they are while we hold the pin (only a claimant rewrites). */
     *state_out = ACQ(state_w(c, s)) & UCM_STATE_MASK;
     return UCM_OK;
 }
 
+/* The answer of a pinning step for a pinned slot (see UCM_PIN_* in the header). */
+static inline int64_t pin_answer(ucm_ctx *c, uint32_t s, uint32_t state, int owner)
+{
+    if (state == UCM_READY) {
+        uint64_t len = RLX(len_w(c, s)); /* relaxed: ordered by the acquire of the state */
+        if (len > c->l.slot_size) len = c->l.slot_size; /* a corrupt length stays in its slot */
+        return UCM_PIN_READY | (int64_t)(len << UCM_PIN_LEN_SHIFT) | s;
+    }
+    return (owner ? UCM_PIN_OWNER : 0) | s;
+}
+
+static inline uint64_t ready_len(ucm_ctx *c, uint32_t s)
+{
+    uint64_t len = RLX(len_w(c, s)); /* relaxed: ordered by the caller's acquire of the state */
+    return len > c->l.slot_size ? c->l.slot_size : len;
+}
+
+static inline char *slot_bytes(ucm_ctx *c, uint32_t s) { return c->base + c->l.data_off + (uint64_t)s * c->l.slot_stride; }
+
 int64_t ucm_lookup_pin(ucm_ctx *c, const char *id, uint64_t offset, uint32_t spin_budget,
                        int32_t outer)
 {
-    /* One call for the whole read step; the answer packs (state << 32 | slot), or -code, so the
-     * Python hit path allocates nothing.  `outer`: count it as an outer request (the fast path
-     * does; the slow path's second look does not). */
+    /* One call for the whole read step; the answer is a pin answer (UCM_PIN_*), or -code, so the
+     * Python hit path allocates nothing.  `outer`: 1 counts it as an outer request (the fast
+     * path does; the slow path's second look, 0, does not); 2 counts only a hit (a first try
+     * whose caller takes the full path, and counts it there, on anything else). */
     uint64_t key[3];
     uint32_t slot = 0, state = 0;
     inflight_reset(c);
@@ -681,18 +702,19 @@ int64_t ucm_lookup_pin(ucm_ctx *c, const char *id, uint64_t offset, uint32_t spi
     if (r == UCM_OK) inflight_set(slot, 0);
     if (r == UCM_OK && state == UCM_READY) {
         STAT(c, outer ? UCM_ST_FAST_HITS : UCM_ST_HITS, 1); /* the hit path's one counter */
-        return ((int64_t)state << 32) | slot;
+        return pin_answer(c, slot, state, 0);
     }
+    if (outer == 2) return r == UCM_OK ? pin_answer(c, slot, state, 0) : -(int64_t)r;
     if (outer) STAT(c, UCM_ST_GETS, 1);
     if (r == UCM_BUSY) STAT(c, UCM_ST_SPINS_EXHAUSTED, 1);
     if (r != UCM_OK) return -(int64_t)r;
     STAT(c, UCM_ST_JOINS, 1);
-    return ((int64_t)state << 32) | slot;
+    return pin_answer(c, slot, state, 0);
 }
 
 int ucm_lookup_pin_many(ucm_ctx *c, const char *ids, const uint64_t *offsets, uint32_t n,
                         uint32_t spin_budget, uint32_t *slots_out, uint8_t *states_out,
-                        uint8_t *codes_out)
+                        uint8_t *codes_out, int64_t *lens_out)
 {
     /* The batch form: the same step for each key; a position that is not OK holds no pin and
      * its slot is UCM_NIL, so ucm_release_many can take the array as it is. */
@@ -706,6 +728,7 @@ int ucm_lookup_pin_many(ucm_ctx *c, const char *ids, const uint64_t *offsets, ui
         int r = lookup_pin_one(c, key, gen, spin_budget, &slots_out[i], &state);
         states_out[i] = (uint8_t)state;
         codes_out[i] = (uint8_t)r;
+        lens_out[i] = r == UCM_OK && state == UCM_READY ? (int64_t)ready_len(c, slots_out[i]) : -1;
         if (r != UCM_OK) slots_out[i] = UCM_NIL;
         else if (state == UCM_READY) hits++;
         else joins++;
@@ -731,6 +754,13 @@ static int exist_one(ucm_ctx *c, const char *id, uint64_t offset, uint32_t gen)
     if (s >= c->l.n_slots) return 0;
     if ((ACQ(state_w(c, s)) & UCM_STATE_MASK) != UCM_READY) return 0;
     return match_key(c, s, b, gen, key);
+}
+
+int ucm_exist1(ucm_ctx *c, const char *id, uint64_t offset)
+{
+    /* One key, no arrays: a handful of keys costs a call each instead of a batch's setup. */
+    STAT(c, UCM_ST_EXIST_KEYS, 1);
+    return exist_one(c, id, offset, (uint32_t)ucm_generation(c));
 }
 
 int ucm_exist_many(ucm_ctx *c, const char *ids, const uint64_t *offsets, uint32_t n, uint8_t *out)
@@ -777,6 +807,83 @@ int ucm_release_many(ucm_ctx *c, const uint32_t *slots, uint32_t n)
         if (r != UCM_OK) worst = r;
     }
     return worst;
+}
+
+/* Reads that copy: pin, copy a Ready slot's payload out, release, in one call, so the copy
+ * is made while the pin keeps the slot from being reclaimed (I1) and only for a key matched
+ * again under the pin (I3).  Nothing is allocated or elected: a missing or Loading key is
+ * reported, not loaded.  cffi releases the GIL around these calls, so copies overlap threads. */
+
+int64_t ucm_read_one(ucm_ctx *c, const char *id, uint64_t offset, char *out, uint64_t cap)
+{
+    /* Length copied (payload <= cap), or -UCM_MISS (absent or Loading), -UCM_FULL (payload
+     * larger than cap: nothing copied), -UCM_BUSY, -UCM_CORRUPT. */
+    uint64_t key[3];
+    uint32_t slot = 0, state = 0;
+    load_key(id, offset, key);
+    int r = lookup_pin_one(c, key, (uint32_t)ucm_generation(c), 64, &slot, &state);
+    if (r != UCM_OK) return -(int64_t)r;
+    int64_t answer = -(int64_t)UCM_MISS;
+    if (state == UCM_READY) {
+        uint64_t len = ready_len(c, slot);
+        if (len <= cap) {
+            memcpy(out, slot_bytes(c, slot), len);
+            answer = (int64_t)len;
+            STAT(c, UCM_ST_FAST_HITS, 1);
+        } else {
+            answer = -(int64_t)UCM_FULL;
+        }
+    }
+    unpin(c, slot);
+    return answer;
+}
+
+int ucm_read_many(ucm_ctx *c, const char *ids, const uint64_t *offsets, uint32_t n, char *out,
+                  uint64_t row, int64_t *lens_out)
+{
+    /* Row i of out (row bytes) gets key i's payload; lens_out[i] is its length, or -1 when the
+     * key is not Ready now (its row untouched).  A payload longer than row is not copied and
+     * its true length is reported (> row): the caller raises. */
+    uint32_t gen = (uint32_t)ucm_generation(c);
+    uint64_t hits = 0;
+    int worst = UCM_OK;
+    for (uint32_t i = 0; i < n; i++) {
+        uint64_t key[3];
+        uint32_t slot = 0, state = 0;
+        load_key(ids + 16 * (uint64_t)i, offsets[i], key);
+        int r = lookup_pin_one(c, key, gen, 64, &slot, &state);
+        lens_out[i] = -1;
+        if (r == UCM_CORRUPT) worst = UCM_CORRUPT;
+        if (r != UCM_OK) continue;
+        if (state == UCM_READY) {
+            uint64_t len = ready_len(c, slot);
+            if (len <= row) memcpy(out + (uint64_t)i * row, slot_bytes(c, slot), len);
+            lens_out[i] = (int64_t)len;
+            hits++;
+        }
+        unpin(c, slot);
+    }
+    STAT(c, UCM_ST_FAST_HITS, hits);
+    if (n - hits) STAT(c, UCM_ST_GETS, n - hits);
+    return worst;
+}
+
+int ucm_gather(ucm_ctx *c, const uint32_t *slots, uint32_t n, char *out, uint64_t row,
+               int64_t *lens_out)
+{
+    /* A batch's pinned slots (UCM_NIL: no pin) into rows, as ucm_read_many; the caller's pins
+     * keep every slot as it is during the copy. */
+    for (uint32_t i = 0; i < n; i++) {
+        uint32_t s = slots[i];
+        lens_out[i] = -1;
+        if (s >= c->l.n_slots) continue;
+        /* Acquire: pairs with publish's release exchange (the payload is visible). */
+        if ((ACQ(state_w(c, s)) & UCM_STATE_MASK) != UCM_READY) continue;
+        uint64_t len = ready_len(c, s);
+        if (len <= row) memcpy(out + (uint64_t)i * row, slot_bytes(c, s), len);
+        lens_out[i] = (int64_t)len;
+    }
+    return UCM_OK;
 }
 
 /* ---------------------------------------------------------------- accounting (I4) */
@@ -1325,8 +1432,8 @@ int64_t ucm_get_slow(ucm_ctx *c, const char *id, uint64_t offset, uint32_t spin_
     /* Read step 4 and write steps 1-6 as one call: lock the key's stripe (bounded by timeout_ns,
      * see lock_stripe_repairing), look again (exact now: nobody else changes this chain), and on
      * a miss claim a victim with our CLOCK hand and install the key, handing the slot over
-     * pinned by us.  The stripe is released before returning, always.  Answers: (UCM_GOT_OWNER
-     * if ours to load | state << 32 | slot), or -UCM_FULL (nothing claimable: the caller
+     * pinned by us.  The stripe is released before returning, always.  Answers: a pin answer
+     * (UCM_PIN_*, with UCM_PIN_OWNER if ours to load), or -UCM_FULL (nothing claimable: the caller
      * decides), -UCM_ROLLBACK (every victim's old stripe was busy: try again), -UCM_BUSY (the
      * key's slot stays claimed under our stripe: its claimant died), -UCM_TIMEOUT (the stripe
      * stayed held), -UCM_CORRUPT.  A pin taken is also handed, inside this step, to whatever
@@ -1344,7 +1451,7 @@ int64_t ucm_get_slow(ucm_ctx *c, const char *id, uint64_t offset, uint32_t spin_
     r = lookup_pin_one(c, key, (uint32_t)ucm_generation(c), spin_budget, &slot, &state);
     if (r == UCM_OK) {
         STAT(c, state == UCM_READY ? UCM_ST_HITS : UCM_ST_JOINS, 1);
-        answer = ((int64_t)state << 32) | slot;
+        answer = pin_answer(c, slot, state, 0);
     } else if (r != UCM_MISS) {
         if (r == UCM_BUSY) STAT(c, UCM_ST_SPINS_EXHAUSTED, 1);
         answer = -(int64_t)r;
@@ -1360,7 +1467,7 @@ int64_t ucm_get_slow(ucm_ctx *c, const char *id, uint64_t offset, uint32_t spin_
             r = ucm_install(c, slot, id, offset, stripe);
             if (r == UCM_OK) {
                 owner = 1;
-                answer = UCM_GOT_OWNER | ((int64_t)UCM_LOADING << 32) | slot;
+                answer = pin_answer(c, slot, UCM_LOADING, 1);
                 break;
             }
             if (r != UCM_ROLLBACK) {

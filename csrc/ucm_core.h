@@ -18,13 +18,22 @@
 #define UCM_MAX_STRIPES      65536
 #define UCM_MIN_BUCKETS_DEFAULT (1u << 14)
 #define UCM_MAX_BUCKETS      (1u << 24)
-#define UCM_MAX_SLOT_SIZE    (1ULL << 31)
+#define UCM_MAX_SLOT_SIZE    ((1ULL << 31) - 1) /* a length fits the 31 bits of a pin answer */
 #define UCM_MAX_SLOTS        (1ULL << 31)
 #define UCM_RING_DEPTH       4096
 #define UCM_NIL              0xffffffffu           /* no slot: chain end, empty bucket */
 #define UCM_INVALID_BUCKET   0xffffffffu           /* an unlinked slot's bucket word */
 #define UCM_CLAIMED          0x8000000000000000ULL /* reference: claimed, rank in low bits */
-#define UCM_GOT_OWNER        (1LL << 40)            /* ucm_get_slow: the caller owns the load */
+/* A pinning step's answer (>= 0; < 0 is -code): what a reader needs, in one int64, so the
+ * Python hit path reads a Ready slot's bytes with no further C call.
+ *   READY: UCM_PIN_READY | length << UCM_PIN_LEN_SHIFT | slot
+ *   Loading, joined: slot;  Loading, ours to load: UCM_PIN_OWNER | slot */
+#define UCM_PIN_SLOT_MASK    0x7fffffffLL
+#define UCM_PIN_LEN_SHIFT    31
+#define UCM_PIN_OWNER        (1LL << 31)
+#define UCM_PIN_READY        (1LL << 62)
+#define UCM_PIN_SLOT(r)      ((uint32_t)((r) & UCM_PIN_SLOT_MASK))
+#define UCM_PIN_LEN(r)       ((uint32_t)(((r) >> UCM_PIN_LEN_SHIFT) & UCM_PIN_SLOT_MASK))
 
 /* Header field offsets (line 0 = identity and params, line 1 = generation, only clear() writes). */
 #define UCM_H_MAGIC          0
@@ -244,11 +253,17 @@ int64_t ucm_lookup_pin(ucm_ctx *c, const char *id, uint64_t offset, uint32_t spi
                        int32_t outer);
 int ucm_lookup_pin_many(ucm_ctx *c, const char *ids, const uint64_t *offsets, uint32_t n,
                         uint32_t spin_budget, uint32_t *slots_out, uint8_t *states_out,
-                        uint8_t *codes_out);
+                        uint8_t *codes_out, int64_t *lens_out);
+int ucm_exist1(ucm_ctx *c, const char *id, uint64_t offset);
 int ucm_exist_many(ucm_ctx *c, const char *ids, const uint64_t *offsets, uint32_t n, uint8_t *out);
 uint32_t ucm_exist_prefix(ucm_ctx *c, const char *ids, const uint64_t *offsets, uint32_t n);
 int ucm_touch_many(ucm_ctx *c, const char *ids, const uint64_t *offsets, uint32_t n);
 int ucm_release(ucm_ctx *c, uint32_t slot);
+int64_t ucm_read_one(ucm_ctx *c, const char *id, uint64_t offset, char *out, uint64_t cap);
+int ucm_read_many(ucm_ctx *c, const char *ids, const uint64_t *offsets, uint32_t n, char *out,
+                  uint64_t row, int64_t *lens_out);
+int ucm_gather(ucm_ctx *c, const uint32_t *slots, uint32_t n, char *out, uint64_t row,
+               int64_t *lens_out);
 int ucm_release_many(ucm_ctx *c, const uint32_t *slots, uint32_t n);
 uint32_t ucm_slot_state(ucm_ctx *c, uint32_t slot);
 

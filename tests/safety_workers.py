@@ -214,3 +214,21 @@ def pin_and_block(q, uuid, keys, gate_path):
         return
     q.put(("ok", out))
     gate.wait_value(10 ** 9, timeout=60)
+
+
+def _read_many_with_point(uuid, keys, point, gate_path, row):
+    """read_many(keys) with `point` armed (a gate): returns (lengths, rows as bytes)."""
+    import numpy as np
+    c = SlotCache.attach(uuid)
+    gate = Gate(gate_path)  # kept alive: the armed point holds a pointer into its mapping
+    try:
+        c._arm(point, "gate", gate)
+        out = np.zeros((len(keys), row), dtype=np.uint8)
+        lens = c.read_many(keys, out)
+        return lens.tolist(), [bytes(r) for r in out]
+    finally:
+        c.close()
+
+
+def read_many_with_point(q, *args):
+    run(_read_many_with_point, q, *args)

@@ -317,7 +317,7 @@ def test_clear_and_exact_accounting(make_cache):
 def test_params_are_validated(uuid):
     with pytest.raises(ValueError, match=r"max_ranks must be an int in \[1, 63\], got 64"):
         SlotCache.create(uuid, slots_per_rank=4, slot_size=64, max_ranks=64)
-    with pytest.raises(ValueError, match=r"slot_size must be an int in \[1, 2147483648\], got 0"):
+    with pytest.raises(ValueError, match=r"slot_size must be an int in \[1, 2147483647\], got 0"):
         SlotCache.create(uuid, slots_per_rank=4, slot_size=0)
     with pytest.raises(ValueError, match="n_buckets must be a power of two"):
         SlotCache.create(uuid, slots_per_rank=4, slot_size=64, n_buckets=3)

@@ -24,6 +24,7 @@ from . import _hooks
 from ._core import ffi, lib
 from ._errors import (CacheFull, CorruptSegment, IncompatibleSegment, NotAttached,
                       SegmentExists, UcmError)
+from ._buffers import check_rows, rows_of
 from ._handle import ABANDONED, Handle, HandleBatch, check_timeout
 from ._keys import Key, pack_keys, split_key
 from ._layout import DEFAULT_STRIPES, Layout
@@ -60,7 +61,22 @@ def _ptr(ctype: str, arr: np.ndarray):
     return ffi.from_buffer(ctype, arr)
 
 
+_SHORT = 4  # exist/exist_prefix of at most this many plain ids: one C call per key, no arrays
+
+
+def _plain_ids(keys: list) -> bool:
+    for k in keys:
+        if type(k) is not bytes or len(k) != 16:
+            return False
+    return True
+
+
 _new = object.__new__  # an inert handle: every field is stored by get()/get_many()
+_PIN_SLOT_MASK = lib.UCM_PIN_SLOT_MASK  # a pin's answer, decoded with plain ints (see C)
+_PIN_LEN_SHIFT = lib.UCM_PIN_LEN_SHIFT
+_PIN_OWNER = lib.UCM_PIN_OWNER
+_PIN_READY = lib.UCM_PIN_READY
+_PIN_OWNER_OR_READY = _PIN_OWNER | _PIN_READY
 _NO_OWNED: frozenset = frozenset()  # an all-hit batch's owned set (HandleBatch.own replaces it)
 
 
@@ -85,6 +101,9 @@ class SlotCache:
         self._pid = os.getpid()
         self._why_unusable = ""
         # The handle classes get()/get_many() build (a tier makes its own, see _tier2).
+        self._data_off = seg.layout.data_off  # the hit path's view arithmetic, as plain ints
+        self._stride = seg.layout.slot_stride
+        self._ro = seg.ro_view  # readers' views are slices of it
         self._handle_cls = Handle if self._tier2 is None else self._tier2.handle_cls
         self._batch_cls = HandleBatch if self._tier2 is None else self._tier2.batch_cls
         try:
@@ -243,19 +262,21 @@ class SlotCache:
         try:
             r = lib.ucm_lookup_pin(ctx, block_id, offset, FAST_SPIN, 1)
             if r >= 0:
-                slot = r & 0xFFFFFFFF
-                owner = False
                 token = None
             else:
                 # The slow path can make us an owner: its pin goes to a token, which releases
                 # it (failing the load) from C when collected, even if every Python finalizer
                 # is interrupted.  Hits keep the cheaper in-flight record.
                 token = ffi.gc(ffi.new("ucm_token *"), lib.ucm_token_release)
-                slot, owner = self._pin_slow(block_id, offset, -r, timeout, token, ffi.NULL,
-                                             ffi.NULL)
+                r = self._pin_slow(block_id, offset, -r, timeout, token, ffi.NULL, ffi.NULL)
+            # The pin's answer says what a reader needs (UCM_PIN_*): slot, and for a Ready
+            # slot its length, so data needs no further C call.
+            owner = (r & _PIN_OWNER_OR_READY) == _PIN_OWNER
             h._token = token
             h._cache = self
-            h._slot = slot
+            h._slot = r & _PIN_SLOT_MASK
+            h._nbytes = (r >> _PIN_LEN_SHIFT) & _PIN_SLOT_MASK if r & _PIN_READY else -1
+            h._view = None
             h._owner = owner
             h._timeout = timeout
             h._views = None
@@ -274,9 +295,9 @@ class SlotCache:
         return h
 
     def _pin_slow(self, block_id: bytes, offset: int, code: int, timeout: Optional[float],
-                  token, slot_out, owner_out) -> Tuple[int, bool]:
-        """The slow path for one key (one C step: lock, look again, allocate); returns
-        (slot, owner), pinned, the pin also handed inside the step to its owner object: the
+                  token, slot_out, owner_out) -> int:
+        """The slow path for one key (one C step: lock, look again, allocate); returns the
+        pin's answer (UCM_PIN_*), the pin also handed inside the step to its owner object: the
         token, or slot_out/owner_out (a batch's arrays, covered by the batch's token).  What to do when it cannot is decided here: a
         dead rank's pins may be what fills the cache, and a key's slot that stays claimed under
         its stripe has a dead claimant; both are recovered and the step is tried again.  Never
@@ -296,7 +317,7 @@ class SlotCache:
             r = lib.ucm_get_slow(ctx, block_id, offset, SLOW_SPIN, MAX_ROLLBACKS,
                                  max(1, int(left * 1e9)), token, slot_out, owner_out)
             if r >= 0:
-                return r & 0xFFFFFFFF, bool(r & lib.UCM_GOT_OWNER)
+                return r
             code = -r
             if code == lib.UCM_TIMEOUT:
                 stripe = lib.ucm_stripe_of(ctx, lib.ucm_bucket_of(ctx, block_id, offset))
@@ -348,6 +369,7 @@ class SlotCache:
         owner = np.zeros(n, dtype=bool)
         states = np.empty(n, dtype=np.uint8)
         codes = np.zeros(n, dtype=np.uint8)
+        lens = np.empty(n, dtype=np.int64)
         slots_p = ffi.from_buffer("uint32_t[]", slots)
         owner_p = ffi.from_buffer("uint8_t[]", owner)
         # The batch's token covers its arrays from before the first pin: every C step pins
@@ -360,11 +382,13 @@ class SlotCache:
         try:
             if n:
                 lib.ucm_lookup_pin_many(ctx, ids, _ptr("uint64_t[]", offsets), n, FAST_SPIN,
-                                        slots_p, _ptr("uint8_t[]", states), _ptr("uint8_t[]", codes))
+                                        slots_p, _ptr("uint8_t[]", states),
+                                        _ptr("uint8_t[]", codes), _ptr("int64_t[]", lens))
             misses = np.flatnonzero(codes)
             for i in misses.tolist():
-                self._pin_slow(split[i][0], split[i][1], int(codes[i]), timeout, ffi.NULL,
-                               slots_p + i, owner_p + i)
+                r = self._pin_slow(split[i][0], split[i][1], int(codes[i]), timeout, ffi.NULL,
+                                   slots_p + i, owner_p + i)
+                lens[i] = (r >> _PIN_LEN_SHIFT) & _PIN_SLOT_MASK if r & _PIN_READY else -1
         except BaseException as e:
             message = ABANDONED
             try:
@@ -381,6 +405,9 @@ class SlotCache:
         batch._owner_p = owner_p
         batch._token = token
         batch._n = n
+        batch._lens = lens
+        batch._lens_l = None  # lens and data offsets as lists, made by the first data(i)
+        batch._offs_l = None
         batch._timeout = timeout
         batch._owner_views = {}
         batch._views = []
@@ -434,6 +461,27 @@ class SlotCache:
         if not callable(loader):
             raise TypeError(f"loader must be a callable returning bytes, got "
                             f"{type(loader).__name__}")
+        ctx = self._ctx
+        if ctx is None:
+            self._check_usable()
+        if type(key) is bytes and len(key) == 16:
+            block_id, offset = key, 0
+        else:
+            block_id, offset = split_key(key)
+        # A hit: pin, copy the payload, release; no Handle.  The pin is named by the C step's
+        # in-flight record until released, so an exception anywhere drops it (see get()).
+        try:
+            r = lib.ucm_lookup_pin(ctx, block_id, offset, FAST_SPIN, 2)  # counts a hit only
+            if r >= 0 and r & _PIN_READY:
+                o = self._data_off + (r & _PIN_SLOT_MASK) * self._stride
+                value = self._ro[o:o + ((r >> _PIN_LEN_SHIFT) & _PIN_SLOT_MASK)].tobytes()
+        except BaseException:
+            lib.ucm_abandon_inflight(ctx, ABANDONED, len(ABANDONED))
+            raise
+        if r >= 0:
+            lib.ucm_release(ctx, r & _PIN_SLOT_MASK)  # no call between the try and this one
+            if r & _PIN_READY:
+                return value
         try:
             h = self.get(key, timeout=timeout)
         except CacheFull:
@@ -455,6 +503,28 @@ class SlotCache:
             h.ready(mv.nbytes)
             return mv.tobytes()
 
+    def read_many(self, keys: Sequence[Key], out: Any) -> np.ndarray:
+        """Copy every key that is Ready now into row i of ``out`` and return the lengths
+        (int64; -1 for a key that is missing or not Ready, its row untouched), in one C call
+        that pins, copies and releases each key in turn (the GIL released).  Elects no owner
+        and creates nothing.  ``out`` as for HandleBatch.gather."""
+        ctx = self._ctx
+        if ctx is None:
+            self._check_usable()
+        ids, offsets, split = pack_keys(keys)
+        n = len(split)
+        lens = np.empty(n, dtype=np.int64)
+        if n:
+            ptr, row, keep = rows_of(out, n)
+            r = lib.ucm_read_many(ctx, ids, _ptr("uint64_t[]", offsets), n, ptr, row,
+                                  _ptr("int64_t[]", lens))
+            del keep
+            if r == lib.UCM_CORRUPT:
+                raise CorruptSegment(f"segment {self.uuid!r}: a chain points outside the slot "
+                                     "table")
+            check_rows(lens, row)
+        return lens
+
     # ---------------------------------------------------------------- batch lookups
 
     def exist(self, keys: Iterable[Key]) -> List[bool]:
@@ -462,6 +532,8 @@ class SlotCache:
         ctx = self._ctx
         if ctx is None:
             self._check_usable()
+        if type(keys) is list and len(keys) <= _SHORT and _plain_ids(keys):
+            return [lib.ucm_exist1(ctx, k, 0) == 1 for k in keys]  # no arrays for a handful
         ids, offsets, split = pack_keys(keys)
         out = np.zeros(len(split), dtype=np.uint8)
         if len(split):
@@ -474,6 +546,14 @@ class SlotCache:
         ctx = self._ctx
         if ctx is None:
             self._check_usable()
+        if type(keys) is list and len(keys) <= _SHORT and _plain_ids(keys) and \
+                self._tier2 is None:
+            n = 0
+            for k in keys:
+                if lib.ucm_exist1(ctx, k, 0) != 1:
+                    break
+                n += 1
+            return n
         ids, offsets, split = pack_keys(keys)
         if not split:
             return 0

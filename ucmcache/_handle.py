@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING, Dict, List, Optional
 import numpy as np
 
 from . import _hooks
-from ._core import lib
+from ._buffers import check_rows, rows_of
+from ._core import ffi, lib
 from ._errors import HandleClosed, LoadFailed, UcmError
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -67,7 +68,7 @@ class Handle(_Pins):
     """A pinned slot.  Use as a context manager; see SlotCache.get."""
 
     __slots__ = ("_cache", "_slot", "_owner", "_timeout", "_views", "_closed", "_published",
-                 "_owned", "_token", "__weakref__")
+                 "_owned", "_token", "_nbytes", "_view", "__weakref__")
     _what = "one pin"
 
     # SlotCache.get builds handles itself: an inert one (_closed True) before the pinning C
@@ -75,6 +76,10 @@ class Handle(_Pins):
     #   _published  an owner's ready()/fail() went through
     #   _owned      the owned set of the context that became owner (see own()): whichever
     #               thread publishes or closes, the slot leaves this set
+    #   _nbytes     the payload length of a slot Ready when pinned (from the pin's answer;
+    #               fixed while pinned), -1 until known
+    #   _view       the read-only view of the payload, made once; _views: an owner's
+    #               writable views.  All are released when the handle closes.
 
     def own(self) -> None:
         """Record an owner's slot in its context's owned set (a waiter in this context on the
@@ -103,6 +108,8 @@ class Handle(_Pins):
     def nbytes(self) -> int:
         """The published payload length (0 while loading)."""
         self._check_open()
+        if self._nbytes >= 0:
+            return self._nbytes
         return slot_length(self._cache, self._slot)
 
     def _check_open(self) -> None:
@@ -117,13 +124,22 @@ class Handle(_Pins):
     def data(self) -> memoryview:
         """The slot's bytes.  The owner, while loading: the whole slot, writable.  Ready: the
         published payload, read-only.  Released (unreadable) when the handle closes."""
+        v = self._view
+        if v is not None and not self._closed:
+            return v  # made once: a slice of the mapping's read-only view, no C call
         self._check_open()
-        if self._views is None:
-            self._views = []
+        cache = self._cache
         if self._owner and not self._published:  # ours and Loading until we publish it
-            return slot_view(self._cache, self._slot, self._cache._layout.slot_size, True,
-                             self._views)
-        return slot_data(self._cache, self._slot, self._owner, self._views)
+            if self._views is None:
+                self._views = []
+            return slot_view(cache, self._slot, cache._layout.slot_size, True, self._views)
+        n = self._nbytes
+        if n < 0:  # not Ready when pinned (a join, or our own published load): look now
+            n = ready_length(cache, self._slot)
+            self._nbytes = n
+        off = cache._data_off + self._slot * cache._stride
+        v = self._view = cache._ro[off:off + n]
+        return v
 
     def array(self, dtype, shape=None) -> np.ndarray:
         """A numpy view of data (see data); shape defaults to as many items as fit."""
@@ -183,6 +199,10 @@ class Handle(_Pins):
         if views:
             self._views = None
             release_views(views)
+        v = self._view
+        if v is not None:
+            self._view = None
+            release_views((v,))
 
     def close(self) -> None:
         """Unpin the slot (idempotent).  An owner that did not publish publishes Failed."""
@@ -217,14 +237,25 @@ class Handle(_Pins):
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        if exc is None and self._token is None and self._views is None and not self._closed:
-            # The hit path: a reader that made no view; one C call drops the pin.
+        if exc is None and self._token is None and not self._closed:
+            # The hit path (a reader from the fast path, never an owner): one C call drops the
+            # pin, after the view (if one was made) is released.
             cache = self._cache
             ctx = cache._ctx
             if ctx is not None:
                 self._closed = True
                 cache._open_handles -= 1
-                lib.ucm_release(ctx, self._slot)
+                v = self._view
+                if v is None:
+                    lib.ucm_release(ctx, self._slot)
+                    return
+                self._view = None
+                try:
+                    v.release()
+                except BufferError:
+                    pass  # a numpy array still exports it (documented: arrays must not outlive)
+                finally:
+                    lib.ucm_release(ctx, self._slot)
                 return
         self._close(UNPUBLISHED if exc is None else exit_message(exc_type, exc))
 
@@ -252,12 +283,11 @@ def slot_length(cache: "SlotCache", slot: int) -> int:
     return min(n, cache._layout.slot_size)  # a corrupt length never reaches the next slot
 
 
-def slot_data(cache: "SlotCache", slot: int, owner: bool, views: list) -> memoryview:
+def ready_length(cache: "SlotCache", slot: int) -> int:
+    """The payload length of a pinned slot that is Ready now; the reasons it is not, raised."""
     st = lib.ucm_slot_state(cache._ctx, slot)
-    if owner and st == lib.UCM_LOADING:
-        return slot_view(cache, slot, cache._layout.slot_size, True, views)
     if st == lib.UCM_READY:
-        return slot_view(cache, slot, slot_length(cache, slot), False, views)
+        return slot_length(cache, slot)
     if st == lib.UCM_LOADING:
         raise UcmError("this slot is still loading in another process or thread; call wait() "
                        "first")
@@ -379,10 +409,49 @@ class HandleBatch(_Pins):
         return np.array([STATE_NAMES[lib.ucm_slot_state(ctx, int(s))] for s in self._slots])
 
     def data(self, i: int) -> memoryview:
+        """Position i's bytes, as Handle.data: the owner's writable slot while it loads, else
+        the Ready payload, read-only (a slice of the mapping's read-only view: no C call for a
+        position that was Ready when pinned).  Released when the batch closes."""
+        if self._closed:
+            self._check_open()
+        if type(i) is not int or not 0 <= i < self._n:
+            i = self._index(i)
+        lens = self._lens_l
+        cache = self._cache
+        if lens is None:
+            lens = self._lens_l = self._lens.tolist()
+            self._offs_l = (self._slots.astype(np.int64) * cache._stride
+                            + cache._data_off).tolist()
+        n = lens[i]
+        if n < 0:
+            if cache._ctx is None:
+                cache._check_usable()
+            slot = int(self._slots[i])
+            if self.owner[i] and lib.ucm_slot_state(cache._ctx, slot) == lib.UCM_LOADING:
+                return slot_view(cache, slot, cache._layout.slot_size, True,
+                                 self._owner_views.setdefault(i, []))
+            n = lens[i] = ready_length(cache, slot)
+        off = self._offs_l[i]
+        v = cache._ro[off:off + n]
+        self._views.append(v)
+        return v
+
+    def gather(self, out) -> np.ndarray:
+        """Copy every Ready position's payload into row i of ``out`` in one C call (the GIL is
+        released during the copies) and return the lengths (int64; -1 for a position that is
+        not Ready, its row untouched).  ``out``: any writable C-contiguous buffer of n rows of
+        equal size (a numpy array of shape (n, row), a flat array, bytearray or memoryview of
+        n*row bytes, a CPU torch tensor).  A payload longer than a row raises ValueError."""
         self._check_open()
-        i = self._index(i)
-        views = self._owner_views.setdefault(i, []) if self.owner[i] else self._views
-        return slot_data(self._cache, int(self._slots[i]), bool(self.owner[i]), views)
+        n = self._n
+        lens = np.empty(n, dtype=np.int64)
+        if n:
+            ptr, row, keep = rows_of(out, n)
+            lib.ucm_gather(self._cache._ctx, self._slots_p, n, ptr, row,
+                           ffi.from_buffer("int64_t[]", lens))
+            del keep
+            check_rows(lens, row)
+        return lens
 
     def array(self, i: int, dtype, shape=None) -> np.ndarray:
         return as_array(self.data(i), dtype, shape)
@@ -391,6 +460,9 @@ class HandleBatch(_Pins):
         self._check_open()
         i = self._index(i)
         publish_ready(self._cache, int(self._slots[i]), bool(self.owner[i]), nbytes)
+        self._lens[i] = -1  # looked up again by data(i), now Ready
+        if self._lens_l is not None:
+            self._lens_l[i] = -1
         self._owned.discard(int(self._slots[i]))
         release_views(self._owner_views.pop(i, []))  # the owner's writable view ends with the load
 

@@ -264,6 +264,8 @@ class Segment:
         self._buf = ffi.from_buffer(mm)
         self.base = ffi.cast("char *", self._buf)
         self.view = memoryview(mm)
+        # Readers' views are slices of this one (one object per slice, no toreadonly() each).
+        self.ro_view = self.view.toreadonly()
 
     # ---------------------------------------------------------------- create
 
@@ -394,6 +396,7 @@ class Segment:
         """Unmap and close the fd (which drops any OFD lock this attachment holds)."""
         if self.mm is None:
             return
+        self.ro_view.release()
         self.view.release()
         ffi.release(self._buf)
         try:

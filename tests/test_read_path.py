@@ -1,0 +1,147 @@
+"""The read path (issue 14): the pin's answer carries what a reader needs, one read-only view
+per handle, copies into caller buffers (gather, read_many) and the handle-free get_or_load hit.
+"""
+import array
+
+import numpy as np
+import pytest
+
+import ucmcache
+from ucmcache import HandleClosed, LoadFailed, UcmError
+
+import safety_workers
+from test_protocol import A, other_key, tiny
+
+K = [bytes([i]) * 16 for i in range(8)]
+
+
+def fill(c, keys, size=None):
+    for i, k in enumerate(keys):
+        n = (size or c.slot_size) - i
+        c.get_or_load(k, lambda i=i, n=n: bytes([i + 1]) * n)
+
+
+def test_a_hit_reads_its_bytes_from_one_view_that_dies_with_the_handle(make_cache):
+    c = make_cache(slot_size=64)
+    fill(c, K[:1])
+    with c.get(K[0]) as h:
+        assert h.nbytes == 64
+        v = h.data
+        assert v is h.data and v.readonly and bytes(v) == b"\x01" * 64
+        assert h.array(np.uint8).sum() == 64
+    with pytest.raises(ValueError, match="released"):
+        v[0]
+    with pytest.raises(HandleClosed):
+        h.data
+    assert c._open_handles == 0
+
+
+def test_a_joined_load_reads_its_length_after_wait(make_cache):
+    c = make_cache(slot_size=64)
+    owner = c.get(K[0])
+    assert owner.owner
+    with c.get(K[0]) as j:  # a second handle of this process joins the Loading slot
+        assert not j.owner
+        with pytest.raises(UcmError, match="call wait"):
+            j.data
+        owner.data[:3] = b"abc"
+        owner.ready(3)
+        owner.close()
+        assert bytes(j.wait().data) == b"abc"
+
+
+@pytest.mark.parametrize("kind", ["2d", "flat", "bytearray", "memoryview"])
+def test_gather_fills_rows_and_reports_lengths(make_cache, kind):
+    c = make_cache(slot_size=64)
+    fill(c, K[:3])
+    n, row = 4, 64
+    out = {"2d": np.full((n, row), 0xEE, np.uint8), "flat": np.full(n * row, 0xEE, np.uint8),
+           "bytearray": bytearray(b"\xee" * (n * row)),
+           "memoryview": memoryview(bytearray(b"\xee" * (n * row)))}[kind]
+    with c.get_many([K[0], K[1], K[2], K[3]]) as b:
+        assert b.owner.tolist() == [False, False, False, True]
+        lens = b.gather(out)
+        assert lens.dtype == np.int64 and lens.tolist() == [64, 63, 62, -1]
+        b.fail(3, "not now")
+    flat = bytes(memoryview(out).cast("B"))
+    assert flat[0:64] == b"\x01" * 64 and flat[64:127] == b"\x02" * 63
+    assert flat[128:190] == b"\x03" * 62
+    assert flat[192:256] == b"\xee" * 64  # the Loading position's row is untouched
+
+
+def test_gather_and_read_many_refuse_what_they_cannot_fill(make_cache):
+    c = make_cache(slot_size=64)
+    fill(c, K[:2])
+    with c.get_many(K[:2]) as b:
+        with pytest.raises(ValueError, match="not a whole number of rows"):
+            b.gather(bytearray(127))
+        with pytest.raises(ValueError, match=r"payload is 64 bytes, more than a row of out \(32"):
+            b.gather(np.zeros((2, 32), np.uint8))
+        with pytest.raises(ValueError, match="not writable"):
+            b.gather(b"\0" * 128)
+        with pytest.raises(ValueError, match="C-contiguous"):
+            b.gather(np.zeros((2, 128), np.uint8)[:, ::2])
+    with pytest.raises(TypeError, match="writable C-contiguous buffer"):
+        c.read_many(K[:2], 5)
+    assert c._open_handles == 0 and ucmcache.verify(c.uuid).ok
+
+
+def test_read_many_copies_what_is_ready_and_creates_nothing(make_cache):
+    c = make_cache(slot_size=64)
+    fill(c, K[:2])
+    loading = c.get(K[2])  # Loading, ours
+    assert loading.owner
+    out = np.zeros((4, 64), np.uint8)
+    lens = c.read_many([K[0], K[3], K[2], (K[1], 0)], out)
+    assert lens.tolist() == [64, -1, -1, 63]
+    assert bytes(out[0]) == b"\x01" * 64 and bytes(out[3][:63]) == b"\x02" * 63
+    assert not out[1].any() and not out[2].any()
+    assert c.exist([K[3]]) == [False]  # a miss elected nobody and installed nothing
+    with c.get(K[3]) as h:
+        assert h.owner
+        h.fail("x")
+    loading.fail("y")
+    loading.close()
+    assert ucmcache.verify(c.uuid).ok
+    assert c.read_many([], out).tolist() == []
+
+
+def test_read_many_is_a_trusted_hit_I3(make_cache, procs, gate):
+    """A reader held between MatchKey and the pin while the slot is reclaimed for another key
+    reports a miss for its key, never the other key's bytes."""
+    c = tiny(make_cache, 1)
+    B = other_key(c, True)
+    c.get_or_load(A, lambda: b"value-A")
+    g = gate()
+    p, q = procs.start(safety_workers.read_many_with_point, c.uuid, [A], "after_match", g.path,
+                       64)
+    g.wait_arrived()
+    with c.get(B) as h:  # reclaims the slot A was in
+        assert h.owner and h.slot == 0
+        h.data[:7] = b"value-B"
+        h.ready(7)
+    g.release()
+    lens, rows = procs.result(q)
+    assert lens == [-1] and rows[0] == b"\0" * 64
+
+
+def test_get_or_load_hit_returns_bytes_without_a_handle(make_cache):
+    c = make_cache(slot_size=64)
+    calls = []
+    assert c.get_or_load(K[0], lambda: calls.append(1) or b"v" * 10) == b"v" * 10
+    before = c.stats()
+    v = c.get_or_load(K[0], lambda: calls.append(1) or b"never")
+    assert v == b"v" * 10 and type(v) is bytes and calls == [1]
+    assert c.stats()["hits"] == before["hits"] + 1
+    assert c._open_handles == 0
+
+
+def test_short_exist_and_prefix_match_the_batch_form(make_cache):
+    c = make_cache()
+    fill(c, K[:3], size=16)
+    for keys in ([K[0]], [K[0], K[5]], [K[5], K[1], K[2]], K[:4], K[:6]):
+        assert c.exist(keys) == [k in K[:3] for k in keys]
+    assert c.exist_prefix(K[:2]) == 2 and c.exist_prefix([K[0], K[4], K[1]]) == 1
+    assert c.exist_prefix(K[:6]) == 3
+    with pytest.raises(TypeError):
+        c.exist([array.array("I", range(4))])
