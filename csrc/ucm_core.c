@@ -72,36 +72,48 @@ struct ucm_ctx {
     uint32_t refs;           /* 1 for the cache + 1 per armed token; freed at 0 */
     uint32_t closed;         /* the cache closed (or this is a forked child's copy): no token
                               * may touch shared memory through this context any more */
+    uint32_t epoch;          /* fork_epoch when made: a forked child's copy is another epoch */
     int32_t point_action[UCM_PT_COUNT];
     uint32_t *point_gate[UCM_PT_COUNT];
     int64_t point_timeout[UCM_PT_COUNT];
 };
 
-/* The pin a C step handed to the Python layer last, per thread (process-local memory, no
- * atomics).  Between the moment a C call that pins returns and the moment a Handle owns that
- * pin, Python can raise at its next eval-breaker check (a signal handler, KeyboardInterrupt)
- * and the returned value is lost with the exception.  The Python layer makes its Handle before
- * the call, inert; if the Handle never took the pin, the except path asks ucm_abandon_inflight
- * to drop (and, for an owner, fail) what this record names, so no pin or Loading slot is left
- * without an owner object.  Every pinning single-key step resets the record on entry. */
+/* The pins single-key C steps handed to the Python layer, per thread, by ticket (process-local
+ * memory, no atomics).  Between the moment a C call that pins returns and the moment a Handle
+ * owns that pin, Python can raise at its next eval-breaker check (a signal handler,
+ * KeyboardInterrupt) and the returned value is lost with the exception.  The caller draws a
+ * ticket (unique per call) before the call; the step records (ticket, slot) here; if the pin
+ * never reached its owner object, the except path asks ucm_abandon_inflight(ticket) to drop
+ * it.  A ring, not one record, because a signal handler can run a nested get between the outer
+ * call and its except path: each finds its own ticket.  Records of calls that succeeded are
+ * never looked up again (tickets are not reused); a nesting deeper than the ring loses the
+ * outermost record, which can leak a pin, never drop one that a Handle owns. */
+#define INFLIGHT 16
 static __thread struct {
+    uint64_t ticket; /* 0: none */
     ucm_ctx *c;
-    uint32_t slot;  /* UCM_NIL: nothing pinned by the last step */
-    uint32_t owner; /* 1: the step made us the owner of a Loading slot */
-} inflight = {0, UCM_NIL, 0};
+    uint32_t slot;   /* UCM_NIL: the step pinned nothing */
+} inflight[INFLIGHT];
+static __thread uint32_t inflight_next;
 
-static inline void inflight_reset(ucm_ctx *c)
+static inline uint32_t inflight_open(ucm_ctx *c, uint64_t ticket)
 {
-    inflight.c = c;
-    inflight.slot = UCM_NIL;
-    inflight.owner = 0;
+    uint32_t i = inflight_next++ % INFLIGHT;
+    inflight[i].ticket = ticket;
+    inflight[i].c = c;
+    inflight[i].slot = UCM_NIL;
+    return i;
 }
 
-static inline void inflight_set(uint32_t slot, uint32_t owner)
-{
-    inflight.slot = slot;
-    inflight.owner = owner;
-}
+/* A forked child copies every context and every Python object of its parent, and its garbage
+ * collector may finalize a copied Handle before any Python after-fork hook runs: it must not
+ * drop the parent's pins (its rank bit is the parent's).  The child handler bumps the epoch
+ * inside fork() itself, before any Python code; a context made in another epoch writes
+ * nothing shared. */
+static uint32_t fork_epoch;
+static pthread_once_t fork_hook_once = PTHREAD_ONCE_INIT;
+static void on_fork_child(void) { fork_epoch++; } /* the child is single-threaded here */
+static void install_fork_hook(void) { pthread_atfork(NULL, NULL, on_fork_child); }
 
 /* ---------------------------------------------------------------- layout */
 
@@ -434,6 +446,8 @@ ucm_ctx *ucm_ctx_new(char *base, uint64_t map_size, const ucm_layout *l)
     }
     pthread_mutex_init(&c->repair_lock, NULL);
     c->refs = 1;
+    pthread_once(&fork_hook_once, install_fork_hook);
+    c->epoch = fork_epoch;
     return c;
 }
 
@@ -445,6 +459,22 @@ static void ctx_put(ucm_ctx *c)
     free(c->repair_seen);
     free(c->local_pins);
     free(c);
+}
+
+/* May this context still change shared words on its rank's behalf (drop pins, fail loads)?
+ * Not once the cache closed it, and never in a forked child.  Acquire: pairs with the release
+ * store of `closed` in ucm_ctx_close/forget (a drop that starts after it sees it). */
+static inline int ctx_live(ucm_ctx *c)
+{
+    return !__atomic_load_n(&c->closed, __ATOMIC_ACQUIRE) && c->epoch == fork_epoch;
+}
+
+void ucm_ctx_close(ucm_ctx *c)
+{
+    /* close(): first of all, before the rank is freed for another process to take: from here
+     * no pin drop or token through this context touches the segment (the rank's holds are
+     * removed by free_rank's recovery instead).  Release: pairs with ctx_live's acquire. */
+    if (c) __atomic_store_n(&c->closed, 1, __ATOMIC_RELEASE);
 }
 
 void ucm_ctx_free(ucm_ctx *c)
@@ -459,8 +489,9 @@ void ucm_ctx_free(ucm_ctx *c)
 
 void ucm_ctx_forget(ucm_ctx *c)
 {
-    /* In a forked child: the parent's rank and pins are not ours; tokens copied into the
-     * child must never drop them.  The copy is never freed (the parent owns the original). */
+    /* In a forked child (its epoch already says so; this states it for the Python layer too):
+     * the parent's rank and pins are not ours.  The copy is never freed (the parent owns the
+     * original).  Release: pairs with ctx_live's acquire. */
     if (c) __atomic_store_n(&c->closed, 1, __ATOMIC_RELEASE);
 }
 
@@ -621,6 +652,7 @@ static int pin(ucm_ctx *c, uint32_t s, uint32_t spin_budget)
 
 static int unpin(ucm_ctx *c, uint32_t s)
 {
+    if (__builtin_expect(!ctx_live(c), 0)) return UCM_OK; /* closed, or a forked child's copy */
     local_lock(c, s);
     if (c->local_pins[s] == 0) {
         local_unlock(c, s);
@@ -688,7 +720,7 @@ static inline uint64_t ready_len(ucm_ctx *c, uint32_t s)
 static inline char *slot_bytes(ucm_ctx *c, uint32_t s) { return c->base + c->l.data_off + (uint64_t)s * c->l.slot_stride; }
 
 int64_t ucm_lookup_pin(ucm_ctx *c, const char *id, uint64_t offset, uint32_t spin_budget,
-                       int32_t outer)
+                       int32_t outer, uint64_t ticket)
 {
     /* One call for the whole read step; the answer is a pin answer (UCM_PIN_*), or -code, so the
      * Python hit path allocates nothing.  `outer`: 1 counts it as an outer request (the fast
@@ -696,10 +728,10 @@ int64_t ucm_lookup_pin(ucm_ctx *c, const char *id, uint64_t offset, uint32_t spi
      * whose caller takes the full path, and counts it there, on anything else). */
     uint64_t key[3];
     uint32_t slot = 0, state = 0;
-    inflight_reset(c);
+    uint32_t rec = ticket ? inflight_open(c, ticket) : 0;
     load_key(id, offset, key);
     int r = lookup_pin_one(c, key, (uint32_t)ucm_generation(c), spin_budget, &slot, &state);
-    if (r == UCM_OK) inflight_set(slot, 0);
+    if (r == UCM_OK && ticket) inflight[rec].slot = slot;
     if (r == UCM_OK && state == UCM_READY) {
         STAT(c, outer ? UCM_ST_FAST_HITS : UCM_ST_HITS, 1); /* the hit path's one counter */
         return pin_answer(c, slot, state, 0);
@@ -988,6 +1020,11 @@ int ucm_recount_rank(ucm_ctx *c, uint32_t rank, uint64_t *entries_out, uint64_t 
     uint64_t entries = 0, bytes = 0, first = (uint64_t)rank * c->l.slots_per_rank;
     for (uint64_t i = 0; i < c->l.slots_per_rank; i++) {
         uint32_t s = (uint32_t)(first + i);
+        /* A slot the rank still claims (a recovery cut short by a stripe deadline) is not an
+         * entry: its install may already have uncounted it.  Relaxed: the caller holds the
+         * rank's life lock after the kernel dropped it for the dead holder, so the dead
+         * rank's last writes are visible; nobody else writes this range's slots' words. */
+        if (RLX(ref_w(c, s)) & UCM_CLAIMED) continue;
         if ((ACQ(state_w(c, s)) & UCM_STATE_MASK) == UCM_READY && (RLX(flags_w(c, s)) & UCM_F_COUNTED)
             && RLX(gen_w(c, s)) == (uint32_t)g) {
             entries++;
@@ -1186,6 +1223,7 @@ int ucm_install(ucm_ctx *c, uint32_t s, const char *id, uint64_t offset, uint32_
 
     /* The old entry leaves the accounting if it is counted in the current generation (I4); an
      * older generation's count was dropped by clear() moving the words on. */
+    /* Relaxed: our claim's acquire CAS ordered every earlier writer's words before us. */
     uint32_t old_gen = RLX(gen_w(c, s));
     uint32_t old_state = RLX(state_w(c, s)) & UCM_STATE_MASK;
     /* Only a Ready entry is in the words (publish sets COUNTED just before its Ready exchange;
@@ -1288,11 +1326,15 @@ static int abandon_one(ucm_ctx *c, uint32_t s, int owner, const char *msg, uint3
      * publish Failed first, while the pin still keeps the slot from being reclaimed.  One step,
      * so nothing between the two can leave a Loading slot whose owner holds no pin. */
     if (s >= c->l.n_slots) return UCM_CORRUPT;
+    if (!ctx_live(c)) return UCM_OK; /* closed, or a forked child's copy: not ours to touch */
     if (owner && c->rank >= 0) {
         local_lock(c, s);
+        /* Relaxed: our own bit, set by this process (ordered by the local lock). */
         int held = (RLX(ref_w(c, s)) & c->rank_bit) && c->local_pins[s] != 0;
         local_unlock(c, s);
-        /* Acquire: pairs with a publish's release exchange by another thread of ours. */
+        /* Acquire: pairs with a publish's release exchange by another thread of ours.  The
+         * loader word is relaxed: written by our own install before the handover that gave us
+         * this pin (ordered by it). */
         if (held && (ACQ(state_w(c, s)) & UCM_STATE_MASK) == UCM_LOADING
             && RLX(loader_w(c, s)) == (uint16_t)c->rank) {
             fail_loading(c, s, msg, len);
@@ -1300,11 +1342,6 @@ static int abandon_one(ucm_ctx *c, uint32_t s, int owner, const char *msg, uint3
         }
     }
     return unpin(c, s);
-}
-
-int ucm_abandon(ucm_ctx *c, uint32_t s, const char *msg, uint32_t len)
-{
-    return abandon_one(c, s, 1, msg, len);
 }
 
 int ucm_abandon_many(ucm_ctx *c, uint32_t *slots, const uint8_t *owner, uint32_t n,
@@ -1324,15 +1361,21 @@ int ucm_abandon_many(ucm_ctx *c, uint32_t *slots, const uint8_t *owner, uint32_t
     return worst;
 }
 
-int ucm_abandon_inflight(ucm_ctx *c, const char *msg, uint32_t len)
+int ucm_abandon_inflight(ucm_ctx *c, uint64_t ticket)
 {
-    /* The except path of a single-key get whose Handle never took the pin: drop what this
-     * thread's last pinning step took, if it took one on this context.  1: dropped, 0: none. */
-    if (inflight.c != c || inflight.slot == UCM_NIL) return 0;
-    uint32_t s = inflight.slot, owner = inflight.owner;
-    inflight_reset(c);
-    abandon_one(c, s, (int)owner, msg, len);
-    return 1;
+    /* The except path of a single-key read whose pin never reached its owner: drop the pin the
+     * step with this ticket took, if it took one.  1: dropped, 0: none.  Those steps are hits
+     * or joins, never owners (an owner's pin goes to a token). */
+    for (uint32_t k = 1; k <= INFLIGHT; k++) {
+        uint32_t i = (inflight_next - k) % INFLIGHT; /* newest first */
+        if (inflight[i].ticket != ticket || inflight[i].c != c) continue;
+        uint32_t s = inflight[i].slot;
+        inflight[i].ticket = 0;
+        if (s == UCM_NIL) return 0;
+        unpin(c, s);
+        return 1;
+    }
+    return 0;
 }
 
 /* Pin tokens.  A Python object's death can be interrupted at any Python call (a signal
@@ -1357,15 +1400,17 @@ void ucm_token_drop(ucm_token *t, const char *msg, uint32_t len)
     if (!t->armed) return;
     ucm_ctx *c = t->c;
     t->armed = 0;
-    /* Acquire: pairs with the release store in ucm_ctx_free/forget. */
-    if (!__atomic_load_n(&c->closed, __ATOMIC_ACQUIRE)) abandon_one(c, t->slot, (int)t->owner, msg, len);
+    abandon_one(c, t->slot, (int)t->owner, msg, len); /* nothing if !ctx_live(c) */
     ctx_put(c);
 }
 
 static const char collected_msg[] = "the owner's handle was collected without ready()";
 
-void ucm_token_release(ucm_token *t)
+void ucm_token_release(void *keep, ucm_token *t)
 {
+    /* The cffi destructor.  `keep` is a handle on the Python Segment, held by the destructor
+     * object itself, so the mapping is still there whatever order the holder's fields are
+     * cleared in. */
     ucm_token_drop(t, collected_msg, sizeof collected_msg - 1);
 }
 
@@ -1382,13 +1427,13 @@ void ucm_batch_token_drop(uint32_t *slots, uint8_t *owner, ucm_token *t, const c
     if (!t->armed) return;
     ucm_ctx *c = t->c;
     t->armed = 0;
-    /* Acquire: as in ucm_token_drop. */
-    if (!__atomic_load_n(&c->closed, __ATOMIC_ACQUIRE)) ucm_abandon_many(c, slots, owner, t->n, msg, len);
+    ucm_abandon_many(c, slots, owner, t->n, msg, len); /* each drop checks ctx_live */
     ctx_put(c);
 }
 
-void ucm_batch_token_release(uint32_t *slots, uint8_t *owner, ucm_token *t)
+void ucm_batch_token_release(void *keep, uint32_t *slots, uint8_t *owner, ucm_token *t)
 {
+    /* The cffi destructor; `keep` as in ucm_token_release. */
     ucm_batch_token_drop(slots, owner, t, collected_msg, sizeof collected_msg - 1);
 }
 
@@ -1670,6 +1715,9 @@ static uint32_t recover_pins(ucm_ctx *c, uint32_t dead, uint32_t *pins_out, uint
             continue;
         }
         if (r & UCM_CLAIMED || !(r & bit)) continue;
+        /* Relaxed: the state and loader of a slot the dead rank pins as its loader were last
+         * written by that rank (visible: see ucm_recover_rank); publish by others needs its
+         * pin, which it does not hold. */
         if ((RLX(state_w(c, s)) & UCM_STATE_MASK) == UCM_LOADING && RLX(loader_w(c, s)) == dead) {
             fail_loading(c, s, msg, (uint32_t)msg_len);
             loading++;
@@ -1737,10 +1785,16 @@ int ucm_recover_rank(ucm_ctx *c, uint32_t dead, int64_t stripe_timeout_ns, uint3
     int result = UCM_OK;
     counts_out[3] = UCM_NIL;
     for (uint32_t s = 0; claimed && s < c->l.n_slots; s++) {
-        if (ACQ(ref_w(c, s)) != (UCM_CLAIMED | dead)) continue; /* acquire: as in reclaim */
+        /* Relaxed: the dead rank's writes are visible because the kernel handed us its life
+         * lock after its death (fcntl), not through this word; only we change its claims. */
+        if (RLX(ref_w(c, s)) != (UCM_CLAIMED | dead)) continue;
         claimed--;
-        uint32_t b = RLX(bucket_w(c, s));
-        uint32_t stripe = b < c->l.n_buckets ? ucm_stripe_of(c, b) : 0;
+        uint32_t b = RLX(bucket_w(c, s)); /* relaxed: as above; only the claimant wrote it */
+        if (b >= c->l.n_buckets) { /* linked nowhere (INVALID, or a bad word): no chain to fix */
+            if (reclaim_claimed(c, s, dead, 0) == UCM_OK) freed++;
+            continue;
+        }
+        uint32_t stripe = ucm_stripe_of(c, b);
         int r = lock_stripe_repairing(c, stripe, stripe_timeout_ns);
         if (r != UCM_OK) {
             counts_out[3] = stripe;

@@ -213,6 +213,7 @@ uint64_t ucm_mix(uint64_t k0, uint64_t k1);
 ucm_ctx *ucm_ctx_new(char *base, uint64_t map_size, const ucm_layout *l);
 void ucm_ctx_free(ucm_ctx *c);
 void ucm_ctx_forget(ucm_ctx *c);
+void ucm_ctx_close(ucm_ctx *c);
 void ucm_ctx_set_rank(ucm_ctx *c, int32_t rank);
 void ucm_ctx_set_point(ucm_ctx *c, int32_t point, int32_t action, uint32_t *gate_word,
                        int64_t timeout_ns);
@@ -250,7 +251,7 @@ uint64_t ucm_generation(ucm_ctx *c);
 void ucm_stat_add(ucm_ctx *c, int32_t counter, uint64_t n);
 
 int64_t ucm_lookup_pin(ucm_ctx *c, const char *id, uint64_t offset, uint32_t spin_budget,
-                       int32_t outer);
+                       int32_t outer, uint64_t ticket);
 int ucm_lookup_pin_many(ucm_ctx *c, const char *ids, const uint64_t *offsets, uint32_t n,
                         uint32_t spin_budget, uint32_t *slots_out, uint8_t *states_out,
                         uint8_t *codes_out, int64_t *lens_out);
@@ -274,16 +275,15 @@ int ucm_clock_claim(ucm_ctx *c, uint64_t max_scan, uint32_t *slot_out);
 int ucm_install(ucm_ctx *c, uint32_t slot, const char *id, uint64_t offset, uint32_t held_stripe);
 int ucm_publish(ucm_ctx *c, uint32_t slot, uint32_t state, uint32_t length);
 int ucm_wait_loaded(ucm_ctx *c, uint32_t slot, int64_t timeout_ns, uint32_t *state_out);
-int ucm_abandon(ucm_ctx *c, uint32_t slot, const char *msg, uint32_t len);
 int ucm_abandon_many(ucm_ctx *c, uint32_t *slots, const uint8_t *owner, uint32_t n,
                      const char *msg, uint32_t len);
-int ucm_abandon_inflight(ucm_ctx *c, const char *msg, uint32_t len);
+int ucm_abandon_inflight(ucm_ctx *c, uint64_t ticket);
 void ucm_token_drop(ucm_token *t, const char *msg, uint32_t len);
-void ucm_token_release(ucm_token *t);
+void ucm_token_release(void *keep, ucm_token *t);
 void ucm_batch_token_arm(ucm_ctx *c, ucm_token *t, uint32_t n);
 void ucm_batch_token_drop(uint32_t *slots, uint8_t *owner, ucm_token *t, const char *msg,
                           uint32_t len);
-void ucm_batch_token_release(uint32_t *slots, uint8_t *owner, ucm_token *t);
+void ucm_batch_token_release(void *keep, uint32_t *slots, uint8_t *owner, ucm_token *t);
 
 uint64_t ucm_clear(ucm_ctx *c);
 uint64_t ucm_acc_value(ucm_ctx *c, uint64_t rank_off);

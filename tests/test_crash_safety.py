@@ -171,3 +171,117 @@ def test_rejected_arguments_change_nothing_shared(make_cache):
             c.get_many([K], timeout=bad)
     assert c._open_handles == 0
     assert ucmcache.verify(c.uuid).ok
+
+
+# ---------------------------------------------------------------- review findings (windows)
+
+class _Interrupt(Exception):
+    pass
+
+
+@pytest.fixture
+def interrupt_after(monkeypatch):
+    """interrupt_after(name, handler=None): the next call of lib.<name> made by the cache is
+    followed at once by SIGUSR1, whose handler (default: raise _Interrupt) runs at the eval-
+    breaker check right after the C call returned: the window between a pin and its owner."""
+    import ucmcache._cache as cache_mod
+    real = cache_mod.lib
+    old = signal.getsignal(signal.SIGUSR1)
+
+    def arm(name, handler=None):
+        def default(signum, frame):
+            raise _Interrupt()
+
+        signal.signal(signal.SIGUSR1, handler or default)
+        fired = []
+
+        class Shim:
+            def __getattr__(self, n):
+                return getattr(real, n)
+
+        def wrapped(*a):
+            r = getattr(real, name)(*a)
+            if not fired:
+                fired.append(1)
+                signal.pthread_kill(threading.get_ident(), signal.SIGUSR1)
+            return r
+
+        shim = Shim()
+        setattr(shim, name, wrapped)
+        monkeypatch.setattr(cache_mod, "lib", shim)
+        return fired
+
+    yield arm
+    signal.signal(signal.SIGUSR1, old)
+
+
+def _ref(c, slot):
+    return lib.ucm_load64(c._seg.base, c.layout.meta(slot))
+
+
+def test_a_nested_get_in_a_signal_handler_does_not_steal_the_outer_pin(make_cache,
+                                                                     interrupt_after):
+    c = make_cache(slots_per_rank=8, slot_size=64, max_ranks=2)
+    k1, k2 = b"A" * 16, b"B" * 16
+    for k in (k1, k2):
+        c.get_or_load(k, lambda: b"x")
+    held = c.get(k2)  # a live handle on k2
+    with c.get(k1) as h:
+        slot1 = h.slot
+
+    def handler(signum, frame):
+        with c.get(k2):  # a nested get between the outer pin and its handle
+            pass
+        raise _Interrupt()
+
+    interrupt_after("ucm_lookup_pin", handler)
+    with pytest.raises(_Interrupt):
+        c.get(k1)
+    assert _ref(c, held.slot) == 1 << c.rank  # the live handle keeps its pin
+    assert _ref(c, slot1) == 0                # the interrupted get's pin was dropped
+    assert bytes(held.data) == b"x"
+    held.close()
+
+
+def test_an_interrupted_slow_path_fails_its_load_at_once(make_cache, interrupt_after):
+    c = make_cache(slots_per_rank=8, slot_size=64, max_ranks=2)
+    interrupt_after("ucm_get_slow")
+    kept = []
+    try:
+        c.get(K)
+    except _Interrupt as e:
+        kept.append(e)  # a kept traceback keeps the frames (and their token) alive
+    with c.get(K, timeout=1) as h:  # the orphaned load failed at once: not a join, an owner
+        assert h.owner
+        h.ready(1)
+    assert c._open_handles == 0 and ucmcache.verify(c.uuid).ok
+    assert kept
+
+
+def test_a_handle_of_a_forked_childs_copy_drops_nothing_of_the_parent(make_cache):
+    import gc
+    c = make_cache(slots_per_rank=4, slot_size=64, max_ranks=2)
+    c.get_or_load(K, lambda: b"KKKK")
+    gc.disable()
+    try:
+        h = c.get(K)
+        slot = h.slot
+        cycle = [h]
+        cycle.append(cycle)  # garbage the child's collector finds before any after-fork hook
+        del h, cycle
+        os.register_at_fork(after_in_child=gc.collect)  # (runs before ucmcache's hook: it is
+        pid = os.fork()                                  #  registered later in this process)
+        if pid == 0:
+            os._exit(0)
+        os.waitpid(pid, 0)
+        assert _ref(c, slot) == 1 << c.rank  # the parent's pin is still there
+    finally:
+        gc.enable()
+        gc.collect()
+    assert _ref(c, slot) == 0
+
+
+def test_a_token_outliving_its_cache_does_not_touch_the_unmapped_segment(uuid, procs):
+    # In a child process: a crash here would be a segfault.
+    _, q = procs.start(safety_workers.token_outlives_cache, uuid)
+    assert procs.result(q) == "survived"

@@ -6,7 +6,8 @@ processes; a crashed process never leaks capacity or wedges the others.
 """
 from ._cache import SlotCache
 from ._errors import (CacheFull, CorruptSegment, ForeignSegment, HalfMadeSegment, HandleClosed,
-                      IncompatibleSegment, LoadFailed, NotAttached, RankUnavailable,
+                      IncompatibleSegment, LoadFailed, LockTimeout, NotAttached,
+                      RankUnavailable,
                       SegmentExists, SegmentNotFound, SharedMemoryFull, UcmError)
 from ._handle import Handle, HandleBatch
 from ._keys import Key, chain_keys, make_key
@@ -17,6 +18,7 @@ __all__ = [
     "SlotCache", "Handle", "HandleBatch", "Key", "make_key", "chain_keys", "verify",
     "VerifyReport", "UcmError", "CacheFull", "LoadFailed", "SegmentExists", "SegmentNotFound",
     "IncompatibleSegment", "CorruptSegment", "HalfMadeSegment", "ForeignSegment",
-    "SharedMemoryFull", "RankUnavailable", "HandleClosed", "NotAttached", "RedisTier",
+    "SharedMemoryFull", "RankUnavailable", "HandleClosed", "NotAttached", "LockTimeout",
+    "RedisTier",
 ]
 __version__ = "0.1.0"

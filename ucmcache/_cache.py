@@ -13,6 +13,8 @@ the cache), then tries once more, then raises CacheFull: never spins holding a s
 from __future__ import annotations
 
 import functools
+import gc
+import itertools
 import os
 import time
 import weakref
@@ -22,10 +24,10 @@ import numpy as np
 
 from . import _hooks
 from ._core import ffi, lib
-from ._errors import (CacheFull, CorruptSegment, IncompatibleSegment, NotAttached,
-                      SegmentExists, UcmError)
+from ._errors import (CacheFull, CorruptSegment, IncompatibleSegment, LockTimeout,
+                      NotAttached, SegmentExists, UcmError)
 from ._buffers import check_rows, rows_of
-from ._handle import ABANDONED, Handle, HandleBatch, check_timeout
+from ._handle import ABANDONED, ABANDONED_LEN, Handle, HandleBatch, _Pins, check_timeout
 from ._keys import Key, pack_keys, split_key
 from ._layout import DEFAULT_STRIPES, Layout
 from ._locks import Stripes, describe_stripe_holder
@@ -45,6 +47,8 @@ LIVENESS_SLICE = 0.5    # a waiter checks that the loader still lives this often
 CLAIM_WAIT = 10.0       # the longest a get waits for another process to recover a dead claim
 STRIPE_WAIT = 10.0      # the longest a get with no timeout waits for a bucket's stripe; held
                         # for microseconds normally, so past this its holder is stopped or stuck
+MIN_LOCK_WAIT = 0.05    # a get's timeout below this still waits this long for a lock: a
+                        # stripe or a claim held that long is not contention any more
 
 _live_caches: "weakref.WeakSet[SlotCache]" = weakref.WeakSet()
 
@@ -72,12 +76,20 @@ def _plain_ids(keys: list) -> bool:
 
 
 _new = object.__new__  # an inert handle: every field is stored by get()/get_many()
+_next_ticket = itertools.count(1).__next__  # a unique ticket per single-key read (see get)
 _PIN_SLOT_MASK = lib.UCM_PIN_SLOT_MASK  # a pin's answer, decoded with plain ints (see C)
 _PIN_LEN_SHIFT = lib.UCM_PIN_LEN_SHIFT
 _PIN_OWNER = lib.UCM_PIN_OWNER
 _PIN_READY = lib.UCM_PIN_READY
 _PIN_OWNER_OR_READY = _PIN_OWNER | _PIN_READY
-_NO_OWNED: frozenset = frozenset()  # an all-hit batch's owned set (HandleBatch.own replaces it)
+class _NoOwned(frozenset):
+    """An all-hit batch's owned set (HandleBatch.own replaces it): nothing to discard."""
+
+    def discard(self, _slot) -> None:
+        pass
+
+
+_NO_OWNED = _NoOwned()
 
 
 class SlotCache:
@@ -104,6 +116,10 @@ class SlotCache:
         self._data_off = seg.layout.data_off  # the hit path's view arithmetic, as plain ints
         self._stride = seg.layout.slot_stride
         self._ro = seg.ro_view  # readers' views are slices of it
+        # Token destructors hold the Segment (so its mapping) until they have run: a handle
+        # collected after its cache must not drop pins in an unmapped segment.
+        self._keep = ffi.new_handle(seg)
+        self._token_release = functools.partial(lib.ucm_token_release, self._keep)
         self._handle_cls = Handle if self._tier2 is None else self._tier2.handle_cls
         self._batch_cls = HandleBatch if self._tier2 is None else self._tier2.batch_cls
         try:
@@ -164,7 +180,7 @@ class SlotCache:
         """Detach: the rank is freed (its Ready entries stay for others), the mapping dropped."""
         if self._ctx is None:
             return  # closed already, or a forked child's copy (the parent's rank is not ours)
-        if self._open_handles > 0:
+        if self._open_handles > 0 and self._live_handles() > 0:
             raise UcmError(f"cannot close: {self._open_handles} handle(s) or batch(es) are still "
                            "open; close them first")
         if self._prefetcher is not None:
@@ -172,6 +188,9 @@ class SlotCache:
         if self._tier2 is not None:
             self._tier2.close()  # write-throughs queued by this process go out first (bounded)
         ctx = self._ctx
+        # Closed first: from here no pin drop or token through ctx touches the segment, before
+        # the rank is freed for another process (free_rank's recovery removes our holds).
+        lib.ucm_ctx_close(ctx)
         free_rank(self._seg, ctx, self._rank)
         self._ctx = None
         self._why_unusable = "closed"
@@ -184,6 +203,19 @@ class SlotCache:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+    def _live_handles(self) -> int:
+        """Handles and batches of this cache that still exist and are open.  The counter can
+        stay above it when a signal handler raised inside both a handle's __exit__ and its
+        finalizer; such a handle is gone, and free_rank removes the pin it leaked."""
+        n = 0
+        for o in gc.get_referrers(self):
+            if isinstance(o, _Pins):
+                n += not getattr(o, "_closed", True)
+            elif type(o) is dict and o.get("_cache") is self:  # a batch's materialized dict
+                n += not o.get("_closed", True)
+        self._open_handles = n
+        return n
 
     def _forget_after_fork(self) -> None:
         if self._ctx is None:
@@ -254,20 +286,20 @@ class SlotCache:
         else:
             block_id, offset = split_key(key)
         # No window without an owner object (a signal handler may raise at any call): the
-        # handle exists, inert, before the pin; the pin becomes its own in plain stores, with
-        # no call in between; until then the C step's in-flight record names the pin, and the
-        # except path drops it (failing a load we own).
+        # handle exists, inert, before the pin, and so does the call's ticket; the pin becomes
+        # the handle's in plain stores, with no call in between (CPython >= 3.10 runs signal
+        # handlers only at calls, function entries and backward jumps).  Until then the C step
+        # records the pin under the ticket and the except path drops it; a slow-path pin (maybe
+        # an owner's) goes to a token instead, dropped there or, failing that, from C when the
+        # token is collected.
         h = _new(self._handle_cls)
         h._closed = True
+        token = None
+        ticket = _next_ticket()
         try:
-            r = lib.ucm_lookup_pin(ctx, block_id, offset, FAST_SPIN, 1)
-            if r >= 0:
-                token = None
-            else:
-                # The slow path can make us an owner: its pin goes to a token, which releases
-                # it (failing the load) from C when collected, even if every Python finalizer
-                # is interrupted.  Hits keep the cheaper in-flight record.
-                token = ffi.gc(ffi.new("ucm_token *"), lib.ucm_token_release)
+            r = lib.ucm_lookup_pin(ctx, block_id, offset, FAST_SPIN, 1, ticket)
+            if r < 0:
+                token = ffi.gc(ffi.new("ucm_token *"), self._token_release)
                 r = self._pin_slow(block_id, offset, -r, timeout, token, ffi.NULL, ffi.NULL)
             # The pin's answer says what a reader needs (UCM_PIN_*): slot, and for a Ready
             # slot its length, so data needs no further C call.
@@ -284,14 +316,19 @@ class SlotCache:
             h._owned = None
             self._open_handles += 1
             h._closed = False
+            if owner:  # the handle holds the load now: cut short, closing it fails the load
+                h.own()
+                if self._tier2 is not None:
+                    return self._tier2.owner_handle(h, block_id, offset, timeout)
         except BaseException:
             if h._closed:
-                lib.ucm_abandon_inflight(ctx, ABANDONED, len(ABANDONED))
+                if token is None:
+                    lib.ucm_abandon_inflight(ctx, ticket)
+                else:
+                    lib.ucm_token_drop(token, ABANDONED, ABANDONED_LEN)
+            else:
+                h._close(ABANDONED)
             raise
-        if owner:  # the handle holds the load now: if this is cut short, its token fails it
-            h.own()
-            if self._tier2 is not None:
-                return self._tier2.owner_handle(h, block_id, offset, timeout)
         return h
 
     def _pin_slow(self, block_id: bytes, offset: int, code: int, timeout: Optional[float],
@@ -309,8 +346,8 @@ class SlotCache:
         recovered_once = False
         rollback_rounds = 0
         start = time.monotonic()
-        stripe_deadline = start + (STRIPE_WAIT if timeout is None else timeout)
-        claim_deadline = start + (CLAIM_WAIT if timeout is None else timeout)
+        stripe_deadline = start + (STRIPE_WAIT if timeout is None else max(timeout, MIN_LOCK_WAIT))
+        claim_deadline = start + (CLAIM_WAIT if timeout is None else max(timeout, MIN_LOCK_WAIT))
         delay = 0.0005
         while True:
             left = max(0.0, stripe_deadline - time.monotonic())
@@ -321,19 +358,19 @@ class SlotCache:
             code = -r
             if code == lib.UCM_TIMEOUT:
                 stripe = lib.ucm_stripe_of(ctx, lib.ucm_bucket_of(ctx, block_id, offset))
-                raise UcmError(
+                raise LockTimeout(
                     f"segment {self.uuid!r}: stripe {stripe} (this key's bucket lock) stayed held "
                     f"for {time.monotonic() - start:.1f} s by "
                     f"{describe_stripe_holder(self._seg, stripe)}; a stripe is held for "
                     "microseconds, so its holder is stopped, stuck, or the lock word is corrupt")
             if code == lib.UCM_BUSY:
-                if self.recover().count:
+                if self._recover(claim_deadline - time.monotonic()).count:
                     continue
                 now = time.monotonic()
                 if now > claim_deadline:
-                    raise UcmError(f"segment {self.uuid!r}: the slot of this key stayed claimed "
-                                   f"for {now - start:.1f} s by a rank that neither finished nor "
-                                   "died")
+                    raise LockTimeout(f"segment {self.uuid!r}: the slot of this key stayed "
+                                      f"claimed for {now - start:.2f} s by a rank that neither "
+                                      "finished nor died")
                 time.sleep(min(delay, claim_deadline - now))  # another process recovers it
                 delay = min(delay * 2, 0.05)
                 continue
@@ -343,7 +380,7 @@ class SlotCache:
             if code in (lib.UCM_FULL, lib.UCM_ROLLBACK):
                 if not recovered_once:
                     recovered_once = True
-                    if self.recover().count:
+                    if self._recover(stripe_deadline - time.monotonic()).count:
                         continue
                 raise CacheFull(
                     f"segment {self.uuid!r}: rank {self._rank} found no claimable slot among its "
@@ -377,8 +414,11 @@ class SlotCache:
         # token's drop (explicit below, or from C when collected) releases every pin and fails
         # every owned load.
         token = ffi.gc(ffi.new("ucm_token *"),
-                       functools.partial(lib.ucm_batch_token_release, slots_p, owner_p))
+                       functools.partial(lib.ucm_batch_token_release, self._keep, slots_p,
+                                         owner_p))
         lib.ucm_batch_token_arm(ctx, token, n)
+        batch = _new(self._batch_cls)
+        batch._closed = True
         try:
             if n:
                 lib.ucm_lookup_pin_many(ctx, ids, _ptr("uint64_t[]", offsets), n, FAST_SPIN,
@@ -389,36 +429,40 @@ class SlotCache:
                 r = self._pin_slow(split[i][0], split[i][1], int(codes[i]), timeout, ffi.NULL,
                                    slots_p + i, owner_p + i)
                 lens[i] = (r >> _PIN_LEN_SHIFT) & _PIN_SLOT_MASK if r & _PIN_READY else -1
+            any_owner = len(misses) > 0 and bool(owner.any())
+            batch._cache = self
+            batch._slots = slots
+            batch.owner = owner
+            batch._slots_p = slots_p
+            batch._owner_p = owner_p
+            batch._token = token
+            batch._n = n
+            batch._lens = lens
+            batch._lens_l = None  # lens and data offsets as lists, made by the first data(i)
+            batch._offs_l = None
+            batch._timeout = timeout
+            batch._owner_views = {}
+            batch._views = []
+            batch._any_owner = any_owner
+            batch._owned = _NO_OWNED
+            self._open_handles += 1
+            batch._closed = False
+            if any_owner:
+                batch.own()
+                if self._tier2 is not None:
+                    return self._tier2.owner_batch(batch, split, timeout)
         except BaseException as e:
-            message = ABANDONED
-            try:
-                message = (f"the batch loading this key gave up: {type(e).__name__}: "
-                           f"{e}").encode("utf-8", "replace")
-            finally:
-                lib.ucm_batch_token_drop(slots_p, owner_p, token, message, len(message))
+            if batch._closed:  # the token still holds every pin: drop them, failing owned loads
+                message, length = ABANDONED, ABANDONED_LEN
+                try:
+                    message = (f"the batch loading this key gave up: {type(e).__name__}: "
+                               f"{e}").encode("utf-8", "replace")
+                    length = len(message)
+                finally:
+                    lib.ucm_batch_token_drop(slots_p, owner_p, token, message, length)
+            else:
+                batch._close(ABANDONED)
             raise
-        batch = _new(self._batch_cls)
-        batch._cache = self
-        batch._slots = slots
-        batch.owner = owner
-        batch._slots_p = slots_p
-        batch._owner_p = owner_p
-        batch._token = token
-        batch._n = n
-        batch._lens = lens
-        batch._lens_l = None  # lens and data offsets as lists, made by the first data(i)
-        batch._offs_l = None
-        batch._timeout = timeout
-        batch._owner_views = {}
-        batch._views = []
-        batch._any_owner = any_owner = len(misses) > 0 and bool(owner.any())
-        batch._owned = _NO_OWNED
-        batch._closed = False
-        self._open_handles += 1
-        if any_owner:
-            batch.own()
-            if self._tier2 is not None:
-                return self._tier2.owner_batch(batch, split, timeout)
         return batch
 
     def _wait_loaded(self, slot: int, timeout: Optional[float]) -> int:
@@ -440,7 +484,9 @@ class SlotCache:
                                         lib.UCM_M_LOADER) & 0xFFFF
                 if loader != self._rank and loader < self._layout.max_ranks \
                         and not rank_alive(self._seg, loader):
-                    self.recover()  # fails its loads, this one included, waking us
+                    # Fails its loads, this one included, waking us; bounded by our deadline.
+                    self._recover(LIVENESS_SLICE if deadline is None
+                                  else deadline - time.monotonic())
                     st = lib.ucm_slot_state(ctx, slot)
                     if st != lib.UCM_LOADING:
                         return st
@@ -470,13 +516,14 @@ class SlotCache:
             block_id, offset = split_key(key)
         # A hit: pin, copy the payload, release; no Handle.  The pin is named by the C step's
         # in-flight record until released, so an exception anywhere drops it (see get()).
+        ticket = _next_ticket()
         try:
-            r = lib.ucm_lookup_pin(ctx, block_id, offset, FAST_SPIN, 2)  # counts a hit only
+            r = lib.ucm_lookup_pin(ctx, block_id, offset, FAST_SPIN, 2, ticket)  # a hit counts
             if r >= 0 and r & _PIN_READY:
                 o = self._data_off + (r & _PIN_SLOT_MASK) * self._stride
                 value = self._ro[o:o + ((r >> _PIN_LEN_SHIFT) & _PIN_SLOT_MASK)].tobytes()
         except BaseException:
-            lib.ucm_abandon_inflight(ctx, ABANDONED, len(ABANDONED))
+            lib.ucm_abandon_inflight(ctx, ticket)
             raise
         if r >= 0:
             lib.ucm_release(ctx, r & _PIN_SLOT_MASK)  # no call between the try and this one
@@ -594,7 +641,7 @@ class SlotCache:
             if lib.ucm_ring_post(*args) == lib.UCM_BUSY and self._ring_holder_dead(rank):
                 # A producer died holding the lock (it names its rank): recovery releases it,
                 # so a dead producer costs one dropped post, not every post until a recovery.
-                self.recover()
+                self._recover(0.0)  # never blocks: a busy recovery elsewhere does it
                 lib.ucm_ring_post(*args)
             total += posted[0]
         return total
@@ -643,9 +690,15 @@ class SlotCache:
         return out
 
     def recover(self) -> RecoveryReport:
-        """Recover every dead rank now (also done on attach and when allocation is starved)."""
+        """Recover every dead rank now (also done on attach and when allocation is starved).
+        A rank that cannot be finished now (a stripe its dead claim needs is held by a stopped
+        process) is listed in the report's ``failed`` and left for the next recovery."""
         self._check_usable()
         return recover_dead_ranks(self._seg, self._ctx, self._rank)
+
+    def _recover(self, wait: float) -> RecoveryReport:
+        """recover() within a caller's deadline: never blocks longer than ``wait`` seconds."""
+        return recover_dead_ranks(self._seg, self._ctx, self._rank, max(0.0, wait))
 
     # ---------------------------------------------------------------- test hooks
 

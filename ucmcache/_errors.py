@@ -55,3 +55,8 @@ class HandleClosed(UcmError):
 
 class NotAttached(UcmError):
     """The cache was closed, or this process was forked from the one that attached it."""
+
+
+class LockTimeout(UcmError, TimeoutError):
+    """A bucket's stripe lock, or a slot being rewritten, stayed held past the deadline; the
+    message names the stripe and its holder (rank, pid, stopped or gone)."""

@@ -18,6 +18,7 @@ from . import _hooks
 from ._buffers import check_rows, rows_of
 from ._core import ffi, lib
 from ._errors import HandleClosed, LoadFailed, UcmError
+from ._results import code_name
 
 if TYPE_CHECKING:  # pragma: no cover
     from ._cache import SlotCache
@@ -215,6 +216,7 @@ class Handle(_Pins):
         # cannot leak a hold (the owned set, view release) can be cut short.
         if self._closed:
             return
+        length = len(message)
         cache = self._cache
         ctx = cache._ctx
         self._closed = True
@@ -227,10 +229,8 @@ class Handle(_Pins):
             self._release_views()
         finally:
             if self._token is not None:  # a slow-path pin: its token drops it (and fails it)
-                lib.ucm_token_drop(self._token, message, len(message))
-            elif self._owner and not self._published:
-                lib.ucm_abandon(ctx, self._slot, message, len(message))
-            else:
+                lib.ucm_token_drop(self._token, message, length)
+            else:  # a fast-path pin: a hit or a join, never an owner
                 lib.ucm_release(ctx, self._slot)
 
     def __enter__(self) -> "Handle":
@@ -351,7 +351,7 @@ def _publish(cache: "SlotCache", slot: int, state: int, nbytes: int, what: str) 
     if r != lib.UCM_OK:
         if r == lib.UCM_PUBLISHED:
             raise UcmError(f"{what}(): the slot was already published")
-        raise UcmError(f"{what}(): no longer the owner of a loading slot (code {r})")
+        raise UcmError(f"{what}(): no longer the owner of a loading slot ({code_name(r)})")
 
 
 def release_views(views: list) -> None:
@@ -508,6 +508,7 @@ class HandleBatch(_Pins):
         # step over the whole batch that fails the owned positions still Loading.
         if self._closed:
             return
+        length = len(message)
         cache = self._cache
         ctx = cache._ctx
         self._closed = True
@@ -525,8 +526,7 @@ class HandleBatch(_Pins):
                 release_views(self._views)
                 self._views = []
         finally:
-            lib.ucm_batch_token_drop(self._slots_p, self._owner_p, self._token, message,
-                                     len(message))
+            lib.ucm_batch_token_drop(self._slots_p, self._owner_p, self._token, message, length)
 
     def __enter__(self) -> "HandleBatch":
         return self
@@ -539,6 +539,8 @@ UNPUBLISHED = b"the owner closed its handle without calling ready()"
 # A pin (and, for an owner, a Loading slot) taken by a get whose handle was never made: an
 # exception (a signal handler, KeyboardInterrupt) arrived between the C call and the handle.
 ABANDONED = b"the loading caller was interrupted before it took its handle"
+ABANDONED_LEN = len(ABANDONED)  # the except paths make no call before their drop
+UNPUBLISHED_LEN = len(UNPUBLISHED)
 
 
 def exit_message(exc_type, exc) -> bytes:

@@ -43,6 +43,7 @@ class Recovered:
 @dataclass
 class RecoveryReport:
     ranks: List[Recovered] = field(default_factory=list)
+    failed: List[str] = field(default_factory=list)  # ranks left for the next recovery, why
 
     @property
     def count(self) -> int:
@@ -73,10 +74,10 @@ RANK_LOCK_WAIT = 60.0
 
 
 @contextmanager
-def _rank_lock(seg: Segment) -> Iterator[bool]:
+def _rank_lock(seg: Segment, wait: float = RANK_LOCK_WAIT) -> Iterator[bool]:
     """Held around every trylock -> recover -> unlock of this process (see Segment.rank_lock).
-    Yields False if another thread held it past RANK_LOCK_WAIT (a bounded wait, never a hang)."""
-    got = seg.rank_lock.acquire(timeout=RANK_LOCK_WAIT)
+    Yields False if another thread held it past `wait` seconds (bounded, never a hang)."""
+    got = seg.rank_lock.acquire(timeout=max(0.0, wait))
     try:
         yield got
     finally:
@@ -131,32 +132,34 @@ def _take_locked(seg: Segment, ctx, r: int) -> Optional[Recovered]:
 def free_rank(seg: Segment, ctx, rank: int) -> None:
     """close(): the rank goes back to FREE; its Ready slots stay (entries outlive loaders).
     With no handle open, any hold still naming the rank is a leak (a pin taken just before an
-    exception, say): it is removed as a dead rank's would be."""
-    with _rank_lock(seg):
-        _recover_holds(seg, ctx, rank)
-        off = seg.layout.rank(rank)
-        lib.ucm_store32(seg.base, off + lib.UCM_R_STATE, lib.UCM_RANK_STOPPED)
-        lib.ucm_store32(seg.base, off + lib.UCM_R_PID, 0)
-        lib.ucm_store32(seg.base, off + lib.UCM_R_STATE, lib.UCM_RANK_FREE)
-        lib.ucm_ofd_unlock(seg.lock_fd, life_lock_byte(rank))
+    exception, say): it is removed as a dead rank's would be.  Our own rank: no other thread
+    of ours recovers it (recover_dead_ranks skips it), so no rank_lock is needed."""
+    _recover_holds(seg, ctx, rank)
+    off = seg.layout.rank(rank)
+    lib.ucm_store32(seg.base, off + lib.UCM_R_STATE, lib.UCM_RANK_STOPPED)
+    lib.ucm_store32(seg.base, off + lib.UCM_R_PID, 0)
+    lib.ucm_store32(seg.base, off + lib.UCM_R_STATE, lib.UCM_RANK_FREE)
+    lib.ucm_ofd_unlock(seg.lock_fd, life_lock_byte(rank))
 
 
-def _recover_held(seg: Segment, ctx, dead: int) -> Recovered:
+def _recover_held(seg: Segment, ctx, dead: int,
+                  stripe_wait: float = RECOVERY_STRIPE_WAIT) -> Recovered:
     """Remove every hold of a rank whose life lock we hold, then mark it FREE."""
-    rec = _recover_holds(seg, ctx, dead)
+    rec = _recover_holds(seg, ctx, dead, stripe_wait)
     off = seg.layout.rank(dead)
     lib.ucm_store32(seg.base, off + lib.UCM_R_PID, 0)
     lib.ucm_store32(seg.base, off + lib.UCM_R_STATE, lib.UCM_RANK_FREE)
     return rec
 
 
-def _recover_holds(seg: Segment, ctx, dead: int) -> Recovered:
+def _recover_holds(seg: Segment, ctx, dead: int,
+                   stripe_wait: float = RECOVERY_STRIPE_WAIT) -> Recovered:
     """One C step (ucm_recover_rank): fail its loads, clear its pins, free its claims under
-    their stripes, recount its range's words.  Raises if a stripe stayed held, leaving the rank
-    as it is for the next recovery."""
+    their stripes, recount its range's words.  Raises if a stripe stayed held past
+    stripe_wait, leaving the rank as it is for the next recovery."""
     rec = Recovered(rank=dead, pid=rank_pid(seg, dead))
     counts = ffi.new("uint32_t[4]")
-    r = lib.ucm_recover_rank(ctx, dead, int(RECOVERY_STRIPE_WAIT * 1e9), counts)
+    r = lib.ucm_recover_rank(ctx, dead, max(1, int(stripe_wait * 1e9)), counts)
     rec.pins, rec.failed_loads, rec.claims = counts[0], counts[1], counts[2]
     if r == lib.UCM_TIMEOUT:
         raise UcmError(f"segment {seg.uuid!r}: recovering rank {dead} waits for stripe "
@@ -169,9 +172,16 @@ def _recover_holds(seg: Segment, ctx, dead: int) -> Recovered:
     return rec
 
 
-def recover_dead_ranks(seg: Segment, ctx, my_rank: Optional[int]) -> RecoveryReport:
+def recover_dead_ranks(seg: Segment, ctx, my_rank: Optional[int],
+                       wait: Optional[float] = None) -> RecoveryReport:
+    """Recover every dead rank.  ``wait`` bounds how long this may block (for this process's
+    rank lock, and for each stripe a dead claimant's slot needs); None: the defaults.  A rank
+    that cannot be finished now is reported in ``failed`` and left for the next recovery;
+    the others are recovered all the same."""
     report = RecoveryReport()
-    with _rank_lock(seg) as got:
+    lock_wait = RANK_LOCK_WAIT if wait is None else wait
+    stripe_wait = RECOVERY_STRIPE_WAIT if wait is None else min(wait, RECOVERY_STRIPE_WAIT)
+    with _rank_lock(seg, lock_wait) as got:
         if not got:
             return report  # another thread of ours is recovering: it finds what we would
         for r in range(seg.layout.max_ranks):
@@ -181,8 +191,10 @@ def recover_dead_ranks(seg: Segment, ctx, my_rank: Optional[int]) -> RecoveryRep
                 continue  # alive (or another process's recoverer is at it)
             try:
                 if rank_state(seg, r) != lib.UCM_RANK_FREE:
-                    report.ranks.append(_recover_held(seg, ctx, r))
+                    report.ranks.append(_recover_held(seg, ctx, r, stripe_wait))
                     lib.ucm_stat_add(ctx, lib.UCM_ST_RECOVERED_RANKS, 1)
+            except UcmError as e:  # a stripe held past the wait, or corruption: next time
+                report.failed.append(f"rank {r}: {e}")
             finally:
                 lib.ucm_ofd_unlock(seg.lock_fd, life_lock_byte(r))
     return report

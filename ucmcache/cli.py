@@ -700,8 +700,10 @@ def cmd_recover(args) -> int:
             report = recover_dead_ranks(seg, ctx, None)
         after = verify_segment(seg)
     lines = []
-    if not report.ranks:
+    if not report.ranks and not report.failed:
         lines.append(f"segment {args.uuid!r}: no dead ranks to recover")
+    for why in report.failed:
+        lines.extend(_wrap(f"not recovered yet: {why}"))
     for r in report.ranks:
         lines.append(f"recovered rank {r.rank} (pid {r.pid}): {r.pins} pin(s) dropped, "
                      f"{r.failed_loads} Loading slot(s) failed, {r.claims} claim(s) freed")
