@@ -515,6 +515,19 @@ void ucm_stat_add(ucm_ctx *c, int32_t counter, uint64_t n)
 }
 #define STAT(c, i, n) __atomic_fetch_add(&(c)->stats[i], (n), __ATOMIC_RELAXED) /* see ucm_stat_add */
 
+void ucm_observe(ucm_ctx *c, int32_t hist, uint64_t ns)
+{
+    /* One observation into a histogram of this rank (UCM_HIST_*): its bucket, sum and count.
+     * Relaxed, as every counter: a scrape reads each counter exactly, not the three as one. */
+    int32_t base = hist == UCM_HIST_LOAD ? UCM_ST_LOAD_HIST : UCM_ST_WAIT_HIST;
+    uint32_t k = 0;
+    for (uint64_t bound = UCM_HIST_FIRST_NS; k < UCM_HIST_BUCKETS - 1 && ns > bound; k++)
+        bound *= UCM_HIST_FACTOR;
+    STAT(c, base + (int32_t)k, 1);
+    STAT(c, base + UCM_HIST_BUCKETS, ns);      /* _SUM_NS */
+    STAT(c, base + UCM_HIST_BUCKETS + 1, 1);   /* _COUNT */
+}
+
 /* ---------------------------------------------------------------- slot words */
 
 static inline char *meta(ucm_ctx *c, uint32_t s) { return c->base + c->l.meta_off + (uint64_t)s * UCM_META_SIZE; }

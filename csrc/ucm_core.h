@@ -11,7 +11,7 @@
 
 /* Identity and limits of the layout. */
 #define UCM_MAGIC            0x31484341434d4355ULL /* "UCMCACH1" little endian */
-#define UCM_LAYOUT_VERSION   2   /* bump on every layout change (the fingerprint catches a miss) */
+#define UCM_LAYOUT_VERSION   3   /* bump on every layout change (the fingerprint catches a miss) */
 #define UCM_LINE             64
 #define UCM_PAGE             4096
 #define UCM_MAX_RANKS        63    /* one pin bit per rank in a 64-bit reference, top bit = claim */
@@ -58,7 +58,7 @@
 #define UCM_ACC_GEN_BITS     20
 #define UCM_ACC_VALUE_BITS   44
 
-/* RankDesc: 5 lines; line 0 is identity and accounting, lines 1-4 the rank's own stats. */
+/* RankDesc: 10 lines; line 0 is identity and accounting, lines 1-9 the rank's own stats. */
 #define UCM_R_STATE          0
 #define UCM_R_PID            4
 #define UCM_R_CLOCK_HAND     8
@@ -66,7 +66,7 @@
 #define UCM_R_ACC_ENTRIES    24   /* packed (generation, Ready entries of this range) */
 #define UCM_R_ACC_BYTES      32   /* packed (generation, their payload bytes) */
 #define UCM_R_STATS          64
-#define UCM_RANK_SIZE        320 /* line 0 identity + 4 lines of 8 counters */
+#define UCM_RANK_SIZE        640 /* line 0 identity + 9 lines of 8 counters */
 #define UCM_RANK_FREE        0
 #define UCM_RANK_INITIALIZING 1
 #define UCM_RANK_READY       2
@@ -157,7 +157,21 @@
 #define UCM_ST_T2_BYPASSES   23  /* tier 2 skipped: down, slow, or its breaker open */
 #define UCM_ST_T2_LEASE_WAITS 24 /* waits for another node's load */
 #define UCM_ST_T2_BAD_VALUES 25  /* corrupt, truncated or foreign values (counted as misses) */
-#define UCM_ST_COUNT         32
+/* Histograms of load time (an owner's get to its publish) and wait time (a join's wait), in
+ * nanoseconds: UCM_HIST_BUCKETS counters each, bucket k counting values <= FIRST * FACTOR^k
+ * (the last: everything above), then their sum and count.  A hit touches none of them. */
+#define UCM_HIST_BUCKETS     16
+#define UCM_HIST_FIRST_NS    10000 /* 10 us */
+#define UCM_HIST_FACTOR      4
+#define UCM_ST_LOAD_HIST     32   /* .. 47 */
+#define UCM_ST_LOAD_SUM_NS   48
+#define UCM_ST_LOAD_COUNT    49
+#define UCM_ST_WAIT_HIST     50   /* .. 65 */
+#define UCM_ST_WAIT_SUM_NS   66
+#define UCM_ST_WAIT_COUNT    67
+#define UCM_HIST_LOAD        0
+#define UCM_HIST_WAIT        1
+#define UCM_ST_COUNT         72
 
 /* Named points in the protocol where a test may hold (gate) or kill the process. */
 #define UCM_PT_AFTER_MATCH   1  /* reader: MatchKey held, pin CAS not yet tried */
@@ -249,6 +263,7 @@ uint32_t ucm_bucket_of(ucm_ctx *c, const char *id, uint64_t offset);
 uint32_t ucm_stripe_of(ucm_ctx *c, uint32_t bucket);
 uint64_t ucm_generation(ucm_ctx *c);
 void ucm_stat_add(ucm_ctx *c, int32_t counter, uint64_t n);
+void ucm_observe(ucm_ctx *c, int32_t hist, uint64_t ns);
 
 int64_t ucm_lookup_pin(ucm_ctx *c, const char *id, uint64_t offset, uint32_t spin_budget,
                        int32_t outer, uint64_t ticket);

@@ -252,3 +252,29 @@ def _token_outlives_cache(uuid):
 
 def token_outlives_cache(q, *args):
     run(_token_outlives_cache, q, *args)
+
+
+def _load_when_released(uuid, key, held_path, go_path):
+    """Own key's load, say so (held), publish only once `go` is released (bounded: 30 s, then
+    fail the load, so a test whose loop froze fails instead of hanging)."""
+    c = SlotCache.attach(uuid)
+    try:
+        h = c.get(key)
+        assert h.owner
+        Gate(held_path).release()
+        try:
+            Gate(go_path).wait_value(1, timeout=30)
+        except TimeoutError:
+            h.fail("the test's event loop never released us")
+            h.close()
+            return "failed"
+        h.data[:22] = b"from-the-other-process"
+        h.ready(22)
+        h.close()
+        return "published"
+    finally:
+        c.close()
+
+
+def load_when_released(q, *args):
+    run(_load_when_released, q, *args)

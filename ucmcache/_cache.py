@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import functools
 import gc
+import inspect
 import itertools
 import os
+import threading
 import time
 import weakref
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
@@ -27,7 +29,8 @@ from ._core import ffi, lib
 from ._errors import (CacheFull, CorruptSegment, IncompatibleSegment, LockTimeout,
                       NotAttached, SegmentExists, UcmError)
 from ._buffers import check_rows, rows_of
-from ._handle import ABANDONED, ABANDONED_LEN, Handle, HandleBatch, _Pins, check_timeout
+from ._handle import (ABANDONED, ABANDONED_LEN, Handle, HandleBatch, _Pins, check_timeout,
+                      isolate_owned)
 from ._keys import Key, pack_keys, split_key
 from ._layout import DEFAULT_STRIPES, Layout
 from ._locks import Stripes, describe_stripe_holder
@@ -45,6 +48,7 @@ MAX_ROLLBACKS = 64      # isolate trylock failures tolerated in one allocation
 MAX_ROLLBACK_ROUNDS = 8 # allocations retried when every one of them rolled back
 LIVENESS_SLICE = 0.5    # a waiter checks that the loader still lives this often (seconds)
 CLAIM_WAIT = 10.0       # the longest a get waits for another process to recover a dead claim
+CANCEL_SLICE = 0.02     # an async wait's thread looks at its cancel flag this often (seconds)
 STRIPE_WAIT = 10.0      # the longest a get with no timeout waits for a bucket's stripe; held
                         # for microseconds normally, so past this its holder is stopped or stuck
 MIN_LOCK_WAIT = 0.05    # a get's timeout below this still waits this long for a lock: a
@@ -465,19 +469,23 @@ class SlotCache:
             raise
         return batch
 
-    def _wait_loaded(self, slot: int, timeout: Optional[float]) -> int:
+    def _wait_loaded(self, slot: int, timeout: Optional[float],
+                     cancel: Optional[threading.Event] = None) -> int:
         """Block on the slot's state word until it leaves Loading, never past ``timeout`` and
         never spinning.  Every LIVENESS_SLICE the loader's life lock is checked, so a dead
-        loader is recovered rather than waited for."""
+        loader is recovered rather than waited for.  ``cancel`` (set, then the state word
+        woken): returns UCM_LOADING at once (an abandoned async wait)."""
         ctx = self._ctx
         state = ffi.new("uint32_t *")
         start = time.monotonic()
         deadline = None if timeout is None else start + timeout
+        slice_s = LIVENESS_SLICE if cancel is None else CANCEL_SLICE
         lib.ucm_stat_add(ctx, lib.UCM_ST_WAITS, 1)
         try:
             while True:
-                left = LIVENESS_SLICE if deadline is None else min(LIVENESS_SLICE,
-                                                                   deadline - time.monotonic())
+                if cancel is not None and cancel.is_set():
+                    return lib.UCM_LOADING
+                left = slice_s if deadline is None else min(slice_s, deadline - time.monotonic())
                 if left > 0 and lib.ucm_wait_loaded(ctx, slot, int(left * 1e9), state) == lib.UCM_OK:
                     return state[0]
                 loader = lib.ucm_load32(self._seg.base, self._layout.meta(slot) +
@@ -495,7 +503,9 @@ class SlotCache:
                     raise TimeoutError(f"key still loading after {timeout} s (the load goes on; "
                                        "get() again to wait more)")
         finally:
-            lib.ucm_stat_add(ctx, lib.UCM_ST_WAIT_NS, int((time.monotonic() - start) * 1e9))
+            waited = int((time.monotonic() - start) * 1e9)
+            lib.ucm_stat_add(ctx, lib.UCM_ST_WAIT_NS, waited)
+            lib.ucm_observe(ctx, lib.UCM_HIST_WAIT, waited)
 
     def get_or_load(self, key: Key, loader: Callable[[], Any], *,
                     timeout: Optional[float] = None) -> bytes:
@@ -507,28 +517,9 @@ class SlotCache:
         if not callable(loader):
             raise TypeError(f"loader must be a callable returning bytes, got "
                             f"{type(loader).__name__}")
-        ctx = self._ctx
-        if ctx is None:
-            self._check_usable()
-        if type(key) is bytes and len(key) == 16:
-            block_id, offset = key, 0
-        else:
-            block_id, offset = split_key(key)
-        # A hit: pin, copy the payload, release; no Handle.  The pin is named by the C step's
-        # in-flight record until released, so an exception anywhere drops it (see get()).
-        ticket = _next_ticket()
-        try:
-            r = lib.ucm_lookup_pin(ctx, block_id, offset, FAST_SPIN, 2, ticket)  # a hit counts
-            if r >= 0 and r & _PIN_READY:
-                o = self._data_off + (r & _PIN_SLOT_MASK) * self._stride
-                value = self._ro[o:o + ((r >> _PIN_LEN_SHIFT) & _PIN_SLOT_MASK)].tobytes()
-        except BaseException:
-            lib.ucm_abandon_inflight(ctx, ticket)
-            raise
-        if r >= 0:
-            lib.ucm_release(ctx, r & _PIN_SLOT_MASK)  # no call between the try and this one
-            if r & _PIN_READY:
-                return value
+        value = self._hit_bytes(key)
+        if value is not None:
+            return value
         try:
             h = self.get(key, timeout=timeout)
         except CacheFull:
@@ -544,6 +535,72 @@ class SlotCache:
                 value = loader()
                 mv = _as_view(value, self._layout.slot_size)
             except BaseException as e:
+                h.fail(f"{type(e).__name__}: {e}")
+                raise
+            h.data[: mv.nbytes] = mv
+            h.ready(mv.nbytes)
+            return mv.tobytes()
+
+    def _hit_bytes(self, key: Key) -> Optional[bytes]:
+        """A Ready entry's bytes (pin, copy, release; no Handle), or None for anything else
+        (which the caller takes through get()).  Counts only a hit."""
+        ctx = self._ctx
+        if ctx is None:
+            self._check_usable()
+        if type(key) is bytes and len(key) == 16:
+            block_id, offset = key, 0
+        else:
+            block_id, offset = split_key(key)
+        # The pin is named by the C step's in-flight record until released, so an exception
+        # anywhere drops it (see get()).
+        ticket = _next_ticket()
+        try:
+            r = lib.ucm_lookup_pin(ctx, block_id, offset, FAST_SPIN, 2, ticket)  # a hit counts
+            if r >= 0 and r & _PIN_READY:
+                o = self._data_off + (r & _PIN_SLOT_MASK) * self._stride
+                value = self._ro[o:o + ((r >> _PIN_LEN_SHIFT) & _PIN_SLOT_MASK)].tobytes()
+        except BaseException:
+            lib.ucm_abandon_inflight(ctx, ticket)
+            raise
+        if r >= 0:
+            lib.ucm_release(ctx, r & _PIN_SLOT_MASK)  # no call between the try and this one
+            if r & _PIN_READY:
+                return value
+        return None
+
+    async def aget_or_load(self, key: Key, loader: Callable[[], Any], *,
+                           timeout: Optional[float] = None) -> bytes:
+        """get_or_load for asyncio.  ``loader`` may be a plain callable or a coroutine
+        function.  A hit returns with no thread hop; a cold key makes this task the owner and
+        awaits its loader; waiting for another task's, thread's or process's load never blocks
+        the event loop (the futex wait runs in a thread) and honours ``timeout`` and
+        cancellation: a cancelled owner publishes Failed, a cancelled waiter abandons the wait,
+        never the load.  Single flight across tasks, threads and processes."""
+        if not callable(loader):
+            raise TypeError(f"loader must be a callable or a coroutine function returning "
+                            f"bytes, got {type(loader).__name__}")
+        value = self._hit_bytes(key)
+        if value is not None:
+            return value
+        isolate_owned()  # this task's own loads only (sibling tasks share the parent's set)
+        try:
+            h = self.get(key, timeout=timeout)
+        except CacheFull:
+            lib.ucm_stat_add(self._ctx, lib.UCM_ST_BYPASSES, 1)
+            value = loader()
+            if inspect.isawaitable(value):
+                value = await value
+            return _as_view(value, self._layout.slot_size).tobytes()
+        with h:
+            if not h.owner:
+                await h.wait_async(timeout)
+                return bytes(h.data)
+            try:
+                value = loader()
+                if inspect.isawaitable(value):
+                    value = await value
+                mv = _as_view(value, self._layout.slot_size)
+            except BaseException as e:  # CancelledError included: the load fails, waiters learn
                 h.fail(f"{type(e).__name__}: {e}")
                 raise
             h.data[: mv.nbytes] = mv

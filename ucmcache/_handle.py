@@ -9,6 +9,7 @@ that no waiter waits forever.
 from __future__ import annotations
 
 import contextvars
+import threading
 import time
 from typing import TYPE_CHECKING, Dict, List, Optional
 
@@ -30,6 +31,14 @@ STATE_NAMES = {lib.UCM_LOADING: "loading", lib.UCM_READY: "ready", lib.UCM_FAILE
 # A context variable, so a loader that hands its work to code running in a copy of its context
 # (asyncio.to_thread, contextvars.copy_context().run in a pool) is caught too.
 _owning: "contextvars.ContextVar[dict]" = contextvars.ContextVar("ucmcache_owning")
+
+
+def isolate_owned() -> None:
+    """Give the current context an owned-slot record of its own.  asyncio tasks start with a
+    copy of their creator's context, whose record is the same object: without this, a task's
+    own load would look like its siblings' own too, and they would refuse to wait for it."""
+    d = _owning.get(None)
+    _owning.set({} if d is None else {k: set(v) for k, v in d.items()})
 
 
 def _owned_slots(cache: "SlotCache") -> set:
@@ -69,7 +78,7 @@ class Handle(_Pins):
     """A pinned slot.  Use as a context manager; see SlotCache.get."""
 
     __slots__ = ("_cache", "_slot", "_owner", "_timeout", "_views", "_closed", "_published",
-                 "_owned", "_token", "_nbytes", "_view", "__weakref__")
+                 "_owned", "_token", "_nbytes", "_view", "_t0", "__weakref__")
     _what = "one pin"
 
     # SlotCache.get builds handles itself: an inert one (_closed True) before the pinning C
@@ -84,7 +93,8 @@ class Handle(_Pins):
 
     def own(self) -> None:
         """Record an owner's slot in its context's owned set (a waiter in this context on the
-        same slot would wait for itself)."""
+        same slot would wait for itself), and when its load began (the load-time histogram)."""
+        self._t0 = time.monotonic_ns()
         self._owned = _owned_slots(self._cache)
         self._owned.add(self._slot)
 
@@ -156,6 +166,7 @@ class Handle(_Pins):
         self._check_open()
         publish_ready(self._cache, self._slot, self._owner, nbytes)
         self._published = True
+        observe_load(self._cache, self._t0)
         if self._owned is not None:
             self._owned.discard(self._slot)
         self._release_views()  # the owner's writable view ends with the load
@@ -165,6 +176,7 @@ class Handle(_Pins):
         self._check_open()
         publish_failed(self._cache, self._slot, self._owner, message)
         self._published = True
+        observe_load(self._cache, self._t0)
         if self._owned is not None:
             self._owned.discard(self._slot)
         self._release_views()
@@ -189,6 +201,28 @@ class Handle(_Pins):
                 raise UcmError("this thread is loading this key itself (a loader asked for its "
                                "own key): waiting would never end")
             st = self._cache._wait_loaded(self._slot, timeout)
+        if st == lib.UCM_READY:
+            return self
+        raise LoadFailed(self._failure_message())
+
+    async def wait_async(self, timeout: Optional[float] = None) -> "Handle":
+        """wait() for asyncio: the futex wait runs in a thread, so the event loop goes on.
+        Cancelling the awaiting task abandons the wait (the load goes on)."""
+        self._check_open()
+        if timeout is None:
+            timeout = self._timeout
+        else:
+            timeout = check_timeout(timeout)
+        cache = self._cache
+        st = lib.ucm_slot_state(cache._ctx, self._slot)
+        if st == lib.UCM_LOADING:
+            if self._owner:
+                raise UcmError("the owner of a loading slot cannot wait for it: call ready() or "
+                               "fail()")
+            if self._slot in _owned_slots(cache):
+                raise UcmError("this task is loading this key itself (a loader asked for its "
+                               "own key): waiting would never end")
+            st = await wait_loaded_async(cache, self._slot, timeout)
         if st == lib.UCM_READY:
             return self
         raise LoadFailed(self._failure_message())
@@ -315,6 +349,11 @@ def failure_message(cache: "SlotCache", slot: int) -> str:
     return text or "the loader failed without a message"
 
 
+def observe_load(cache: "SlotCache", t0: int) -> None:
+    """An owner's load ended (published Ready or Failed): its time into the histogram."""
+    lib.ucm_observe(cache._ctx, lib.UCM_HIST_LOAD, time.monotonic_ns() - t0)
+
+
 def _check_owner(owner: bool, what: str) -> None:
     if not owner:
         raise UcmError(f"{what}() is for the owner of a loading slot; this handle is not")
@@ -378,6 +417,7 @@ class HandleBatch(_Pins):
 
     def own(self) -> None:
         """Record the owned positions in the owning context's set (see Handle.own)."""
+        self._t0 = time.monotonic_ns()
         self._owned = _owned_slots(self._cache)
         for s in self._slots[self.owner]:
             self._owned.add(int(s))
@@ -460,6 +500,7 @@ class HandleBatch(_Pins):
         self._check_open()
         i = self._index(i)
         publish_ready(self._cache, int(self._slots[i]), bool(self.owner[i]), nbytes)
+        observe_load(self._cache, self._t0)
         self._lens[i] = -1  # looked up again by data(i), now Ready
         if self._lens_l is not None:
             self._lens_l[i] = -1
@@ -470,6 +511,7 @@ class HandleBatch(_Pins):
         self._check_open()
         i = self._index(i)
         publish_failed(self._cache, int(self._slots[i]), bool(self.owner[i]), message)
+        observe_load(self._cache, self._t0)
         self._owned.discard(int(self._slots[i]))
         release_views(self._owner_views.pop(i, []))
 
@@ -549,6 +591,46 @@ def exit_message(exc_type, exc) -> bytes:
         return f"{exc_type.__name__}: {exc}".encode("utf-8", "replace")
     except Exception:
         return exc_type.__name__.encode("utf-8", "replace")
+
+
+async def wait_loaded_async(cache: "SlotCache", slot: int, timeout: Optional[float]) -> int:
+    """cache._wait_loaded in a thread of its own (one per wait: a pool of a few threads would
+    make the 41st waiter queue behind 40 others), resolved on the loop.  On cancellation the
+    thread is told to stop; it looks every CANCEL_SLICE (20 ms) and is joined (bounded) before
+    the pin behind it can go."""
+    import asyncio  # here, not at the top: most users never touch asyncio, and it is ~30 modules
+    loop = asyncio.get_running_loop()
+    fut = loop.create_future()
+    cancel = threading.Event()
+
+    def settle(result, error) -> None:
+        if not fut.done():
+            if error is None:
+                fut.set_result(result)
+            else:
+                fut.set_exception(error)
+
+    def run() -> None:
+        try:
+            st = cache._wait_loaded(slot, timeout, cancel)
+            loop.call_soon_threadsafe(settle, st, None)
+        except BaseException as e:  # TimeoutError and recovery's errors reach the awaiter
+            try:
+                loop.call_soon_threadsafe(settle, None, e)
+            except RuntimeError:
+                pass  # the loop is closed: nobody waits any more
+
+    thread = threading.Thread(target=run, name="ucmcache-wait", daemon=True)
+    thread.start()
+    try:
+        return await fut
+    except asyncio.CancelledError:
+        cancel.set()
+        thread.join(WAIT_CANCEL_JOIN)
+        raise
+
+
+WAIT_CANCEL_JOIN = 1.0  # seconds; the thread returns within one CANCEL_SLICE
 
 
 def check_timeout(timeout: object) -> float:

@@ -15,8 +15,13 @@ from ._core import lib
 COUNTERS: Dict[str, int] = {
     name[len("UCM_ST_"):].lower(): getattr(lib, name)
     for name in dir(lib)
-    if name.startswith("UCM_ST_") and name != "UCM_ST_COUNT"
+    if name.startswith("UCM_ST_") and name != "UCM_ST_COUNT" and not name.endswith("_HIST")
 }
+# Histograms: name -> first bucket's counter; bucket k counts values <= HIST_BOUNDS_NS[k] (the
+# last bucket: everything above).  Their _sum_ns and _count are ordinary counters above.
+HISTOGRAMS: Dict[str, int] = {"load": lib.UCM_ST_LOAD_HIST, "wait": lib.UCM_ST_WAIT_HIST}
+HIST_BOUNDS_NS: List[int] = [lib.UCM_HIST_FIRST_NS * lib.UCM_HIST_FACTOR ** k
+                             for k in range(lib.UCM_HIST_BUCKETS - 1)]
 COUNTER_NAMES: List[str] = sorted(COUNTERS, key=COUNTERS.get)
 RANK_STATES = {lib.UCM_RANK_FREE: "free", lib.UCM_RANK_INITIALIZING: "initializing",
                lib.UCM_RANK_READY: "ready", lib.UCM_RANK_STOPPED: "stopped"}
@@ -39,6 +44,12 @@ def rank_counters(seg) -> np.ndarray:
 
 def _named(row: np.ndarray) -> Dict[str, int]:
     return {name: int(row[i]) for name, i in COUNTERS.items()}
+
+
+def histogram_buckets(row: np.ndarray, name: str) -> List[int]:
+    """The per-bucket (not cumulative) counts of histogram `name` in one rank's row."""
+    first = HISTOGRAMS[name]
+    return [int(v) for v in row[first:first + lib.UCM_HIST_BUCKETS]]
 
 
 def collect(seg, alive) -> Dict[str, Any]:

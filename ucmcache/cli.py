@@ -723,6 +723,30 @@ def cmd_recover(args) -> int:
     return 1
 
 
+# ------------------------------------------------------------------------- metrics
+
+def cmd_metrics(args) -> int:
+    if args.once == (args.port is not None):
+        raise CliError("give exactly one of --once or --port P")
+    with _attached(args.uuid, timeout=args.timeout):
+        pass  # a missing, half-made or foreign segment: its one-line error, here
+    try:
+        from . import metrics
+    except ImportError as e:
+        raise CliError(str(e)) from None
+    if args.once:
+        sys.stdout.write(metrics.render(args.uuid, timeout=args.timeout))
+        return 0
+    server, thread = metrics.serve(args.uuid, args.port, args.addr, timeout=args.timeout)
+    _out([f"serving http://{args.addr}:{args.port}/metrics for segment {args.uuid!r} "
+          "(Ctrl-C stops)"])
+    try:
+        thread.join()
+    finally:
+        server.shutdown()
+    return 0
+
+
 # ------------------------------------------------------------------------- rm, gc
 
 @contextmanager
@@ -981,6 +1005,15 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--n-stripes", type=int, default=64, metavar="S", help="default 64")
     sp.add_argument("--mode", type=_mode_arg, default="600", metavar="OCTAL",
                     help="the file's permission bits, 0 to 777 (default 600)")
+
+    sp = cmd("metrics", "serve a segment's metrics in the Prometheus text format on "
+             "/metrics (or print them once)", cmd_metrics)
+    uuid_arg(sp)
+    sp.add_argument("--port", type=int, default=None, metavar="P",
+                    help="serve http://ADDR:P/metrics until Ctrl-C")
+    sp.add_argument("--addr", default="0.0.0.0", metavar="A", help="default 0.0.0.0")
+    sp.add_argument("--once", action="store_true",
+                    help="print one scrape and exit (node_exporter's textfile collector)")
 
     sub.add_parser("demo", help="run the demo (ucmcache demo --help for its options)",
                    add_help=False)

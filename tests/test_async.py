@@ -1,0 +1,129 @@
+"""asyncio (issue 17): aget_or_load and Handle.wait_async keep the event loop running, single
+flight across tasks, cancellation of owners and waiters."""
+import asyncio
+import contextvars
+
+import pytest
+
+import ucmcache
+from ucmcache import LoadFailed
+
+import safety_workers
+
+K = b"K" * 16
+
+
+def test_a_hit_returns_without_yielding_to_the_loop(make_cache):
+    c = make_cache(slot_size=64)
+    c.get_or_load(K, lambda: b"v" * 8)
+    coro = c.aget_or_load(K, lambda: b"never")
+    with pytest.raises(StopIteration) as done:  # finished in its first step: no await at all
+        coro.send(None)
+    assert done.value.value == b"v" * 8
+
+
+def test_forty_tasks_over_four_cold_keys_run_four_loads(make_cache):
+    c = make_cache(slots_per_rank=16, slot_size=64)
+    keys = [bytes([i]) * 16 for i in range(4)]
+    runs = []
+
+    async def loader_for(k):
+        runs.append(k)
+        for _ in range(5):
+            await asyncio.sleep(0)  # let every other task join meanwhile
+        return k * 2
+
+    async def main():
+        tasks = [c.aget_or_load(keys[i % 4], lambda i=i: loader_for(keys[i % 4]), timeout=30)
+                 for i in range(40)]
+        return await asyncio.gather(*tasks)
+
+    values = asyncio.run(main())
+    assert sorted(runs) == sorted(keys)
+    assert values == [keys[i % 4] * 2 for i in range(40)]
+    assert c._open_handles == 0 and ucmcache.verify(c.uuid).ok
+
+
+def test_waiting_for_another_process_keeps_the_loop_ticking(make_cache, procs, gate):
+    c = make_cache(slot_size=64)
+    held, go = gate(), gate()
+    _, q = procs.start(safety_workers.load_when_released, c.uuid, K, held.path, go.path)
+    held.wait_arrived()  # the other process owns K's load and holds it until we say
+    ticks = []
+
+    async def ticker():
+        while len(ticks) < 20:
+            await asyncio.sleep(0.01)
+            ticks.append(1)
+        go.release()  # only a loop that kept running gets here
+
+    async def main():
+        t = asyncio.create_task(ticker())
+        value = await c.aget_or_load(K, lambda: b"never", timeout=60)
+        await t
+        return value
+
+    assert asyncio.run(main()) == b"from-the-other-process"
+    assert procs.result(q) == "published"
+    assert len(ticks) == 20
+
+
+def test_a_cancelled_owner_fails_its_load_for_every_waiter(make_cache):
+    c = make_cache(slot_size=64)
+
+    async def main():
+        forever = asyncio.Event()
+
+        async def stuck():
+            await forever.wait()
+            return b"never"
+
+        owner = asyncio.create_task(c.aget_or_load(K, stuck))
+        await asyncio.sleep(0)  # the owner took the load and awaits its loader
+        waiter = asyncio.create_task(c.aget_or_load(K, lambda: b"never", timeout=30))
+        await asyncio.sleep(0.05)
+        owner.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await owner
+        with pytest.raises(LoadFailed, match="CancelledError"):
+            await waiter
+        return await c.aget_or_load(K, lambda: b"again")  # the next get elects a new owner
+
+    assert asyncio.run(main()) == b"again"
+    assert c._open_handles == 0 and ucmcache.verify(c.uuid).ok
+
+
+def test_a_cancelled_waiter_abandons_the_wait_not_the_load(make_cache):
+    c = make_cache(slot_size=64)
+
+    async def main():
+        release = asyncio.Event()
+
+        async def slow():
+            await release.wait()
+            return b"loaded"
+
+        owner = asyncio.create_task(c.aget_or_load(K, slow))
+        await asyncio.sleep(0)
+        waiter = asyncio.create_task(c.aget_or_load(K, lambda: b"never", timeout=30))
+        await asyncio.sleep(0.05)
+        waiter.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiter
+        release.set()
+        assert await owner == b"loaded"
+        with pytest.raises(TimeoutError):
+            # Loading, owned from another context (as another thread's would be): a task waits
+            # for it with a timeout
+            h = contextvars.Context().run(c.get, b"T" * 16)
+            try:
+                async def wait_other():
+                    return await c.aget_or_load(b"T" * 16, lambda: b"never", timeout=0.2)
+                await asyncio.create_task(wait_other())
+            finally:
+                h.fail("done")
+                h.close()
+        return await c.aget_or_load(K, lambda: b"never")
+
+    assert asyncio.run(main()) == b"loaded"
+    assert c._open_handles == 0 and ucmcache.verify(c.uuid).ok

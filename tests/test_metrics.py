@@ -1,0 +1,108 @@
+"""Prometheus metrics (issue 17): counters equal stats() after a known workload, histograms
+count every load and wait, scraped over HTTP by a real client and parsed by prometheus_client's
+own parser; the CLI's --once text and a collector registered in a process's own registry."""
+import contextvars
+import socket
+import subprocess
+import sys
+import urllib.request
+
+import pytest
+
+pytest.importorskip("prometheus_client")
+from prometheus_client import CollectorRegistry, generate_latest  # noqa: E402
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+
+from ucmcache import LoadFailed, metrics  # noqa: E402
+from ucmcache._stats import COUNTERS  # noqa: E402
+
+
+def workload(c):
+    keys = [bytes([i]) * 16 for i in range(6)]
+    for k in keys:
+        c.get_or_load(k, lambda: b"v" * 32)          # 6 misses, 6 loads
+    for k in keys[:4]:
+        c.get_or_load(k, lambda: b"never")           # 4 hits
+    with pytest.raises(ValueError):
+        c.get_or_load(b"F" * 16, lambda: (_ for _ in ()).throw(ValueError("boom")))
+    owner = contextvars.Context().run(c.get, b"W" * 16)  # a load another context owns
+    with c.get(b"W" * 16) as j:                      # a join that waits and times out
+        with pytest.raises(TimeoutError):
+            j.wait(0.05)
+    owner.fail("gave up")
+    owner.close()
+    with pytest.raises(LoadFailed):
+        with c.get(b"W" * 16) as h:
+            assert h.owner
+            h.fail("again")
+            h.wait()
+    c.clear()
+
+
+def parse(text):
+    fams = {f.name: f for f in text_string_to_metric_families(text)}
+    def total(name):
+        return sum(s.value for s in fams[name].samples if s.name == name + "_total")
+    return fams, total
+
+
+def check_against_stats(c, text):
+    fams, total = parse(text)
+    st = c.stats()
+    for name, (stat, _) in metrics.COUNTER_METRICS.items():
+        assert total(f"ucmcache_{name}") == st[stat], name
+    assert st["gets"] > 0 and st["hits"] == 4 and st["loads_failed"] >= 2
+    gauge = {f.name: f for f in fams.values()}
+    value = lambda n, **lab: sum(s.value for s in gauge[n].samples  # noqa: E731
+                                 if all(s.labels.get(k) == v for k, v in lab.items()))
+    assert value("ucmcache_entries") == c.entry_count()
+    assert value("ucmcache_bytes") == c.size_bytes()
+    assert value("ucmcache_capacity_bytes") == c.capacity * c.slot_size
+    assert value("ucmcache_ranks", state="live") == 1
+    assert value("ucmcache_slots") == c.capacity
+    for hist, count, sum_ns in (("load", "load_count", "load_sum_ns"),
+                                ("wait", "wait_count", "wait_sum_ns")):
+        samples = fams[f"ucmcache_{hist}_seconds"].samples
+        n = sum(s.value for s in samples if s.name.endswith("_count"))
+        inf = sum(s.value for s in samples if s.name.endswith("_bucket") and s.labels["le"] == "+Inf")
+        assert n == inf == st[count] > 0, hist
+        assert sum(s.value for s in samples if s.name.endswith("_sum")) == \
+            pytest.approx(st[sum_ns] / 1e9)
+
+
+def test_counters_and_histograms_match_stats_over_http(make_cache):
+    c = make_cache(slots_per_rank=16, slot_size=64)
+    workload(c)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server, thread = metrics.serve(c.uuid, port, "127.0.0.1")
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+            text = r.read().decode()
+    finally:
+        server.shutdown()
+        server.server_close()
+    check_against_stats(c, text)
+
+
+def test_a_process_registers_the_collector_in_its_own_registry(make_cache):
+    c = make_cache(slots_per_rank=16, slot_size=64)
+    workload(c)
+    registry = CollectorRegistry()
+    registry.register(metrics.collector(c.uuid))
+    check_against_stats(c, generate_latest(registry).decode())
+
+
+def test_cli_metrics_once_prints_one_scrape(make_cache):
+    c = make_cache(slots_per_rank=16, slot_size=64)
+    workload(c)
+    out = subprocess.run([sys.executable, "-m", "ucmcache.cli", "metrics", c.uuid, "--once"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    check_against_stats(c, out.stdout)
+    bad = subprocess.run([sys.executable, "-m", "ucmcache.cli", "metrics", c.uuid],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1
+    assert "exactly one of --once or --port" in bad.stderr
+    assert set(metrics.COUNTER_METRICS[n][0] for n in metrics.COUNTER_METRICS) <= set(COUNTERS)

@@ -1,0 +1,181 @@
+"""Prometheus metrics of a segment, read from its shared per-rank counters without taking a rank.
+
+``collector(uuid)`` is a prometheus_client collector a process can register in its own
+registry (vLLM's ``/metrics``, a multiprocess setup); ``render(uuid)`` is one scrape as text
+(``ucmcache metrics UUID --once``, for node_exporter's textfile collector); ``serve(uuid, port)``
+answers ``/metrics`` over HTTP (``ucmcache metrics UUID --port P``).  Every scrape attaches
+read-only, reads, and detaches, so a segment that is removed and made again is followed.
+
+Names (all labelled ``segment``; per-rank ones also ``rank``):
+
+* counters ``ucmcache_<name>_total`` for gets, hits, misses, joins, loads (loads started),
+  load_failures, evictions, bypasses, clears, recovered_ranks and the tier-2 counters
+  (``tier2_hits``, ``tier2_misses``, ``tier2_writes``, ``tier2_bypasses``, ``tier2_lease_waits``,
+  ``tier2_bad_values``): each rank's counter exactly as ``stats()["per_rank"]`` has it, and
+  their sum over ranks is ``stats()``'s figure;
+* gauges ``ucmcache_entries``, ``ucmcache_bytes``, ``ucmcache_capacity_bytes``,
+  ``ucmcache_slots{state}`` (empty, loading, ready, failed), ``ucmcache_ranks{state}`` (live,
+  dead, free);
+* histograms ``ucmcache_load_seconds`` (an owner's get to its publish) and
+  ``ucmcache_wait_seconds`` (a join's wait), per rank, with fixed log-scale buckets (10 us
+  times powers of 4) kept in the segment.
+"""
+from __future__ import annotations
+
+from typing import Dict, Iterator, List, Tuple
+
+import numpy as np
+
+from ._core import ffi, lib
+from ._recovery import rank_alive, rank_state
+from ._segment import Segment
+from ._stats import HIST_BOUNDS_NS, COUNTERS, histogram_buckets, rank_counters
+
+try:
+    from prometheus_client import CollectorRegistry, generate_latest, start_http_server
+    from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
+                                        HistogramMetricFamily)
+    from prometheus_client.registry import Collector
+except ImportError as e:  # pragma: no cover - exercised only without the extra
+    raise ImportError("ucmcache.metrics needs prometheus_client: pip install "
+                      "'ucmcache[metrics]' (or prometheus_client)") from e
+
+PREFIX = "ucmcache"
+# Prometheus name (without _total) -> stats() counter, with its help text.
+COUNTER_METRICS: Dict[str, Tuple[str, str]] = {
+    "gets": ("gets", "Outer get requests (hits included)"),
+    "hits": ("hits", "Gets served by a Ready entry"),
+    "misses": ("misses", "Gets that installed a key (this caller loads it)"),
+    "joins": ("joins", "Gets that joined another caller's load"),
+    "loads": ("loads_started", "Loads started (loader runs)"),
+    "load_failures": ("loads_failed", "Loads their owner published as Failed"),
+    "evictions": ("evictions", "Counted entries evicted by CLOCK"),
+    "bypasses": ("bypasses", "Loads run uncached because the cache was full"),
+    "clears": ("clears", "clear() calls"),
+    "recovered_ranks": ("recovered_ranks", "Dead ranks recovered by this rank"),
+    "tier2_hits": ("t2_hits", "Local misses served from tier 2"),
+    "tier2_misses": ("t2_misses", "Tier-2 lookups that found nothing"),
+    "tier2_writes": ("t2_writes", "Tier-2 write-throughs"),
+    "tier2_bypasses": ("t2_bypasses", "Tier 2 skipped (down, slow, breaker open)"),
+    "tier2_lease_waits": ("t2_lease_waits", "Waits for another node's load"),
+    "tier2_bad_values": ("t2_bad_values", "Corrupt or foreign tier-2 values"),
+}
+SLOT_STATES = {lib.UCM_EMPTY: "empty", lib.UCM_LOADING: "loading", lib.UCM_READY: "ready",
+               lib.UCM_FAILED: "failed"}
+
+
+def _snapshot(seg: Segment) -> Dict[str, object]:
+    """Everything one scrape reports, read from the mapping (no rank taken)."""
+    L = seg.layout
+    counters = rank_counters(seg)  # the same snapshot stats() sums
+    ctx = lib.ucm_ctx_new(seg.base, L.total_size, L.to_c())
+    if ctx == ffi.NULL:
+        raise MemoryError("could not allocate a cache context")
+    try:
+        entries = lib.ucm_acc_value(ctx, lib.UCM_R_ACC_ENTRIES)
+        size = lib.ucm_acc_value(ctx, lib.UCM_R_ACC_BYTES)
+    finally:
+        lib.ucm_ctx_free(ctx)
+    metas = np.frombuffer(seg.mm, dtype=np.uint32, count=L.n_slots * lib.UCM_META_SIZE // 4,
+                          offset=L.meta_off).reshape(L.n_slots, lib.UCM_META_SIZE // 4)
+    states = np.bincount(metas[:, lib.UCM_M_STATE // 4] & lib.UCM_STATE_MASK, minlength=4)
+    del metas
+    ranks = {"live": 0, "dead": 0, "free": 0}
+    for r in range(L.max_ranks):
+        if rank_alive(seg, r):
+            ranks["live"] += 1
+        elif rank_state(seg, r) != lib.UCM_RANK_FREE:
+            ranks["dead"] += 1
+        else:
+            ranks["free"] += 1
+    return {"counters": counters, "entries": entries, "size": size,
+            "capacity": L.n_slots * L.slot_size,
+            "slots": {name: int(states[v]) for v, name in SLOT_STATES.items()},
+            "ranks": ranks}
+
+
+def _histogram(name: str, help_text: str, uuid: str, snap: Dict[str, object],
+               which: str) -> HistogramMetricFamily:
+    fam = HistogramMetricFamily(f"{PREFIX}_{name}", help_text, labels=["segment", "rank"])
+    counters = snap["counters"]
+    bounds = [b / 1e9 for b in HIST_BOUNDS_NS] + [float("inf")]
+    for r in range(counters.shape[0]):
+        row = counters[r]
+        per_bucket = histogram_buckets(row, which)
+        cumulative, total = [], 0
+        for bound, n in zip(bounds, per_bucket):
+            total += n
+            cumulative.append((repr(bound) if bound != float("inf") else "+Inf", total))
+        fam.add_metric([uuid, str(r)], cumulative,
+                       sum_value=int(row[COUNTERS[f"{which}_sum_ns"]]) / 1e9)
+    return fam
+
+
+class SegmentCollector(Collector):
+    """A prometheus_client collector for one segment (see the module docs)."""
+
+    def __init__(self, uuid: str, *, timeout: float = 1.0):
+        self.uuid = uuid
+        self.timeout = timeout
+
+    def collect(self) -> Iterator[object]:
+        seg = Segment.attach(self.uuid, timeout=self.timeout, writable=False)
+        try:
+            snap = _snapshot(seg)
+        finally:
+            seg.detach()
+        yield from families(self.uuid, snap)
+
+
+def families(uuid: str, snap: Dict[str, object]) -> List[object]:
+    out: List[object] = []
+    counters = snap["counters"]
+    for name, (stat, help_text) in COUNTER_METRICS.items():
+        fam = CounterMetricFamily(f"{PREFIX}_{name}", help_text, labels=["segment", "rank"])
+        for r in range(counters.shape[0]):
+            fam.add_metric([uuid, str(r)], int(counters[r, COUNTERS[stat]]))
+        out.append(fam)
+    for name, value, help_text in (
+            ("entries", snap["entries"], "Ready entries of the current generation"),
+            ("bytes", snap["size"], "Payload bytes of those entries"),
+            ("capacity_bytes", snap["capacity"], "Slots times slot size")):
+        fam = GaugeMetricFamily(f"{PREFIX}_{name}", help_text, labels=["segment"])
+        fam.add_metric([uuid], value)
+        out.append(fam)
+    fam = GaugeMetricFamily(f"{PREFIX}_slots", "Slots by state", labels=["segment", "state"])
+    for state, n in snap["slots"].items():
+        fam.add_metric([uuid, state], n)
+    out.append(fam)
+    fam = GaugeMetricFamily(f"{PREFIX}_ranks", "Ranks by state", labels=["segment", "state"])
+    for state, n in snap["ranks"].items():
+        fam.add_metric([uuid, state], n)
+    out.append(fam)
+    out.append(_histogram("load_seconds", "Time from an owner's get to its publish", uuid,
+                          snap, "load"))
+    out.append(_histogram("wait_seconds", "Time a join waited for another caller's load",
+                          uuid, snap, "wait"))
+    return out
+
+
+def collector(uuid: str, *, timeout: float = 1.0) -> SegmentCollector:
+    """A collector to register: ``prometheus_client.REGISTRY.register(collector(uuid))``."""
+    Segment.attach(uuid, timeout=timeout, writable=False).detach()  # fail now, not per scrape
+    return SegmentCollector(uuid, timeout=timeout)
+
+
+def render(uuid: str, *, timeout: float = 1.0) -> str:
+    """One scrape in the Prometheus text format."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(collector(uuid, timeout=timeout))
+    return generate_latest(registry).decode("utf-8")
+
+
+def serve(uuid: str, port: int, addr: str = "0.0.0.0", *,
+          timeout: float = 1.0) -> Tuple[object, object]:
+    """Answer /metrics on addr:port from a background thread; returns (server, thread)."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(collector(uuid, timeout=timeout))
+    return start_http_server(port, addr=addr, registry=registry)
+
+
+__all__ = ["SegmentCollector", "collector", "render", "serve", "COUNTER_METRICS"]
