@@ -212,15 +212,8 @@ int ucm_cas32(char *base, uint64_t off, uint32_t expected, uint32_t desired)
     return __atomic_compare_exchange_n(W32(base, off), &expected, desired, 0, __ATOMIC_SEQ_CST,
                                        __ATOMIC_SEQ_CST);
 }
-int ucm_cas64(char *base, uint64_t off, uint64_t expected, uint64_t desired)
-{
-    return __atomic_compare_exchange_n(W64(base, off), &expected, desired, 0, __ATOMIC_SEQ_CST,
-                                       __ATOMIC_SEQ_CST);
-}
 uint32_t ucm_fetch_add32(char *base, uint64_t off, uint32_t v) { return __atomic_fetch_add(W32(base, off), v, __ATOMIC_SEQ_CST); }
 uint64_t ucm_fetch_add64(char *base, uint64_t off, uint64_t v) { return __atomic_fetch_add(W64(base, off), v, __ATOMIC_SEQ_CST); }
-uint64_t ucm_fetch_and64(char *base, uint64_t off, uint64_t v) { return __atomic_fetch_and(W64(base, off), v, __ATOMIC_SEQ_CST); }
-uint64_t ucm_fetch_or64(char *base, uint64_t off, uint64_t v) { return __atomic_fetch_or(W64(base, off), v, __ATOMIC_SEQ_CST); }
 
 /* ---------------------------------------------------------------- time, futex, gates */
 
@@ -339,27 +332,8 @@ static int mutex_result(int r)
     return UCM_CORRUPT; /* ENOTRECOVERABLE, EINVAL: the mutex word is not a mutex any more */
 }
 
-int ucm_mutex_lock(char *base, uint64_t off, int64_t timeout_ns)
-{
-    pthread_mutex_t *m = (pthread_mutex_t *)(base + off);
-    if (timeout_ns < 0) return mutex_result(pthread_mutex_lock(m));
-    struct timespec ts;
-    clock_gettime(CLOCK_REALTIME, &ts);
-    int64_t ns = ts.tv_nsec + timeout_ns;
-    ts.tv_sec += ns / 1000000000LL;
-    ts.tv_nsec = ns % 1000000000LL;
-    return mutex_result(pthread_mutex_timedlock(m, &ts));
-}
 
-int ucm_mutex_trylock(char *base, uint64_t off)
-{
-    return mutex_result(pthread_mutex_trylock((pthread_mutex_t *)(base + off)));
-}
 
-int ucm_mutex_unlock(char *base, uint64_t off)
-{
-    return mutex_result(pthread_mutex_unlock((pthread_mutex_t *)(base + off)));
-}
 
 uint32_t ucm_mutex_holder(char *base, uint64_t off)
 {
@@ -369,10 +343,6 @@ uint32_t ucm_mutex_holder(char *base, uint64_t off)
     return __atomic_load_n(W32(base, off), __ATOMIC_RELAXED) & 0x3fffffffu;
 }
 
-int ucm_mutex_consistent(char *base, uint64_t off)
-{
-    return mutex_result(pthread_mutex_consistent((pthread_mutex_t *)(base + off)));
-}
 
 /* ---------------------------------------------------------------- OFD life locks */
 
@@ -859,29 +829,6 @@ int ucm_release_many(ucm_ctx *c, const uint32_t *slots, uint32_t n)
  * again under the pin (I3).  Nothing is allocated or elected: a missing or Loading key is
  * reported, not loaded.  cffi releases the GIL around these calls, so copies overlap threads. */
 
-int64_t ucm_read_one(ucm_ctx *c, const char *id, uint64_t offset, char *out, uint64_t cap)
-{
-    /* Length copied (payload <= cap), or -UCM_MISS (absent or Loading), -UCM_FULL (payload
-     * larger than cap: nothing copied), -UCM_BUSY, -UCM_CORRUPT. */
-    uint64_t key[3];
-    uint32_t slot = 0, state = 0;
-    load_key(id, offset, key);
-    int r = lookup_pin_one(c, key, (uint32_t)ucm_generation(c), 64, &slot, &state);
-    if (r != UCM_OK) return -(int64_t)r;
-    int64_t answer = -(int64_t)UCM_MISS;
-    if (state == UCM_READY) {
-        uint64_t len = ready_len(c, slot);
-        if (len <= cap) {
-            memcpy(out, slot_bytes(c, slot), len);
-            answer = (int64_t)len;
-            STAT(c, UCM_ST_FAST_HITS, 1);
-        } else {
-            answer = -(int64_t)UCM_FULL;
-        }
-    }
-    unpin(c, slot);
-    return answer;
-}
 
 int ucm_read_many(ucm_ctx *c, const char *ids, const uint64_t *offsets, uint32_t n, char *out,
                   uint64_t row, int64_t *lens_out)

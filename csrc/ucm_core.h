@@ -237,17 +237,10 @@ uint64_t ucm_load64(char *base, uint64_t off);
 void ucm_store32(char *base, uint64_t off, uint32_t v);
 void ucm_store64(char *base, uint64_t off, uint64_t v);
 int ucm_cas32(char *base, uint64_t off, uint32_t expected, uint32_t desired);
-int ucm_cas64(char *base, uint64_t off, uint64_t expected, uint64_t desired);
 uint32_t ucm_fetch_add32(char *base, uint64_t off, uint32_t v);
 uint64_t ucm_fetch_add64(char *base, uint64_t off, uint64_t v);
-uint64_t ucm_fetch_and64(char *base, uint64_t off, uint64_t v);
-uint64_t ucm_fetch_or64(char *base, uint64_t off, uint64_t v);
 
 int ucm_mutex_init(char *base, uint64_t off);
-int ucm_mutex_lock(char *base, uint64_t off, int64_t timeout_ns);
-int ucm_mutex_trylock(char *base, uint64_t off);
-int ucm_mutex_unlock(char *base, uint64_t off);
-int ucm_mutex_consistent(char *base, uint64_t off);
 uint32_t ucm_mutex_holder(char *base, uint64_t off);
 
 int ucm_futex_wait(char *base, uint64_t off, uint32_t expected, int64_t timeout_ns);
@@ -275,7 +268,6 @@ int ucm_exist_many(ucm_ctx *c, const char *ids, const uint64_t *offsets, uint32_
 uint32_t ucm_exist_prefix(ucm_ctx *c, const char *ids, const uint64_t *offsets, uint32_t n);
 int ucm_touch_many(ucm_ctx *c, const char *ids, const uint64_t *offsets, uint32_t n);
 int ucm_release(ucm_ctx *c, uint32_t slot);
-int64_t ucm_read_one(ucm_ctx *c, const char *id, uint64_t offset, char *out, uint64_t cap);
 int ucm_read_many(ucm_ctx *c, const char *ids, const uint64_t *offsets, uint32_t n, char *out,
                   uint64_t row, int64_t *lens_out);
 int ucm_gather(ucm_ctx *c, const uint32_t *slots, uint32_t n, char *out, uint64_t row,

@@ -13,7 +13,8 @@ import ucmcache
 from ucmcache import ForeignSegment, SlotCache, chain_keys
 from ucmcache import _segment
 from ucmcache._keys import pack_keys, split_key
-from ucmcache._segment import Segment, default_layout, probe, shm_path
+from ucmcache._layout import Layout
+from ucmcache._segment import Segment, probe, shm_path
 
 import input_workers
 
@@ -139,7 +140,7 @@ def test_create_accepts_permission_bits_only(uuid, mode):
                                          r"0o777, got "):
         SlotCache.create(uuid, mode=mode, **PARAMS)
     with pytest.raises(ValueError, match=r"^mode must be "):
-        Segment.create(uuid, default_layout(**PARAMS), mode=mode)
+        Segment.create(uuid, Layout.compute(**PARAMS), mode=mode)
     assert not os.path.lexists(shm_path(uuid))      # refused before any file was made
 
 

@@ -35,7 +35,7 @@ from . import _hooks
 from ._core import ffi, lib
 from ._errors import (CorruptSegment, ForeignSegment, HalfMadeSegment, IncompatibleSegment,
                       SegmentExists, SegmentNotFound, SharedMemoryFull, UcmError)
-from ._layout import DEFAULT_STRIPES, Layout, LayoutError
+from ._layout import Layout, LayoutError
 
 SHM_DIR = "/dev/shm"
 PREFIX = "ucmcache-"
@@ -554,9 +554,3 @@ def _wait_for_magic(uuid: str, fd: int, timeout: float) -> Dict[str, int]:
         else:
             time.sleep(min(delay, left))
             delay = min(delay * 2, 0.05)
-
-
-def default_layout(*, slots_per_rank: int, slot_size: int, max_ranks: int,
-                   n_buckets: Optional[int] = None, n_stripes: int = DEFAULT_STRIPES) -> Layout:
-    return Layout.compute(max_ranks=max_ranks, slots_per_rank=slots_per_rank, slot_size=slot_size,
-                          n_buckets=n_buckets, n_stripes=n_stripes)

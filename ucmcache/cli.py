@@ -855,11 +855,11 @@ def cmd_gc(args) -> int:
 def cmd_create(args) -> int:
     from . import UcmError
     from ._errors import SharedMemoryFull
-    from ._layout import LayoutError
-    from ._segment import Segment, default_layout
+    from ._layout import Layout, LayoutError
+    from ._segment import Segment
     _check_uuid(args.uuid)
     try:
-        layout = default_layout(slots_per_rank=args.slots_per_rank, slot_size=args.slot_size,
+        layout = Layout.compute(slots_per_rank=args.slots_per_rank, slot_size=args.slot_size,
                                 max_ranks=args.max_ranks, n_buckets=args.n_buckets,
                                 n_stripes=args.n_stripes)
     except (LayoutError, TypeError) as e:
