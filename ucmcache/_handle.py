@@ -138,16 +138,20 @@ class Handle(_Pins):
         v = self._view
         if v is not None and not self._closed:
             return v  # made once: a slice of the mapping's read-only view, no C call
-        self._check_open()
         cache = self._cache
+        if self._closed or cache._ctx is None:
+            self._check_open()
+        n = self._nbytes
+        if n >= 0:  # Ready when pinned (the hit path): its length came with the pin
+            off = cache._data_off + self._slot * cache._stride
+            v = self._view = cache._ro[off:off + n]
+            return v
         if self._owner and not self._published:  # ours and Loading until we publish it
             if self._views is None:
                 self._views = []
             return slot_view(cache, self._slot, cache._layout.slot_size, True, self._views)
-        n = self._nbytes
-        if n < 0:  # not Ready when pinned (a join, or our own published load): look now
-            n = ready_length(cache, self._slot)
-            self._nbytes = n
+        # Not Ready when pinned (a join, or our own published load): look now.
+        n = self._nbytes = ready_length(cache, self._slot)
         off = cache._data_off + self._slot * cache._stride
         v = self._view = cache._ro[off:off + n]
         return v
