@@ -278,3 +278,19 @@ def _load_when_released(uuid, key, held_path, go_path):
 
 def load_when_released(q, *args):
     run(_load_when_released, q, *args)
+
+
+def _take_ring_lock_and_block(uuid, ring, gate_path):
+    """Hold `ring`'s producer lock as a producer mid-post would (our rank + 1 in the lock
+    word), then block until SIGKILLed: a producer that died holding the lock."""
+    c = SlotCache.attach(uuid)
+    L = c.layout
+    off = L.ring_off + ring * L.ring_size + lib.UCM_RING_LOCK
+    assert lib.ucm_cas32(c._seg.base, off, 0, c.rank + 1)
+    g = Gate(gate_path)
+    g.release()
+    g.wait_value(10 ** 9, timeout=60)
+
+
+def take_ring_lock_and_block(q, *args):
+    run(_take_ring_lock_and_block, q, *args)

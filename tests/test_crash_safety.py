@@ -285,3 +285,16 @@ def test_a_token_outliving_its_cache_does_not_touch_the_unmapped_segment(uuid, p
     # In a child process: a crash here would be a segfault.
     _, q = procs.start(safety_workers.token_outlives_cache, uuid)
     assert procs.result(q) == "survived"
+
+
+def test_a_producer_that_died_holding_a_ring_lock_costs_one_post_not_all(make_cache, procs,
+                                                                         gate):
+    c = make_cache(max_ranks=3)
+    g = gate()
+    p, q = procs.start(safety_workers.take_ring_lock_and_block, c.uuid, c.rank, g.path)
+    g.wait_arrived()
+    _kill(p.pid)
+    p.join(10)
+    keys = [bytes([i]) * 16 for i in range(5)]
+    assert c.prefetch(keys) == 5  # the dead holder is recovered and the post goes through
+    assert c.stats()["rings"][c.rank]["depth"] == 5
