@@ -2,7 +2,8 @@
 
 A "node" is one segment (its own uuid) with its own processes and its own RedisTier; nodes
 share only Redis.  Loader runs are counted in every process.  Events, gates and test points
-order the steps; the only polling is for an external server to come up.
+(ucmcache._hooks: "lease_wait", "before_write") order the steps; the only polling is for an
+external server to come up.
 """
 import logging
 import os
@@ -14,8 +15,9 @@ import uuid as uuidlib
 import pytest
 
 from ucmcache import RedisTier, SlotCache, SegmentNotFound
-from ucmcache import _tier2
-from ucmcache._tier2 import HEADER, MAGIC, decode, encode
+from ucmcache import _hooks
+from ucmcache._tier import BoundTier, Tier
+from ucmcache.tier2.codec import HEADER, MAGIC, decode, encode
 
 # Fixtures used by name: redis_cluster, redis_unix, redis_workdir.
 from redis_fixtures import (RedisProc, free_port, need_redis, redis_cluster,  # noqa: F401
@@ -146,9 +148,74 @@ def test_bad_tier2_argument_creates_nothing():
         SlotCache.unlink(u)
 
 
+class DictTier(Tier):
+    """A second backend through the tier interface alone (ucmcache._tier): a dict of this
+    process, shared by every cache bound to it; it records the calls it gets."""
+
+    def __init__(self):
+        self.values, self.calls = {}, []
+
+    def bind(self, count, slot_size):
+        tier = self
+
+        class Bound(BoundTier):
+            keys = {}
+
+            def lookup(self, owned, may_wait, timeout):
+                tier.calls.append(("lookup", len(owned), may_wait))
+                out = []
+                for slot, block_id, offset in owned:
+                    self.keys[slot] = (block_id, offset)
+                    v = tier.values.get((block_id, offset))
+                    out.append(None if v is None else memoryview(v))
+                return out
+
+            def exist_prefix(self, keys):
+                n = 0
+                while n < len(keys) and tuple(keys[n]) in tier.values:
+                    n += 1
+                return n
+
+            def write_through(self, slot, payload):
+                tier.values[self.keys.pop(slot)] = bytes(payload)
+
+            def abandon(self, slot):
+                tier.calls.append(("abandon", self.keys.pop(slot, None)))
+
+            def close(self):
+                tier.calls.append(("close",))
+        return Bound()
+
+
+def test_a_second_backend_plugs_in_through_the_tier_interface(nodes):
+    tier = DictTier()
+    a, b = nodes(2, tier2=tier)
+    keys = _keys(4)
+    runs = []
+    for k in keys[:3]:
+        assert check_payload(k, a.get_or_load(k, lambda k=k: (runs.append(k),
+                                                               payload_for(k, SIZE))[1]))
+    assert len(runs) == 3 and len(tier.values) == 3          # written through on ready()
+    assert b.exist_prefix(keys) == 3                          # the rest, from the tier
+    with b.get(keys[0]) as h:                                 # served: published, a reader
+        assert not h.owner and h.state == "ready" and check_payload(keys[0], h.data)
+    with b.get_many(keys[1:]) as batch:                       # two served, one to load
+        assert batch.owner.tolist() == [False, False, True]
+        assert check_payload(keys[1], bytes(batch.data(0)))
+    assert ("abandon", (keys[3], 0)) in tier.calls            # closed unpublished
+    assert ("lookup", 3, True) in tier.calls and len(runs) == 3
+    with a.get(keys[3]) as mine:
+        with a.get(_keys(1)[0]) as other:                     # owns another load: no waiting
+            assert other.owner
+            other.fail("no")
+        mine.fail("no")
+    assert tier.calls[-4:-2] == [("lookup", 1, True), ("lookup", 1, False)]
+
+
 def test_no_server_every_get_is_served_by_the_loader(nodes):
-    (c,) = nodes(1, tier2=RedisTier(url=f"redis://127.0.0.1:{free_port()}/0", namespace=_ns(),
-                                    timeout=0.05, breaker_failures=2))
+    tier = RedisTier(url=f"redis://127.0.0.1:{free_port()}/0", namespace=_ns(), timeout=0.05,
+                     breaker_failures=2)
+    (c,) = nodes(1, tier2=tier)
     keys = _keys(5)
     for k in keys:
         assert check_payload(k, c.get_or_load(k, lambda k=k: payload_for(k, SIZE)))
@@ -156,7 +223,7 @@ def test_no_server_every_get_is_served_by_the_loader(nodes):
         assert b.owner.all()  # the caller loads; nothing failed
     s = _t2(c)
     assert s["t2_bypasses"] == 8 and s["t2_hits"] == s["t2_misses"] == 0  # one per owner
-    assert c._tier2.tier.state == "open"
+    assert tier.state == "open"
 
 
 # ---------------------------------------------------------------- two nodes
@@ -211,14 +278,18 @@ def _events(n):
     return [ctx.Event() for _ in range(n)]
 
 
-def test_a_node_waits_for_the_node_holding_the_lease(nodes, backend, procs):
+def test_a_node_waits_for_the_node_holding_the_lease(nodes, backend, procs, gate):
     cfg = _cfg(backend)
     a, b = nodes(2)
     (key,) = _keys(1)
-    loading, waiting = _events(2)
+    loading, go = _events(2)
+    lease_wait = gate()
     # A's loader starts (its lease is taken), then waits until B waits on that lease.
-    _, qa = procs.start(tw.hold_lease, a.uuid, cfg, key, loading, waiting)
-    _, qb = procs.start(tw.wait_lease, b.uuid, cfg, key, loading, waiting)
+    _, qa = procs.start(tw.hold_lease, a.uuid, cfg, key, loading, go)
+    _, qb = procs.start(tw.wait_lease, b.uuid, cfg, key, loading, lease_wait.path)
+    lease_wait.wait_arrived()                   # B waits on A's lease
+    go.set()
+    lease_wait.release()
     ra, rb = procs.result(qa), procs.result(qb)
     assert (ra["runs"], rb["runs"]) == (1, 0)
     assert ra["ok"] and rb["ok"]
@@ -226,32 +297,35 @@ def test_a_node_waits_for_the_node_holding_the_lease(nodes, backend, procs):
     assert rb["t2"]["t2_misses"] == 0
 
 
-def test_a_dead_lease_holder_is_taken_over_when_its_lease_expires(nodes, redis_unix, procs):
+def test_a_dead_lease_holder_is_taken_over_when_its_lease_expires(nodes, redis_unix, procs,
+                                                                   gate):
     # B is up and waiting before A dies, so it asks well within the lease (1.5 s).
     cfg = dict(unix_socket=redis_unix.sock, namespace=_ns(), timeout=2.0, lease_ttl=1.5)
     a, b = nodes(2)
     (key,) = _keys(1)
-    loading, waiting, never, killed = _events(4)
+    loading, never, killed = _events(3)
+    lease_wait = gate()
     pa, qa = procs.start(tw.hold_lease, a.uuid, cfg, key, loading, never)
-    _, qb = procs.start(tw.wait_lease, b.uuid, cfg, key, killed, waiting)
+    _, qb = procs.start(tw.wait_lease, b.uuid, cfg, key, killed, lease_wait.path)
     assert loading.wait(30)
     pa.kill()                                   # dies inside its loader, holding the lease
     pa.join(10)
     killed.set()
+    lease_wait.wait_arrived()                   # B waits on the dead holder's lease
+    lease_wait.release()
     rb = procs.result(qb)
-    assert waiting.is_set()
     assert rb["runs"] == 1 and rb["ok"]         # B waited, then loaded it itself
     assert rb["t2"]["t2_lease_waits"] == 1 and rb["t2"]["t2_misses"] == 1
 
 
-def test_get_many_takes_leases_in_order_and_never_waits_holding_one(nodes, redis_unix):
+def test_get_many_takes_leases_in_order_and_never_waits_holding_one(nodes, redis_unix, gate):
     cfg = dict(unix_socket=redis_unix.sock, namespace=_ns(), timeout=2.0)
     ta, tb = RedisTier(**cfg), RedisTier(**cfg)
     a, b = nodes(2)
     a2 = SlotCache.attach(a.uuid, tier2=ta)
     b2 = SlotCache.attach(b.uuid, tier2=tb)
     lo, hi = sorted(_keys(2), key=ta.key_for)
-    waiting = threading.Event()
+    lease_wait = gate()
     out = {}
     opened = []
     try:
@@ -260,28 +334,30 @@ def test_get_many_takes_leases_in_order_and_never_waits_holding_one(nodes, redis
         assert h_lo.owner.tolist() == [True]
 
         def node_b():
-            _tier2._points["lease_wait"] = lambda **info: waiting.set()
             with b2.get_many([lo, hi], timeout=30) as batch:
                 out["owner"] = batch.owner.tolist()
                 batch.wait(30)
                 out["data"] = [bytes(batch.data(i)) for i in range(2)]
+        _hooks.arm_python("lease_wait", "gate", lease_wait)
         t = threading.Thread(target=node_b)
         t.start()
         try:
-            assert waiting.wait(30)
-            _tier2._points.pop("lease_wait", None)
-            # B waits for lo and holds no lease past it: node A can take hi's lease.
+            lease_wait.wait_arrived()
+            # B waits for lo (held at the gate) and holds no lease past it: node A can take
+            # hi's lease.
             h_hi = a2.get_many([hi])
             opened.append(h_hi)
             assert h_hi.owner.tolist() == [True]
-            assert a2._tier2.pending[int(h_hi.slots[0])].token is not None
+            assert a2._tier.pending[int(h_hi.slots[0])].token is not None
+            lease_wait.release()
             for h, k in ((h_hi, hi), (h_lo, lo)):
                 h.data(0)[:SIZE] = payload_for(k, SIZE)
                 h.ready(0, SIZE)
                 h.close()
         finally:
+            _hooks.arm_python("lease_wait", "none")
+            lease_wait.release()
             t.join(60)
-            _tier2._points.pop("lease_wait", None)
         assert out["owner"] == [False, False]      # both came from node A through tier 2
         assert check_payload(lo, out["data"][0]) and check_payload(hi, out["data"][1])
         s = b2.stats()["per_rank"][b2.rank]
@@ -434,7 +510,7 @@ def test_exist_prefix_consults_tier_2_for_the_rest_only(nodes, redis_unix):
         keys = chain_keys([bytes([i]) * 32 for i in range(8)], namespace="m")
         for k in keys[:6]:
             a2.get_or_load(k, lambda k=k: payload_for(k, SIZE))
-        a2._tier2.tier.flush()
+        a2._tier.tier.flush()
         b.get_or_load(keys[0], lambda: payload_for(keys[0], SIZE))  # local only, no tier 2
         assert b.exist_prefix(keys) == 1
         assert b2.exist_prefix(keys) == 6
@@ -503,7 +579,7 @@ def test_cluster_a_key_slot_moving_is_followed(nodes, redis_cluster):
         b2.close()
 
 
-def test_a_failed_load_drops_its_lease_at_once(nodes, redis_unix):
+def test_a_failed_load_drops_its_lease_at_once(nodes, redis_unix, gate):
     """A node whose load fails drops its lease: a waiting node takes over at once, long
     before the lease would expire."""
     cfg = dict(unix_socket=redis_unix.sock, namespace=_ns(), timeout=2.0, lease_ttl=60.0)
@@ -511,35 +587,37 @@ def test_a_failed_load_drops_its_lease_at_once(nodes, redis_unix):
     a2 = SlotCache.attach(a.uuid, tier2=RedisTier(**cfg))
     b2 = SlotCache.attach(b.uuid, tier2=RedisTier(**cfg))
     (key,) = _keys(1)
-    waiting = threading.Event()
+    lease_wait = gate()
     out = {}
     try:
         h = a2.get(key)
         assert h.owner                             # node A holds the lease
 
         def node_b():
-            _tier2._points["lease_wait"] = lambda **info: waiting.set()
             out["v"] = b2.get_or_load(key, lambda: payload_for(key, SIZE), timeout=30)
+        _hooks.arm_python("lease_wait", "gate", lease_wait)
         t = threading.Thread(target=node_b)
         t.start()
         try:
-            assert waiting.wait(30)
+            lease_wait.wait_arrived()               # node B waits on node A's lease
+            lease_wait.release()
             h.fail("no GPU")                        # node A's load fails ...
             h.close()                               # ... and its lease goes with the handle
         finally:
+            _hooks.arm_python("lease_wait", "none")
+            lease_wait.release()
             t.join(60)
-            _tier2._points.pop("lease_wait", None)
         assert not t.is_alive()                    # released with the handle, not expired
         assert check_payload(key, out["v"])
         s = b2.stats()["per_rank"][b2.rank]
         assert s["t2_lease_waits"] == 1 and s["t2_misses"] == 1
-        assert a2._tier2.tier.flush() and a2._tier2.tier.counters["releases"] == 1
+        assert a2._tier.tier.flush() and a2._tier.tier.counters["releases"] == 1
     finally:
         a2.close()
         b2.close()
 
 
-def test_write_through_is_off_the_path_and_bounded(nodes, redis_unix):
+def test_write_through_is_off_the_path_and_bounded(nodes, redis_unix, gate):
     """Publishing never waits for Redis: while the writer is held, the value is Ready locally
     and not yet in Redis; past max_pending_bytes write-throughs are dropped (and counted), and
     the dropped one's lease is released rather than left to expire."""
@@ -548,23 +626,18 @@ def test_write_through_is_off_the_path_and_bounded(nodes, redis_unix):
     (c,) = nodes(1, tier2=tier)
     r = redis_unix.client()
     k1, k2, k3 = _keys(3)
-    holding, go = threading.Event(), threading.Event()
-
-    def hold(**info):
-        holding.set()
-        assert go.wait(30)
-    _tier2._points["before_write"] = hold
+    writer = gate()
+    _hooks.arm_python("before_write", "gate", writer)  # one-shot: k1's batch only
     try:
         assert check_payload(k1, c.get_or_load(k1, lambda: payload_for(k1, SIZE)))
-        assert holding.wait(30)                     # the writer holds k1's write-through
-        _tier2._points.pop("before_write")
+        writer.wait_arrived()                       # the writer holds k1's write-through
         assert c.exist([k1]) == [True] and not r.exists(tier.key_for(k1))
         c.get_or_load(k2, lambda: payload_for(k2, SIZE))   # queued (224 bytes)
         c.get_or_load(k3, lambda: payload_for(k3, SIZE))   # over 300 bytes queued: dropped
         assert tier.counters["writes_dropped"] == 1 and _t2(c)["t2_writes"] == 2
     finally:
-        _tier2._points.pop("before_write", None)
-        go.set()
+        _hooks.arm_python("before_write", "none")
+        writer.release()
     assert tier.flush()
     assert r.exists(tier.key_for(k1)) and r.exists(tier.key_for(k2))
     assert not r.exists(tier.key_for(k3)) and not r.exists(tier.key_for(k3) + b":lease")

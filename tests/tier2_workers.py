@@ -1,13 +1,13 @@
 """Worker functions for the tier-2 tests: spawned processes, one "node" being one segment.
 
 Each attaches to its node's segment with a RedisTier built from a plain config dict, reports
-through a queue (see workers.run), and counts how often its own loader ran.  Events order the
-steps across processes; nothing sleeps.
+through a queue (see workers.run), and counts how often its own loader ran.  Events and gates
+order the steps across processes; nothing sleeps.
 """
 import random
 
 from ucmcache import RedisTier, SlotCache
-from ucmcache import _tier2
+from ucmcache import _hooks
 
 from workers import check_payload, payload_for, run
 
@@ -84,12 +84,14 @@ def hold_lease(q, *args):
     run(_hold_lease, q, *args)
 
 
-def _wait_lease(uuid, cfg, key, loading_ev, waiting_ev):
-    """Once another node is loading key, load it too: we must wait for its lease (waiting_ev
-    is set once we do), then get its value, or take over if its holder died."""
+def _wait_lease(uuid, cfg, key, loading_ev, gate_path):
+    """Once another node is loading key, load it too: we must wait for its lease (held at the
+    gate when we start to), then get its value, or take over if its holder died."""
+    from ucmcache._hooks import Gate
     c = SlotCache.attach(uuid, tier2=RedisTier(**cfg))
     runs = []
-    _tier2._points["lease_wait"] = lambda **info: waiting_ev.set()
+    gate = Gate(gate_path)
+    _hooks.arm_python("lease_wait", "gate", gate)
     try:
         before = _t2(c)
         if not loading_ev.wait(30):
@@ -98,7 +100,8 @@ def _wait_lease(uuid, cfg, key, loading_ev, waiting_ev):
                           timeout=30)
         return {"runs": len(runs), "ok": check_payload(key, v), "t2": _t2(c, before)}
     finally:
-        _tier2._points.pop("lease_wait", None)
+        _hooks.arm_python("lease_wait", "none")
+        gate.close()
         c.close()
 
 

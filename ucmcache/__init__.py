@@ -11,7 +11,7 @@ from ._errors import (CacheFull, CorruptSegment, ForeignSegment, HalfMadeSegment
                       SegmentExists, SegmentNotFound, SharedMemoryFull, UcmError)
 from ._handle import Handle, HandleBatch
 from ._keys import Key, chain_keys, make_key
-from ._tier2 import RedisTier
+from .tier2 import RedisTier
 from ._verify import VerifyReport, verify
 
 __all__ = [

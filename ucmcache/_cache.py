@@ -37,7 +37,7 @@ from ._locks import Stripes, describe_stripe_holder
 from ._recovery import (RecoveryReport, free_rank, rank_alive, recover_dead_ranks, take_rank)
 from ._results import code_name
 from ._ring import Prefetcher, ring_counters
-from ._tier2 import RedisTier, bind_tier2, check_tier2
+from ._tier import BoundTier, Tier, check_tier
 from ._segment import Segment
 from . import _stats
 
@@ -103,8 +103,11 @@ class SlotCache:
     other processes with ``SlotCache.attach``, and remove it with ``SlotCache.unlink``.
     """
 
-    def __init__(self, seg: Segment, rank: Optional[int], tier2: Optional[RedisTier] = None):
-        self._tier2 = bind_tier2(tier2, self)  # None, or the tier as this cache uses it
+    def __init__(self, seg: Segment, rank: Optional[int], tier2: Optional[Tier] = None):
+        check_tier(tier2)
+        # None, or the tier beneath this cache, bound to it (see _tier: the calls it gets)
+        self._tier: Optional[BoundTier] = \
+            None if tier2 is None else tier2.bind(self._count, seg.layout.slot_size)
         self._seg = seg
         self._layout: Layout = seg.layout
         ctx = lib.ucm_ctx_new(seg.base, seg.layout.total_size, seg.layout.to_c())
@@ -116,7 +119,6 @@ class SlotCache:
         self._prefetcher: Optional[Prefetcher] = None
         self._pid = os.getpid()
         self._why_unusable = ""
-        # The handle classes get()/get_many() build (a tier makes its own, see _tier2).
         self._data_off = seg.layout.data_off  # the hit path's view arithmetic, as plain ints
         self._stride = seg.layout.slot_stride
         self._ro = seg.ro_view  # readers' views are slices of it
@@ -124,8 +126,6 @@ class SlotCache:
         # collected after its cache must not drop pins in an unmapped segment.
         self._keep = ffi.new_handle(seg)
         self._token_release = functools.partial(lib.ucm_token_release, self._keep)
-        self._handle_cls = Handle if self._tier2 is None else self._tier2.handle_cls
-        self._batch_cls = HandleBatch if self._tier2 is None else self._tier2.batch_cls
         try:
             self._rank, recovered = take_rank(seg, ctx, rank)
         except BaseException:
@@ -144,10 +144,10 @@ class SlotCache:
     def create(cls, uuid: str, *, slots_per_rank: int, slot_size: int, max_ranks: int = 8,
                n_buckets: Optional[int] = None, n_stripes: int = DEFAULT_STRIPES,
                mode: int = 0o600, exist_ok: bool = False, timeout: float = 10.0,
-               tier2: Optional[RedisTier] = None) -> "SlotCache":
+               tier2: Optional[Tier] = None) -> "SlotCache":
         """Create the segment ``uuid`` and attach to it.  With exist_ok, a segment that exists
         with the same params is attached instead (other params: IncompatibleSegment)."""
-        check_tier2(tier2)
+        check_tier(tier2)
         layout = Layout.compute(max_ranks=max_ranks, slots_per_rank=slots_per_rank,
                                 slot_size=slot_size, n_buckets=n_buckets, n_stripes=n_stripes)
         try:
@@ -165,7 +165,7 @@ class SlotCache:
 
     @classmethod
     def attach(cls, uuid: str, *, rank: Optional[int] = None, timeout: float = 10.0,
-               allow_other_user: bool = False, tier2: Optional[RedisTier] = None) -> "SlotCache":
+               allow_other_user: bool = False, tier2: Optional[Tier] = None) -> "SlotCache":
         """Attach to an existing segment as ``rank`` (None: any free rank).  Waits up to
         ``timeout`` seconds for a segment that is still being created."""
         seg = Segment.attach(uuid, timeout=timeout, allow_other_user=allow_other_user)
@@ -189,8 +189,8 @@ class SlotCache:
                            "open; close them first")
         if self._prefetcher is not None:
             self._prefetcher.stop()  # its thread works on this mapping: it goes first
-        if self._tier2 is not None:
-            self._tier2.close()  # write-throughs queued by this process go out first (bounded)
+        if self._tier is not None:
+            self._tier.close()  # write-throughs queued by this process go out first (bounded)
         ctx = self._ctx
         # Closed first: from here no pin drop or token through ctx touches the segment, before
         # the rank is freed for another process (free_rank's recovery removes our holds).
@@ -296,7 +296,7 @@ class SlotCache:
         # records the pin under the ticket and the except path drops it; a slow-path pin (maybe
         # an owner's) goes to a token instead, dropped there or, failing that, from C when the
         # token is collected.
-        h = _new(self._handle_cls)
+        h = _new(Handle)
         h._closed = True
         token = None
         ticket = _next_ticket()
@@ -322,8 +322,8 @@ class SlotCache:
             h._closed = False
             if owner:  # the handle holds the load now: cut short, closing it fails the load
                 h.own()
-                if self._tier2 is not None:
-                    return self._tier2.owner_handle(h, block_id, offset, timeout)
+                if self._tier is not None:  # the handle owns the pin: a raise here closes it
+                    self._ask_tier(h, block_id, offset, timeout)
         except BaseException:
             if h._closed:
                 if token is None:
@@ -421,7 +421,7 @@ class SlotCache:
                        functools.partial(lib.ucm_batch_token_release, self._keep, slots_p,
                                          owner_p))
         lib.ucm_batch_token_arm(ctx, token, n)
-        batch = _new(self._batch_cls)
+        batch = _new(HandleBatch)
         batch._closed = True
         try:
             if n:
@@ -453,8 +453,8 @@ class SlotCache:
             batch._closed = False
             if any_owner:
                 batch.own()
-                if self._tier2 is not None:
-                    return self._tier2.owner_batch(batch, split, timeout)
+                if self._tier is not None:  # the batch owns the pins: a raise here closes it
+                    self._ask_tier_many(batch, split, timeout)
         except BaseException as e:
             if batch._closed:  # the token still holds every pin: drop them, failing owned loads
                 message, length = ABANDONED, ABANDONED_LEN
@@ -651,7 +651,7 @@ class SlotCache:
         if ctx is None:
             self._check_usable()
         if type(keys) is list and len(keys) <= _SHORT and _plain_ids(keys) and \
-                self._tier2 is None:
+                self._tier is None:
             n = 0
             for k in keys:
                 if lib.ucm_exist1(ctx, k, 0) != 1:
@@ -662,8 +662,8 @@ class SlotCache:
         if not split:
             return 0
         n = lib.ucm_exist_prefix(ctx, ids, _ptr("uint64_t[]", offsets), len(split))
-        if self._tier2 is not None and n < len(split):
-            n += self._tier2.exist_prefix(split[n:])  # the rest, from tier 2: one round trip
+        if self._tier is not None and n < len(split):
+            n += self._tier.exist_prefix(split[n:])  # the rest, from tier 2: one round trip
         return n
 
     def touch(self, keys: Iterable[Key]) -> None:
@@ -756,6 +756,40 @@ class SlotCache:
     def _recover(self, wait: float) -> RecoveryReport:
         """recover() within a caller's deadline: never blocks longer than ``wait`` seconds."""
         return recover_dead_ranks(self._seg, self._ctx, self._rank, max(0.0, wait))
+
+    # ---------------------------------------------------------------- the tier (DESIGN 4.10)
+    # The cache asks its tier (see _tier) right after get/get_many made this caller an owner,
+    # with the pins already the handle's or the batch's; the handle publishes what the tier
+    # serves (_served), writes through on ready() and abandons on an unpublished close.
+
+    def _ask_tier(self, h: Handle, block_id: bytes, offset: int,
+                  timeout: Optional[float]) -> None:
+        """get(): h owns a cold slot.  When the tier has the value, h publishes it and becomes
+        a reader of it; else h stays the owner (the tier may hold a lease for its slot)."""
+        # Waiting for another node is safe only when this caller owns no other load.
+        (payload,) = self._tier.lookup([(h._slot, block_id, offset)], len(h._owned) == 1,
+                                       timeout)
+        if payload is not None:
+            h._served(payload)
+
+    def _ask_tier_many(self, batch: HandleBatch, split: Sequence[Tuple[bytes, int]],
+                       timeout: Optional[float]) -> None:
+        """get_many(): the owned positions ask the tier together; those it serves are
+        published and no longer owned."""
+        idx = np.flatnonzero(batch.owner).tolist()
+        slots = [int(batch._slots[i]) for i in idx]
+        may_wait = not (batch._owned - set(slots))
+        payloads = self._tier.lookup([(s, *split[i]) for s, i in zip(slots, idx)], may_wait,
+                                     timeout)
+        for i, p in zip(idx, payloads):
+            if p is not None:
+                batch._served(i, p)
+
+    def _count(self, counter: int, n: int) -> None:
+        """Add n to one of this rank's shared counters (the tier's UCM_ST_T2_*)."""
+        ctx = self._ctx
+        if ctx is not None and n:
+            lib.ucm_stat_add(ctx, counter, n)
 
     # ---------------------------------------------------------------- test hooks
 

@@ -168,12 +168,22 @@ class Handle(_Pins):
     def ready(self, nbytes: Optional[int] = None) -> None:
         """Publish the slot as Ready with nbytes of payload (default: the whole slot)."""
         self._check_open()
-        publish_ready(self._cache, self._slot, self._owner, nbytes)
+        n = publish_ready(self._cache, self._slot, self._owner, nbytes)
         self._published = True
         observe_load(self._cache, self._t0)
         if self._owned is not None:
             self._owned.discard(self._slot)
         self._release_views()  # the owner's writable view ends with the load
+        if self._cache._tier is not None:
+            write_through(self._cache, self._slot, n)
+
+    def _served(self, payload: memoryview) -> None:
+        """The cache's tier had this owner's value: publish it Ready through the normal path,
+        and this handle becomes a reader of it (no longer the owner, nothing to write through)."""
+        fill(self._cache, self._slot, payload)
+        self._owner = False
+        self._published = True
+        self._owned.discard(self._slot)
 
     def fail(self, message: str = "load failed") -> None:
         """Publish the slot as Failed; current waiters get LoadFailed(message)."""
@@ -265,6 +275,8 @@ class Handle(_Pins):
             if self._owned is not None:
                 self._owned.discard(self._slot)
             self._release_views()
+            if self._owner and cache._tier is not None:  # a lease left behind only expires
+                cache._tier.abandon(self._slot)
         finally:
             if self._token is not None:  # a slow-path pin: its token drops it (and fails it)
                 lib.ucm_token_drop(self._token, message, length)
@@ -363,7 +375,7 @@ def _check_owner(owner: bool, what: str) -> None:
         raise UcmError(f"{what}() is for the owner of a loading slot; this handle is not")
 
 
-def publish_ready(cache: "SlotCache", slot: int, owner: bool, nbytes: Optional[int]) -> None:
+def publish_ready(cache: "SlotCache", slot: int, owner: bool, nbytes: Optional[int]) -> int:
     _check_owner(owner, "ready")
     size = cache._layout.slot_size
     if nbytes is None:
@@ -377,6 +389,26 @@ def publish_ready(cache: "SlotCache", slot: int, owner: bool, nbytes: Optional[i
     _publish(cache, slot, lib.UCM_READY, int(nbytes), "ready")
     if _hooks._armed:
         _hooks.fire("after_ready")
+    return int(nbytes)
+
+
+def fill(cache: "SlotCache", slot: int, payload: memoryview) -> None:
+    """An owner's slot gets a tier's payload and is published Ready (the owner stays pinned)."""
+    n = payload.nbytes
+    off = cache._layout.data(slot)
+    cache._seg.view[off:off + n] = payload
+    publish_ready(cache, slot, True, n)
+
+
+def write_through(cache: "SlotCache", slot: int, n: int) -> None:
+    """An owner published slot Ready with n bytes: the cache's tier keeps a copy (it copies
+    during the call; the view is released after it)."""
+    off = cache._data_off + slot * cache._stride
+    v = cache._ro[off:off + n]
+    try:
+        cache._tier.write_through(slot, v)
+    finally:
+        v.release()
 
 
 def publish_failed(cache: "SlotCache", slot: int, owner: bool, message: str) -> None:
@@ -503,13 +535,23 @@ class HandleBatch(_Pins):
     def ready(self, i: int, nbytes: Optional[int] = None) -> None:
         self._check_open()
         i = self._index(i)
-        publish_ready(self._cache, int(self._slots[i]), bool(self.owner[i]), nbytes)
+        slot = int(self._slots[i])
+        n = publish_ready(self._cache, slot, bool(self.owner[i]), nbytes)
         observe_load(self._cache, self._t0)
         self._lens[i] = -1  # looked up again by data(i), now Ready
         if self._lens_l is not None:
             self._lens_l[i] = -1
-        self._owned.discard(int(self._slots[i]))
+        self._owned.discard(slot)
         release_views(self._owner_views.pop(i, []))  # the owner's writable view ends with the load
+        if self._cache._tier is not None:
+            write_through(self._cache, slot, n)
+
+    def _served(self, i: int, payload: memoryview) -> None:
+        """As Handle._served, for owned position i (get_many, before the batch is returned)."""
+        slot = int(self._slots[i])
+        fill(self._cache, slot, payload)
+        self.owner[i] = False
+        self._owned.discard(slot)
 
     def fail(self, i: int, message: str = "load failed") -> None:
         self._check_open()
@@ -563,8 +605,11 @@ class HandleBatch(_Pins):
         cache._open_handles -= 1
         try:
             if self._any_owner:
+                tier = cache._tier
                 for s in self._slots[self.owner]:
                     self._owned.discard(int(s))
+                    if tier is not None:  # an unpublished load's lease; ready() took the rest
+                        tier.abandon(int(s))
                 for views in self._owner_views.values():
                     release_views(views)
                 self._owner_views = {}

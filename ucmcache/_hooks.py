@@ -29,7 +29,10 @@ C_POINTS = {
     "holding_stripe": lib.UCM_PT_HOLDING_STRIPE,
     "counted_not_ready": lib.UCM_PT_COUNTED_NOT_READY,
 }
-PY_POINTS = ("inside_loader", "before_ready", "after_ready", "before_magic", "after_shm_open")
+PY_POINTS = ("inside_loader", "before_ready", "after_ready", "before_magic", "after_shm_open",
+             # tier 2 (ucmcache.tier2): a get starts waiting for another node's lease (holding
+             # none of its own); the background writer is about to send a batch
+             "lease_wait", "before_write")
 POINTS = tuple(C_POINTS) + PY_POINTS
 
 _armed: Dict[str, Tuple[str, Optional["Gate"]]] = {}

@@ -1,0 +1,74 @@
+"""The tier interface: what SlotCache calls on a tier beneath the shared-memory cache (DESIGN 4.10).
+
+A tier is chosen at attach (``SlotCache.create/attach(..., tier2=...)``) and bound to that cache
+once: ``Tier.bind`` returns the ``BoundTier`` the cache calls, at four points and nowhere else:
+
+1. ``lookup``: get()/get_many() made this caller the owner of cold slots (the handle or batch
+   owns their pins already).  The tier answers each with a payload, which the cache publishes
+   Ready through the normal publish path (the handle becomes a reader of it), or None: the
+   caller loads, and the tier may keep a record of that slot (a lease) until 2 or 3.
+2. ``write_through``: the owner published a slot Ready; the tier copies the payload before it
+   returns (the view is valid only during the call) and writes it wherever it writes, off the
+   caller's path.
+3. ``abandon``: the owner's handle closed without publishing Ready (failed, cut short): drop
+   whatever the tier holds for that slot (a lease), so another node need not wait it out.
+4. ``exist_prefix`` (the keys the cache lacks) and ``close`` (the cache detaches).
+
+Slots name an owner's load from ``lookup`` to ``write_through``/``abandon``; keys are
+``(block_id, offset)``.  A tier reports into the caller's shared counters through the ``count``
+it is bound with (``UCM_ST_T2_*``).  A tier never touches handles, slots or the segment: the
+cache owns every pin and every publish, so a tier (Redis today, a local disk tomorrow) is added
+without changing ``_cache``.  This module imports nothing of the package; tiers import it.
+"""
+from __future__ import annotations
+
+import abc
+from typing import Any, Callable, List, Optional, Sequence, Tuple
+
+# (slot, block_id, offset): one owned cold key of a get or get_many
+Owned = Tuple[int, bytes, int]
+
+
+class BoundTier(abc.ABC):
+    """A tier as one SlotCache uses it.  Calls come from the cache's threads, never under a
+    stripe lock; every call is bounded in time (a tier that cannot answer answers None/0)."""
+
+    @abc.abstractmethod
+    def lookup(self, owned: Sequence[Owned], may_wait: bool,
+               timeout: Optional[float]) -> List[Optional[memoryview]]:
+        """For each owned cold key, its payload (at most slot_size bytes) or None (the caller
+        loads it).  ``may_wait`` False: the caller owns other unpublished slots, so waiting
+        for another node could close a cycle.  ``timeout`` bounds any wait (None: the tier's
+        own bound)."""
+
+    @abc.abstractmethod
+    def exist_prefix(self, keys: Sequence[Tuple[bytes, int]]) -> int:
+        """How many leading keys the tier holds (0 when it cannot tell now)."""
+
+    @abc.abstractmethod
+    def write_through(self, slot: int, payload: memoryview) -> None:
+        """slot, looked up and loaded by its owner, is Ready with payload: keep a copy."""
+
+    @abc.abstractmethod
+    def abandon(self, slot: int) -> None:
+        """slot's owner closed it unpublished (or Failed): drop what the tier holds for it."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """The cache detaches: drop what is held for its slots, flush (bounded)."""
+
+
+class Tier(abc.ABC):
+    """What ``tier2=`` accepts (``ucmcache.RedisTier`` is one)."""
+
+    @abc.abstractmethod
+    def bind(self, count: Callable[[int, int], None], slot_size: int) -> BoundTier:
+        """This tier as one cache uses it.  ``count(counter, n)`` adds to the cache's shared
+        counters; payloads are at most ``slot_size`` bytes."""
+
+
+def check_tier(tier: Any) -> None:
+    """Refuse, before anything is created, a tier2= argument that is not a tier."""
+    if tier is not None and not isinstance(tier, Tier):
+        raise TypeError(f"tier2 must be a ucmcache.RedisTier (a ucmcache tier) or None, got "
+                        f"{type(tier).__name__}")
