@@ -22,6 +22,7 @@ sys.path.insert(0, os.path.dirname(__file__))  # cli_workers for spawned childre
 
 import cli_workers  # noqa: E402
 from ucmcache import SlotCache, cli  # noqa: E402
+from ucmcache.cli import _commands, _render  # noqa: E402
 from ucmcache._core import lib  # noqa: E402
 from ucmcache._segment import PREFIX, SHM_DIR  # noqa: E402
 
@@ -42,8 +43,8 @@ def run(*args, timeout=60):
 
 
 def assert_fits(text):
-    long = [line for line in text.splitlines() if len(line) > cli.WIDTH]
-    assert not long, f"lines wider than {cli.WIDTH} columns: {long}"
+    long = [line for line in text.splitlines() if len(line) > _render.WIDTH]
+    assert not long, f"lines wider than {_render.WIDTH} columns: {long}"
 
 
 def assert_one_error_line(r, code, pattern):
@@ -302,7 +303,7 @@ def test_ls_statuses(names, workers):
     assert_fits(r.stdout)
     line = {u: next(x for x in r.stdout.splitlines() if x.startswith(u + " ")) for u in
             (live, orphan, half, old)}
-    size = re.escape(cli._bytes(os.path.getsize(path_of(live))))
+    size = re.escape(_render.human_bytes(os.path.getsize(path_of(live))))
     assert re.match(rf"{live} +live +{size} +1 +0 +4 +16 +64 B +1 +1\.6%$", line[live])
     assert re.match(rf"{half} +half-made +4\.0 KiB +- +- +- +- +- +- +-$", line[half])
     assert " incompatible " in line[old]
@@ -434,7 +435,7 @@ def test_human_form_fits_100_columns_even_with_extreme_numbers(names, workers, c
                  counters={k: big for k in r["counters"]})
     d["totals"] = {k: big for k in d["totals"]}
     d["problems"] = ["x" * 300, " ".join(["word"] * 100)]
-    cli._out(cli._inspect_lines(d))
+    _render.out(_render.inspect_lines(d))
     out = capsys.readouterr().out
     assert_fits(out)
     assert u in out.splitlines()[0]
@@ -523,10 +524,10 @@ def test_bench_passes_arguments_through(tmp_path, monkeypatch, capsys):
     out = tmp_path / "argv.json"
     script.write_text(f"import json, sys\njson.dump(sys.argv[1:], open({str(out)!r}, 'w'))\n"
                       "sys.exit(3)\n")
-    monkeypatch.setattr(cli, "_bench_script", lambda: script)
+    monkeypatch.setattr(_commands, "bench_script", lambda: script)
     assert cli.main(["bench", "--quick", "x"]) == 3
     assert json.loads(out.read_text()) == ["--quick", "x"]
-    monkeypatch.setattr(cli, "_bench_script", lambda: tmp_path / "missing" / "run.py")
+    monkeypatch.setattr(_commands, "bench_script", lambda: tmp_path / "missing" / "run.py")
     assert cli.main(["bench"]) == 2
     assert re.fullmatch(r"ucmcache: error: the benchmarks are not available: \S+ does not "
                         r"exist[^\n]*\n", capsys.readouterr().err)

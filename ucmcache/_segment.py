@@ -189,7 +189,7 @@ def probe(uuid: str) -> Dict[str, object]:
                     info["status"], info["error"] = "corrupt", str(e)
         elif magic != 0:
             info["status"] = "corrupt"
-            info["error"] = f"not a ucmcache segment (magic {magic:#x})"
+            info["error"] = str(not_ucmcache_error(uuid, magic))
         elif _creator_lock_free(shm.fd) and (
                 header.get("creator_pid", 0) != 0 or time.time() - st.st_ctime > HALF_MADE_GRACE_S):
             info["status"] = "half-made"
@@ -200,11 +200,48 @@ def probe(uuid: str) -> Dict[str, object]:
         shm.close_fd()
 
 
+# What attach finds wrong before it trusts a segment, in one wording for every caller (attach,
+# probe, and the ucmcache command, which reports what probe found without attaching).
+
+def half_made_error(uuid: str, pid: int) -> HalfMadeSegment:
+    who = f"(pid {pid}) " if pid else ""
+    return HalfMadeSegment(
+        f"segment {uuid!r} is half-made: its creator {who}died before finishing it; "
+        f"SlotCache.create() with the same uuid replaces it, `ucmcache rm {uuid}` or "
+        "`ucmcache gc` removes it")
+
+
+def not_ours_error(uuid: str, uid: int, refusal: str) -> ForeignSegment:
+    return ForeignSegment(f"segment {uuid!r} belongs to uid {uid}, not to us (uid {os.getuid()}); "
+                          f"{refusal}")
+
+
+def version_error(uuid: str, version: int) -> IncompatibleSegment:
+    return IncompatibleSegment(f"segment {uuid!r} has layout version {version}, this ucmcache "
+                               f"reads version {lib.UCM_LAYOUT_VERSION}")
+
+
+def not_ucmcache_error(uuid: str, magic: int) -> CorruptSegment:
+    return CorruptSegment(f"segment {uuid!r} is not a ucmcache segment (magic {magic:#x}, "
+                          f"expected {lib.UCM_MAGIC:#x})")
+
+
+def probed_error(uuid: str, info: Dict[str, Any]) -> Optional[UcmError]:
+    """The error attach would raise for a segment probe() found half-made, incompatible or
+    corrupt; None for one that is made or still being made."""
+    status, header = info["status"], info["header"]
+    if status == "half-made":
+        return half_made_error(uuid, header.get("creator_pid", 0))
+    if status == "incompatible":
+        return version_error(uuid, header["version"])
+    if status == "corrupt":
+        return CorruptSegment(info["error"])
+    return None
+
+
 def _validate(uuid: str, h: Dict[str, int], file_size: int) -> Layout:
     if h["version"] != lib.UCM_LAYOUT_VERSION:
-        raise IncompatibleSegment(
-            f"segment {uuid!r} has layout version {h['version']}, this ucmcache reads version "
-            f"{lib.UCM_LAYOUT_VERSION}")
+        raise version_error(uuid, h["version"])
     if h["layout_fp"] != lib.ucm_layout_fingerprint():
         raise IncompatibleSegment(
             f"segment {uuid!r} was laid out by another build of ucmcache (layout fingerprint "
@@ -342,8 +379,9 @@ class Segment:
         heads = np.frombuffer(self.mm, dtype=np.uint32, count=L.n_buckets, offset=L.bucket_off)
         heads.fill(lib.UCM_NIL)
         del heads
-        metas = np.frombuffer(self.mm, dtype=np.uint32, count=L.n_slots * 16,
-                              offset=L.meta_off).reshape(L.n_slots, 16)
+        words = lib.UCM_META_SIZE // 4
+        metas = np.frombuffer(self.mm, dtype=np.uint32, count=L.n_slots * words,
+                              offset=L.meta_off).reshape(L.n_slots, words)
         metas[:, lib.UCM_M_BUCKET // 4] = lib.UCM_INVALID_BUCKET
         metas[:, lib.UCM_M_PREV // 4] = lib.UCM_NIL
         metas[:, lib.UCM_M_NEXT // 4] = lib.UCM_NIL
@@ -370,9 +408,7 @@ class Segment:
         try:
             st = os.fstat(shm.fd)
             if st.st_uid != os.getuid() and not allow_other_user:
-                raise ForeignSegment(
-                    f"segment {uuid!r} belongs to uid {st.st_uid}, not to us (uid {os.getuid()}); "
-                    "pass allow_other_user=True to use it anyway")
+                raise not_ours_error(uuid, st.st_uid, "pass allow_other_user=True to use it anyway")
             header = _wait_for_magic(uuid, shm.fd, timeout)
             size = os.fstat(shm.fd).st_size
             layout = _validate(uuid, header, size)
@@ -482,8 +518,7 @@ def held_for_removal(uuid: str) -> Iterator[Dict[str, Any]]:
     try:
         st = os.fstat(shm.fd)
         if st.st_uid != os.getuid():
-            raise ForeignSegment(f"segment {uuid!r} belongs to uid {st.st_uid}, not to us "
-                                 f"(uid {os.getuid()}); refusing to remove it")
+            raise not_ours_error(uuid, st.st_uid, "refusing to remove it")
         creator_busy = lib.ucm_ofd_trylock(shm.fd, CREATOR_LOCK_BYTE) != lib.UCM_OK
         busy = [r for r in range(lib.UCM_MAX_RANKS)
                 if lib.ucm_ofd_trylock(shm.fd, life_lock_byte(r)) != lib.UCM_OK]
@@ -526,16 +561,12 @@ def _wait_for_magic(uuid: str, fd: int, timeout: float) -> Dict[str, int]:
         if magic == lib.UCM_MAGIC:
             return header
         if magic != 0:
-            raise CorruptSegment(f"segment {uuid!r} is not a ucmcache segment (magic {magic:#x}, "
-                                 f"expected {lib.UCM_MAGIC:#x})")
+            raise not_ucmcache_error(uuid, magic)
         if _creator_lock_free(fd):
             pid = header.get("creator_pid", 0)
             age = time.time() - os.fstat(fd).st_ctime
             if pid or age > HALF_MADE_GRACE_S:
-                who = f"(pid {pid}) " if pid else ""
-                raise HalfMadeSegment(
-                    f"segment {uuid!r} is half-made: its creator {who}died before finishing it; "
-                    "SlotCache.create() with the same uuid replaces it, `ucmcache gc` removes it")
+                raise half_made_error(uuid, pid)
         left = deadline - time.monotonic()
         if left <= 0:
             raise TimeoutError(f"segment {uuid!r} was not ready within {timeout} s: its creator "

@@ -6,11 +6,12 @@ loads_started, hits, misses, waiters = joins, failures = loads_failed.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List
+from typing import Any, Callable, Dict, List
 
 import numpy as np
 
 from ._core import lib
+from ._table import rank_rows, rank_table
 
 COUNTERS: Dict[str, int] = {
     name[len("UCM_ST_"):].lower(): getattr(lib, name)
@@ -23,27 +24,20 @@ HISTOGRAMS: Dict[str, int] = {"load": lib.UCM_ST_LOAD_HIST, "wait": lib.UCM_ST_W
 HIST_BOUNDS_NS: List[int] = [lib.UCM_HIST_FIRST_NS * lib.UCM_HIST_FACTOR ** k
                              for k in range(lib.UCM_HIST_BUCKETS - 1)]
 COUNTER_NAMES: List[str] = sorted(COUNTERS, key=COUNTERS.get)
-RANK_STATES = {lib.UCM_RANK_FREE: "free", lib.UCM_RANK_INITIALIZING: "initializing",
-               lib.UCM_RANK_READY: "ready", lib.UCM_RANK_STOPPED: "stopped"}
 
 
 def rank_counters(seg) -> np.ndarray:
     """A (max_ranks, UCM_ST_COUNT) snapshot of every rank's counters (a copy), by UCM_ST_*."""
-    L = seg.layout
-    words = L.max_ranks * lib.UCM_RANK_SIZE // 8
-    table = np.frombuffer(seg.mm, dtype=np.uint64, count=words, offset=L.rank_off)
-    table = table.reshape(L.max_ranks, lib.UCM_RANK_SIZE // 8)
-    first = lib.UCM_R_STATS // 8
-    snap = table[:, first:first + lib.UCM_ST_COUNT].copy()
-    del table
+    snap = rank_table(seg, copy=False)["stats"].copy()
     # A lock-free hit bumps only FAST_HITS (see UCM_ST_GETS): outer requests and hits include it.
     snap[:, lib.UCM_ST_GETS] += snap[:, lib.UCM_ST_FAST_HITS]
     snap[:, lib.UCM_ST_HITS] += snap[:, lib.UCM_ST_FAST_HITS]
     return snap
 
 
-def _named(row: np.ndarray) -> Dict[str, int]:
-    return {name: int(row[i]) for name, i in COUNTERS.items()}
+def named(row: np.ndarray) -> Dict[str, int]:
+    """One rank's counters (or their sum over ranks) by name, in UCM_ST_* order."""
+    return {name: int(row[COUNTERS[name]]) for name in COUNTER_NAMES}
 
 
 def histogram_buckets(row: np.ndarray, name: str) -> List[int]:
@@ -52,17 +46,9 @@ def histogram_buckets(row: np.ndarray, name: str) -> List[int]:
     return [int(v) for v in row[first:first + lib.UCM_HIST_BUCKETS]]
 
 
-def collect(seg, alive) -> Dict[str, Any]:
-    from ._recovery import rank_pid, rank_state
+def collect(seg, alive: Callable[[int], bool]) -> Dict[str, Any]:
     snap = rank_counters(seg)
-    out: Dict[str, Any] = _named(snap.sum(axis=0))
+    out: Dict[str, Any] = named(snap.sum(axis=0))
     out["wait_seconds"] = out["wait_ns"] / 1e9
-    per_rank = []
-    for r in range(seg.layout.max_ranks):
-        state = rank_state(seg, r)
-        row = _named(snap[r])
-        row.update(rank=r, state=RANK_STATES.get(state, f"unknown({state})"),
-                   pid=rank_pid(seg, r), alive=alive(r))
-        per_rank.append(row)
-    out["per_rank"] = per_rank
+    out["per_rank"] = [dict(named(snap[row["rank"]]), **row) for row in rank_rows(seg, alive)]
     return out

@@ -7,20 +7,19 @@ process inside a protocol step); on a live one, a step in flight can show up as 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Set, Tuple
 
 import numpy as np
 
 from ._core import lib
 from ._locks import describe_stripe_holder, stripe_holder
-from ._recovery import rank_alive
 from ._segment import Segment
-from ._stats import RANK_STATES
+from ._table import (RANK_STATES, acc_value, bucket_heads, claimant, claimed, current,
+                     header_row, pin_bits, pinning_ranks, rank_rows, rank_table, slot_fields,
+                     slot_table, state_counts)
 
-_ACC_GEN_MASK = (1 << lib.UCM_ACC_GEN_BITS) - 1
-_ACC_VAL_MASK = (1 << lib.UCM_ACC_VALUE_BITS) - 1
-STATE_NAMES = {lib.UCM_EMPTY: "empty", lib.UCM_LOADING: "loading", lib.UCM_READY: "ready",
-               lib.UCM_FAILED: "failed"}
+SHOWN = 50          # slots named per kind of problem (the counts in facts stay complete)
+SHOWN_UNCOUNTED = 20
 
 
 @dataclass
@@ -36,7 +35,8 @@ class VerifyReport:
     def __str__(self) -> str:
         if self.ok:
             return f"segment {self.uuid!r}: all invariants hold"
-        return f"segment {self.uuid!r}: {len(self.problems)} problem(s):\n  " + "\n  ".join(self.problems)
+        return (f"segment {self.uuid!r}: {len(self.problems)} problem(s):\n  " +
+                "\n  ".join(self.problems))
 
 
 def verify(uuid: str, *, timeout: float = 1.0) -> VerifyReport:
@@ -49,65 +49,36 @@ def verify(uuid: str, *, timeout: float = 1.0) -> VerifyReport:
 
 
 def snapshot(seg: Segment) -> Dict[str, Any]:
-    """Copies of the control arrays, as numpy arrays."""
-    L = seg.layout
-    metas = np.frombuffer(seg.mm, dtype=np.uint32, count=L.n_slots * 16, offset=L.meta_off)
-    metas = metas.reshape(L.n_slots, 16).copy()
-    heads = np.frombuffer(seg.mm, dtype=np.uint32, count=L.n_buckets, offset=L.bucket_off).copy()
-    hdr = np.frombuffer(seg.mm, dtype=np.uint64, count=lib.UCM_HEADER_SIZE // 8).copy()
-    ranks = np.frombuffer(seg.mm, dtype=np.uint32, count=L.max_ranks * lib.UCM_RANK_SIZE // 4,
-                          offset=L.rank_off).reshape(L.max_ranks, -1).copy()
-    return {"metas": metas, "heads": heads, "header": hdr, "ranks": ranks}
+    """Copies of the control regions: ``metas`` (SLOT_META rows, for slot_fields), ``heads``,
+    ``header`` (a HEADER row) and ``ranks``: the descriptors as u32 words, one row per rank,
+    indexed by ``UCM_R_* // 4`` (the form the crash harness in tests/ reads)."""
+    ranks = rank_table(seg)
+    return {"metas": slot_table(seg), "heads": bucket_heads(seg), "header": header_row(seg),
+            "ranks": ranks.view(np.uint32).reshape(len(ranks), -1)}
 
 
-def slot_fields(metas: np.ndarray) -> Dict[str, np.ndarray]:
-    ref = metas[:, 0].astype(np.uint64) | (metas[:, 1].astype(np.uint64) << np.uint64(32))
-    return {
-        "reference": ref,
-        "bucket": metas[:, lib.UCM_M_BUCKET // 4],
-        "state": metas[:, lib.UCM_M_STATE // 4] & lib.UCM_STATE_MASK,
-        "prev": metas[:, lib.UCM_M_PREV // 4],
-        "next": metas[:, lib.UCM_M_NEXT // 4],
-        "generation": metas[:, lib.UCM_M_GENERATION // 4],
-        "length": metas[:, lib.UCM_M_LENGTH // 4],
-        "accessed": metas[:, lib.UCM_M_ACCESSED // 4],
-        "loader": metas[:, lib.UCM_M_LOADER // 4] & 0xFFFF,
-        "flags": metas[:, lib.UCM_M_LOADER // 4] >> 16,
-    }
+# ------------------------------------------------------------------------- the checks
+
+def _check_ranks(seg: Segment, table: np.ndarray, p: List[str]) -> Tuple[list, Set[int]]:
+    """Ranks: which are live (their life lock held by someone); a rank not free must be."""
+    rows = rank_rows(seg, table=table)
+    for row, state in zip(rows, table["state"]):
+        if int(state) not in RANK_STATES:
+            p.append(f"rank {row['rank']}: state word {int(state)} is not a rank state")
+        elif row["dead"]:
+            p.append(f"rank {row['rank']}: {row['state']} (pid {row['pid']}) but its process is "
+                     "dead (not recovered yet)")
+    return rows, {row["rank"] for row in rows if row["alive"]}
 
 
-def verify_segment(seg: Segment) -> VerifyReport:
-    L = seg.layout
-    rep = VerifyReport(seg.uuid)
-    p = rep.problems
-    snap = snapshot(seg)
-    f = slot_fields(snap["metas"])
-    heads = snap["heads"]
-    n = L.n_slots
-    NIL = lib.UCM_NIL
-    generation = int(snap["header"][lib.UCM_H_GENERATION // 8])
-
-    # Ranks: which are live (their life lock held by someone).
-    live = set()
-    rank_rows = []
-    for r in range(L.max_ranks):
-        state = int(snap["ranks"][r, lib.UCM_R_STATE // 4])
-        pid = int(snap["ranks"][r, lib.UCM_R_PID // 4])
-        alive = rank_alive(seg, r)
-        if alive:
-            live.add(r)
-        if state not in RANK_STATES:
-            p.append(f"rank {r}: state word {state} is not a rank state")
-        elif state != lib.UCM_RANK_FREE and not alive:
-            p.append(f"rank {r}: {RANK_STATES[state]} (pid {pid}) but its process is dead "
-                     "(not recovered yet)")
-        rank_rows.append({"rank": r, "state": RANK_STATES.get(state, str(state)), "pid": pid,
-                          "alive": alive})
-
-    # Chains: every link in range, every linked slot names its bucket, prev mirrors next, no
-    # slot in two places, and every slot with a bucket word is reachable from that bucket.
+def _check_chains(seg: Segment, heads: np.ndarray, f: Dict[str, np.ndarray],
+                  claims: np.ndarray, p: List[str]) -> np.ndarray:
+    """Chains: every link in range, every linked slot names its bucket, prev mirrors next, no
+    slot in two places, and every slot with a bucket word is reachable from that bucket.
+    Returns each bucket's chain length."""
+    n, NIL = seg.layout.n_slots, lib.UCM_NIL
     seen = np.zeros(n, dtype=bool)
-    lengths = np.zeros(L.n_buckets, dtype=np.int64)
+    lengths = np.zeros(seg.layout.n_buckets, dtype=np.int64)
     for b in np.flatnonzero(heads != NIL):
         s, prev, steps = int(heads[b]), NIL, 0
         while s != NIL:
@@ -126,48 +97,41 @@ def verify_segment(seg: Segment) -> VerifyReport:
                 p.append(f"bucket {b}: slot {s}'s prev is {int(f['prev'][s])}, expected {prev}")
             prev, s = s, int(f["next"][s])
         lengths[b] = steps
-    claimed_mask = (f["reference"] & np.uint64(lib.UCM_CLAIMED)) != 0
-    stray = np.flatnonzero((f["bucket"] != lib.UCM_INVALID_BUCKET) & ~seen & ~claimed_mask)
-    for s in stray[:50]:
+    stray = np.flatnonzero((f["bucket"] != lib.UCM_INVALID_BUCKET) & ~seen & ~claims)
+    for s in stray[:SHOWN]:
         p.append(f"slot {s}: bucket word {int(f['bucket'][s])} but not reachable from it")
+    return lengths
 
-    # Holds: pins and claims only by live ranks; Loading only with a live loader.
+
+def _check_holds(f: Dict[str, np.ndarray], claims: np.ndarray, pins: np.ndarray,
+                 live: Set[int], p: List[str]) -> None:
+    """Holds: pins and claims only by live ranks; Loading only with a live loader."""
     live_mask = np.uint64(sum(1 << r for r in live))
-    ref = f["reference"]
-    pins = np.where(claimed_mask, np.uint64(0), ref)
-    dead_pins = np.flatnonzero((pins & ~live_mask) != 0)
-    for s in dead_pins[:50]:
-        bits = int(pins[s]) & ~int(live_mask)
-        ranks = [r for r in range(64) if bits >> r & 1]
+    for s in np.flatnonzero((pins & ~live_mask) != 0)[:SHOWN]:
+        ranks = pinning_ranks(int(pins[s]) & ~int(live_mask))
         p.append(f"slot {s}: pinned by rank(s) {ranks} that are not alive")
-    for s in np.flatnonzero(claimed_mask)[:50]:
-        r = int(ref[s]) & 0xFF
-        if r not in live:
-            p.append(f"slot {s}: claimed by rank {r}, which is not alive")
-    loading = np.flatnonzero((f["state"] == lib.UCM_LOADING) & ~claimed_mask)
-    for s in loading:
+    who = claimant(f["reference"])
+    for s in np.flatnonzero(claims)[:SHOWN]:
+        if int(who[s]) not in live:
+            p.append(f"slot {s}: claimed by rank {int(who[s])}, which is not alive")
+    for s in np.flatnonzero((f["state"] == lib.UCM_LOADING) & ~claims):
         if int(f["loader"][s]) not in live:
             p.append(f"slot {s}: Loading, but its loader rank {int(f['loader'][s])} is not alive")
-    bad_state = np.flatnonzero(f["state"] > lib.UCM_FAILED)
-    for s in bad_state[:50]:
+    for s in np.flatnonzero(f["state"] > lib.UCM_FAILED)[:SHOWN]:
         p.append(f"slot {s}: state {int(f['state'][s])} is not a slot state")
 
-    # Accounting (I4): each rank's words against the counted Ready slots of its own range in
-    # the current generation.
-    g32 = generation & 0xFFFFFFFF
-    counted = ((f["flags"] & lib.UCM_F_COUNTED) != 0) & (f["generation"] == g32) & \
-        (f["state"] == lib.UCM_READY)
-    current_ready = (f["state"] == lib.UCM_READY) & (f["generation"] == g32) & (f["bucket"] != lib.UCM_INVALID_BUCKET)
-    ranks64 = snap["ranks"].view(np.uint64)
 
-    def acc(a: int) -> int:
-        return a & _ACC_VAL_MASK if (a >> lib.UCM_ACC_VALUE_BITS) == (generation & _ACC_GEN_MASK) else 0
-
+def _check_accounting(seg: Segment, table: np.ndarray, f: Dict[str, np.ndarray],
+                      generation: int, p: List[str]) -> Dict[str, int]:
+    """Accounting (I4): each rank's words against the counted Ready slots of its own range in
+    the current generation."""
+    ready_now = (f["state"] == lib.UCM_READY) & current(f, generation)
+    counted = ((f["flags"] & lib.UCM_F_COUNTED) != 0) & ready_now
     entries = size = 0
-    spr = L.slots_per_rank
-    for r in range(L.max_ranks):
-        e = acc(int(ranks64[r, lib.UCM_R_ACC_ENTRIES // 8]))
-        b = acc(int(ranks64[r, lib.UCM_R_ACC_BYTES // 8]))
+    spr = seg.layout.slots_per_rank
+    for r in range(seg.layout.max_ranks):
+        e = acc_value(int(table[r]["acc_entries"]), generation)
+        b = acc_value(int(table[r]["acc_bytes"]), generation)
         mine = counted[r * spr:(r + 1) * spr]
         se = int(mine.sum())
         sb = int(f["length"][r * spr:(r + 1) * spr][mine].astype(np.int64).sum())
@@ -176,36 +140,58 @@ def verify_segment(seg: Segment) -> VerifyReport:
                      f"slots of generation {generation} add up to {se} / {sb}")
         entries += e
         size += b
-    uncounted = np.flatnonzero(current_ready & ~counted)
-    for s in uncounted[:20]:
+    scanned = ready_now & (f["bucket"] != lib.UCM_INVALID_BUCKET)
+    for s in np.flatnonzero(scanned & ~counted)[:SHOWN_UNCOUNTED]:
         p.append(f"slot {s}: Ready in the current generation but not counted")
+    return {"entries": entries, "size_bytes": size, "current_entries_scanned": int(scanned.sum())}
 
-    # Stripes: one held by a process that is stopped (SIGSTOP, a debugger) or by a thread that
-    # does not exist (a forged or stale lock word) wedges every cold get of its buckets.
-    for st in range(L.n_stripes):
-        h = stripe_holder(seg, st)
-        if h["state"] in ("stopped", "gone"):
+
+def _check_stripes(seg: Segment, p: List[str]) -> None:
+    """Stripes: one held by a process that is stopped (SIGSTOP, a debugger) or by a thread that
+    does not exist (a forged or stale lock word) wedges every cold get of its buckets."""
+    for st in range(seg.layout.n_stripes):
+        if stripe_holder(seg, st)["state"] in ("stopped", "gone"):
             p.append(f"stripe {st}: held by {describe_stripe_holder(seg, st)}")
 
-    states = {name: int((f["state"] == v).sum()) for v, name in STATE_NAMES.items()}
+
+def _chain_facts(n_buckets: int, lengths: np.ndarray) -> Dict[str, Any]:
     used = lengths[lengths > 0]
+    return {
+        "buckets": n_buckets,
+        "nonempty": int(len(used)),
+        "mean": float(used.mean()) if len(used) else 0.0,
+        "p99": float(np.percentile(used, 99)) if len(used) else 0.0,
+        "max": int(used.max()) if len(used) else 0,
+        "histogram": {int(k): int(v) for k, v in zip(*np.unique(lengths, return_counts=True))},
+    }
+
+
+def verify_segment(seg: Segment) -> VerifyReport:
+    rep = VerifyReport(seg.uuid)
+    p = rep.problems
+    ranks = rank_table(seg)
+    f = slot_fields(slot_table(seg))
+    heads = bucket_heads(seg)
+    generation = int(header_row(seg)["generation"])
+    claims = claimed(f["reference"])
+    pins = pin_bits(f["reference"])
+
+    rows, live = _check_ranks(seg, ranks, p)
+    lengths = _check_chains(seg, heads, f, claims, p)
+    _check_holds(f, claims, pins, live, p)
+    accounting = _check_accounting(seg, ranks, f, generation, p)
+    _check_stripes(seg, p)
+
     rep.facts = {
         "generation": generation,
-        "entries": entries,
-        "size_bytes": size,
-        "slots": n,
-        "slot_states": states,
-        "pinned_slots": int(((pins != 0)).sum()),
-        "claimed_slots": int(claimed_mask.sum()),
-        "current_entries_scanned": int(current_ready.sum()),
-        "chains": {
-            "buckets": L.n_buckets,
-            "nonempty": int(len(used)),
-            "mean": float(used.mean()) if len(used) else 0.0,
-            "p99": float(np.percentile(used, 99)) if len(used) else 0.0,
-            "max": int(used.max()) if len(used) else 0,
-            "histogram": {int(k): int(v) for k, v in zip(*np.unique(lengths, return_counts=True))},
-        },
-        "ranks": rank_rows,
+        "entries": accounting["entries"],
+        "size_bytes": accounting["size_bytes"],
+        "slots": seg.layout.n_slots,
+        "slot_states": state_counts(f["state"]),
+        "pinned_slots": int((pins != 0).sum()),
+        "claimed_slots": int(claims.sum()),
+        "current_entries_scanned": accounting["current_entries_scanned"],
+        "chains": _chain_facts(seg.layout.n_buckets, lengths),
+        "ranks": rows,
     }
     return rep

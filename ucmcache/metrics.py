@@ -24,12 +24,9 @@ from __future__ import annotations
 
 from typing import Dict, Iterator, List, Tuple
 
-import numpy as np
-
-from ._core import ffi, lib
-from ._recovery import rank_alive, rank_state
 from ._segment import Segment
 from ._stats import HIST_BOUNDS_NS, COUNTERS, histogram_buckets, rank_counters
+from ._table import accounting, rank_rows, slot_fields, slot_table, state_counts
 
 try:
     from prometheus_client import CollectorRegistry, generate_latest, start_http_server
@@ -60,38 +57,19 @@ COUNTER_METRICS: Dict[str, Tuple[str, str]] = {
     "tier2_lease_waits": ("t2_lease_waits", "Waits for another node's load"),
     "tier2_bad_values": ("t2_bad_values", "Corrupt or foreign tier-2 values"),
 }
-SLOT_STATES = {lib.UCM_EMPTY: "empty", lib.UCM_LOADING: "loading", lib.UCM_READY: "ready",
-               lib.UCM_FAILED: "failed"}
 
 
 def _snapshot(seg: Segment) -> Dict[str, object]:
     """Everything one scrape reports, read from the mapping (no rank taken)."""
     L = seg.layout
     counters = rank_counters(seg)  # the same snapshot stats() sums
-    ctx = lib.ucm_ctx_new(seg.base, L.total_size, L.to_c())
-    if ctx == ffi.NULL:
-        raise MemoryError("could not allocate a cache context")
-    try:
-        entries = lib.ucm_acc_value(ctx, lib.UCM_R_ACC_ENTRIES)
-        size = lib.ucm_acc_value(ctx, lib.UCM_R_ACC_BYTES)
-    finally:
-        lib.ucm_ctx_free(ctx)
-    metas = np.frombuffer(seg.mm, dtype=np.uint32, count=L.n_slots * lib.UCM_META_SIZE // 4,
-                          offset=L.meta_off).reshape(L.n_slots, lib.UCM_META_SIZE // 4)
-    states = np.bincount(metas[:, lib.UCM_M_STATE // 4] & lib.UCM_STATE_MASK, minlength=4)
-    del metas
-    ranks = {"live": 0, "dead": 0, "free": 0}
-    for r in range(L.max_ranks):
-        if rank_alive(seg, r):
-            ranks["live"] += 1
-        elif rank_state(seg, r) != lib.UCM_RANK_FREE:
-            ranks["dead"] += 1
-        else:
-            ranks["free"] += 1
-    return {"counters": counters, "entries": entries, "size": size,
-            "capacity": L.n_slots * L.slot_size,
-            "slots": {name: int(states[v]) for v, name in SLOT_STATES.items()},
-            "ranks": ranks}
+    acc = accounting(seg)
+    states = state_counts(slot_fields(slot_table(seg))["state"])
+    rows = rank_rows(seg)
+    ranks = {"live": sum(r["alive"] for r in rows), "dead": sum(r["dead"] for r in rows)}
+    ranks["free"] = len(rows) - ranks["live"] - ranks["dead"]
+    return {"counters": counters, "entries": acc["entries"], "size": acc["size_bytes"],
+            "capacity": L.n_slots * L.slot_size, "slots": states, "ranks": ranks}
 
 
 def _histogram(name: str, help_text: str, uuid: str, snap: Dict[str, object],
