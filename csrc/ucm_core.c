@@ -545,6 +545,14 @@ uint64_t ucm_generation(ucm_ctx *c)
     return __atomic_load_n(W64(c->base, UCM_H_GENERATION), __ATOMIC_ACQUIRE);
 }
 
+uint32_t ucm_slot_loader(ucm_ctx *c, uint32_t s)
+{
+    /* The rank loading a slot, for a waiter's liveness check.  Relaxed: a hint read again
+     * every slice; a stale value only delays the check by one slice. */
+    if (s >= c->l.n_slots) return UCM_NIL;
+    return RLX(loader_w(c, s));
+}
+
 uint32_t ucm_slot_state(ucm_ctx *c, uint32_t s)
 {
     if (s >= c->l.n_slots) return UCM_EMPTY;

@@ -274,6 +274,7 @@ int ucm_gather(ucm_ctx *c, const uint32_t *slots, uint32_t n, char *out, uint64_
                int64_t *lens_out);
 int ucm_release_many(ucm_ctx *c, const uint32_t *slots, uint32_t n);
 uint32_t ucm_slot_state(ucm_ctx *c, uint32_t slot);
+uint32_t ucm_slot_loader(ucm_ctx *c, uint32_t slot);
 
 int64_t ucm_get_slow(ucm_ctx *c, const char *id, uint64_t offset, uint32_t spin_budget,
                      uint32_t max_rollbacks, int64_t timeout_ns, ucm_token *tok,

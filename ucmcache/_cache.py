@@ -29,8 +29,8 @@ from ._core import ffi, lib
 from ._errors import (CacheFull, CorruptSegment, IncompatibleSegment, LockTimeout,
                       NotAttached, SegmentExists, UcmError)
 from ._buffers import check_rows, rows_of
-from ._handle import (ABANDONED, ABANDONED_LEN, Handle, HandleBatch, _Pins, check_timeout,
-                      isolate_owned)
+from ._handle import (ABANDONED, ABANDONED_LEN, Handle, HandleBatch, _Pins, as_value_view,
+                      check_timeout, isolate_owned)
 from ._keys import Key, pack_keys, split_key
 from ._layout import DEFAULT_STRIPES, Layout
 from ._locks import Stripes, describe_stripe_holder
@@ -488,8 +488,7 @@ class SlotCache:
                 left = slice_s if deadline is None else min(slice_s, deadline - time.monotonic())
                 if left > 0 and lib.ucm_wait_loaded(ctx, slot, int(left * 1e9), state) == lib.UCM_OK:
                     return state[0]
-                loader = lib.ucm_load32(self._seg.base, self._layout.meta(slot) +
-                                        lib.UCM_M_LOADER) & 0xFFFF
+                loader = lib.ucm_slot_loader(ctx, slot)
                 if loader != self._rank and loader < self._layout.max_ranks \
                         and not rank_alive(self._seg, loader):
                     # Fails its loads, this one included, waking us; bounded by our deadline.
@@ -524,7 +523,7 @@ class SlotCache:
             h = self.get(key, timeout=timeout)
         except CacheFull:
             lib.ucm_stat_add(self._ctx, lib.UCM_ST_BYPASSES, 1)
-            return _as_view(loader(), self._layout.slot_size).tobytes()
+            return as_value_view(loader(), self._layout.slot_size).tobytes()
         with h:
             if not h.owner:
                 h.wait(timeout)
@@ -533,7 +532,7 @@ class SlotCache:
                 _hooks.fire("inside_loader")
             try:
                 value = loader()
-                mv = _as_view(value, self._layout.slot_size)
+                mv = as_value_view(value, self._layout.slot_size)
             except BaseException as e:
                 h.fail(f"{type(e).__name__}: {e}")
                 raise
@@ -590,7 +589,7 @@ class SlotCache:
             value = loader()
             if inspect.isawaitable(value):
                 value = await value
-            return _as_view(value, self._layout.slot_size).tobytes()
+            return as_value_view(value, self._layout.slot_size).tobytes()
         with h:
             if not h.owner:
                 await h.wait_async(timeout)
@@ -599,7 +598,7 @@ class SlotCache:
                 value = loader()
                 if inspect.isawaitable(value):
                     value = await value
-                mv = _as_view(value, self._layout.slot_size)
+                mv = as_value_view(value, self._layout.slot_size)
             except BaseException as e:  # CancelledError included: the load fails, waiters learn
                 h.fail(f"{type(e).__name__}: {e}")
                 raise
@@ -812,20 +811,6 @@ class SlotCache:
         state = "attached" if self._ctx is not None else self._why_unusable or "closed"
         return (f"<SlotCache {self.uuid!r} rank={getattr(self, '_rank', None)} "
                 f"slots={self._layout.n_slots}x{self._layout.slot_size}B {state}>")
-
-
-def _as_view(value: Any, slot_size: int) -> memoryview:
-    try:
-        mv = memoryview(value)
-    except TypeError:
-        raise TypeError(f"a loader must return a bytes-like object, got "
-                        f"{type(value).__name__}") from None
-    if not mv.c_contiguous:
-        raise ValueError("a loader's value must be C-contiguous")
-    mv = mv.cast("B")
-    if mv.nbytes > slot_size:
-        raise ValueError(f"the loader returned {mv.nbytes} bytes, more than slot_size={slot_size}")
-    return mv
 
 
 def _check_same_params(seg: Segment, want: Layout) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextvars
 import threading
 import time
-from typing import TYPE_CHECKING, Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 import numpy as np
 
@@ -21,8 +21,9 @@ from ._core import ffi, lib
 from ._errors import HandleClosed, LoadFailed, UcmError
 from ._results import code_name
 
-if TYPE_CHECKING:  # pragma: no cover
-    from ._cache import SlotCache
+# The SlotCache these operations serve.  Not imported, not even for type checkers: slot
+# operations sit below the cache API and never reach back into it (no import circle).
+SlotCache = Any
 
 STATE_NAMES = {lib.UCM_LOADING: "loading", lib.UCM_READY: "ready", lib.UCM_FAILED: "failed",
                lib.UCM_EMPTY: "failed"}
@@ -363,6 +364,21 @@ def failure_message(cache: "SlotCache", slot: int) -> str:
     off = L.data(slot)
     text = bytes(cache._seg.view[off:off + n]).decode("utf-8", "replace")
     return text or "the loader failed without a message"
+
+
+def as_value_view(value: Any, slot_size: int) -> memoryview:
+    """A loader's value as bytes to copy into a slot, or the error naming what is wrong."""
+    try:
+        mv = memoryview(value)
+    except TypeError:
+        raise TypeError(f"a loader must return a bytes-like object, got "
+                        f"{type(value).__name__}") from None
+    if not mv.c_contiguous:
+        raise ValueError("a loader's value must be C-contiguous")
+    mv = mv.cast("B")
+    if mv.nbytes > slot_size:
+        raise ValueError(f"the loader returned {mv.nbytes} bytes, more than slot_size={slot_size}")
+    return mv
 
 
 def observe_load(cache: "SlotCache", t0: int) -> None:

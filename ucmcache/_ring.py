@@ -9,15 +9,17 @@ The prefetcher sleeps on the ring's tail word (a futex) while the ring is empty.
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, Optional
 
 import numpy as np
 
 from ._core import ffi, lib
 from ._errors import CacheFull, CorruptSegment, UcmError
+from ._handle import as_value_view
 
-if TYPE_CHECKING:  # pragma: no cover
-    from ._cache import SlotCache
+# The SlotCache these operations serve.  Not imported, not even for type checkers: slot
+# operations sit below the cache API and never reach back into it (no import circle).
+SlotCache = Any
 
 SLEEP_SLICE = 0.2  # the longest a stop() can wait for the consumer (normally it is woken at once)
 
@@ -87,8 +89,7 @@ class Prefetcher:
                 lib.ucm_stat_add(cache._ctx, lib.UCM_ST_PREFETCH_SKIPPED, 1)
                 return
             try:
-                from ._cache import _as_view
-                mv = _as_view(self._loader(key), cache.slot_size)
+                mv = as_value_view(self._loader(key), cache.slot_size)
             except Exception as e:
                 h.fail(f"prefetch loader: {type(e).__name__}: {e}")
                 self.errors.append(e)
