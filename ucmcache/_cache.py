@@ -29,8 +29,8 @@ from ._core import ffi, lib
 from ._errors import (CacheFull, CorruptSegment, IncompatibleSegment, LockTimeout,
                       NotAttached, SegmentExists, UcmError)
 from ._buffers import check_rows, rows_of
-from ._handle import (ABANDONED, ABANDONED_LEN, Handle, HandleBatch, _Pins, as_value_view,
-                      check_timeout, isolate_owned)
+from ._handle import Handle, HandleBatch, _Pins
+from ._slots import ABANDONED, ABANDONED_LEN, as_value_view, check_timeout, isolate_owned
 from ._keys import Key, pack_keys, split_key
 from ._layout import DEFAULT_STRIPES, Layout
 from ._locks import Stripes, describe_stripe_holder

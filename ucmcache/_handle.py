@@ -1,53 +1,27 @@
-"""Handle: one pinned slot, held by a context manager.
+"""Handle: one pinned slot, held by a context manager; HandleBatch: a request's pins.
 
 A handle is the lifetime of one pin (DESIGN 4): the slot cannot be reclaimed while it is open,
 and nothing may be read through it after it is closed, so handles are not copyable and their
 memoryviews are released on close.  The owner of a Loading slot fills it and publishes it with
 ready() or fail(); closing an owner's handle (or dropping it) without either publishes Failed so
-that no waiter waits forever.
+that no waiter waits forever.  The rules about a slot itself live in ucmcache/_slots.py.
 """
 from __future__ import annotations
 
-import contextvars
-import threading
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Optional
 
 import numpy as np
 
-from . import _hooks
 from ._buffers import check_rows, rows_of
 from ._core import ffi, lib
 from ._errors import HandleClosed, LoadFailed, UcmError
-from ._results import code_name
+from ._slots import (STATE_NAMES, UNPUBLISHED, _now, _owned_slots, as_array, check_timeout,
+                     exit_message, failure_message, fill, observe_load, publish_failed,
+                     publish_ready, ready_length, release_views, slot_length, slot_view,
+                     wait_loaded_async, write_through)
 
-# The SlotCache these operations serve.  Not imported, not even for type checkers: slot
-# operations sit below the cache API and never reach back into it (no import circle).
-SlotCache = Any
-
-STATE_NAMES = {lib.UCM_LOADING: "loading", lib.UCM_READY: "ready", lib.UCM_FAILED: "failed",
-               lib.UCM_EMPTY: "failed"}
-
-# Slots whose load this caller owns (per cache): waiting on one of them would wait forever.
-# A context variable, so a loader that hands its work to code running in a copy of its context
-# (asyncio.to_thread, contextvars.copy_context().run in a pool) is caught too.
-_owning: "contextvars.ContextVar[dict]" = contextvars.ContextVar("ucmcache_owning")
-
-
-def isolate_owned() -> None:
-    """Give the current context an owned-slot record of its own.  asyncio tasks start with a
-    copy of their creator's context, whose record is the same object: without this, a task's
-    own load would look like its siblings' own too, and they would refuse to wait for it."""
-    d = _owning.get(None)
-    _owning.set({} if d is None else {k: set(v) for k, v in d.items()})
-
-
-def _owned_slots(cache: "SlotCache") -> set:
-    d = _owning.get(None)
-    if d is None:
-        d = {}
-        _owning.set(d)
-    return d.setdefault(id(cache), set())
+SlotCache = Any  # see ucmcache/_slots.py: not imported
 
 
 class _Pins:
@@ -317,144 +291,6 @@ class Handle(_Pins):
                 f"state={STATE_NAMES[lib.ucm_slot_state(self._cache._ctx, self._slot)]}>")
 
 
-# ---------------------------------------------------------------- slot operations
-# Shared by Handle and HandleBatch: one copy of each rule about a pinned slot.
-
-def slot_view(cache: "SlotCache", slot: int, n: int, writable: bool, views: list) -> memoryview:
-    off = cache._layout.data(slot)
-    mv = cache._seg.view[off:off + n]
-    if not writable:
-        mv = mv.toreadonly()
-    views.append(mv)
-    return mv
-
-
-def slot_length(cache: "SlotCache", slot: int) -> int:
-    n = lib.ucm_load32(cache._seg.base, cache._layout.meta(slot) + lib.UCM_M_LENGTH)
-    return min(n, cache._layout.slot_size)  # a corrupt length never reaches the next slot
-
-
-def ready_length(cache: "SlotCache", slot: int) -> int:
-    """The payload length of a pinned slot that is Ready now; the reasons it is not, raised."""
-    st = lib.ucm_slot_state(cache._ctx, slot)
-    if st == lib.UCM_READY:
-        return slot_length(cache, slot)
-    if st == lib.UCM_LOADING:
-        raise UcmError("this slot is still loading in another process or thread; call wait() "
-                       "first")
-    raise LoadFailed(failure_message(cache, slot))
-
-
-def as_array(mv: memoryview, dtype, shape=None) -> np.ndarray:
-    dt = np.dtype(dtype)
-    if shape is None:
-        return np.frombuffer(mv, dtype=dt, count=len(mv) // dt.itemsize)
-    count = int(np.prod(shape))
-    if count * dt.itemsize > len(mv):
-        raise ValueError(f"shape {shape} of {dt} needs {count * dt.itemsize} bytes, the view "
-                         f"has {len(mv)}")
-    return np.frombuffer(mv, dtype=dt, count=count).reshape(shape)
-
-
-def failure_message(cache: "SlotCache", slot: int) -> str:
-    if lib.ucm_slot_state(cache._ctx, slot) == lib.UCM_EMPTY:
-        return "the loader died and its slot was reclaimed"
-    L = cache._layout
-    n = min(slot_length(cache, slot), L.slot_size)
-    off = L.data(slot)
-    text = bytes(cache._seg.view[off:off + n]).decode("utf-8", "replace")
-    return text or "the loader failed without a message"
-
-
-def as_value_view(value: Any, slot_size: int) -> memoryview:
-    """A loader's value as bytes to copy into a slot, or the error naming what is wrong."""
-    try:
-        mv = memoryview(value)
-    except TypeError:
-        raise TypeError(f"a loader must return a bytes-like object, got "
-                        f"{type(value).__name__}") from None
-    if not mv.c_contiguous:
-        raise ValueError("a loader's value must be C-contiguous")
-    mv = mv.cast("B")
-    if mv.nbytes > slot_size:
-        raise ValueError(f"the loader returned {mv.nbytes} bytes, more than slot_size={slot_size}")
-    return mv
-
-
-def observe_load(cache: "SlotCache", t0: int) -> None:
-    """An owner's load ended (published Ready or Failed): its time into the histogram."""
-    lib.ucm_observe(cache._ctx, lib.UCM_HIST_LOAD, time.monotonic_ns() - t0)
-
-
-def _check_owner(owner: bool, what: str) -> None:
-    if not owner:
-        raise UcmError(f"{what}() is for the owner of a loading slot; this handle is not")
-
-
-def publish_ready(cache: "SlotCache", slot: int, owner: bool, nbytes: Optional[int]) -> int:
-    _check_owner(owner, "ready")
-    size = cache._layout.slot_size
-    if nbytes is None:
-        nbytes = size
-    if isinstance(nbytes, bool) or not isinstance(nbytes, (int, np.integer)):
-        raise TypeError(f"nbytes must be an int, got {type(nbytes).__name__}")
-    if not 0 <= nbytes <= size:
-        raise ValueError(f"nbytes must be in [0, slot_size={size}], got {nbytes}")
-    if _hooks._armed:
-        _hooks.fire("before_ready")
-    _publish(cache, slot, lib.UCM_READY, int(nbytes), "ready")
-    if _hooks._armed:
-        _hooks.fire("after_ready")
-    return int(nbytes)
-
-
-def fill(cache: "SlotCache", slot: int, payload: memoryview) -> None:
-    """An owner's slot gets a tier's payload and is published Ready (the owner stays pinned)."""
-    n = payload.nbytes
-    off = cache._layout.data(slot)
-    cache._seg.view[off:off + n] = payload
-    publish_ready(cache, slot, True, n)
-
-
-def write_through(cache: "SlotCache", slot: int, n: int) -> None:
-    """An owner published slot Ready with n bytes: the cache's tier keeps a copy (it copies
-    during the call; the view is released after it)."""
-    off = cache._data_off + slot * cache._stride
-    v = cache._ro[off:off + n]
-    try:
-        cache._tier.write_through(slot, v)
-    finally:
-        v.release()
-
-
-def publish_failed(cache: "SlotCache", slot: int, owner: bool, message: str) -> None:
-    _check_owner(owner, "fail")
-    if lib.ucm_slot_state(cache._ctx, slot) != lib.UCM_LOADING:  # before the message lands
-        raise UcmError("fail(): the slot was already published")
-    raw = str(message).encode("utf-8", "replace")[: cache._layout.slot_size]
-    off = cache._layout.data(slot)
-    cache._seg.view[off:off + len(raw)] = raw
-    _publish(cache, slot, lib.UCM_FAILED, len(raw), "fail")
-
-
-def _publish(cache: "SlotCache", slot: int, state: int, nbytes: int, what: str) -> None:
-    r = lib.ucm_publish(cache._ctx, slot, state, nbytes)
-    if r != lib.UCM_OK:
-        if r == lib.UCM_PUBLISHED:
-            raise UcmError(f"{what}(): the slot was already published")
-        raise UcmError(f"{what}(): no longer the owner of a loading slot ({code_name(r)})")
-
-
-def release_views(views: list) -> None:
-    for mv in views:
-        try:
-            mv.release()
-        except BufferError:
-            # A numpy array still exports this view: it stays readable, though the pin below
-            # it is dropped.  Arrays from a handle must not outlive it (documented).
-            pass
-
-
 class HandleBatch(_Pins):
     """The pins of one request's keys: one C call pins them all, one releases them all.
 
@@ -640,71 +476,3 @@ class HandleBatch(_Pins):
 
     def __exit__(self, exc_type, exc, tb) -> None:
         self._close(UNPUBLISHED if exc is None else exit_message(exc_type, exc))
-
-
-UNPUBLISHED = b"the owner closed its handle without calling ready()"
-# A pin (and, for an owner, a Loading slot) taken by a get whose handle was never made: an
-# exception (a signal handler, KeyboardInterrupt) arrived between the C call and the handle.
-ABANDONED = b"the loading caller was interrupted before it took its handle"
-ABANDONED_LEN = len(ABANDONED)  # the except paths make no call before their drop
-UNPUBLISHED_LEN = len(UNPUBLISHED)
-
-
-def exit_message(exc_type, exc) -> bytes:
-    """The Failed message for an owner's with-block that raised: the exception, named."""
-    try:
-        return f"{exc_type.__name__}: {exc}".encode("utf-8", "replace")
-    except Exception:
-        return exc_type.__name__.encode("utf-8", "replace")
-
-
-async def wait_loaded_async(cache: "SlotCache", slot: int, timeout: Optional[float]) -> int:
-    """cache._wait_loaded in a thread of its own (one per wait: a pool of a few threads would
-    make the 41st waiter queue behind 40 others), resolved on the loop.  On cancellation the
-    thread is told to stop; it looks every CANCEL_SLICE (20 ms) and is joined (bounded) before
-    the pin behind it can go."""
-    import asyncio  # here, not at the top: most users never touch asyncio, and it is ~30 modules
-    loop = asyncio.get_running_loop()
-    fut = loop.create_future()
-    cancel = threading.Event()
-
-    def settle(result, error) -> None:
-        if not fut.done():
-            if error is None:
-                fut.set_result(result)
-            else:
-                fut.set_exception(error)
-
-    def run() -> None:
-        try:
-            st = cache._wait_loaded(slot, timeout, cancel)
-            loop.call_soon_threadsafe(settle, st, None)
-        except BaseException as e:  # TimeoutError and recovery's errors reach the awaiter
-            try:
-                loop.call_soon_threadsafe(settle, None, e)
-            except RuntimeError:
-                pass  # the loop is closed: nobody waits any more
-
-    thread = threading.Thread(target=run, name="ucmcache-wait", daemon=True)
-    thread.start()
-    try:
-        return await fut
-    except asyncio.CancelledError:
-        cancel.set()
-        thread.join(WAIT_CANCEL_JOIN)
-        raise
-
-
-WAIT_CANCEL_JOIN = 1.0  # seconds; the thread returns within one CANCEL_SLICE
-
-
-def check_timeout(timeout: object) -> float:
-    """A wait's timeout: None (checked by the caller) or a number of seconds >= 0."""
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout != timeout \
-            or timeout < 0:
-        raise ValueError(f"timeout must be None or a number of seconds >= 0, got {timeout!r}")
-    return float(timeout)
-
-
-def _now() -> float:
-    return time.monotonic()

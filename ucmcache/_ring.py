@@ -15,7 +15,7 @@ import numpy as np
 
 from ._core import ffi, lib
 from ._errors import CacheFull, CorruptSegment, UcmError
-from ._handle import as_value_view
+from ._slots import as_value_view
 
 # The SlotCache these operations serve.  Not imported, not even for type checkers: slot
 # operations sit below the cache API and never reach back into it (no import circle).
