@@ -50,6 +50,9 @@ int bench_noop_many(void *c, const char *ids, const uint64_t *offsets, uint32_t 
 { (void)c; (void)ids; (void)offsets; (void)n; (void)out; return 0; }
 int bench_noop_release_many(void *c, const uint32_t *slots, uint32_t n)
 { (void)c; (void)slots; (void)n; return 0; }
+/* The C memcpy floor of scenario 7: n rows copied from base + offs[i], nothing else. */
+void bench_copy_rows(const char *base, const uint64_t *offs, uint32_t n, char *out, uint64_t row)
+{ for (uint32_t i = 0; i < n; i++) memcpy(out + (uint64_t)i * row, base + offs[i], row); }
 """
 
 _OLD_CDEF = r"""
@@ -72,6 +75,7 @@ int64_t bench_noop_lookup(void *c, const char *id, uint64_t offset, uint32_t spi
 int bench_noop_release(void *c, uint32_t s);
 int bench_noop_many(void *c, const char *ids, const uint64_t *offsets, uint32_t n, uint8_t *out);
 int bench_noop_release_many(void *c, const uint32_t *slots, uint32_t n);
+void bench_copy_rows(const char *base, const uint64_t *offs, uint32_t n, char *out, uint64_t row);
 """
 
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 from typing import Any, Dict, List, Optional, Tuple
 
 ORDER = ["ucmcache", "old", "lmdb", "redis", "manager", "diskcache"]
@@ -29,6 +30,25 @@ def fmt_x(r: Optional[float]) -> str:
     return "—" if r is None else (f"{r:.2f}x" if r < 10 else f"{r:.0f}x" if r >= 100 else f"{r:.1f}x")
 
 
+def _num(r: float) -> str:
+    return f"{r:.2f}" if r < 10 else f"{r:.0f}" if r >= 100 else f"{r:.1f}"
+
+
+def fmt_range(rng) -> str:
+    """' [min-max]' of a ratio over the passes (empty when there is one pass)."""
+    if not rng or rng[0] is None or rng[1] is None:
+        return ""
+    return f" [{_num(rng[0])}-{_num(rng[1])}]"
+
+
+def fmt_xr(out: Dict[str, Any], *path) -> str:
+    """A ratio of out["ratios"] (the median over the passes) with its [min-max]."""
+    med = _get(out.get("ratios", {}), *path)
+    if med is None:
+        return "—"
+    return fmt_x(med) + fmt_range(_get(out.get("ratio_ranges") or {}, *path))
+
+
 def fmt_ns(v: Optional[float]) -> str:
     if v is None:
         return "—"
@@ -37,6 +57,16 @@ def fmt_ns(v: Optional[float]) -> str:
     if v >= 1e4:
         return f"{v / 1e3:.1f} µs"
     return f"{v:.0f} ns"
+
+
+def fmt_ns_range(med: Optional[float], lo: Optional[float], hi: Optional[float]) -> str:
+    """'1.88 µs [1.83-2.82]': a median and its min-max, all in the median's unit."""
+    if med is None:
+        return "—"
+    div, unit, nd = (1e6, "ms", 2) if med >= 1e6 else (1e3, "µs", 1 if med >= 1e4 else 2) \
+        if med >= 1e3 else (1, "ns", 0)
+    f = (lambda v: f"{v / div:.{nd}f}")
+    return f"{f(med)} {unit} [{f(lo)}-{f(hi)}]"
 
 
 def fmt_ops(v: Optional[float]) -> str:
@@ -109,6 +139,8 @@ def compute_ratios(out: Dict[str, Any]) -> Dict[str, Any]:
 
 
 def compute_targets(out: Dict[str, Any], R: Dict[str, Any]) -> List[Dict[str, Any]]:
+    """Issue 7's targets, judged on the median over the passes (R); the details give each
+    ratio's [min-max] over the passes."""
     T: List[Dict[str, Any]] = []
 
     def add(name, goal, value, met, detail=""):
@@ -117,23 +149,25 @@ def compute_targets(out: Dict[str, Any], R: Dict[str, Any]) -> List[Dict[str, An
     def ge(v, g):
         return None if v is None else v >= g
 
+    def X(*path):
+        return fmt_xr(out, *path)
+
     for b, g, label in (("lmdb", 1.5, "py-lmdb"), ("redis", 20, "Redis"), ("manager", 40, "Manager dict")):
         v = _get(R, "s1_hit_p50", "4096", b)
-        v64 = _get(R, "s1_hit_p50", "65536", b)
-        add(f"per-key hit vs {label} (scenario 1, p50)", f">= {g}x", v, ge(v, g),
-            f"4 KiB {fmt_x(v)}, 64 KiB {fmt_x(v64)}")
+        add(f"per-key hit (pin only) vs {label} (scenario 1, p50)", f">= {g}x", v, ge(v, g),
+            f"4 KiB {X('s1_hit_p50', '4096', b)}, 64 KiB {X('s1_hit_p50', '65536', b)}")
     v = _get(R, "s2_get_many", "lmdb")
-    add("batch get_many vs py-lmdb, per key (scenario 2)", ">= 4x", v, ge(v, 4), fmt_x(v))
+    add("batch get_many + release (pin only) vs py-lmdb, per key (scenario 2)", ">= 4x", v,
+        ge(v, 4), X("s2_get_many", "lmdb"))
     v = _get(R, "s2_exist", "lmdb")
-    add("batch exist vs py-lmdb, per key (scenario 2)", ">= 5x", v, ge(v, 5), fmt_x(v))
+    add("batch exist vs py-lmdb, per key (scenario 2)", ">= 5x", v, ge(v, 5), X("s2_exist", "lmdb"))
     v = _get(R, "c_floor", "mix_2p_new_vs_old", "4096")
-    v64 = _get(R, "c_floor", "mix_2p_new_vs_old", "65536")
     add("2 processes, hit-heavy mix vs old design, C-only floor", ">= 3x", v, ge(v, 3),
-        f"4 KiB {fmt_x(v)}, 64 KiB {fmt_x(v64)}")
+        f"4 KiB {X('c_floor', 'mix_2p_new_vs_old', '4096')}, "
+        f"64 KiB {X('c_floor', 'mix_2p_new_vs_old', '65536')}")
     v = _get(R, "s3_mix_2p", "4096", "old")
-    v64 = _get(R, "s3_mix_2p", "65536", "old")
     add("2 processes, hit-heavy mix vs old design, Python API (scenario 3)", ">= 1.3x", v, ge(v, 1.3),
-        f"4 KiB {fmt_x(v)}, 64 KiB {fmt_x(v64)}")
+        f"4 KiB {X('s3_mix_2p', '4096', 'old')}, 64 KiB {X('s3_mix_2p', '65536', 'old')}")
     w = _get(out, "s4_flight", "systems", "ucmcache", "wake_p50_us")
     add("waiter wake latency p50 (scenario 4)", "< 20 µs", w, None if w is None else w < 20,
         f"{fmt_us(w)} (p99 {fmt_us(_get(out, 's4_flight', 'systems', 'ucmcache', 'wake_p99_us'))}); "
@@ -141,10 +175,10 @@ def compute_targets(out: Dict[str, Any], R: Dict[str, Any]) -> List[Dict[str, An
         f"{_get(out, 's4_flight', 'keys')}; C floor (futex, no Python) "
         f"{fmt_us(_get(out, 'c_floor', 'flight', 'new', 'wake_p50_us'))}")
     v = _get(R, "s3_scaling", "4096", "ucmcache")
-    v64 = _get(R, "s3_scaling", "65536", "ucmcache")
-    cf = _get(R, "c_floor", "mix_scaling_new", "4096")
     add("hit-heavy throughput, 2 processes vs 1 (scenario 3)", ">= 1.8x", v, ge(v, 1.8),
-        f"Python API 4 KiB {fmt_x(v)}, 64 KiB {fmt_x(v64)}; C floor 4 KiB {fmt_x(cf)}")
+        f"Python API 4 KiB {X('s3_scaling', '4096', 'ucmcache')}, "
+        f"64 KiB {X('s3_scaling', '65536', 'ucmcache')}; "
+        f"C floor 4 KiB {X('c_floor', 'mix_scaling_new', '4096')}")
     lay = out.get("layout", {})
     typ = next((v for k, v in lay.items() if k.startswith("typical")), None)
     if typ:
@@ -155,32 +189,96 @@ def compute_targets(out: Dict[str, Any], R: Dict[str, Any]) -> List[Dict[str, An
     return T
 
 
+# Issue 14's targets (scenario 7, judged at 4 KiB on the median over the repetitions):
+# (ratio, goal, ">=" or "<=", what)
+READ_TARGETS = [
+    ("read_vs_lmdb", 1.0, ">=", "per-key read `with get(k) as h: h.data[0]` vs py-lmdb "
+                                "`begin(buffers=True)` + `get(k)[0]`"),
+    ("gol_vs_lmdb", 1.5, ">=", "`get_or_load` hit vs py-lmdb `begin()` + `get(k)` (bytes)"),
+    ("gmdata_vs_lmdb", 1.5, ">=", "`get_many(64)` + every `data(i)[0]` vs py-lmdb one txn, 64 gets"),
+    ("gather_vs_lmdb", 4.0, ">=", "`gather` of 64 into a (64, value) array vs py-lmdb one txn, "
+                                  "64 gets copied into it"),
+    ("read_many_vs_lmdb", 4.0, ">=", "`read_many` of 64 vs the same py-lmdb copy"),
+    ("gather_over_floor", 2.5, "<=", "`gather` of 64 within 2.5x of the memcpy floor (numpy "
+                                     "copying the same slots)"),
+    ("read_many_over_floor", 2.5, "<=", "`read_many` of 64 within 2.5x of the memcpy floor (numpy)"),
+    ("gather_over_cfloor", 2.5, "<=", "(stricter than the issue) `gather` within 2.5x of a C "
+                                      "memcpy floor (one cffi call, 64 memcpy)"),
+    ("read_many_over_cfloor", 2.5, "<=", "(stricter than the issue) `read_many` within 2.5x of "
+                                         "the C memcpy floor"),
+    ("read_vs_old", 1.0, ">=", "per-key read ahead of the old design's Python wrapper"),
+    ("pin_vs_old", 1.0, ">=", "per-key hit (pin only) ahead of the old design's Python wrapper"),
+]
+
+
+def _rx(r: Optional[Dict[str, Any]]) -> str:
+    if not r:
+        return "—"
+    return f"{fmt_x(r['median'])} [{_num(r['min'])}-{_num(r['max'])}]"
+
+
+def compute_read_targets(out: Dict[str, Any]) -> List[Dict[str, Any]]:
+    T: List[Dict[str, Any]] = []
+    s7 = _get(out, "s7_reads", "by_size", default={})
+    if not s7:
+        return T
+    for name, goal, op, what in READ_TARGETS:
+        r4 = _get(s7, "4096", "ratios", name)
+        r64 = _get(s7, "65536", "ratios", name)
+        met = None
+        every = None
+        if r4:
+            v = r4["median"]
+            met = v >= goal if op == ">=" else v <= goal
+            every = (r4["min"] >= goal) if op == ">=" else (r4["max"] <= goal)
+        detail = f"4 KiB {_rx(r4)}, 64 KiB {_rx(r64)}"
+        if met and not every:
+            detail += " (the median meets it, not every repetition)"
+        if met is False and (r4["max"] >= goal if op == ">=" else r4["min"] <= goal):
+            detail += " (some repetitions meet it, the median does not)"
+        T.append({"target": what, "goal": f"{op} {goal:g}x", "ratio": name,
+                  "measured": None if not r4 else r4["median"], "met": met, "detail": detail})
+    return T
+
+
 def ratio_lines(out: Dict[str, Any]) -> List[str]:
     R = out.get("ratios", {})
-    lines = ["Ratios, ucmcache's speed-up over each baseline (>1: ucmcache faster):"]
+    lines = ["Ratios, ucmcache's speed-up over each baseline (>1: ucmcache faster)"
+             + (f", median [min-max] over {out['meta'].get('repeat')} passes:"
+                if out.get("ratio_ranges") else ":")]
 
-    def row(title, d):
+    def row(title, *path):
+        d = _get(R, *path)
         if d:
-            lines.append(f"  {title}: " + ", ".join(f"{LABELS.get(b, b)} {fmt_x(v)}"
-                                                    for b, v in d.items()))
+            lines.append(f"  {title}: " + ", ".join(f"{LABELS.get(b, b)} {fmt_xr(out, *path, b)}"
+                                                    for b in d))
 
-    for size, d in R.get("s1_hit_p50", {}).items():
-        row(f"1 hit p50, {int(size) // 1024} KiB", d)
-    row("2 batch exist, ns/key", R.get("s2_exist"))
-    row("2 batch get_many, ns/key", R.get("s2_get_many"))
-    for size, d in R.get("s3_mix_2p", {}).items():
-        row(f"3 mix 2 procs, {int(size) // 1024} KiB", d)
-    row("4 flight wake p50", R.get("s4_wake_p50"))
-    for size, d in R.get("s5_churn", {}).items():
-        row(f"5 churn, {int(size) // 1024} KiB", d)
+    for size in R.get("s1_hit_p50", {}):
+        row(f"1 hit (pin only) p50, {int(size) // 1024} KiB", "s1_hit_p50", size)
+    row("2 batch exist, ns/key", "s2_exist")
+    row("2 batch get_many + release (pin only), ns/key", "s2_get_many")
+    for size in R.get("s3_mix_2p", {}):
+        row(f"3 mix 2 procs, {int(size) // 1024} KiB", "s3_mix_2p", size)
+    row("4 flight wake p50", "s4_wake_p50")
+    for size in R.get("s5_churn", {}):
+        row(f"5 churn, {int(size) // 1024} KiB", "s5_churn", size)
     cf = R.get("c_floor")
     if cf:
         lines.append("  C floor, new vs old: hit p50 " +
-                     ", ".join(f"{int(k) // 1024} KiB {fmt_x(v)}" for k, v in cf["hit_p50_new_vs_old"].items()) +
-                     f"; exist {fmt_x(cf['exist_new_vs_old'])}; get_many {fmt_x(cf['get_many_new_vs_old'])}; "
-                     "mix 2 procs " +
-                     ", ".join(f"{int(k) // 1024} KiB {fmt_x(v)}" for k, v in cf["mix_2p_new_vs_old"].items()) +
-                     f"; churn {fmt_x(cf['churn_new_vs_old'])}")
+                     ", ".join(f"{int(k) // 1024} KiB {fmt_xr(out, 'c_floor', 'hit_p50_new_vs_old', k)}"
+                               for k in cf["hit_p50_new_vs_old"]) +
+                     f"; exist {fmt_xr(out, 'c_floor', 'exist_new_vs_old')}; get_many "
+                     f"{fmt_xr(out, 'c_floor', 'get_many_new_vs_old')}; mix 2 procs " +
+                     ", ".join(f"{int(k) // 1024} KiB {fmt_xr(out, 'c_floor', 'mix_2p_new_vs_old', k)}"
+                               for k in cf["mix_2p_new_vs_old"]) +
+                     f"; churn {fmt_xr(out, 'c_floor', 'churn_new_vs_old')}")
+    s7 = _get(out, "s7_reads", "by_size", default={})
+    for size, blk in s7.items():
+        rs = blk.get("ratios")
+        if rs:
+            lines.append(f"  7 reads, {int(size) // 1024} KiB, median [min-max] over "
+                         f"{_get(out, 's7_reads', 'reps')} interleaved repetitions: " +
+                         ", ".join(f"{k} {_rx(v)}" for k, v in rs.items()))
     return lines
 
 
@@ -189,6 +287,11 @@ def target_lines(out: Dict[str, Any]) -> List[str]:
     for t in out.get("targets", []):
         mark = {True: "MET    ", False: "NOT MET", None: "n/a    "}[t["met"]]
         lines.append(f"  [{mark}] {t['target']}: goal {t['goal']}; measured {t['detail']}")
+    if out.get("targets_reads"):
+        lines.append("Targets (issue 14, reads: scenario 7, judged at 4 KiB on the median):")
+        for t in out["targets_reads"]:
+            mark = {True: "MET    ", False: "NOT MET", None: "n/a    "}[t["met"]]
+            lines.append(f"  [{mark}] {t['target']}: goal {t['goal']}; measured {t['detail']}")
     return lines
 
 
@@ -203,9 +306,101 @@ def _systems_in(*dicts) -> List[str]:
     return [s for s in ORDER if s in seen]
 
 
+_READ_GROUPS = [
+    ("per key: read one byte of the value", ["read.ucm", "read.lmdb", "read.old", "read.floor",
+                                             "read.floor_view"]),
+    ("per key: pin only (nothing read)", ["pin.ucm", "pin.old"]),
+    ("per key: get_or_load hit, the value as bytes", ["gol.ucm", "gol.lmdb", "gol.floor"]),
+    ("per 64-key batch: every value's first byte", ["gmdata.ucm", "gmdata.lmdb", "gmdata.floor"]),
+    ("per 64-key batch: copy every value into a (64, value) uint8 array",
+     ["gather.ucm", "read_many.ucm", "copy.lmdb", "copy.lmdb_np", "copy.floor", "copy.cfloor"]),
+    ("the same, into a page-aligned array (diagnostic: memcpy speed vs the rows' page offset)",
+     ["gather.ucm@al", "read_many.ucm@al", "copy.lmdb@al", "copy.floor@al", "copy.cfloor@al"]),
+]
+
+
+def _md_reads(out: Dict[str, Any]) -> List[str]:
+    s7 = out.get("s7_reads")
+    if not s7:
+        return []
+    L: List[str] = []
+    by = s7.get("by_size", {})
+    sizes = list(by)
+    L.append("## 7. Reads: what a user does with a hit (issue 14)")
+    L.append("")
+    keys = "; ".join(f"{int(sz) // 1024} KiB values: {b.get('keys')} keys" for sz, b in by.items())
+    L.append(f"{keys} resident, random order; batches of {s7['batch']} distinct keys. Every row "
+             f"runs in one process, interleaved: {s7['reps']} repetitions x {s7['rounds']} rounds, "
+             f"each row a slice of about {s7['slice_s'] * 1000:.0f} ms per round, in a fresh "
+             "random order every round, so the machine's load lands on every row alike. Figures: time "
+             "per op (per key, or per 64-key batch), median [min-max] over the repetitions; "
+             "ratios computed per repetition, median [min-max]. Load average (1 min) "
+             f"{s7.get('load_before')} before, {s7.get('load_after')} after. Before timing, every "
+             "row was checked to return or copy the payload.")
+    for sz, b in by.items():
+        if "error" in b:
+            L.append("")
+            L.append(f"**{int(sz) // 1024} KiB: error** {b['error']}")
+    L.append("")
+    L.append("| row |" + "".join(f" {int(sz) // 1024} KiB |" for sz in sizes))
+    L.append("|---|" + "---|" * len(sizes))
+    for title, ids in _READ_GROUPS:
+        present = [r for r in ids if any(r in _get(by, sz, "rows", default={}) for sz in sizes)]
+        if not present:
+            continue
+        L.append(f"| *{title}* |" + " |" * len(sizes))
+        for rid in present:
+            cells = []
+            label = rid
+            for sz in sizes:
+                r = _get(by, sz, "rows", rid)
+                if not r:
+                    cells.append(" — |")
+                    continue
+                label = r["label"]
+                cells.append(f" {fmt_ns_range(r['median'], r['min'], r['max'])} |")
+            L.append(f"| {label} |" + "".join(cells))
+    L.append("")
+    L.append("| ratio (per repetition) | what |" + "".join(f" {int(sz) // 1024} KiB |" for sz in sizes))
+    L.append("|---|---|" + "---|" * len(sizes))
+    names: List[str] = []
+    for sz in sizes:
+        names += [n for n in _get(by, sz, "ratios", default={}) if n not in names]
+    for n in names:
+        what = next((_get(by, sz, "ratios", n, "what") for sz in sizes
+                     if _get(by, sz, "ratios", n)), n)
+        L.append(f"| {n} | {what} |" + "".join(f" {_rx(_get(by, sz, 'ratios', n))} |" for sz in sizes))
+    L.append("")
+    L.append("Ratios are time / time: `..._vs_lmdb` = py-lmdb's time / ucmcache's (above 1 "
+             "ucmcache is faster); `..._over_floor` = ucmcache's (or py-lmdb's) time / the memcpy "
+             "floor's (1 = as fast as numpy copying the same bytes); `floor_share_read` = the "
+             "Python floor's share of ucmcache's read; `floor_vs_lmdb_read` = py-lmdb's read / the "
+             "Python floor (below 1: py-lmdb reads faster than an empty context manager with two "
+             "no-op cffi calls costs).")
+    fl = "; ".join(f"{int(sz) // 1024} KiB {b.get('memcpy_floor_gb_s')} GB/s" for sz, b in by.items()
+                   if b.get("memcpy_floor_gb_s"))
+    if fl:
+        L.append(f"The memcpy floor (median) copies at {fl}.")
+    L.append("")
+    T = out.get("targets_reads") or []
+    if T:
+        L.append("## Targets (issue 14: reads, scenario 7, judged at 4 KiB on the median)")
+        L.append("")
+        L.append("| target | goal | measured median [min-max] | met |")
+        L.append("|---|---|---|---|")
+        for t in T:
+            L.append(f"| {t['target']} | {t['goal']} | {t['detail']} | "
+                     f"{ {True: 'yes', False: '**no**', None: 'n/a'}[t['met']] } |")
+        L.append("")
+    return L
+
+
 def markdown(out: Dict[str, Any]) -> str:
     m = out["meta"]
     R = out.get("ratios", {})
+
+    def X(*path):
+        return fmt_xr(out, *path)
     L: List[str] = []
     L.append("# ucmcache benchmark results")
     L.append("")
@@ -214,9 +409,15 @@ def markdown(out: Dict[str, Any]) -> str:
              f"`{m['command']}` on {m['started']}: {m['cores']} cores, load average "
              f"{m.get('load_before')} before, {m.get('load_after')} after; wall time "
              f"{m.get('wall_s')} s{' (QUICK run: tiny sizes, numbers mean little)' if m.get('quick') else ''}.")
+    rep = m.get("repeat", 1)
     L.append("Every number below was measured in that one run. **x** = ucmcache's speed-up over that "
              "system (its time / ucmcache's time, or ucmcache's ops/s / its ops/s): above 1 ucmcache "
-             "is faster, below 1 slower.")
+             "is faster, below 1 slower." +
+             (f" Scenarios 1-6 and the floors ran {rep} whole passes: each figure is the median "
+              "over the passes, each x the median of the per-pass ratios with its [min-max]."
+              if rep and rep > 1 else "") +
+             (" Scenario 7 (reads) repeats inside itself, interleaved: its figures and ratios are "
+              "median [min-max] over its repetitions." if out.get("s7_reads") else ""))
     lb = m.get("load_before") or []
     if lb and m.get("cores") and lb[0] > 0.5 * m["cores"]:
         L.append("")
@@ -243,16 +444,19 @@ def markdown(out: Dict[str, Any]) -> str:
         L.append(f"| {t['target']} | {t['goal']} | {t['detail']} | "
                  f"{ {True: 'yes', False: '**no**', None: 'n/a'}[t['met']] } |")
     L.append("")
+    L.extend(_md_reads(out))
 
     # ---- scenario 1
     s1 = _get(out, "s1_hit", "by_size", default={})
     if s1:
         sizes = list(s1)
-        L.append("## 1. Single-process hit: get + release, ns/op")
+        L.append("## 1. Single-process hit, pin only: get + release, ns/op")
         L.append("")
         L.append(f"{_get(out, 's1_hit', 'resident_keys')} resident keys, random order; each op "
                  f"timed alone, timer overhead ({_get(out, 's1_hit', 'timer_overhead_ns'):.0f} ns) "
-                 "subtracted; x from p50. ucmcache: `with cache.get(k): pass`.")
+                 "subtracted; x from p50. ucmcache: `with cache.get(k): pass`. **Pin only**: no "
+                 "byte of the value is read (py-lmdb's `get` does locate it); scenario 7 measures "
+                 "reads.")
         L.append("")
         hdr = "| system |" + "".join(f" {int(s) // 1024} KiB p50 | p99 | mean | x |" for s in sizes)
         L.append(hdr)
@@ -264,7 +468,7 @@ def markdown(out: Dict[str, Any]) -> str:
                 if "error" in r:
                     cells.append(f" error: {r['error'][:60]} | | | |")
                     continue
-                x = "—" if sysn == "ucmcache" else fmt_x(_get(R, "s1_hit_p50", s, sysn))
+                x = "—" if sysn == "ucmcache" else X("s1_hit_p50", s, sysn)
                 cells.append(f" {fmt_ns(r.get('p50_ns'))} | {fmt_ns(r.get('p99_ns'))} | "
                              f"{fmt_ns(r.get('bulk_mean_ns'))} | {x} |")
             L.append(f"| {LABELS[sysn]} |" + "".join(cells))
@@ -288,7 +492,7 @@ def markdown(out: Dict[str, Any]) -> str:
                 cells = []
                 for s in sizes:
                     r = _get(cf, s, d, default={})
-                    x = fmt_x(_get(R, "c_floor", "hit_p50_new_vs_old", s)) if d == "old" else ""
+                    x = X("c_floor", "hit_p50_new_vs_old", s) if d == "old" else ""
                     cells.append(f" {r.get('p50_ns', '—')} ns | {r.get('p99_ns', '—')} ns | "
                                  f"{r.get('mean_ns', '—')} ns | {x} |")
                 L.append(f"| {label} |" + "".join(cells))
@@ -303,9 +507,10 @@ def markdown(out: Dict[str, Any]) -> str:
                  f"{_get(out, 's2_batch', 'resident_keys'):,} resident keys (4 KiB), ns/key")
         L.append("")
         L.append("Per request, divided by its key count; x from the mean. ucmcache: one `exist(keys)`; "
-                 "`with get_many(keys): pass`. LMDB: one read transaction per request.")
+                 "`with get_many(keys): pass` (**pin only**: no payload is read; scenario 7 reads "
+                 "them). LMDB: one read transaction per request.")
         L.append("")
-        L.append("| system | exist mean | p50 | p99 | x | get_many+release mean | p50 | p99 | x |")
+        L.append("| system | exist mean | p50 | p99 | x | get_many+release (pin only) mean | p50 | p99 | x |")
         L.append("|---|---|---|---|---|---|---|---|---|")
         for sysn in _systems_in(s2):
             r = s2[sysn]
@@ -313,8 +518,8 @@ def markdown(out: Dict[str, Any]) -> str:
                 L.append(f"| {LABELS[sysn]} | error: {r['error'][:80]} | | | | | | | |")
                 continue
             e, g = r["exist_per_key"], r["get_many_per_key"]
-            xe = "—" if sysn == "ucmcache" else fmt_x(_get(R, "s2_exist", sysn))
-            xg = "—" if sysn == "ucmcache" else fmt_x(_get(R, "s2_get_many", sysn))
+            xe = "—" if sysn == "ucmcache" else X("s2_exist", sysn)
+            xg = "—" if sysn == "ucmcache" else X("s2_get_many", sysn)
             L.append(f"| {LABELS[sysn]} | {fmt_ns(e['mean_ns'])} | {fmt_ns(e['p50_ns'])} | "
                      f"{fmt_ns(e['p99_ns'])} | {xe} | {fmt_ns(g['mean_ns'])} | {fmt_ns(g['p50_ns'])} | "
                      f"{fmt_ns(g['p99_ns'])} | {xg} |")
@@ -329,8 +534,8 @@ def markdown(out: Dict[str, Any]) -> str:
             for d, label in (("new", "C floor: ucm_exist_many / ucm_lookup_pin_many + ucm_release_many"),
                              ("old", "C floor: old design")):
                 r = cb[d]
-                xe = fmt_x(_get(R, "c_floor", "exist_new_vs_old")) if d == "old" else ""
-                xg = fmt_x(_get(R, "c_floor", "get_many_new_vs_old")) if d == "old" else ""
+                xe = X("c_floor", "exist_new_vs_old") if d == "old" else ""
+                xg = X("c_floor", "get_many_new_vs_old") if d == "old" else ""
                 L.append(f"| {label} | {r['exist_ns_per_key']} ns | {r['exist_p50_ns_per_key']} ns | "
                          f"{r['exist_p99_ns_per_key']} ns | {xe} | {r['get_many_ns_per_key']} ns | "
                          f"{r['get_many_p50_ns_per_key']} ns | {r['get_many_p99_ns_per_key']} ns | {xg} |")
@@ -359,8 +564,8 @@ def markdown(out: Dict[str, Any]) -> str:
                 if "error" in two:
                     cells.append(f" | error: {two['error'][:60]} | | | |")
                     continue
-                sc = fmt_x(_get(R, "s3_scaling", s, sysn)) if one else "—"
-                x = "—" if sysn == "ucmcache" else fmt_x(_get(R, "s3_mix_2p", s, sysn))
+                sc = X("s3_scaling", s, sysn) if one else "—"
+                x = "—" if sysn == "ucmcache" else X("s3_mix_2p", s, sysn)
                 cells.append(f" {fmt_ops(one.get('ops_per_s')) if one else '—'} | "
                              f"{fmt_ops(two.get('ops_per_s'))} | {sc} | {two.get('hit_rate', '—')} | {x} |")
             L.append(f"| {LABELS[sysn]} |" + "".join(cells))
@@ -371,8 +576,8 @@ def markdown(out: Dict[str, Any]) -> str:
                 for s in sizes:
                     v = _get(cm, s, d, default={})
                     one, two = v.get("1", {}), v.get("2", {})
-                    sc = fmt_x(_get(R, "c_floor", f"mix_scaling_{d}", s))
-                    x = fmt_x(_get(R, "c_floor", "mix_2p_new_vs_old", s)) if d == "old" else ""
+                    sc = X("c_floor", f"mix_scaling_{d}", s)
+                    x = X("c_floor", "mix_2p_new_vs_old", s) if d == "old" else ""
                     hr = round(two.get("hits", 0) / max(two.get("ops", 1), 1), 4)
                     cells.append(f" {fmt_ops(one.get('ops_per_s'))} | {fmt_ops(two.get('ops_per_s'))} | "
                                  f"{sc} | {hr} | {x} |")
@@ -402,7 +607,7 @@ def markdown(out: Dict[str, Any]) -> str:
             if "error" in r:
                 L.append(f"| {LABELS[sysn]} | error: {r['error'][:80]} | | | | | |")
                 continue
-            x = "—" if sysn == "ucmcache" else fmt_x(_get(R, "s4_wake_p50", sysn))
+            x = "—" if sysn == "ucmcache" else X("s4_wake_p50", sysn)
             ok = "" if r["loader_runs"] == _get(out, "s4_flight", "keys") else " **(!)**"
             L.append(f"| {LABELS[sysn]} | {r['loader_runs']}{ok} | {r['waits']} | {r['hits']} | "
                      f"{fmt_us(r['wake_p50_us'])} | {fmt_us(r['wake_p99_us'])} | {x} |")
@@ -436,14 +641,14 @@ def markdown(out: Dict[str, Any]) -> str:
                 if "error" in r:
                     cells.append(f" error: {r['error'][:60]} | | |")
                     continue
-                x = "—" if sysn == "ucmcache" else fmt_x(_get(R, "s5_churn", s, sysn))
+                x = "—" if sysn == "ucmcache" else X("s5_churn", s, sysn)
                 cells.append(f" {fmt_ops(r.get('ops_per_s'))} | {r.get('hit_rate')} | {x} |")
             L.append(f"| {LABELS[sysn]} |" + "".join(cells))
         ch = _get(out, "c_floor", "churn")
         if ch:
             for d, label in (("new", "C floor: ucmcache protocol steps (4 KiB)"), ("old", "C floor: old design (4 KiB)")):
                 r = ch[d]
-                x = fmt_x(_get(R, "c_floor", "churn_new_vs_old")) if d == "old" else ""
+                x = X("c_floor", "churn_new_vs_old") if d == "old" else ""
                 hr = round(r["hits"] / max(r["ops"], 1), 4)
                 L.append(f"| {label} | {fmt_ops(r['ops_per_s'])} | {hr} | {x} |" +
                          " | | |" * (len(sizes) - 1))
@@ -488,6 +693,11 @@ def markdown(out: Dict[str, Any]) -> str:
                      f"{v['ring_bytes'] / 2**20:.2f} MiB | {v['bucket_bytes'] / 2**20:.2f} MiB | "
                      f"{v['data_bytes'] / 2**20:.0f} MiB | {v['pct']}% |")
         L.append("")
+    rt = readme_tables(out)
+    if rt:
+        L.append("## The README's tables (generated from this run)")
+        L.append("")
+        L.extend(rt)
     L.append("## How it is measured")
     L.append("")
     L.append("- Same payload bytes, key sets (16-byte ids, `bench/common.py`) and process counts for "
@@ -513,6 +723,104 @@ def markdown(out: Dict[str, Any]) -> str:
     L.append("- The machine is shared (2 cores; other work may run): load averages are recorded above.")
     L.append("")
     return "\n".join(L)
+
+
+# ====================================================================== the README's tables
+
+
+_README_READS = [
+    # (what a user writes, ucmcache row, the other row, ratio, target ratio name or None)
+    ("per key: `with c.get(k) as h: h.data[0]` vs `with env.begin(buffers=True) as t: "
+     "t.get(k)[0]`", "read.ucm", "read.lmdb", "read_vs_lmdb"),
+    ("per key: `c.get_or_load(k, loader)` on a hit vs `with env.begin() as t: t.get(k)` "
+     "(bytes)", "gol.ucm", "gol.lmdb", "gol_vs_lmdb"),
+    ("64 keys: `with c.get_many(b) as hb:` + `hb.data(i)[0]` for each vs one txn, 64 "
+     "`get(k)[0]`", "gmdata.ucm", "gmdata.lmdb", "gmdata_vs_lmdb"),
+    ("64 keys into a (64, value) uint8 array: `get_many` + `hb.gather(out)` vs one txn, 64 gets "
+     "copied into it", "gather.ucm", "copy.lmdb", "gather_vs_lmdb"),
+    ("the same with `c.read_many(b, out)`", "read_many.ucm", "copy.lmdb", "read_many_vs_lmdb"),
+    ("`gather` vs the memcpy floor, numpy copying the same slots (here x = gather's time / "
+     "the floor's: lower is better)", "gather.ucm", "copy.floor", "gather_over_floor"),
+    ("`read_many` vs the memcpy floor (x = read_many's time / the floor's)", "read_many.ucm",
+     "copy.floor", "read_many_over_floor"),
+    ("stricter than the issue: `gather` vs a C memcpy floor (one cffi call, 64 `memcpy`)",
+     "gather.ucm", "copy.cfloor", "gather_over_cfloor"),
+    ("stricter: `read_many` vs the C memcpy floor", "read_many.ucm", "copy.cfloor",
+     "read_many_over_cfloor"),
+    ("per key: the read above vs the old design's wrapper, same code", "read.ucm", "read.old",
+     "read_vs_old"),
+    ("per key, **pin only**: `with c.get(k): pass` vs the old design's", "pin.ucm", "pin.old",
+     "pin_vs_old"),
+    ("Python floor: an empty context manager + 2 no-op cffi calls, vs py-lmdb's read",
+     "read.floor", "read.lmdb", "floor_vs_lmdb_read"),
+    ("Python floor + a slice of a memoryview and `[0]` (the read itself), vs py-lmdb's read",
+     "read.floor_view", "read.lmdb", "floorview_vs_lmdb_read"),
+]
+
+
+def readme_tables(out: Dict[str, Any]) -> List[str]:
+    """The README's benchmark tables, every ratio a median [min-max] (scenario 7 over its
+    repetitions, the others over the passes)."""
+    L: List[str] = []
+    s7 = _get(out, "s7_reads", "by_size", default={})
+    goals = {n: (g, op) for n, g, op, _ in READ_TARGETS}
+    if s7:
+        L.append("| what a user writes (4 KiB values unless said) | ucmcache | the other | "
+                 "x, 4 KiB | x, 64 KiB | target (4 KiB) | met |")
+        L.append("|---|---|---|---|---|---|---|")
+        for what, u, o, ratio in _README_READS:
+            ru, ro_ = _get(s7, "4096", "rows", u), _get(s7, "4096", "rows", o)
+            r4, r64 = _get(s7, "4096", "ratios", ratio), _get(s7, "65536", "ratios", ratio)
+            goal = goals.get(ratio)
+            tgt = f"{goal[1]} {goal[0]:g}x" if goal else ""
+            met = ""
+            if goal and r4:
+                ok = r4["median"] >= goal[0] if goal[1] == ">=" else r4["median"] <= goal[0]
+                met = "yes" if ok else "**no**"
+            cell = (lambda r: fmt_ns_range(r["median"], r["min"], r["max"]) if r else "—")
+            L.append(f"| {what} | {cell(ru)} | {cell(ro_)} | {_rx(r4)} | {_rx(r64)} | {tgt} | "
+                     f"{met} |")
+        L.append("")
+    R = out.get("ratios", {})
+    if not R.get("s1_hit_p50") and not R.get("s2_exist"):
+        return L
+
+    def X(*path):
+        return fmt_xr(out, *path)
+    order = ["ucmcache", "old", "lmdb", "redis", "manager", "diskcache"]
+    npass = _get(out, "meta", "repeat", default=1)
+    L.append(f"| scenario (median of {npass} pass{'es' if npass != 1 else ''}) | " +
+             " | ".join(LABELS[s] for s in order) + " |")
+    L.append("|---|" + "---|" * len(order))
+    s1 = _get(out, "s1_hit", "by_size", "4096", default={})
+    L.append("| 1. hit, **pin only** (`with get(k): pass`), 4 KiB, p50 | " + " | ".join(
+        ("—" if not _get(s1, s, "p50_ns") else fmt_ns(_get(s1, s, "p50_ns")) +
+         ("" if s == "ucmcache" else f" ({X('s1_hit_p50', '4096', s)})")) for s in order) + " |")
+    s2 = _get(out, "s2_batch", "systems", default={})
+    for key, rk, title in (("exist_per_key", "s2_exist", "2. batch `exist`, 64 keys, per key"),
+                           ("get_many_per_key", "s2_get_many",
+                            "2. batch `get_many` + release, **pin only**, per key")):
+        L.append(f"| {title} | " + " | ".join(
+            ("—" if not _get(s2, s, key, "mean_ns") else fmt_ns(_get(s2, s, key, "mean_ns")) +
+             ("" if s == "ucmcache" else f" ({X(rk, s)})")) for s in order) + " |")
+    s3 = _get(out, "s3_mix", "by_size", "4096", "systems", default={})
+    L.append("| 3. 95% hits, 2 processes, 4 KiB, ops/s | " + " | ".join(
+        ("—" if not _get(s3, s, "2p", "ops_per_s") else fmt_ops(_get(s3, s, "2p", "ops_per_s")) +
+         ("" if s == "ucmcache" else f" ({X('s3_mix_2p', '4096', s)})")) for s in order) + " |")
+    s4 = _get(out, "s4_flight", "systems", default={})
+    L.append("| 4. cold single flight, 4 procs: loader runs | " + " | ".join(
+        str(_get(s4, s, "loader_runs", default="—")) for s in order) + " |")
+    L.append("| 4. waiter wake p50 | " + " | ".join(
+        ("—" if _get(s4, s, "wake_p50_us") is None else fmt_us(_get(s4, s, "wake_p50_us")) +
+         ("" if s == "ucmcache" else f" ({X('s4_wake_p50', s)}{', polls' if s == 'old' else ''})"))
+        for s in order) + " |")
+    s5 = _get(out, "s5_churn", "by_size", "4096", "systems", default={})
+    L.append("| 5. churn, working set 4x capacity, 4 KiB, ops/s | " + " | ".join(
+        ("—" if not _get(s5, s, "ops_per_s") else "does not evict" if s in ("lmdb", "manager")
+         else fmt_ops(_get(s5, s, "ops_per_s")) +
+         ("" if s == "ucmcache" else f" ({X('s5_churn', '4096', s)})")) for s in order) + " |")
+    L.append("")
+    return L
 
 
 # ====================================================================== chart
@@ -584,10 +892,49 @@ def draw_chart(out: Dict[str, Any], path: str) -> Tuple[bool, str]:
 # ====================================================================== finish
 
 
-def finish(out: Dict[str, Any], outdir: str, chart: bool = True) -> None:
+def _is_num(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def merge_passes(vals: List[Any], how: str = "median") -> Any:
+    """One structure from several passes' structures of the same shape: a numeric leaf becomes
+    the median over the passes (how="median") or [min, max] (how="range"); anything else is
+    the first pass's.  Keys missing from some passes merge over the passes that have them (an
+    error in any pass stays visible)."""
+    first = vals[0]
+    if isinstance(first, dict):
+        keys = list(first)
+        for v in vals[1:]:
+            if isinstance(v, dict):
+                keys += [k for k in v if k not in keys]
+        return {k: merge_passes([v[k] for v in vals if isinstance(v, dict) and k in v], how)
+                for k in keys}
+    nums = [v for v in vals if _is_num(v)]
+    if not nums or not _is_num(first):
+        return first if how == "median" else None
+    if how == "range":
+        return [min(nums), max(nums)]
+    if all(isinstance(v, int) for v in nums):
+        return statistics.median_low(nums)
+    return round(statistics.median(nums), 4)
+
+
+def finish(out: Dict[str, Any], outdir: str, chart: bool = True,
+           passes: Optional[List[Dict[str, Any]]] = None) -> None:
+    """passes: the scenario 1-6 results of each pass (run.py --repeat): their figures are
+    merged into out as medians, each ratio computed per pass and reported as median [min-max]."""
     os.makedirs(outdir, exist_ok=True)
-    out["ratios"] = compute_ratios(out)
+    if passes:
+        out.update(merge_passes(passes))
+        per_pass = [compute_ratios(p) for p in passes]
+        out["ratios"] = merge_passes(per_pass)
+        if len(passes) > 1:
+            out["ratio_ranges"] = merge_passes(per_pass, "range")
+            out["passes"] = passes
+    else:
+        out["ratios"] = compute_ratios(out)
     out["targets"] = compute_targets(out, out["ratios"])
+    out["targets_reads"] = compute_read_targets(out)
     png = os.path.join(outdir, "latest.png")
     if chart:
         ok, why = draw_chart(out, png + ".tmp.png")

@@ -1,6 +1,7 @@
 """ucmcache benchmarks (issue 7; hot-path figures of issue 3), side by side with baselines.
 
-    .venv/bin/python -m bench.run            # the full run (< 5 minutes on 2 cores)
+    .venv/bin/python -m bench.run            # the full run (about 4-5 minutes on 2 cores)
+    .venv/bin/python -m bench.run --scenarios 7   # the reads alone (under a minute)
     .venv/bin/python -m bench.run --quick    # tiny sizes: checks the harness, numbers mean little
 
 Writes bench/results/latest.json, latest.md and latest.png (--out DIR to put them elsewhere).
@@ -12,6 +13,13 @@ Scenarios (same payloads, key sets and process counts for every system):
   3 mix:    95% hits / 5% misses (loads, evictions), 1 and 2 processes, total ops/s
   4 flight: 4 processes ask the same 1000 cold keys: loader runs, waiter wake latency
   5 churn:  working set 4x capacity, 2 processes, ops/s and hit rate
+  6 tier2:  get_or_load local hit vs a hit served from Redis vs a cold miss
+  7 reads:  what a user does with a hit (issue 14): per-key read of h.data, get_or_load hit,
+            get_many(64) + every data(i), gather / read_many of 64 into a numpy array, each vs
+            py-lmdb doing the same work, the old design, the Python floor and the memcpy floor;
+            every row interleaved in one process, median [min-max] over repetitions (reads.py)
+Scenarios 1-6 and the floors run --repeat passes (default 3): each figure is the median over the
+passes, each ratio the median of the per-pass ratios with its [min-max].
 Baselines: the old locking design (bench/baselines/oldlock.*), py-lmdb, Redis over a unix socket,
 multiprocessing.Manager dict, diskcache; floors: a C-only run of the same protocol steps
 (bench/floor.c) and a Python floor (an empty context manager + the same number of no-op C calls).
@@ -36,7 +44,7 @@ if not _RUN_AS_MODULE:  # run as a file (`ucmcache bench` does that): make `benc
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     __package__ = "bench"
 
-from bench import cbuild, common, report  # noqa: E402
+from bench import cbuild, common, reads, report  # noqa: E402
 from bench.baselines.redis_server import RedisServer  # noqa: E402
 from bench.systems import ALL_SYSTEMS  # noqa: E402
 
@@ -53,6 +61,11 @@ FULL = {
     "floor_hit_iters": 2_000_000, "floor_batch_reqs": 20000, "floor_mix_ms": 1000,
     "pyfloor_ops": 100_000,
     "s6_keys": 2000,
+    # scenario 7 (reads, issue 14): every row interleaved, s7_reps repetitions of s7_rounds
+    # rounds, each row a slice of about s7_slice s per round
+    "s7_keys": 4096, "s7_keys_by_size": {}, "s7_batch": 64, "s7_reps": 5, "s7_rounds": 6,
+    "s7_slice": 0.02, "s7_pool": 100_000, "s7_distinct_batches": 256,
+    "s7_min_keys": 200, "s7_max_keys": 50_000, "s7_min_batches": 3, "s7_max_batches": 2000,
 }
 QUICK = {
     "sizes": [4096, 65536],
@@ -64,8 +77,11 @@ QUICK = {
     "floor_hit_iters": 20000, "floor_batch_reqs": 200, "floor_mix_ms": 50,
     "pyfloor_ops": 2000,
     "s6_keys": 50,
+    "s7_keys": 256, "s7_keys_by_size": {}, "s7_batch": 64, "s7_reps": 3, "s7_rounds": 1,
+    "s7_slice": 0.002, "s7_pool": 2000, "s7_distinct_batches": 16,
+    "s7_min_keys": 50, "s7_max_keys": 2000, "s7_min_batches": 2, "s7_max_batches": 20,
 }
-SCENARIOS = ["1", "2", "3", "4", "5", "6"]
+SCENARIOS = ["1", "2", "3", "4", "5", "6", "7"]
 
 
 # ====================================================================== run-wide environment
@@ -718,15 +734,22 @@ def parse(argv):
                    help="directory for latest.json / latest.md / latest.png")
     p.add_argument("--systems", default=",".join(s.name for s in ALL_SYSTEMS),
                    help="comma list of systems (default: all)")
-    p.add_argument("--scenarios", default=",".join(SCENARIOS), help="comma list of 1..6")
+    p.add_argument("--scenarios", default=",".join(SCENARIOS), help="comma list of 1..7")
     p.add_argument("--no-floor", action="store_true", help="skip the C and Python floors")
     p.add_argument("--no-chart", action="store_true", help="skip the PNG chart")
+    p.add_argument("--repeat", type=int, default=None,
+                   help="passes of scenarios 1-6 and the floors, each figure the median over "
+                        "them, each ratio with its min-max (default 3; --quick: 1)")
     return p.parse_args(argv)
 
 
 def main(argv=None) -> int:
     args = parse(argv)
     cfg = QUICK if args.quick else FULL
+    repeat = args.repeat if args.repeat is not None else (1 if args.quick else 3)
+    if repeat < 1:
+        print("--repeat must be >= 1", file=sys.stderr)
+        return 2
     want = [s.strip() for s in args.systems.split(",") if s.strip()]
     scen = [s.strip() for s in args.scenarios.split(",") if s.strip()]
     unknown = [w for w in want if w not in {s.name for s in ALL_SYSTEMS}]
@@ -742,6 +765,7 @@ def main(argv=None) -> int:
     tmpdir = tempfile.mkdtemp(prefix="ucmbench-")
     env = Env(tmpdir, args.quick)
     out: Dict[str, Any] = {}
+    passes: List[Dict[str, Any]] = []
     try:
         env.start(want)
         systems, baselines = [], {}
@@ -762,26 +786,38 @@ def main(argv=None) -> int:
             state = "available" if b["available"] else f"SKIPPED: {b.get('skipped_why')}"
             extra = f" ({b['note']})" if b.get("note") else ""
             log(f"  {b['label']:<32} {state}{extra}")
-        out["meta"] = {"command": cmd, "started": started, "quick": args.quick,
+        out["meta"] = {"command": cmd, "started": started, "quick": args.quick, "repeat": repeat,
                        "cores": os.cpu_count(), "load_before": common.loadavg(),
                        "python": platform.python_version(), "platform": platform.platform(),
                        "config": {k: (v if not isinstance(v, dict) else {str(a): b for a, b in v.items()})
                                   for k, v in cfg.items()}}
         out["baselines"] = baselines
         out["layout"] = layout_figures(cfg)
-        if not args.no_floor:
-            c_floor(env, cfg, out)
-            py_floor(env, cfg, out)
         steps = {"1": scenario1, "2": scenario2, "3": scenario3, "4": scenario4, "5": scenario5,
                  "6": scenario6}
-        for s in SCENARIOS:
-            if s in scen:
-                steps[s](env, systems, cfg, out)
+        # Scenario 7 repeats inside itself (interleaved).  Scenarios 1-6 (and the floors, whose
+        # figures they are compared with) run `repeat` whole passes: every figure of theirs is
+        # reported as the median over the passes, every ratio with its min-max.
+        want_passes = [s for s in SCENARIOS if s in scen and s in steps]
+        floors = not args.no_floor and any(s in scen for s in "12345")
+        if "7" in scen:  # first: the reads are what issue 14 asks about (a quiet start)
+            reads.scenario7(env, systems, cfg, out, log)
+        if want_passes or floors:
+            for p in range(repeat):
+                if repeat > 1:
+                    log(f"--- pass {p + 1} of {repeat} (load {common.loadavg()})")
+                pout: Dict[str, Any] = {}
+                if floors:
+                    c_floor(env, cfg, pout)
+                    py_floor(env, cfg, pout)
+                for s in want_passes:
+                    steps[s](env, systems, cfg, pout)
+                passes.append(pout)
     finally:
         env.cleanup()
     out["meta"]["load_after"] = common.loadavg()
     out["meta"]["wall_s"] = round(time.monotonic() - t_start, 1)
-    report.finish(out, args.out, chart=not args.no_chart)
+    report.finish(out, args.out, chart=not args.no_chart, passes=passes)
     log(f"wrote {os.path.join(args.out, 'latest.json')}, latest.md"
         f"{'' if args.no_chart else ', latest.png'} in {out['meta']['wall_s']} s")
     log("")
