@@ -31,6 +31,7 @@ Floors (cffi no-op functions with the signatures of ucmcache's calls, bench/cbui
 """
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any, Callable, Dict, List, Optional
 
@@ -45,6 +46,7 @@ RATIOS = [
     ("pin_vs_old", "pin.old", "pin.ucm", "pin only vs the old design"),
     ("pin_vs_lmdb", "read.lmdb", "pin.ucm", "pin only vs py-lmdb's read"),
     ("gol_vs_lmdb", "gol.lmdb", "gol.ucm", "get_or_load hit vs py-lmdb bytes"),
+    ("agol_over_gol", "agol.ucm", "gol.ucm", "await aget_or_load hit / get_or_load hit"),
     ("gmdata_vs_lmdb", "gmdata.lmdb", "gmdata.ucm", "get_many(64) + data(i)[0] vs py-lmdb"),
     ("gather_vs_lmdb", "copy.lmdb", "gather.ucm", "gather(64) vs py-lmdb copy"),
     ("read_many_vs_lmdb", "copy.lmdb", "read_many.ucm", "read_many(64) vs py-lmdb copy"),
@@ -78,6 +80,7 @@ LABELS = {
     "pin.ucm": "ucmcache `with c.get(k): pass` (pin only, nothing read)",
     "pin.old": "old design `with c.get(k): pass` (pin only, nothing read)",
     "gol.ucm": "ucmcache `c.get_or_load(k, loader)`, hit (bytes)",
+    "agol.ucm": "ucmcache `await c.aget_or_load(k, loader)` in a running loop, hit (bytes)",
     "gol.lmdb": "py-lmdb `with env.begin() as t: t.get(k)` (bytes)",
     "gol.floor": "Python floor: call + 2 no-op cffi calls + payload to bytes",
     "gmdata.ucm": "ucmcache `with c.get_many(b) as hb:` + `hb.data(i)[0]` x64",
@@ -193,9 +196,26 @@ def _rows(size: int, c, lm_env, old, mod, seq_pool: List[bytes], off_of: Dict[by
             gol(k, loader)
         return pc() - t0
 
+    loop = asyncio.new_event_loop()  # one loop for every repetition (closed by the GC)
+
+    def agol_ucm(lo, m):
+        seq = keys_at(lo, m)
+        agol = c.aget_or_load
+
+        def loader():
+            raise AssertionError("aget_or_load ran its loader on a resident key")
+
+        async def run():
+            t0 = pc()
+            for k in seq:
+                await agol(k, loader)
+            return pc() - t0
+        return loop.run_until_complete(run())
+
     R["read.ucm"] = ("key", read_ucm)
     R["pin.ucm"] = ("key", pin_ucm)
     R["gol.ucm"] = ("key", gol_ucm)
+    R["agol.ucm"] = ("key", agol_ucm)
 
     if lm_env is not None:
         def read_lmdb(lo, m):

@@ -206,6 +206,8 @@ READ_TARGETS = [
                                       "memcpy floor (one cffi call, 64 memcpy)"),
     ("read_many_over_cfloor", 2.5, "<=", "(stricter than the issue) `read_many` within 2.5x of "
                                          "the C memcpy floor"),
+    ("agol_over_gol", 1.5, "<=", "(issue 17) `await aget_or_load` hit within 1.5x of "
+                                 "`get_or_load`'s"),
     ("read_vs_old", 1.0, ">=", "per-key read ahead of the old design's Python wrapper"),
     ("pin_vs_old", 1.0, ">=", "per-key hit (pin only) ahead of the old design's Python wrapper"),
 ]
@@ -747,6 +749,8 @@ _README_READS = [
      "gather.ucm", "copy.cfloor", "gather_over_cfloor"),
     ("stricter: `read_many` vs the C memcpy floor", "read_many.ucm", "copy.cfloor",
      "read_many_over_cfloor"),
+    ("per key: `await c.aget_or_load(k, loader)` on a hit vs `get_or_load` (x = async time / "
+     "sync time)", "agol.ucm", "gol.ucm", "agol_over_gol"),
     ("per key: the read above vs the old design's wrapper, same code", "read.ucm", "read.old",
      "read_vs_old"),
     ("per key, **pin only**: `with c.get(k): pass` vs the old design's", "pin.ucm", "pin.old",
