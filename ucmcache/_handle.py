@@ -177,10 +177,7 @@ class Handle(_Pins):
         LoadFailed when the owner failed (or died), TimeoutError when timeout passes first
         (the load goes on)."""
         self._check_open()
-        if timeout is None:
-            timeout = self._timeout
-        else:
-            timeout = check_timeout(timeout)
+        timeout = self._timeout if timeout is None else check_timeout(timeout)
         st = lib.ucm_slot_state(self._cache._ctx, self._slot)
         if st == lib.UCM_LOADING:
             if self._owner:
@@ -198,10 +195,7 @@ class Handle(_Pins):
         """wait() for asyncio: the futex wait runs in a thread, so the event loop goes on.
         Cancelling the awaiting task abandons the wait (the load goes on)."""
         self._check_open()
-        if timeout is None:
-            timeout = self._timeout
-        else:
-            timeout = check_timeout(timeout)
+        timeout = self._timeout if timeout is None else check_timeout(timeout)
         cache = self._cache
         st = lib.ucm_slot_state(cache._ctx, self._slot)
         if st == lib.UCM_LOADING:
@@ -417,10 +411,7 @@ class HandleBatch(_Pins):
         """Wait for every position that another caller is loading.  Raises LoadFailed for the
         first that failed, TimeoutError if the time runs out (the loads go on)."""
         self._check_open()
-        if timeout is None:
-            timeout = self._timeout
-        else:
-            timeout = check_timeout(timeout)
+        timeout = self._timeout if timeout is None else check_timeout(timeout)
         cache = self._cache
         mine = set(int(s) for s in self._slots[self.owner])
         deadline = None if timeout is None else _now() + timeout
