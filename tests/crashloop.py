@@ -37,7 +37,8 @@ import tempfile
 import time
 import uuid as uuidlib
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)  # crash_workers, workers
 
 import ucmcache  # noqa: E402
 from ucmcache import SlotCache  # noqa: E402
@@ -119,6 +120,22 @@ def _kill_and_reap_groups(pgids, timeout=REAP_TIMEOUT):
     return reaped, sorted(left)
 
 
+def _start_forkserver():
+    """Start the forkserver (if nothing has yet) with crash_workers imported.  Python 3.11's
+    forkserver ignores the sys.path it is handed, so this directory goes in its environment."""
+    from multiprocessing import forkserver
+    WORKERS.set_forkserver_preload(["crash_workers"])
+    old = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (HERE, old) if p)
+    try:
+        forkserver.ensure_running()
+    finally:
+        if old is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = old
+
+
 def _join(p, timeout):
     """Wait, bounded, for a worker to exit; True if it did."""
     p.join(max(0.0, timeout))
@@ -181,7 +198,7 @@ def run_rounds(rounds, *, seed=0, workers=2, kinds=("plain",), log=None):
     unknown = set(kinds) - set(KINDS)
     if not kinds or unknown:
         raise ValueError(f"kinds must be some of {', '.join(KINDS)}, got {', '.join(kinds)}")
-    WORKERS.set_forkserver_preload(["crash_workers"])  # if it is not running yet
+    _start_forkserver()
     rnd = random.Random(seed)
     stats = {k: 0 for k in TOTALS}
     stats["seconds"] = 0.0
