@@ -344,6 +344,61 @@ uint32_t ucm_mutex_holder(char *base, uint64_t off)
 }
 
 
+/* ---------------------------------------------------------------- process-local locks */
+
+/* Recovery in one process is serialised by this lock (threads share the life locks' file
+ * description, so the OFD lock alone cannot).  A threading.Lock taken from Python can be left
+ * held by an exception that a signal handler raises right after acquire() returns, before any
+ * try block owns it; this one records the holder (thread id and the caller's ticket) inside the
+ * acquire, and the caller's `finally` releases by ticket, which is a no-op unless that very
+ * call holds it.  A nested call on the holding thread (a signal handler recovering while its
+ * thread recovers) gets UCM_BUSY instead of a second, overlapping recovery.  Never freed (one
+ * per attached segment object, a few dozen bytes).  The holder fields are written only by the
+ * holder with the mutex held, and read by other threads only to compare with their own id:
+ * relaxed atomics. */
+struct ucm_plock {
+    pthread_mutex_t m;
+    int32_t tid;     /* holder's thread id, 0 when free */
+    uint64_t ticket; /* holder call's ticket */
+};
+
+ucm_plock *ucm_plock_new(void)
+{
+    ucm_plock *p = calloc(1, sizeof *p);
+    if (p) pthread_mutex_init(&p->m, NULL);
+    return p;
+}
+
+int ucm_plock_acquire(ucm_plock *p, int64_t timeout_ns, uint64_t ticket)
+{
+    int32_t me = (int32_t)syscall(SYS_gettid);
+    if (__atomic_load_n(&p->tid, __ATOMIC_RELAXED) == me) return UCM_BUSY;
+    int r;
+    if (timeout_ns <= 0) {
+        r = pthread_mutex_trylock(&p->m);
+    } else {
+        struct timespec ts;
+        clock_gettime(CLOCK_REALTIME, &ts);
+        int64_t ns = ts.tv_nsec + timeout_ns;
+        ts.tv_sec += ns / 1000000000LL;
+        ts.tv_nsec = ns % 1000000000LL;
+        r = pthread_mutex_timedlock(&p->m, &ts);
+    }
+    if (r != 0) return r == ETIMEDOUT || r == EBUSY ? UCM_TIMEOUT : UCM_CORRUPT;
+    __atomic_store_n(&p->ticket, ticket, __ATOMIC_RELAXED);
+    __atomic_store_n(&p->tid, me, __ATOMIC_RELAXED);
+    return UCM_OK;
+}
+
+void ucm_plock_release(ucm_plock *p, uint64_t ticket)
+{
+    int32_t me = (int32_t)syscall(SYS_gettid);
+    if (__atomic_load_n(&p->tid, __ATOMIC_RELAXED) != me
+        || __atomic_load_n(&p->ticket, __ATOMIC_RELAXED) != ticket) return;
+    __atomic_store_n(&p->tid, 0, __ATOMIC_RELAXED);
+    pthread_mutex_unlock(&p->m);
+}
+
 /* ---------------------------------------------------------------- OFD life locks */
 
 /* A rank's life lock is an open-file-description lock on one byte of the segment's fd.  The

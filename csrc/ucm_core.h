@@ -248,6 +248,13 @@ int ucm_futex_wake(char *base, uint64_t off, int32_t n);
 int ucm_gate_wait(uint32_t *word, uint32_t expected, int64_t timeout_ns);
 int ucm_gate_wake(uint32_t *word);
 
+/* A process-local lock that a Python exception cannot leave held: it remembers which call
+ * (thread and ticket) holds it, and release names the ticket (see ucm_core.c). */
+typedef struct ucm_plock ucm_plock;
+ucm_plock *ucm_plock_new(void);
+int ucm_plock_acquire(ucm_plock *p, int64_t timeout_ns, uint64_t ticket);
+void ucm_plock_release(ucm_plock *p, uint64_t ticket);
+
 int ucm_ofd_trylock(int fd, uint64_t byte);
 int ucm_ofd_unlock(int fd, uint64_t byte);
 int ucm_ofd_held_by_other(int fd, uint64_t byte);

@@ -15,9 +15,8 @@ import crashloop
 SPAWN = mp.get_context("spawn")
 
 
-# The kinds of worker the in-suite run draws from (scripts/crashloop draws from every kind).
-# Not yet "signals": an interruption can leave the process-local rank lock held (issue 13).
-IN_SUITE_KINDS = ("plain", "fork", "threads")
+# The kinds of worker the in-suite run draws from: every kind, as scripts/crashloop does.
+IN_SUITE_KINDS = ("plain", "fork", "threads", "signals")
 
 
 def test_random_kills_100_rounds():

@@ -19,6 +19,7 @@ are reachable and freed, under their bucket's stripe.
 """
 from __future__ import annotations
 
+import itertools
 import os
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -77,12 +78,15 @@ RANK_LOCK_WAIT = 60.0
 def _rank_lock(seg: Segment, wait: float = RANK_LOCK_WAIT) -> Iterator[bool]:
     """Held around every trylock -> recover -> unlock of this process (see Segment.rank_lock).
     Yields False if another thread held it past `wait` seconds (bounded, never a hang)."""
-    got = seg.rank_lock.acquire(timeout=max(0.0, wait))
-    try:
+    ticket = next(_tickets)
+    try:  # acquire inside the try: an exception right after it still reaches the release
+        got = lib.ucm_plock_acquire(seg.rank_lock, int(max(0.0, wait) * 1e9), ticket) == lib.UCM_OK
         yield got
     finally:
-        if got:
-            seg.rank_lock.release()
+        lib.ucm_plock_release(seg.rank_lock, ticket)  # a no-op unless this call holds it
+
+
+_tickets = itertools.count(1)
 
 
 def take_rank(seg: Segment, ctx, rank: Optional[int]) -> Tuple[int, Optional[Recovered]]:

@@ -22,7 +22,6 @@ import mmap
 import os
 import re
 import stat
-import threading
 import time
 import zlib
 from contextlib import contextmanager
@@ -295,7 +294,10 @@ class Segment:
         # Recovery and rank taking are exclusive between processes by the life lock itself, but
         # the threads of this process share lock_fd's description, so each one's trylock would
         # succeed: this lock makes "trylock -> recover -> unlock" exclusive among them too.
-        self.rank_lock = threading.Lock()
+        self.rank_lock = lib.ucm_plock_new()  # see ucm_plock in ucm_core.c
+        if self.rank_lock == ffi.NULL:
+            os.close(self.lock_fd)
+            raise MemoryError("could not allocate the process-local rank lock")
         self.mm = mm
         self.layout = layout
         self._buf = ffi.from_buffer(mm)
