@@ -1196,9 +1196,46 @@ static void unclaim(ucm_ctx *c, uint32_t s)
     SET_REL(ref_w(c, s), 0);
 }
 
+/* Write step 3, isolate: unlink a claimed slot from its old bucket (not the key's), taking that
+ * bucket's stripe by trylock only (we already hold one stripe; a blocking lock could close a
+ * cycle with a writer that holds the other).  Anything but UCM_OK gives the claim back. */
+static int isolate(ucm_ctx *c, uint32_t s, uint32_t old_b, uint32_t held_stripe)
+{
+    if (old_b >= c->l.n_buckets) {
+        /* A bucket word no writer could have left: make the slot match nothing, give it
+         * back, and report the corruption (the chain holding it, if any, is repaired by
+         * ucm_stripe_repair; walkers skip it meanwhile). */
+        SET_REL(bucket_w(c, s), UCM_INVALID_BUCKET);
+        unclaim(c, s);
+        return UCM_CORRUPT;
+    }
+    uint32_t os = ucm_stripe_of(c, old_b);
+    int locked_other = 0;
+    if (os != held_stripe) {
+        int r = lock_stripe_repairing(c, os, 0);
+        if (r == UCM_CORRUPT) {
+            unclaim(c, s);
+            return UCM_CORRUPT;
+        } else if (r != UCM_OK) {
+            unclaim(c, s);
+            STAT(c, UCM_ST_CLAIM_ROLLBACKS, 1);
+            return UCM_ROLLBACK;
+        }
+        locked_other = 1;
+    }
+    int ur = unlink_slot(c, s, old_b);
+    if (locked_other) unlock_stripe(c, os);
+    if (ur != UCM_OK) {
+        unclaim(c, s); /* still reachable where it was: it must not be rewritten (I2) */
+        return UCM_CORRUPT;
+    }
+    return UCM_OK;
+}
+
 int ucm_install(ucm_ctx *c, uint32_t s, const char *id, uint64_t offset, uint32_t held_stripe)
 {
-    /* Write steps 3-6 for a slot we claimed, with the stripe of key's bucket held. */
+    /* Write steps 3-6 for a slot we claimed, with the stripe of key's bucket held; step 3 is
+     * isolate() when the slot is linked in another bucket. */
     if (c->rank < 0 || s >= c->l.n_slots) return UCM_CORRUPT;
     if (RLX(ref_w(c, s)) != (UCM_CLAIMED | (uint64_t)c->rank)) return UCM_NOT_HELD;
     uint64_t key[3];
@@ -1211,37 +1248,9 @@ int ucm_install(ucm_ctx *c, uint32_t s, const char *id, uint64_t offset, uint32_
     uint32_t old_b = RLX(bucket_w(c, s));
     int relink = old_b != b;
 
-    /* Step 3, isolate: the old bucket's stripe by trylock only (we already hold one stripe; a
-     * blocking lock could close a cycle with a writer that holds the other). */
-    int locked_other = 0;
     if (old_b != UCM_INVALID_BUCKET && relink) {
-        if (old_b >= c->l.n_buckets) {
-            /* A bucket word no writer could have left: make the slot match nothing, give it
-             * back, and report the corruption (the chain holding it, if any, is repaired by
-             * ucm_stripe_repair; walkers skip it meanwhile). */
-            SET_REL(bucket_w(c, s), UCM_INVALID_BUCKET);
-            unclaim(c, s);
-            return UCM_CORRUPT;
-        }
-        uint32_t os = ucm_stripe_of(c, old_b);
-        if (os != held_stripe) {
-            int r = lock_stripe_repairing(c, os, 0);
-            if (r == UCM_CORRUPT) {
-                unclaim(c, s);
-                return UCM_CORRUPT;
-            } else if (r != UCM_OK) {
-                unclaim(c, s);
-                STAT(c, UCM_ST_CLAIM_ROLLBACKS, 1);
-                return UCM_ROLLBACK;
-            }
-            locked_other = 1;
-        }
-        int ur = unlink_slot(c, s, old_b);
-        if (locked_other) pthread_mutex_unlock((pthread_mutex_t *)stripe_mutex(c, os));
-        if (ur != UCM_OK) {
-            unclaim(c, s); /* still reachable where it was: it must not be rewritten (I2) */
-            return UCM_CORRUPT;
-        }
+        int r = isolate(c, s, old_b, held_stripe);
+        if (r != UCM_OK) return r; /* the claim was given back */
     }
 
     /* The old entry leaves the accounting if it is counted in the current generation (I4); an
