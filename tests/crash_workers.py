@@ -44,7 +44,7 @@ from ucmcache._hooks import Gate
 from ucmcache._segment import Segment
 from ucmcache._verify import slot_fields, snapshot
 
-from workers import check_payload, payload_for
+from workers import check_payload, fill_owned, payload_for
 
 KINDS = ("plain", "fork", "threads", "signals")
 N_KEYS = 48
@@ -111,11 +111,7 @@ class Workload:
         elif r < 0.75:
             batch = [self.key() for _ in range(3)]
             with c.get_many(batch, timeout=WAIT_TIMEOUT) as b:
-                for i, k in enumerate(batch):
-                    if b.owner[i]:
-                        p = payload_for(k, size)
-                        b.data(i)[: len(p)] = p
-                        b.ready(i, len(p))
+                fill_owned(b, batch, size)
                 b.wait()
                 for i, k in enumerate(batch):
                     self.check(k, b.data(i))

@@ -9,7 +9,7 @@ from ucmcache import SlotCache
 from ucmcache._core import lib
 from ucmcache._hooks import Gate
 
-from workers import check_payload, payload_for, run
+from workers import check_payload, fill_owned, payload_for, run
 
 
 def held_by_rank(c):
@@ -95,11 +95,7 @@ def _interrupted_workload(uuid, seconds, interval, seed):
         elif r < 0.95:
             batch = [keys[rnd.randrange(len(keys))] for _ in range(3)]
             with c.get_many(batch, timeout=10) as b:
-                for i, bk in enumerate(batch):
-                    if b.owner[i]:
-                        p = payload_for(bk, size)
-                        b.data(i)[: len(p)] = p
-                        b.ready(i, len(p))
+                fill_owned(b, batch, size)
                 b.wait()
                 for i, bk in enumerate(batch):
                     counts["bad"] += not check_payload(bk, bytes(b.data(i)))

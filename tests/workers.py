@@ -19,6 +19,15 @@ def payload_for(key: bytes, size: int) -> bytes:
     return data + zlib.crc32(data).to_bytes(4, "little")
 
 
+def fill_owned(batch, keys, size: int) -> None:
+    """Fill and publish every position of a HandleBatch that came back owned."""
+    for i, key in enumerate(keys):
+        if batch.owner[i]:
+            p = payload_for(key, size)
+            batch.data(i)[: len(p)] = p
+            batch.ready(i, len(p))
+
+
 def check_payload(key: bytes, data: bytes) -> bool:
     return (len(data) >= 20 and data[:16] == key
             and zlib.crc32(data[:-4]).to_bytes(4, "little") == data[-4:])
@@ -164,11 +173,7 @@ def _stress(uuid, seed, n_ops, n_keys):
                 batch = [keys[rnd.randrange(n_keys)] for _ in range(4)]
                 try:
                     with c.get_many(batch) as b:
-                        for i, key in enumerate(batch):
-                            if b.owner[i]:
-                                p = payload_for(key, size)
-                                b.data(i)[: len(p)] = p
-                                b.ready(i, len(p))
+                        fill_owned(b, batch, size)
                         b.wait(30)
                         for i, key in enumerate(batch):
                             if not check_payload(key, bytes(b.data(i))):
