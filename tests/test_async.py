@@ -13,6 +13,20 @@ import safety_workers
 K = b"K" * 16
 
 
+async def until(condition, bound=30.0):
+    """Yield to the loop until condition() holds (a wait on a state, bounded), never a sleep
+    standing in for an ordering."""
+    deadline = asyncio.get_running_loop().time() + bound
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, "condition never held"
+        await asyncio.sleep(0.001)
+
+
+def waiting(c, n=1):
+    """True once n waits have begun on this rank (the waiter's thread is in _wait_loaded)."""
+    return lambda: c.stats()["waits"] >= n
+
+
 def test_a_hit_returns_without_yielding_to_the_loop(make_cache):
     c = make_cache(slot_size=64)
     c.get_or_load(K, lambda: b"v" * 8)
@@ -72,16 +86,17 @@ def test_a_cancelled_owner_fails_its_load_for_every_waiter(make_cache):
     c = make_cache(slot_size=64)
 
     async def main():
-        forever = asyncio.Event()
+        forever, started = asyncio.Event(), asyncio.Event()
 
         async def stuck():
+            started.set()
             await forever.wait()
             return b"never"
 
         owner = asyncio.create_task(c.aget_or_load(K, stuck))
-        await asyncio.sleep(0)  # the owner took the load and awaits its loader
+        await started.wait()  # the owner took the load and awaits its loader
         waiter = asyncio.create_task(c.aget_or_load(K, lambda: b"never", timeout=30))
-        await asyncio.sleep(0.05)
+        await until(waiting(c))  # the waiter joined and waits in its thread
         owner.cancel()
         with pytest.raises(asyncio.CancelledError):
             await owner
@@ -97,16 +112,17 @@ def test_a_cancelled_waiter_abandons_the_wait_not_the_load(make_cache):
     c = make_cache(slot_size=64)
 
     async def main():
-        release = asyncio.Event()
+        release, started = asyncio.Event(), asyncio.Event()
 
         async def slow():
+            started.set()
             await release.wait()
             return b"loaded"
 
         owner = asyncio.create_task(c.aget_or_load(K, slow))
-        await asyncio.sleep(0)
+        await started.wait()
         waiter = asyncio.create_task(c.aget_or_load(K, lambda: b"never", timeout=30))
-        await asyncio.sleep(0.05)
+        await until(waiting(c))
         waiter.cancel()
         with pytest.raises(asyncio.CancelledError):
             await waiter
