@@ -154,6 +154,11 @@ static cli_t cli_new(seg_t *g, int rank)
     } else {
         k.c = ucm_ctx_new(g->base, g->map_size, &g->l);
         ucm_ctx_set_rank(k.c, rank);
+        /* Every rank of the floor is attached: each takes the arenas of its own slot range,
+         * as the Python layer's shares do with every rank attached. */
+        for (uint64_t a = 0; a < g->l.n_arenas; a++)
+            if (a * g->l.arena_slots / g->l.slots_per_rank == (uint64_t)rank)
+                ucm_arena_take(k.c, (uint32_t)a, 0);
     }
     return k;
 }

@@ -66,6 +66,7 @@ struct ucm_ctx {
     uint64_t stats_sink[UCM_ST_COUNT];
     uint64_t walk_limit;
     uint32_t *local_pins;    /* process-local: how many handles of this process share our pin */
+    uint32_t *arena_seen;    /* process-local, per arena: serial << 1 | verified (see "Arenas") */
     uint32_t local_locks[LOCAL_LOCKS]; /* process-local spinlocks, see local_lock() */
     uint8_t *repair_seen;    /* process-local visited set for stripe repair, made up front */
     pthread_mutex_t repair_lock;
@@ -150,8 +151,15 @@ int ucm_layout_compute(ucm_layout *l)
     if (sizeof(pthread_mutex_t) > UCM_LINE) return UCM_EP_N_STRIPES;
     /* Each region starts on its own line so that no two regions' hot words share one. */
     l->slot_stride = round_up(l->slot_size, UCM_LINE);
+    /* Arenas: UCM_ARENAS_PER_RANK per rank of max_ranks, fewer and of one slot when slots are
+     * few; the last may be shorter.  Small enough that a share moves in fine steps when ranks
+     * come and go, large enough that a CLOCK sweep skips other ranks' arenas a line at a time. */
+    uint64_t want = (uint64_t)l->max_ranks * UCM_ARENAS_PER_RANK;
+    l->arena_slots = (l->n_slots + want - 1) / want;
+    l->n_arenas = (l->n_slots + l->arena_slots - 1) / l->arena_slots;
     l->rank_off = UCM_HEADER_SIZE;
-    l->bucket_off = l->rank_off + (uint64_t)l->max_ranks * UCM_RANK_SIZE;
+    l->arena_off = l->rank_off + (uint64_t)l->max_ranks * UCM_RANK_SIZE;
+    l->bucket_off = l->arena_off + l->n_arenas * UCM_ARENA_SIZE;
     l->stripe_off = l->bucket_off + round_up(l->n_buckets * 4, UCM_LINE);
     l->meta_off = l->stripe_off + (uint64_t)l->n_stripes * UCM_LINE;
     /* Ring: head line, tail line, dropped/lock line, then 24-byte keys. */
@@ -169,7 +177,8 @@ uint32_t ucm_layout_fingerprint(void)
      * any of them must not share a segment even if someone forgot to bump the version. */
     static const uint64_t parts[] = {
         UCM_HEADER_SIZE, UCM_H_GENERATION, UCM_RANK_SIZE, UCM_R_STATE, UCM_R_PID,
-        UCM_R_CLOCK_HAND, UCM_R_ACC_ENTRIES, UCM_R_ACC_BYTES, UCM_R_STATS, UCM_ST_COUNT,
+        UCM_R_CLOCK_HAND, UCM_R_STATS, UCM_ST_COUNT, UCM_H_ARENA_EPOCH, UCM_ARENAS_PER_RANK,
+        UCM_A_OWNER, UCM_A_ACC_ENTRIES, UCM_A_ACC_BYTES, UCM_ARENA_SIZE,
         UCM_META_SIZE, UCM_M_REFERENCE, UCM_M_KEY, UCM_M_BUCKET, UCM_M_STATE, UCM_M_PREV,
         UCM_M_NEXT, UCM_M_GENERATION, UCM_M_LENGTH, UCM_M_ACCESSED, UCM_M_LOADER, UCM_M_FLAGS,
         UCM_RING_DEPTH, UCM_RING_HEAD, UCM_RING_TAIL, UCM_RING_LOCK, UCM_RING_SLEEPING,
@@ -444,7 +453,8 @@ int ucm_ofd_held_by_other(int fd, uint64_t byte)
 
 ucm_ctx *ucm_ctx_new(char *base, uint64_t map_size, const ucm_layout *l)
 {
-    if (!base || !l || l->total_size > map_size || l->n_slots == 0) return NULL;
+    if (!base || !l || l->total_size > map_size || l->n_slots == 0 || l->arena_slots == 0
+        || l->n_arenas * l->arena_slots < l->n_slots) return NULL;
     ucm_ctx *c = calloc(1, sizeof *c);
     if (!c) return NULL;
     c->base = base;
@@ -458,7 +468,10 @@ ucm_ctx *ucm_ctx_new(char *base, uint64_t map_size, const ucm_layout *l)
      * the lock a chain can never be longer than the number of slots. */
     c->walk_limit = l->n_slots + 1;
     c->local_pins = calloc(l->n_slots, sizeof(uint32_t));
-    if (!c->local_pins) {
+    c->arena_seen = calloc(l->n_arenas, sizeof(uint32_t));
+    if (!c->local_pins || !c->arena_seen) {
+        free(c->local_pins);
+        free(c->arena_seen);
         free(c);
         return NULL;
     }
@@ -466,6 +479,7 @@ ucm_ctx *ucm_ctx_new(char *base, uint64_t map_size, const ucm_layout *l)
     c->repair_seen = calloc((l->n_slots + 7) / 8, 1);
     if (!c->repair_seen) {
         free(c->local_pins);
+        free(c->arena_seen);
         free(c);
         return NULL;
     }
@@ -483,6 +497,7 @@ static void ctx_put(ucm_ctx *c)
     pthread_mutex_destroy(&c->repair_lock);
     free(c->repair_seen);
     free(c->local_pins);
+    free(c->arena_seen);
     free(c);
 }
 
@@ -953,17 +968,17 @@ static inline int gen_older(uint64_t a, uint64_t b)
     return d != 0 && d < (1ULL << (UCM_ACC_GEN_BITS - 1));
 }
 
-static inline uint64_t *acc_word(ucm_ctx *c, uint32_t rank, uint64_t off)
+static inline uint64_t *acc_word(ucm_ctx *c, uint32_t arena, uint64_t off)
 {
-    return W64(c->base, c->l.rank_off + (uint64_t)rank * UCM_RANK_SIZE + off);
+    return W64(c->base, c->l.arena_off + (uint64_t)arena * UCM_ARENA_SIZE + off);
 }
 
-/* "Check the generation and add" as one CAS on the rank's packed word: counted only if the word
+/* "Check the generation and add" as one CAS on the arena's packed word: counted only if the word
  * is in the slot's generation, or older (no entry of a newer generation counted yet: the word
  * moves forward to the slot's).  A slot of a cleared generation is never counted (I4). */
-static int acc_add(ucm_ctx *c, uint32_t rank, uint64_t off, uint32_t slot_gen, uint64_t delta)
+static int acc_add(ucm_ctx *c, uint32_t arena, uint64_t off, uint32_t slot_gen, uint64_t delta)
 {
-    uint64_t *w = acc_word(c, rank, off);
+    uint64_t *w = acc_word(c, arena, off);
     uint64_t sg = slot_gen & ACC_GEN_MASK;
     uint64_t a = __atomic_load_n(w, __ATOMIC_RELAXED); /* a first guess: the CAS below decides */
     for (;;) {
@@ -977,9 +992,9 @@ static int acc_add(ucm_ctx *c, uint32_t rank, uint64_t off, uint32_t slot_gen, u
     }
 }
 
-static void acc_sub(ucm_ctx *c, uint32_t rank, uint64_t off, uint32_t slot_gen, uint64_t delta)
+static void acc_sub(ucm_ctx *c, uint32_t arena, uint64_t off, uint32_t slot_gen, uint64_t delta)
 {
-    uint64_t *w = acc_word(c, rank, off);
+    uint64_t *w = acc_word(c, arena, off);
     uint64_t sg = slot_gen & ACC_GEN_MASK;
     uint64_t a = __atomic_load_n(w, __ATOMIC_RELAXED); /* a first guess: the CAS below decides */
     for (;;) {
@@ -993,14 +1008,14 @@ static void acc_sub(ucm_ctx *c, uint32_t rank, uint64_t off, uint32_t slot_gen, 
 
 uint64_t ucm_acc_value(ucm_ctx *c, uint64_t off)
 {
-    /* The sum of every rank's word that is in the current generation (a word of an older one
+    /* The sum of every arena's word that is in the current generation (a word of an older one
      * counts 0).  Each word is exact; the sum is of words read one after another, so with
      * publishes running in other ranks it is a value the cache had at some instant of the
-     * call only per rank, not as a whole.  seq_cst loads: see acc_add. */
-    if (off != UCM_R_ACC_ENTRIES && off != UCM_R_ACC_BYTES) return 0;
+     * call only per arena, not as a whole.  seq_cst loads: see acc_add. */
+    if (off != UCM_A_ACC_ENTRIES && off != UCM_A_ACC_BYTES) return 0;
     uint64_t g = __atomic_load_n(W64(c->base, UCM_H_GENERATION), __ATOMIC_SEQ_CST) & ACC_GEN_MASK;
     uint64_t sum = 0;
-    for (uint32_t r = 0; r < c->l.max_ranks; r++) {
+    for (uint32_t r = 0; r < c->l.n_arenas; r++) {
         uint64_t a = __atomic_load_n(acc_word(c, r, off), __ATOMIC_SEQ_CST);
         if ((a >> UCM_ACC_VALUE_BITS) == g) sum += a & ACC_VAL_MASK;
     }
@@ -1012,12 +1027,12 @@ uint64_t ucm_clear(ucm_ctx *c)
     /* seq_cst: one total order with the publishers' acc_add CASes (I4): an add ordered before
      * this lands in the old generation's words, one after it sees the new generation. */
     uint64_t g = __atomic_add_fetch(W64(c->base, UCM_H_GENERATION), 1, __ATOMIC_SEQ_CST);
-    /* Move every rank's words on to the new generation (value 0), so no word ever lags more
+    /* Move every arena's words on to the new generation (value 0), so no word ever lags more
      * than a clear behind and the wrapping generation compare in acc_add stays exact.  A word
      * a publisher already moved forward is left alone. */
     uint64_t ng = g & ACC_GEN_MASK;
-    for (uint32_t r = 0; r < c->l.max_ranks; r++) {
-        uint64_t offs[2] = {UCM_R_ACC_ENTRIES, UCM_R_ACC_BYTES};
+    for (uint32_t r = 0; r < c->l.n_arenas; r++) {
+        uint64_t offs[2] = {UCM_A_ACC_ENTRIES, UCM_A_ACC_BYTES};
         for (int i = 0; i < 2; i++) {
             uint64_t *w = acc_word(c, r, offs[i]);
             uint64_t a = __atomic_load_n(w, __ATOMIC_RELAXED); /* a first guess: the CAS below decides */
@@ -1032,22 +1047,62 @@ uint64_t ucm_clear(ucm_ctx *c)
     return g;
 }
 
-int ucm_recount_rank(ucm_ctx *c, uint32_t rank, uint64_t *entries_out, uint64_t *bytes_out)
+/* ---------------------------------------------------------------- arenas
+
+   The slot space is cut into n_arenas arenas.  A rank allocates only in arenas it owns (owner
+   word = rank + 1) and has verified; ownership moves by CAS on the owner word: a free arena is
+   taken, a live or dead rank's arena is taken from it (policy: the Python layer, _arenas.py),
+   and recovery frees a dead rank's arenas.  The arena's accounting words have one writer at a
+   time (I6): the rank whose install or load in it is in flight, else its verified owner.
+
+   - A claim in arena a is real only if, after the claim CAS, the owner word still names the
+     claimant and its process did not take the arena again meanwhile (arena_seen unchanged).
+     Both are seq_cst and so is the taker's owner CAS and its verification's reference loads
+     (Dekker): either the claimant sees the new owner and gives its claim back untouched, or
+     the new owner's verification sees the claim.  A real claim is marked UCM_F_INSTALLING
+     before anything is written; a claim without it changed nothing (recovery only unclaims).
+   - A new owner writes nothing in an arena before verifying it: no slot claimed by another
+     rank, none Loading for another rank (a previous owner's install or load still in flight:
+     it still writes the words, at publish).  Verification is per take (arena_seen's serial,
+     bumped by the take before its CAS), repeated at each pass of the CLOCK hand until clean.
+   - So recovery of a dead rank recounts exactly the arenas where it was the writer (it holds
+     an INSTALLING claim or a Loading slot there: nobody else can be writing them), before it
+     releases those holds (after which a new owner may verify and write), and frees the
+     arenas it owned. */
+
+static inline uint32_t arena_of(ucm_ctx *c, uint32_t s) { return (uint32_t)(s / c->l.arena_slots); }
+static inline uint32_t *owner_w(ucm_ctx *c, uint32_t a) { return W32(c->base, c->l.arena_off + (uint64_t)a * UCM_ARENA_SIZE + UCM_A_OWNER); }
+static inline uint64_t arena_end(ucm_ctx *c, uint32_t a)
 {
-    /* Recovery of a dead rank (its life lock held by the caller): nobody else installs into or
-     * publishes in its range, so its words can be set from its slots exactly, whatever step the
-     * dead rank died in.  A slot counts when it is Ready, counted and of the current
-     * generation. */
-    if (rank >= c->l.max_ranks) return UCM_CORRUPT;
+    uint64_t e = ((uint64_t)a + 1) * c->l.arena_slots;
+    return e < c->l.n_slots ? e : c->l.n_slots;
+}
+
+/* Does `rank` write slot s's arena words through this slot (an install past its ownership
+ * check, or a load it owns)?  Acquire: the holder's words before its claim or handover. */
+static int writes_through(ucm_ctx *c, uint32_t s, uint32_t rank)
+{
+    uint64_t r = ACQ(ref_w(c, s));
+    uint32_t st = ACQ(state_w(c, s)) & UCM_STATE_MASK;
+    if (r == (UCM_CLAIMED | rank)) return (RLX(flags_w(c, s)) & UCM_F_INSTALLING) || st == UCM_LOADING;
+    return !(r & UCM_CLAIMED) && (r & (1ULL << rank)) && st == UCM_LOADING && RLX(loader_w(c, s)) == rank;
+}
+
+int ucm_recount_arena(ucm_ctx *c, uint32_t a, uint64_t *entries_out, uint64_t *bytes_out)
+{
+    /* Set an arena's words from its slots.  Exact only when nobody else writes them: called by
+     * recovery for an arena the dead rank (its life lock held by the caller) was the writer of
+     * (I6).  A slot counts when it is Ready, counted and of the current generation and not
+     * claimed by an installer (whose uncount may or may not have happened: recovery empties
+     * it).  A claim without INSTALLING changed nothing: its slot counts as it stands. */
+    if (a >= c->l.n_arenas) return UCM_CORRUPT;
     uint64_t g = ucm_generation(c);
-    uint64_t entries = 0, bytes = 0, first = (uint64_t)rank * c->l.slots_per_rank;
-    for (uint64_t i = 0; i < c->l.slots_per_rank; i++) {
-        uint32_t s = (uint32_t)(first + i);
-        /* A slot the rank still claims (a recovery cut short by a stripe deadline) is not an
-         * entry: its install may already have uncounted it.  Relaxed: the caller holds the
-         * rank's life lock after the kernel dropped it for the dead holder, so the dead
-         * rank's last writes are visible; nobody else writes this range's slots' words. */
-        if (RLX(ref_w(c, s)) & UCM_CLAIMED) continue;
+    uint64_t entries = 0, bytes = 0;
+    for (uint64_t i = (uint64_t)a * c->l.arena_slots; i < arena_end(c, a); i++) {
+        uint32_t s = (uint32_t)i;
+        /* Acquire: the writer died (its last writes visible through the life lock the kernel
+         * handed us) or is not writing; pairs with claimants' and publishers' releases. */
+        if ((ACQ(ref_w(c, s)) & UCM_CLAIMED) && (RLX(flags_w(c, s)) & UCM_F_INSTALLING)) continue;
         if ((ACQ(state_w(c, s)) & UCM_STATE_MASK) == UCM_READY && (RLX(flags_w(c, s)) & UCM_F_COUNTED)
             && RLX(gen_w(c, s)) == (uint32_t)g) {
             entries++;
@@ -1056,46 +1111,149 @@ int ucm_recount_rank(ucm_ctx *c, uint32_t rank, uint64_t *entries_out, uint64_t 
     }
     uint64_t tag = (g & ACC_GEN_MASK) << UCM_ACC_VALUE_BITS;
     /* seq_cst: see acc_add; a clear() racing this leaves a word of an older generation (0). */
-    __atomic_store_n(acc_word(c, rank, UCM_R_ACC_ENTRIES), tag | (entries & ACC_VAL_MASK), __ATOMIC_SEQ_CST);
-    __atomic_store_n(acc_word(c, rank, UCM_R_ACC_BYTES), tag | (bytes & ACC_VAL_MASK), __ATOMIC_SEQ_CST);
+    __atomic_store_n(acc_word(c, a, UCM_A_ACC_ENTRIES), tag | (entries & ACC_VAL_MASK), __ATOMIC_SEQ_CST);
+    __atomic_store_n(acc_word(c, a, UCM_A_ACC_BYTES), tag | (bytes & ACC_VAL_MASK), __ATOMIC_SEQ_CST);
     *entries_out = entries;
     *bytes_out = bytes;
     return UCM_OK;
+}
+
+int ucm_arena_take(ucm_ctx *c, uint32_t a, uint32_t expected)
+{
+    /* Make our rank the owner of arena a if its owner word still says `expected` (0 free, or
+     * rank + 1 of the rank we take it from).  UCM_OK: ours, to be verified before any write;
+     * UCM_BUSY: the word changed. */
+    if (c->rank < 0 || !ctx_live(c)) return UCM_NOT_HELD;
+    if (a >= c->l.n_arenas) return UCM_CORRUPT;
+    uint32_t me = (uint32_t)c->rank + 1;
+    if (expected == me) return UCM_OK;
+    /* A new serial, unverified, before the CAS (seq_cst, as the CAS): a claimant of ours that
+     * sees our CAS's owner word also sees the serial moved (see "Arenas"). */
+    uint32_t v = __atomic_load_n(&c->arena_seen[a], __ATOMIC_RELAXED);
+    while (!__atomic_compare_exchange_n(&c->arena_seen[a], &v, ((v >> 1) + 1) << 1, 0,
+                                        __ATOMIC_SEQ_CST, __ATOMIC_RELAXED)) {
+    }
+    /* seq_cst: the Dekker pair with a claimant's claim CAS and owner load. */
+    return __atomic_compare_exchange_n(owner_w(c, a), &expected, me, 0, __ATOMIC_SEQ_CST,
+                                       __ATOMIC_RELAXED) ? UCM_OK : UCM_BUSY;
+}
+
+int ucm_arena_release(ucm_ctx *c, uint32_t a)
+{
+    /* Give arena a up (free), if we own it.  Safe with our own installs or loads still in
+     * flight there: we stay its words' writer until they end, and a new owner verifies. */
+    if (c->rank < 0 || !ctx_live(c)) return UCM_NOT_HELD;
+    if (a >= c->l.n_arenas) return UCM_CORRUPT;
+    uint32_t me = (uint32_t)c->rank + 1;
+    /* seq_cst: as a take (a claimant of ours checking the owner word after its claim). */
+    return __atomic_compare_exchange_n(owner_w(c, a), &me, 0, 0, __ATOMIC_SEQ_CST,
+                                       __ATOMIC_RELAXED) ? UCM_OK : UCM_NOT_HELD;
+}
+
+uint32_t ucm_arena_owners(ucm_ctx *c, uint32_t *out)
+{
+    /* Every arena's owner word (a snapshot for the balancing policy and for inspection).
+     * Acquire: cheap here, and a reader that acts on an owner sees what its taker wrote. */
+    for (uint32_t a = 0; a < c->l.n_arenas; a++) out[a] = ACQ(owner_w(c, a));
+    return (uint32_t)c->l.n_arenas;
+}
+
+/* May we allocate in arena a?  Owned by us and verified under the current take; verifies it
+ * now if not.  *seen_out: the arena_seen value the claimant must find unchanged. */
+static int arena_usable(ucm_ctx *c, uint32_t a, uint32_t *seen_out)
+{
+    uint32_t me = (uint32_t)c->rank + 1;
+    /* Relaxed: a hint for skipping; the seq_cst load after a claim decides. */
+    if (RLX(owner_w(c, a)) != me) return 0;
+    uint32_t v = __atomic_load_n(&c->arena_seen[a], __ATOMIC_SEQ_CST); /* see ucm_arena_take */
+    if (!(v & 1)) {
+        /* seq_cst: after our take's CAS in the total order, so a claim that our owner word
+         * did not stop is seen below. */
+        if (__atomic_load_n(owner_w(c, a), __ATOMIC_SEQ_CST) != me) return 0;
+        for (uint64_t i = (uint64_t)a * c->l.arena_slots; i < arena_end(c, a); i++) {
+            uint32_t s = (uint32_t)i;
+            uint64_t r = __atomic_load_n(ref_w(c, s), __ATOMIC_SEQ_CST); /* Dekker, as above */
+            if ((r & UCM_CLAIMED) && (r & ~UCM_CLAIMED) != (uint64_t)c->rank) return 0;
+            /* Acquire: a publish's release exchange (its words are written before it). */
+            if ((ACQ(state_w(c, s)) & UCM_STATE_MASK) == UCM_LOADING && RLX(loader_w(c, s)) != c->rank)
+                return 0;
+        }
+        /* Another thread of ours may have taken it again meanwhile: then its serial wins. */
+        if (!__atomic_compare_exchange_n(&c->arena_seen[a], &v, v | 1, 0, __ATOMIC_SEQ_CST,
+                                         __ATOMIC_RELAXED))
+            return 0;
+        v |= 1;
+    }
+    *seen_out = v;
+    return 1;
+}
+
+int ucm_arena_usable(ucm_ctx *c, uint32_t a)
+{
+    /* 1 if our rank may allocate in arena a now (verifying it if needed), else 0. */
+    uint32_t seen;
+    if (c->rank < 0 || a >= c->l.n_arenas) return 0;
+    return arena_usable(c, a, &seen);
 }
 
 /* ---------------------------------------------------------------- write path */
 
 int ucm_clock_claim(ucm_ctx *c, uint64_t max_scan, uint32_t *slot_out)
 {
-    /* Write step 1-2: the rank's CLOCK hand over its own range; claim by CAS from 0. */
+    /* Write steps 1-2: the rank's CLOCK hand over the arenas it may allocate in (others' are
+     * skipped an arena at a time), examining at most max_scan slots; claim by CAS from 0,
+     * then the ownership check ("Arenas"). */
     if (c->rank < 0) return UCM_NOT_HELD;
-    uint64_t spr = c->l.slots_per_rank, first = (uint64_t)c->rank * spr;
+    uint64_t n = c->l.n_slots;
     uint64_t *handp = rank_hand_w(c);
     /* Relaxed: only this rank's threads move its hand; two of them allocating under different
      * stripes may lose an update, which only shifts where the next scan starts. */
-    uint64_t hand = RLX(handp);
+    uint64_t hand = RLX(handp) % n;
     uint32_t gen = (uint32_t)ucm_generation(c);
-    for (uint64_t i = 0; i < max_scan; i++, hand++) {
-        uint32_t s = (uint32_t)(first + hand % spr);
+    uint32_t me = (uint32_t)c->rank + 1, cur = UCM_NIL, seen = 0;
+    int usable = 0;
+    /* Two sweeps: the first clears accessed bits, the second takes the first unheld slot. */
+    for (uint64_t travelled = 0, examined = 0; travelled <= 2 * n && examined < max_scan;) {
+        uint64_t pos = (hand + travelled) % n;
+        uint32_t a = (uint32_t)(pos / c->l.arena_slots);
+        if (a != cur) {
+            cur = a;
+            usable = arena_usable(c, a, &seen);
+        }
+        if (!usable) {
+            travelled += arena_end(c, a) - pos;
+            continue;
+        }
+        uint32_t s = (uint32_t)pos;
+        travelled++;
+        examined++;
         uint64_t r = RLX(ref_w(c, s));
         if (r != 0) continue; /* pinned or claimed: not ours to take */
         uint32_t st = RLX(state_w(c, s)) & UCM_STATE_MASK;
         int live = st == UCM_READY && RLX(gen_w(c, s)) == gen;
-        if (live && i < spr && RLX(acc_w(c, s))) { /* after one full sweep: no second chances */
+        if (live && travelled <= n && RLX(acc_w(c, s))) { /* after one full sweep: no second chances */
             SET_RLX(acc_w(c, s), 0); /* second chance; relaxed: a hint, as in mark_accessed */
             continue;
         }
-        /* Acquire on success pairs with the last pinner's release: its reads of the old
-         * contents are done before we rewrite them (I1). */
-        if (__atomic_compare_exchange_n(ref_w(c, s), &r, UCM_CLAIMED | (uint64_t)c->rank, 0,
-                                        __ATOMIC_ACQUIRE, __ATOMIC_RELAXED)) {
-            SET_RLX(handp, hand + 1);
-            *slot_out = s;
-            POINT(c, UCM_PT_AFTER_CLAIM);
-            return UCM_OK;
+        /* seq_cst: acquire pairs with the last pinner's release (its reads of the old contents
+         * are done before we rewrite them, I1); seq_cst with the owner load below and a
+         * taker's owner CAS is the Dekker pair of "Arenas". */
+        if (!__atomic_compare_exchange_n(ref_w(c, s), &r, UCM_CLAIMED | (uint64_t)c->rank, 0,
+                                         __ATOMIC_SEQ_CST, __ATOMIC_RELAXED))
+            continue;
+        if (__atomic_load_n(owner_w(c, a), __ATOMIC_SEQ_CST) != me
+            || __atomic_load_n(&c->arena_seen[a], __ATOMIC_SEQ_CST) != seen) {
+            SET_REL(ref_w(c, s), 0); /* taken from us: nothing written, give it back (release) */
+            usable = 0;
+            continue;
         }
+        /* Relaxed: read by recovery after our death (through the life lock) or by ourselves. */
+        SET_RLX(flags_w(c, s), RLX(flags_w(c, s)) | UCM_F_INSTALLING);
+        SET_RLX(handp, hand + travelled);
+        *slot_out = s;
+        POINT(c, UCM_PT_AFTER_CLAIM);
+        return UCM_OK;
     }
-    SET_RLX(handp, hand);
     return UCM_FULL;
 }
 
@@ -1191,8 +1349,10 @@ static void link_at_head(ucm_ctx *c, uint32_t s, uint32_t b)
 
 static void unclaim(ucm_ctx *c, uint32_t s)
 {
-    /* Release: our (rolled back) reads and any words we touched are done before the next
-     * claimant or pinner acquires the slot. */
+    /* Relaxed: only the claimant writes the flags of a claimed slot.  Release: our (rolled
+     * back) reads and any words we touched are done before the next claimant or pinner
+     * acquires the slot. */
+    SET_RLX(flags_w(c, s), RLX(flags_w(c, s)) & ~UCM_F_INSTALLING);
     SET_REL(ref_w(c, s), 0);
 }
 
@@ -1263,8 +1423,8 @@ int ucm_install(ucm_ctx *c, uint32_t s, const char *id, uint64_t offset, uint32_
     if (old_state == UCM_READY && (RLX(flags_w(c, s)) & UCM_F_COUNTED)
         && old_gen == (uint32_t)ucm_generation(c)) {
         STAT(c, UCM_ST_EVICTIONS, 1);
-        acc_sub(c, (uint32_t)c->rank, UCM_R_ACC_ENTRIES, old_gen, 1);
-        acc_sub(c, (uint32_t)c->rank, UCM_R_ACC_BYTES, old_gen, RLX(len_w(c, s)));
+        acc_sub(c, arena_of(c, s), UCM_A_ACC_ENTRIES, old_gen, 1);
+        acc_sub(c, arena_of(c, s), UCM_A_ACC_BYTES, old_gen, RLX(len_w(c, s)));
     }
 
     /* Step 4, rewrite: unreachable (unlinked) or claimed in its own bucket, so no one can pin
@@ -1312,14 +1472,14 @@ int ucm_publish(ucm_ctx *c, uint32_t s, uint32_t state, uint32_t length)
     SET_RLX(len_w(c, s), length);
     if (state == UCM_READY) {
         uint32_t g = RLX(gen_w(c, s));
-        uint32_t me = (uint32_t)c->rank; /* our own range: we installed this slot */
+        uint32_t arena = arena_of(c, s); /* we installed it: we write its words (I6) */
         /* Only a slot of the current generation is counted; one that a clear() overtook is
          * not (its 20-bit tag could even alias a far newer word's).  A clear() racing this is
          * decided by acc_add's CAS against the word clear() moves on. */
-        if (g == (uint32_t)ucm_generation(c) && acc_add(c, me, UCM_R_ACC_ENTRIES, g, 1)) {
-            if (!acc_add(c, me, UCM_R_ACC_BYTES, g, length)) {
+        if (g == (uint32_t)ucm_generation(c) && acc_add(c, arena, UCM_A_ACC_ENTRIES, g, 1)) {
+            if (!acc_add(c, arena, UCM_A_ACC_BYTES, g, length)) {
                 /* clear() ran between the two adds: the entry is not in this generation. */
-                acc_sub(c, me, UCM_R_ACC_ENTRIES, g, 1);
+                acc_sub(c, arena, UCM_A_ACC_ENTRIES, g, 1);
             } else {
                 SET_RLX(flags_w(c, s), UCM_F_COUNTED);
                 POINT(c, UCM_PT_COUNTED_NOT_READY);
@@ -1534,7 +1694,7 @@ int64_t ucm_get_slow(ucm_ctx *c, const char *id, uint64_t offset, uint32_t spin_
         answer = -(int64_t)r;
     } else {
         /* One full sweep clears accessed bits, the second takes the first unpinned slot. */
-        uint64_t budget = 2 * c->l.slots_per_rank + 1;
+        uint64_t budget = 2 * c->l.n_slots + 1;
         answer = -(int64_t)UCM_ROLLBACK; /* every candidate's old stripe was busy */
         for (uint32_t attempt = 0; attempt <= max_rollbacks; attempt++) {
             if (ucm_clock_claim(c, budget, &slot) != UCM_OK) {
@@ -1795,7 +1955,7 @@ static int reclaim_claimed(ucm_ctx *c, uint32_t s, uint32_t dead, uint32_t held_
             }
         }
     }
-    SET_RLX(flags_w(c, s), 0); /* its range's words are recounted after (ucm_recount_rank) */
+    SET_RLX(flags_w(c, s), 0); /* its arena was recounted without it (ucm_recover_rank) */
     uint32_t old = __atomic_exchange_n(state_w(c, s), UCM_EMPTY, __ATOMIC_RELEASE); /* as in publish */
     if (old & UCM_WAITERS) futex_wake_word(state_w(c, s), INT32_MAX);
     unclaim(c, s);
@@ -1808,11 +1968,22 @@ int ucm_recover_rank(ucm_ctx *c, uint32_t dead, int64_t stripe_timeout_ns, uint3
      * lock, so the rank cannot come back meanwhile.  counts_out: [pins, failed loads, claims
      * freed, the stripe that stayed held (UCM_NIL if none)].  Each claimed slot is freed under
      * its bucket's stripe, taken and dropped here, so the Python layer never holds a stripe.
-     * Then the rank's accounting words are recounted from its range (exact whatever step it
-     * died in: I4, I5).  UCM_TIMEOUT: a stripe stayed held past the deadline; what was done
-     * stays done and the rest is found again by the next recovery. */
+     * The arenas it was writing are recounted first (exact whatever step it died in: I4, I5,
+     * I6), and the arenas it owned are freed last.  UCM_TIMEOUT: a stripe stayed held past the
+     * deadline; what was done stays done and the rest is found again by the next recovery. */
     if (dead >= c->l.max_ranks) return UCM_CORRUPT;
     uint32_t pins = 0, loading = 0, freed = 0;
+    /* First the arenas it was writing, while its holds there still keep a new owner from
+     * verifying them and writing too (I6); the holds are released below. */
+    for (uint32_t a = 0; a < c->l.n_arenas; a++) {
+        for (uint64_t i = (uint64_t)a * c->l.arena_slots; i < arena_end(c, a); i++) {
+            if (writes_through(c, (uint32_t)i, dead)) {
+                uint64_t entries, bytes;
+                ucm_recount_arena(c, a, &entries, &bytes);
+                break;
+            }
+        }
+    }
     uint32_t claimed = recover_pins(c, dead, &pins, &loading);
     int result = UCM_OK;
     counts_out[3] = UCM_NIL;
@@ -1821,6 +1992,13 @@ int ucm_recover_rank(ucm_ctx *c, uint32_t dead, int64_t stripe_timeout_ns, uint3
          * lock after its death (fcntl), not through this word; only we change its claims. */
         if (RLX(ref_w(c, s)) != (UCM_CLAIMED | dead)) continue;
         claimed--;
+        if (!(RLX(flags_w(c, s)) & UCM_F_INSTALLING) && (RLX(state_w(c, s)) & UCM_STATE_MASK) != UCM_LOADING) {
+            /* Claimed, not installing (before or after a failed ownership check): nothing was
+             * written, the slot is as its last owner left it. */
+            unclaim(c, s);
+            freed++;
+            continue;
+        }
         uint32_t b = RLX(bucket_w(c, s)); /* relaxed: as above; only the claimant wrote it */
         if (b >= c->l.n_buckets) { /* linked nowhere (INVALID, or a bad word): no chain to fix */
             if (reclaim_claimed(c, s, dead, 0) == UCM_OK) freed++;
@@ -1836,8 +2014,16 @@ int ucm_recover_rank(ucm_ctx *c, uint32_t dead, int64_t stripe_timeout_ns, uint3
         if (reclaim_claimed(c, s, dead, stripe) == UCM_OK) freed++;
         unlock_stripe(c, stripe);
     }
-    uint64_t entries, bytes;
-    ucm_recount_rank(c, dead, &entries, &bytes);
+    /* Its arenas are free for the others to take (a hold left by a cut-short phase 2 keeps
+     * them from verifying one until the next recovery frees it).  seq_cst: as a take. */
+    uint32_t owned = 0;
+    for (uint32_t a = 0; a < c->l.n_arenas; a++) {
+        uint32_t expected = dead + 1;
+        owned += __atomic_compare_exchange_n(owner_w(c, a), &expected, 0, 0, __ATOMIC_SEQ_CST,
+                                             __ATOMIC_RELAXED);
+    }
+    /* seq_cst, though it orders nothing: ranks only compare it with the value they saw. */
+    if (owned) __atomic_fetch_add(W64(c->base, UCM_H_ARENA_EPOCH), 1, __ATOMIC_SEQ_CST);
     counts_out[0] = pins;
     counts_out[1] = loading;
     counts_out[2] = freed;

@@ -11,7 +11,7 @@
 
 /* Identity and limits of the layout. */
 #define UCM_MAGIC            0x31484341434d4355ULL /* "UCMCACH1" little endian */
-#define UCM_LAYOUT_VERSION   3   /* bump on every layout change (the fingerprint catches a miss) */
+#define UCM_LAYOUT_VERSION   4   /* bump on every layout change (the fingerprint catches a miss) */
 #define UCM_LINE             64
 #define UCM_PAGE             4096
 #define UCM_MAX_RANKS        63    /* one pin bit per rank in a 64-bit reference, top bit = claim */
@@ -21,6 +21,7 @@
 #define UCM_MAX_SLOT_SIZE    ((1ULL << 31) - 1) /* a length fits the 31 bits of a pin answer */
 #define UCM_MAX_SLOTS        (1ULL << 31)
 #define UCM_RING_DEPTH       4096
+#define UCM_ARENAS_PER_RANK  8     /* arenas per rank of max_ranks (fewer when slots are few) */
 #define UCM_NIL              0xffffffffu           /* no slot: chain end, empty bucket */
 #define UCM_INVALID_BUCKET   0xffffffffu           /* an unlinked slot's bucket word */
 #define UCM_CLAIMED          0x8000000000000000ULL /* reference: claimed, rank in low bits */
@@ -35,7 +36,8 @@
 #define UCM_PIN_SLOT(r)      ((uint32_t)((r) & UCM_PIN_SLOT_MASK))
 #define UCM_PIN_LEN(r)       ((uint32_t)(((r) >> UCM_PIN_LEN_SHIFT) & UCM_PIN_SLOT_MASK))
 
-/* Header field offsets (line 0 = identity and params, line 1 = generation, only clear() writes). */
+/* Header field offsets (line 0 = identity and params, line 1 = generation, only clear() writes;
+ * line 2 = the arena epoch). */
 #define UCM_H_MAGIC          0
 #define UCM_H_VERSION        8
 #define UCM_H_FEATURES       12
@@ -48,23 +50,31 @@
 #define UCM_H_N_BUCKETS      48
 #define UCM_H_TOTAL_SIZE     56
 #define UCM_H_GENERATION     64
+#define UCM_H_ARENA_EPOCH    128 /* u64: bumped when the set of ranks changes (attach, close,
+                                  * recovery): ranks look at their share of arenas again */
 #define UCM_H_PARAMS_CRC     192 /* u32: crc32 of header bytes [8, 64): catches a changed param */
 #define UCM_H_LAYOUT_FP      196 /* u32: ucm_layout_fingerprint() of the build that made it */
 #define UCM_HEADER_SIZE      256
 
-/* Accounting words pack (generation low bits, value).  There is one pair per rank, in its
- * RankDesc: every slot is installed and published by the rank whose range holds it, so a rank's
- * pair counts exactly its own range's entries, and recovery can recount a dead rank's range. */
+/* Accounting words pack (generation low bits, value).  There is one pair per arena, in its
+ * ArenaDesc: every slot is installed and published by the one rank that writes its arena's
+ * words (the arena's owner, or the previous owner while its own install or load there is still
+ * in flight: see "Arenas" in ucm_core.c), so a pair counts exactly its arena's entries, and
+ * recovery can recount an arena a dead rank was writing. */
 #define UCM_ACC_GEN_BITS     20
 #define UCM_ACC_VALUE_BITS   44
 
-/* RankDesc: 10 lines; line 0 is identity and accounting, lines 1-9 the rank's own stats. */
+/* ArenaDesc: one line per arena (slots [a * arena_slots, (a + 1) * arena_slots)). */
+#define UCM_A_OWNER          0    /* u32: 0 free, else rank + 1 */
+#define UCM_A_ACC_ENTRIES    8    /* packed (generation, Ready entries of this arena) */
+#define UCM_A_ACC_BYTES      16   /* packed (generation, their payload bytes) */
+#define UCM_ARENA_SIZE       64
+
+/* RankDesc: 10 lines; line 0 is identity and the CLOCK hand, lines 1-9 the rank's own stats. */
 #define UCM_R_STATE          0
 #define UCM_R_PID            4
 #define UCM_R_CLOCK_HAND     8
 #define UCM_R_ATTACHES       16
-#define UCM_R_ACC_ENTRIES    24   /* packed (generation, Ready entries of this range) */
-#define UCM_R_ACC_BYTES      32   /* packed (generation, their payload bytes) */
 #define UCM_R_STATS          64
 #define UCM_RANK_SIZE        640 /* line 0 identity + 9 lines of 8 counters */
 #define UCM_RANK_FREE        0
@@ -84,7 +94,9 @@
 #define UCM_M_ACCESSED       56
 #define UCM_M_LOADER         60 /* u16: rank of the owner that loads it */
 #define UCM_M_FLAGS          62 /* u16: UCM_F_COUNTED */
-#define UCM_F_COUNTED        1  /* the slot's bytes are in the accounting words */
+#define UCM_F_COUNTED        1  /* the slot's bytes are in its arena's accounting words */
+#define UCM_F_INSTALLING     2  /* claimed by its arena's writer, past the ownership check: the
+                                 * claimant may have changed the arena's words (recovery) */
 #define UCM_META_SIZE        64
 
 /* Slot states (low bits of the state word); the top bit says a waiter sleeps on it. */
@@ -197,7 +209,10 @@ typedef struct {
     uint64_t n_buckets;
     uint64_t n_slots;
     uint64_t slot_stride;
+    uint64_t arena_slots;
+    uint64_t n_arenas;
     uint64_t rank_off;
+    uint64_t arena_off;
     uint64_t bucket_off;
     uint64_t stripe_off;
     uint64_t meta_off;
@@ -301,8 +316,13 @@ void ucm_batch_token_drop(uint32_t *slots, uint8_t *owner, ucm_token *t, const c
 void ucm_batch_token_release(void *keep, uint32_t *slots, uint8_t *owner, ucm_token *t);
 
 uint64_t ucm_clear(ucm_ctx *c);
-uint64_t ucm_acc_value(ucm_ctx *c, uint64_t rank_off);
-int ucm_recount_rank(ucm_ctx *c, uint32_t rank, uint64_t *entries_out, uint64_t *bytes_out);
+uint64_t ucm_acc_value(ucm_ctx *c, uint64_t off);
+int ucm_recount_arena(ucm_ctx *c, uint32_t arena, uint64_t *entries_out, uint64_t *bytes_out);
+
+int ucm_arena_take(ucm_ctx *c, uint32_t arena, uint32_t expected_owner);
+int ucm_arena_release(ucm_ctx *c, uint32_t arena);
+uint32_t ucm_arena_owners(ucm_ctx *c, uint32_t *owners_out);
+int ucm_arena_usable(ucm_ctx *c, uint32_t arena);
 
 int ucm_stripe_lock(ucm_ctx *c, uint32_t stripe, int64_t timeout_ns);
 int ucm_stripe_unlock(ucm_ctx *c, uint32_t stripe);

@@ -210,7 +210,7 @@ def test_cache_full_when_every_slot_is_pinned(make_cache):
         h = c.get(bytes([i]) * 16)
         fill(h, b"x")
         held.append(h)
-    with pytest.raises(CacheFull, match="no claimable slot among its 3"):
+    with pytest.raises(CacheFull, match="no claimable slot in the 3 slots"):
         c.get(b"\x09" * 16)
     # get_or_load runs the loader uncached and counts a bypass
     assert c.get_or_load(b"\x09" * 16, lambda: b"uncached") == b"uncached"

@@ -392,7 +392,9 @@ def test_kill_holding_a_pin_then_verify_and_recover(names, workers):
 
     r = run("verify", u)
     assert r.returncode == 1, r.stdout
-    assert r.stdout.startswith(f"segment {u!r}: 4 problem(s)")
+    # the rank, its pin, its Loading slot, its pinned Loading slot, its arenas
+    assert r.stdout.startswith(f"segment {u!r}: 5 problem(s)")
+    assert f"arena(s) owned by rank {w.rank}, which is not alive" in r.stdout
     assert f"slot {w.slots['pinned']}: pinned by rank(s) [{w.rank}] that are not alive" in r.stdout
     assert f"slot {w.slots['loading']}: Loading, but its loader rank {w.rank}" in r.stdout
 

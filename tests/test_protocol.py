@@ -56,7 +56,8 @@ def test_I1_pinned_slot_cannot_be_claimed(make_cache, procs, gate):
     c = tiny(make_cache, 1)
     c.get_or_load(A, lambda: b"value-A")
     g = gate()
-    p, q = procs.start(workers.get_with_point, c.uuid, A, "after_pin", g.path, 1)
+    # The reader first loads a key of its own, taking its share: arena 1, slot 1.
+    p, q = procs.start(workers.get_with_point, c.uuid, A, "after_pin", g.path, 1, b"R" * 16)
     g.wait_arrived()                            # the reader holds its pin on slot 0
     with pytest.raises(CacheFull):              # our one slot is pinned: no claim possible
         c.get(other_key(c, True))

@@ -45,10 +45,11 @@ POINTS = ["after_claim", "after_unlink", "mid_publish", "before_handover", "insi
 @pytest.mark.parametrize("point", POINTS)
 def test_writer_killed_at_point_is_recovered(make_cache, procs, point):
     c = make_cache(slots_per_rank=2, slot_size=64, max_ranks=3, n_buckets=1024, n_stripes=4)
-    # rank 1's slots hold X and another key, so its next allocation must unlink one (relink)
-    p, q = procs.start(workers.load_as_rank, c.uuid, 1, [X, b"Z" * 16])
-    assert procs.result(q) == 1
-    p.join(10)
+    # every slot holds a key (X among them), so rank 1's allocation, in the arenas it takes
+    # from rank 0, must unlink one (relink)
+    for k in [X, b"Z" * 16] + [bytes([i]) * 16 for i in range(4)]:
+        c.get_or_load(k, lambda: b"v")
+    assert c.entry_count() == c.capacity
     p, q = procs.start(workers.die_at_point, c.uuid, 1, Y, point)
     p.join(30)
     assert p.exitcode == -signal.SIGKILL, f"the worker was not killed at {point}"

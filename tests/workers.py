@@ -40,11 +40,14 @@ def run(fn, q, *args):
         q.put(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
 
 
-def _get_with_point(uuid, key, point, gate_path, rank=None):
-    """Attach, arm `point` with a gate, get(key); return (owner, state, data, slot)."""
+def _get_with_point(uuid, key, point, gate_path, rank=None, own_first=None):
+    """Attach, arm `point` with a gate, get(key); return (owner, state, data, slot).
+    `own_first`: a key to load before, so that this rank takes its share of the arenas."""
     c = SlotCache.attach(uuid, rank=rank)
     gate = Gate(gate_path) if gate_path else None
     try:
+        if own_first is not None:
+            c.get_or_load(own_first, lambda: b"mine")
         if point:
             c._arm(point, "gate", gate)
         with c.get(key) as h:

@@ -25,6 +25,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 import numpy as np
 
 from . import _hooks
+from ._arenas import Arenas
 from ._core import ffi, lib
 from ._errors import (CacheFull, CorruptSegment, IncompatibleSegment, LockTimeout,
                       NotAttached, SegmentExists, UcmError)
@@ -46,6 +47,7 @@ SLOW_SPIN = 64          # under the stripe a live claimant of our chain rolls ba
                         # claim that stays is a dead rank's, recovered without the stripe held
 MAX_ROLLBACKS = 64      # isolate trylock failures tolerated in one allocation
 MAX_ROLLBACK_ROUNDS = 8 # allocations retried when every one of them rolled back
+MAX_GROWS = 8           # arenas one allocation may take when its rank's arenas are full
 LIVENESS_SLICE = 0.5    # a waiter checks that the loader still lives this often (seconds)
 CLAIM_WAIT = 10.0       # the longest a get waits for another process to recover a dead claim
 CANCEL_SLICE = 0.02     # an async wait's thread looks at its cancel flag this often (seconds)
@@ -133,6 +135,7 @@ class SlotCache:
             self._ctx = None
             raise
         lib.ucm_ctx_set_rank(ctx, self._rank)
+        self._arenas = Arenas(seg, ctx, self._rank)
         if recovered is not None:
             lib.ucm_stat_add(ctx, lib.UCM_ST_RECOVERED_RANKS, 1)
         _live_caches.add(self)
@@ -348,7 +351,8 @@ class SlotCache:
             raise CorruptSegment(f"segment {self.uuid!r}: a chain points outside the slot table")
         ctx = self._ctx
         recovered_once = False
-        rollback_rounds = 0
+        rollback_rounds = grown = 0
+        self._arenas.rebalance_if_changed()
         start = time.monotonic()
         stripe_deadline = start + (STRIPE_WAIT if timeout is None else max(timeout, MIN_LOCK_WAIT))
         claim_deadline = start + (CLAIM_WAIT if timeout is None else max(timeout, MIN_LOCK_WAIT))
@@ -381,15 +385,19 @@ class SlotCache:
             if code == lib.UCM_ROLLBACK and rollback_rounds < MAX_ROLLBACK_ROUNDS:
                 rollback_rounds += 1  # contended, not full: the other stripes were busy
                 continue
+            if code == lib.UCM_FULL and grown < MAX_GROWS and self._arenas.grow():
+                grown += 1  # one more arena, free or from a rank above its share
+                continue
             if code in (lib.UCM_FULL, lib.UCM_ROLLBACK):
                 if not recovered_once:
                     recovered_once = True
                     if self._recover(stripe_deadline - time.monotonic()).count:
                         continue
                 raise CacheFull(
-                    f"segment {self.uuid!r}: rank {self._rank} found no claimable slot among its "
-                    f"{self._layout.slots_per_rank} (all pinned, loading or contended); release "
-                    "handles or give the cache more slots_per_rank")
+                    f"segment {self.uuid!r}: rank {self._rank} found no claimable slot in the "
+                    f"{self._owned_slots()} slots of the arenas it owns, and no arena to take "
+                    "(all pinned, loading or contended); release handles or give the cache more "
+                    "slots_per_rank")
             raise CorruptSegment(
                 f"segment {self.uuid!r}: the slow path found inconsistent chain links or a "
                 f"broken stripe lock ({code_name(code)}); `ucmcache verify {self.uuid}` lists "
@@ -728,12 +736,21 @@ class SlotCache:
     def size_bytes(self) -> int:
         """Sum of published payload lengths in the current generation (exact)."""
         self._check_usable()
-        return lib.ucm_acc_value(self._ctx, lib.UCM_R_ACC_BYTES)
+        return lib.ucm_acc_value(self._ctx, lib.UCM_A_ACC_BYTES)
 
     def entry_count(self) -> int:
         """Ready entries in the current generation (exact)."""
         self._check_usable()
-        return lib.ucm_acc_value(self._ctx, lib.UCM_R_ACC_ENTRIES)
+        return lib.ucm_acc_value(self._ctx, lib.UCM_A_ACC_ENTRIES)
+
+    def _owned_slots(self) -> int:
+        mine = self._arenas.owners() == self._rank + 1
+        return sum(len(self._layout.arena_range(a)) for a in np.flatnonzero(mine).tolist())
+
+    def arenas(self) -> List[int]:
+        """The arenas this rank owns now (it allocates only in those; DESIGN 4.12)."""
+        self._check_usable()
+        return np.flatnonzero(self._arenas.owners() == self._rank + 1).tolist()
 
     def stats(self) -> Dict[str, Any]:
         """Counters summed over ranks, plus ``per_rank`` rows; see ucmcache._stats."""

@@ -40,7 +40,10 @@ class Layout:
     n_stripes: int
     n_slots: int
     slot_stride: int
+    arena_slots: int
+    n_arenas: int
     rank_off: int
+    arena_off: int
     bucket_off: int
     stripe_off: int
     meta_off: int
@@ -96,6 +99,17 @@ class Layout:
 
     def rank(self, rank: int) -> int:
         return self.rank_off + rank * lib.UCM_RANK_SIZE
+
+    def arena(self, arena: int) -> int:
+        return self.arena_off + arena * lib.UCM_ARENA_SIZE
+
+    def arena_range(self, arena: int) -> range:
+        return range(arena * self.arena_slots, min((arena + 1) * self.arena_slots, self.n_slots))
+
+    def home_rank(self, arena: int) -> int:
+        """The rank whose slot range (rank * slots_per_rank, ...) the arena starts in: with
+        every rank attached, each owns the arenas of its own range."""
+        return min(arena * self.arena_slots // self.slots_per_rank, self.max_ranks - 1)
 
     def data(self, slot: int) -> int:
         return self.data_off + slot * self.slot_stride

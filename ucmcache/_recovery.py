@@ -25,6 +25,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Iterator, List, Optional, Tuple
 
+from ._arenas import announce_ranks_changed
 from ._core import ffi, lib
 from ._errors import CorruptSegment, RankUnavailable, UcmError
 from ._locks import describe_stripe_holder
@@ -130,6 +131,7 @@ def _take_locked(seg: Segment, ctx, r: int) -> Optional[Recovered]:
     lib.ucm_store32(seg.base, off + lib.UCM_R_PID, os.getpid())
     lib.ucm_fetch_add64(seg.base, off + lib.UCM_R_ATTACHES, 1)
     lib.ucm_store32(seg.base, off + lib.UCM_R_STATE, lib.UCM_RANK_READY)
+    announce_ranks_changed(seg)  # the others leave us our share at their next allocation
     return recovered
 
 
@@ -143,6 +145,7 @@ def free_rank(seg: Segment, ctx, rank: int) -> None:
     lib.ucm_store32(seg.base, off + lib.UCM_R_STATE, lib.UCM_RANK_STOPPED)
     lib.ucm_store32(seg.base, off + lib.UCM_R_PID, 0)
     lib.ucm_store32(seg.base, off + lib.UCM_R_STATE, lib.UCM_RANK_FREE)
+    announce_ranks_changed(seg)  # our arenas (freed by the recovery above) are for the others
     lib.ucm_ofd_unlock(seg.lock_fd, life_lock_byte(rank))
 
 
@@ -158,8 +161,8 @@ def _recover_held(seg: Segment, ctx, dead: int,
 
 def _recover_holds(seg: Segment, ctx, dead: int,
                    stripe_wait: float = RECOVERY_STRIPE_WAIT) -> Recovered:
-    """One C step (ucm_recover_rank): fail its loads, clear its pins, free its claims under
-    their stripes, recount its range's words.  Raises if a stripe stayed held past
+    """One C step (ucm_recover_rank): recount the arenas it was writing, fail its loads, clear
+    its pins, free its claims under their stripes, free its arenas.  Raises if a stripe stayed held past
     stripe_wait, leaving the rank as it is for the next recovery."""
     rec = Recovered(rank=dead, pid=rank_pid(seg, dead))
     counts = ffi.new("uint32_t[4]")

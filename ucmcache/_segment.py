@@ -374,7 +374,8 @@ class Segment:
         lib.ucm_store64(base, lib.UCM_H_TOTAL_SIZE, L.total_size)
         lib.ucm_store32(base, lib.UCM_H_PARAMS_CRC, _params_crc(self.mm))
         lib.ucm_store32(base, lib.UCM_H_LAYOUT_FP, lib.ucm_layout_fingerprint())
-        # Generation starts at 1; the ranks' accounting words (zero: generation 0) read as 0.
+        # Generation starts at 1; the arenas' accounting words (zero: generation 0) read as 0,
+        # and their owner words (zero) say free.
         lib.ucm_store64(base, lib.UCM_H_GENERATION, 1)
         # No one else can read these words before the magic, so plain bulk stores are enough;
         # the release store of the magic below orders them all before any attacher's reads.

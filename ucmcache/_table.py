@@ -26,7 +26,8 @@ def _dtype(fields: Sequence[Tuple[str, object, int]], itemsize: int) -> np.dtype
                      "itemsize": itemsize})
 
 
-# The header's words (line 0 identity and params, line 1 the generation, line 3 the checksums).
+# The header's words (line 0 identity and params, line 1 the generation, line 2 the arena epoch,
+# line 3 the checksums).
 HEADER = _dtype([
     ("magic", "<u8", lib.UCM_H_MAGIC), ("version", "<u4", lib.UCM_H_VERSION),
     ("features", "<u4", lib.UCM_H_FEATURES), ("creator_pid", "<u4", lib.UCM_H_CREATOR_PID),
@@ -34,16 +35,22 @@ HEADER = _dtype([
     ("n_stripes", "<u4", lib.UCM_H_N_STRIPES), ("slots_per_rank", "<u8", lib.UCM_H_SLOTS_PER_RANK),
     ("slot_size", "<u8", lib.UCM_H_SLOT_SIZE), ("n_buckets", "<u8", lib.UCM_H_N_BUCKETS),
     ("total_size", "<u8", lib.UCM_H_TOTAL_SIZE), ("generation", "<u8", lib.UCM_H_GENERATION),
+    ("arena_epoch", "<u8", lib.UCM_H_ARENA_EPOCH),
     ("params_crc", "<u4", lib.UCM_H_PARAMS_CRC), ("layout_fp", "<u4", lib.UCM_H_LAYOUT_FP),
 ], lib.UCM_HEADER_SIZE)
 
-# RankDesc: line 0 identity and accounting, then the rank's own counters (UCM_ST_*).
+# RankDesc: line 0 identity and the CLOCK hand, then the rank's own counters (UCM_ST_*).
 RANK_DESC = _dtype([
     ("state", "<u4", lib.UCM_R_STATE), ("pid", "<u4", lib.UCM_R_PID),
     ("clock_hand", "<u8", lib.UCM_R_CLOCK_HAND), ("attaches", "<u8", lib.UCM_R_ATTACHES),
-    ("acc_entries", "<u8", lib.UCM_R_ACC_ENTRIES), ("acc_bytes", "<u8", lib.UCM_R_ACC_BYTES),
     ("stats", ("<u8", (lib.UCM_ST_COUNT,)), lib.UCM_R_STATS),
 ], lib.UCM_RANK_SIZE)
+
+# ArenaDesc: the owner word (0 free, else rank + 1) and the arena's accounting words.
+ARENA_DESC = _dtype([
+    ("owner", "<u4", lib.UCM_A_OWNER), ("acc_entries", "<u8", lib.UCM_A_ACC_ENTRIES),
+    ("acc_bytes", "<u8", lib.UCM_A_ACC_BYTES),
+], lib.UCM_ARENA_SIZE)
 
 # SlotMeta: one line per slot.  `state` is the whole word (UCM_WAITERS included); decode it
 # with slot_fields().
@@ -85,6 +92,20 @@ def header_row(seg) -> np.void:
 def rank_table(seg, *, copy: bool = True) -> np.ndarray:
     """Every rank's descriptor (max_ranks rows of RANK_DESC), a copy unless copy=False."""
     return _region(seg, RANK_DESC, seg.layout.max_ranks, seg.layout.rank_off, copy)
+
+
+def arena_table(seg, *, copy: bool = True) -> np.ndarray:
+    """Every arena's descriptor (n_arenas rows of ARENA_DESC), a copy unless copy=False."""
+    return _region(seg, ARENA_DESC, seg.layout.n_arenas, seg.layout.arena_off, copy)
+
+
+def arena_owners(seg, table: Optional[np.ndarray] = None) -> Dict[int, List[int]]:
+    """{rank: the arenas it owns} (-1: free), from an arena_table() copy if one is at hand."""
+    table = arena_table(seg) if table is None else table
+    out: Dict[int, List[int]] = {}
+    for a, owner in enumerate(table["owner"].tolist()):
+        out.setdefault(owner - 1, []).append(a)
+    return out
 
 
 def slot_table(seg, *, copy: bool = True) -> np.ndarray:
@@ -189,5 +210,5 @@ def accounting(seg) -> Dict[str, int]:
     """The generation and the exact entries and payload bytes of it, as the cache counts them."""
     with reader_context(seg) as ctx:
         return {"generation": int(lib.ucm_generation(ctx)),
-                "entries": int(lib.ucm_acc_value(ctx, lib.UCM_R_ACC_ENTRIES)),
-                "size_bytes": int(lib.ucm_acc_value(ctx, lib.UCM_R_ACC_BYTES))}
+                "entries": int(lib.ucm_acc_value(ctx, lib.UCM_A_ACC_ENTRIES)),
+                "size_bytes": int(lib.ucm_acc_value(ctx, lib.UCM_A_ACC_BYTES))}

@@ -14,7 +14,7 @@ import numpy as np
 from ._core import lib
 from ._locks import describe_stripe_holder, stripe_holder
 from ._segment import Segment
-from ._table import (RANK_STATES, acc_value, bucket_heads, claimant, claimed, current,
+from ._table import (RANK_STATES, acc_value, arena_table, bucket_heads, claimant, claimed, current,
                      header_row, pin_bits, pinning_ranks, rank_rows, rank_table, slot_fields,
                      slot_table, state_counts)
 
@@ -117,33 +117,54 @@ def _check_holds(f: Dict[str, np.ndarray], claims: np.ndarray, pins: np.ndarray,
     for s in np.flatnonzero((f["state"] == lib.UCM_LOADING) & ~claims):
         if int(f["loader"][s]) not in live:
             p.append(f"slot {s}: Loading, but its loader rank {int(f['loader'][s])} is not alive")
+    for s in np.flatnonzero(((f["flags"] & lib.UCM_F_INSTALLING) != 0) & ~claims)[:SHOWN]:
+        p.append(f"slot {s}: marked installing but not claimed")
     for s in np.flatnonzero(f["state"] > lib.UCM_FAILED)[:SHOWN]:
         p.append(f"slot {s}: state {int(f['state'][s])} is not a slot state")
 
 
-def _check_accounting(seg: Segment, table: np.ndarray, f: Dict[str, np.ndarray],
+def _check_accounting(seg: Segment, arenas: np.ndarray, f: Dict[str, np.ndarray],
                       generation: int, p: List[str]) -> Dict[str, int]:
-    """Accounting (I4): each rank's words against the counted Ready slots of its own range in
+    """Accounting (I4, I6): each arena's words against the counted Ready slots of that arena in
     the current generation."""
     ready_now = (f["state"] == lib.UCM_READY) & current(f, generation)
     counted = ((f["flags"] & lib.UCM_F_COUNTED) != 0) & ready_now
     entries = size = 0
-    spr = seg.layout.slots_per_rank
-    for r in range(seg.layout.max_ranks):
-        e = acc_value(int(table[r]["acc_entries"]), generation)
-        b = acc_value(int(table[r]["acc_bytes"]), generation)
-        mine = counted[r * spr:(r + 1) * spr]
+    L = seg.layout
+    for a in range(L.n_arenas):
+        e = acc_value(int(arenas[a]["acc_entries"]), generation)
+        b = acc_value(int(arenas[a]["acc_bytes"]), generation)
+        lo, hi = a * L.arena_slots, min((a + 1) * L.arena_slots, L.n_slots)
+        mine = counted[lo:hi]
         se = int(mine.sum())
-        sb = int(f["length"][r * spr:(r + 1) * spr][mine].astype(np.int64).sum())
+        sb = int(f["length"][lo:hi][mine].astype(np.int64).sum())
         if (e, b) != (se, sb):
-            p.append(f"accounting: rank {r}'s words say {e} entries / {b} bytes, its range's "
-                     f"slots of generation {generation} add up to {se} / {sb}")
+            p.append(f"accounting: arena {a}'s words say {e} entries / {b} bytes, its slots "
+                     f"of generation {generation} add up to {se} / {sb}")
         entries += e
         size += b
     scanned = ready_now & (f["bucket"] != lib.UCM_INVALID_BUCKET)
     for s in np.flatnonzero(scanned & ~counted)[:SHOWN_UNCOUNTED]:
         p.append(f"slot {s}: Ready in the current generation but not counted")
     return {"entries": entries, "size_bytes": size, "current_entries_scanned": int(scanned.sum())}
+
+
+def _check_arenas(arenas: np.ndarray, live: Set[int], max_ranks: int,
+                  p: List[str]) -> Dict[int, int]:
+    """Ownership: every owner word is free or names a live rank (a dead or closed rank's
+    arenas are freed by its recovery or its close).  One problem per owner, not per arena."""
+    owned: Dict[int, List[int]] = {}
+    for a, word in enumerate(arenas["owner"].tolist()):
+        if word:
+            owned.setdefault(word - 1, []).append(a)
+    for r, which in sorted(owned.items()):
+        shown = ", ".join(map(str, which[:SHOWN])) + (", ..." if len(which) > SHOWN else "")
+        if r >= max_ranks:
+            p.append(f"arena(s) {shown}: owner word {r + 1} names no rank (max_ranks "
+                     f"{max_ranks})")
+        elif r not in live:
+            p.append(f"{len(which)} arena(s) owned by rank {r}, which is not alive: {shown}")
+    return {r: len(which) for r, which in owned.items()}
 
 
 def _check_stripes(seg: Segment, p: List[str]) -> None:
@@ -170,6 +191,7 @@ def verify_segment(seg: Segment) -> VerifyReport:
     rep = VerifyReport(seg.uuid)
     p = rep.problems
     ranks = rank_table(seg)
+    arenas = arena_table(seg)
     f = slot_fields(slot_table(seg))
     heads = bucket_heads(seg)
     generation = int(header_row(seg)["generation"])
@@ -179,7 +201,8 @@ def verify_segment(seg: Segment) -> VerifyReport:
     rows, live = _check_ranks(seg, ranks, p)
     lengths = _check_chains(seg, heads, f, claims, p)
     _check_holds(f, claims, pins, live, p)
-    accounting = _check_accounting(seg, ranks, f, generation, p)
+    accounting = _check_accounting(seg, arenas, f, generation, p)
+    owned = _check_arenas(arenas, live, seg.layout.max_ranks, p)
     _check_stripes(seg, p)
 
     rep.facts = {
@@ -193,5 +216,8 @@ def verify_segment(seg: Segment) -> VerifyReport:
         "current_entries_scanned": accounting["current_entries_scanned"],
         "chains": _chain_facts(seg.layout.n_buckets, lengths),
         "ranks": rows,
+        "arenas": {"count": seg.layout.n_arenas, "slots_each": seg.layout.arena_slots,
+                   "free": int((arenas["owner"] == 0).sum()),
+                   "owned_by_rank": {int(r): n for r, n in sorted(owned.items())}},
     }
     return rep
