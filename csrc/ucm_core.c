@@ -1241,6 +1241,7 @@ int ucm_clock_claim(ucm_ctx *c, uint64_t max_scan, uint32_t *slot_out)
         if (!__atomic_compare_exchange_n(ref_w(c, s), &r, UCM_CLAIMED | (uint64_t)c->rank, 0,
                                          __ATOMIC_SEQ_CST, __ATOMIC_RELAXED))
             continue;
+        POINT(c, UCM_PT_CLAIM_UNCHECKED);
         if (__atomic_load_n(owner_w(c, a), __ATOMIC_SEQ_CST) != me
             || __atomic_load_n(&c->arena_seen[a], __ATOMIC_SEQ_CST) != seen) {
             SET_REL(ref_w(c, s), 0); /* taken from us: nothing written, give it back (release) */

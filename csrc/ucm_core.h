@@ -195,7 +195,8 @@
 #define UCM_PT_BEFORE_PIN_CAS 7 /* reader: reference read, pin CAS not yet tried */
 #define UCM_PT_HOLDING_STRIPE 8 /* slow path: the key's stripe is held, nothing looked up yet */
 #define UCM_PT_COUNTED_NOT_READY 9 /* owner's publish: counted (COUNTED set), still Loading */
-#define UCM_PT_COUNT         10
+#define UCM_PT_CLAIM_UNCHECKED 10 /* writer: victim claimed, its arena's owner not yet checked */
+#define UCM_PT_COUNT         11
 #define UCM_ACT_NONE         0
 #define UCM_ACT_GATE         1
 #define UCM_ACT_KILL         2

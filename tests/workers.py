@@ -385,3 +385,28 @@ def _attach_and_recover(uuid, start_path):
 
 def attach_and_recover(q, *args):
     run(_attach_and_recover, q, *args)
+
+
+def _load_then_publish_at(uuid, key, gate_path, point, own_first):
+    """Take our share (load own_first), then own `key`'s load, arrive at the gate, wait for the
+    test's release, then publish with `point` armed to kill (None: publish and return)."""
+    c = SlotCache.attach(uuid)
+    gate = Gate(gate_path)
+    try:
+        c.get_or_load(own_first, lambda: b"mine")
+        with c.get(key) as h:
+            assert h.owner
+            gate.release()          # arrived (value 1)
+            gate.wait_value(2)      # released by the test
+            if point:
+                c._arm(point, "kill")
+            h.data[:5] = b"value"
+            h.ready(5)
+            return h.slot
+    finally:
+        gate.close()
+        c.close()
+
+
+def load_then_publish_at(q, *args):
+    run(_load_then_publish_at, q, *args)

@@ -21,6 +21,7 @@ from ._core import ffi, lib
 C_POINTS = {
     "after_match": lib.UCM_PT_AFTER_MATCH,
     "after_pin": lib.UCM_PT_AFTER_PIN,
+    "claim_unchecked": lib.UCM_PT_CLAIM_UNCHECKED,
     "after_claim": lib.UCM_PT_AFTER_CLAIM,
     "after_unlink": lib.UCM_PT_AFTER_UNLINK,
     "mid_publish": lib.UCM_PT_MID_PUBLISH,
