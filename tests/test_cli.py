@@ -348,6 +348,8 @@ def test_inspect_json_of_a_live_segment(names, workers):
     me = d["ranks"][w.rank]
     assert (me["state"], me["pid"], me["alive"], me["dead"]) == ("ready", w.pid, True, False)
     assert (me["slots_used"], me["pins"], me["claims"]) == (3, 2, 0)  # ready, pinned, loading
+    assert me["arenas"] == list(range(32)) and me["arena_slots"] == 64  # the only rank: all
+    assert d["arenas"] == {"count": 32, "slots_each": 2, "free": 0}
     cnt = me["counters"]
     assert (cnt["gets"], cnt["misses"], cnt["hits"]) == (4, 4, 0)
     assert (cnt["loads_started"], cnt["loads_ready"], cnt["loads_failed"]) == (4, 2, 1)
@@ -362,7 +364,8 @@ def test_inspect_json_of_a_live_segment(names, workers):
     assert f"segment {u}  status live" in out
     assert "  empty 60  loading 1  ready 2  failed 1  |  pinned 2  claimed 0  stale 0" in out
     assert re.search(r"target mean <= 2: ok", out)
-    assert re.search(rf"^ +{w.rank} ready +{w.pid} yes +3 +2 +0 +4 +0 +4 +4 +1$", out, re.M)
+    assert re.search(rf"^ +{w.rank} ready +{w.pid} yes +32 +3 +2 +0 +4 +0 +4 +4 +1$", out, re.M)
+    assert f"  rank {w.rank}: 32 (64 slots): 0-31\n" in out
     assert "stuck  none" in out and "problems  none: all invariants hold" in out
     assert run("verify", u).returncode == 0
     w.stop()

@@ -72,12 +72,16 @@ ignore keys they do not know.  Counter names come from the C core (``UCM_ST_*``)
            "pid": int,              # 0 when free
            "alive": bool,           # its life lock is held: the process lives
            "dead": bool,            # not free and not alive: needs recovery
-           "slots_used": int,       # slots of its range holding a current entry or a load
+           "arenas": [int, ...],    # the arenas it owns (it allocates only in those)
+           "arena_slots": int,      # their slots
+           "slots_used": int,       # slots of its arenas holding a current entry or a load
            "pins": int,             # slots it pins now
            "claims": int,           # slots it has claimed now
            "ring": {"depth": int, "posted": int, "dropped": int,     # its prefetch ring
                     "already_present": int},
            "counters": {name: int, ...}}],   # gets, hits, misses, loads_started, t2_hits, ...
+      "arenas": {"count": int, "slots_each": int,   # the last may have fewer
+                 "free": int},      # owned by no rank
       "totals": {name: int, ...},   # counters summed over ranks
       "stuck": {"pins": int, "claims": int, "loading": int,   # holds of ranks that are dead
                 "items": [{"slot": int, "kind": "pin" | "claim" | "loading", "rank": int},

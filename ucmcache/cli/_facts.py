@@ -20,7 +20,7 @@ from .._ring import ring_counters
 from .._segment import (PREFIX, SHM_DIR, Segment, check_uuid, file_kind, not_ours_error, probe,
                         probed_error, shm_path)
 from .._stats import named, rank_counters
-from .._table import (accounting, claimant, claimed, current, pin_bits, rank_rows, slot_fields,
+from .._table import (accounting, arena_owners, claimant, claimed, current, pin_bits, rank_rows, slot_fields,
                       slot_table, state_counts)
 from .._verify import verify_segment
 
@@ -128,13 +128,18 @@ def _rank_facts(seg: Segment, rows: List[Dict[str, Any]], slots: Dict[str, Any],
     ranks = []
     items: List[Dict[str, int]] = []
     stuck = {"pins": 0, "claims": 0, "loading": 0}
-    spr = seg.layout.slots_per_rank
+    L = seg.layout
+    owned = arena_owners(seg)
     for row in rows:
         r = row["rank"]
+        mine = owned.get(r, [])
+        used = sum(int(slots["used"][L.arena_range(a).start:L.arena_range(a).stop].sum())
+                   for a in mine)
         held = {"pin": np.flatnonzero((slots["pins"] & np.uint64(1 << r)) != 0),
                 "claim": np.flatnonzero(slots["claims"] & (slots["claimant"] == r)),
                 "loading": np.flatnonzero(slots["loading"] & (slots["loader"] == r))}
-        ranks.append(dict(row, slots_used=int(slots["used"][r * spr:(r + 1) * spr].sum()),
+        ranks.append(dict(row, slots_used=used, arenas=mine,
+                          arena_slots=sum(len(L.arena_range(a)) for a in mine),
                           pins=len(held["pin"]), claims=len(held["claim"]),
                           ring=ring_counters(seg, r), counters=named(counters[r])))
         if row["alive"]:
@@ -185,6 +190,8 @@ def inspect_facts(uuid: str, seg: Segment) -> Dict[str, Any]:
                    "histogram": [[int(k), int(v)] for k, v in sorted(chains["histogram"].items())
                                  if v]},
         "ranks": held["ranks"],
+        "arenas": {"count": seg.layout.n_arenas, "slots_each": seg.layout.arena_slots,
+                   "free": rep.facts["arenas"]["free"]},
         "totals": named(counters.sum(axis=0)),
         "stuck": held["stuck"],
         "problems": list(rep.problems),

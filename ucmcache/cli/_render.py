@@ -147,23 +147,49 @@ def _rank_table_lines(ranks: List[Dict[str, Any]]) -> List[str]:
     live = sum(r["alive"] for r in ranks)
     dead = sum(r["dead"] for r in ranks)
     lines = [f"ranks  {live} live, {dead} dead, {len(ranks) - live - dead} free of {len(ranks)}",
-             f"  {'rank':>4} {'state':<12} {'pid':>7} {'alive':<5} {'used':>7} {'pins':>6} "
-             f"{'claims':>6} {'gets':>8} {'hits':>8} {'misses':>8} {'loads':>7} {'fails':>6}"]
+             f"  {'rank':>4} {'state':<12} {'pid':>7} {'alive':<5} {'arenas':>6} {'used':>7} "
+             f"{'pins':>6} {'claims':>6} {'gets':>8} {'hits':>8} {'misses':>8} {'loads':>7} "
+             f"{'fails':>5}"]
     hidden = 0
     for r in ranks:
         cnt = r["counters"]
-        if r["state"] == "free" and not r["alive"] and not r["slots_used"] and not r["pins"] \
+        if r["state"] == "free" and not r["alive"] and not r["arenas"] and not r["pins"] \
                 and not r["claims"] and not any(cnt.values()):
             hidden += 1
             continue
         alive = "yes" if r["alive"] else ("DEAD" if r["dead"] else "no")
         lines.append(f"  {r['rank']:>4} {r['state']:<12} {r['pid']:>7} {alive:<5} "
-                     f"{num(r['slots_used'], 7)} {num(r['pins'], 6)} {num(r['claims'], 6)} "
-                     f"{num(cnt.get('gets', 0), 8)} {num(cnt.get('hits', 0), 8)} "
-                     f"{num(cnt.get('misses', 0), 8)} {num(cnt.get('loads_started', 0), 7)} "
-                     f"{num(cnt.get('loads_failed', 0), 6)}")
+                     f"{num(len(r['arenas']), 6)} {num(r['slots_used'], 7)} {num(r['pins'], 6)} "
+                     f"{num(r['claims'], 6)} {num(cnt.get('gets', 0), 8)} "
+                     f"{num(cnt.get('hits', 0), 8)} {num(cnt.get('misses', 0), 8)} "
+                     f"{num(cnt.get('loads_started', 0), 7)} {num(cnt.get('loads_failed', 0), 5)}")
     if hidden:
         lines.append(f"  ({hidden} free rank(s) never used not shown)")
+    return lines
+
+
+def spans(items: List[int]) -> str:
+    """Sorted ints as ranges: [0, 1, 2, 5, 7, 8] -> '0-2, 5, 7-8'."""
+    out: List[str] = []
+    for i in items:
+        if out and i == last + 1:
+            first = out[-1].split("-")[0]
+            out[-1] = f"{first}-{i}"
+        else:
+            out.append(str(i))
+        last = i
+    return ", ".join(out)
+
+
+def _arena_lines(d: Dict[str, Any]) -> List[str]:
+    a = d["arenas"]
+    lines = [f"arenas  {a['count']} of {a['slots_each']} slot(s) each (a rank allocates only in "
+             f"the arenas it owns), {a['free']} free"]
+    for r in d["ranks"]:
+        if r["arenas"]:
+            tag = "" if r["alive"] else " (not alive: recovery frees them)"
+            lines.extend(wrap(f"rank {r['rank']}: {len(r['arenas'])} ({r['arena_slots']} slots): "
+                              f"{spans(r['arenas'])}{tag}"))
     return lines
 
 
@@ -210,7 +236,7 @@ def _stuck_lines(d: Dict[str, Any]) -> List[str]:
 def inspect_lines(d: Dict[str, Any]) -> List[str]:
     """The human form of inspect_facts' --json object."""
     lines = (_segment_lines(d) + _chain_lines(d["chains"]) + _rank_table_lines(d["ranks"]) +
-             _totals_lines(d["ranks"], d["totals"]) + _stuck_lines(d))
+             _totals_lines(d["ranks"], d["totals"]) + _arena_lines(d) + _stuck_lines(d))
     if not d["problems"]:
         return lines + ["problems  none: all invariants hold"]
     return (lines + [f"problems  {len(d['problems'])} (from verify)"] +
