@@ -148,7 +148,7 @@ def _rank_table_lines(ranks: List[Dict[str, Any]]) -> List[str]:
     dead = sum(r["dead"] for r in ranks)
     lines = [f"ranks  {live} live, {dead} dead, {len(ranks) - live - dead} free of {len(ranks)}",
              f"  {'rank':>4} {'state':<12} {'pid':>7} {'alive':<5} {'arenas':>6} {'used':>7} "
-             f"{'pins':>6} {'claims':>6} {'gets':>8} {'hits':>8} {'misses':>8} {'loads':>7} "
+             f"{'pins':>6} {'claims':>6} {'gets':>7} {'hits':>7} {'misses':>7} {'loads':>7} "
              f"{'fails':>5}"]
     hidden = 0
     for r in ranks:
@@ -160,8 +160,8 @@ def _rank_table_lines(ranks: List[Dict[str, Any]]) -> List[str]:
         alive = "yes" if r["alive"] else ("DEAD" if r["dead"] else "no")
         lines.append(f"  {r['rank']:>4} {r['state']:<12} {r['pid']:>7} {alive:<5} "
                      f"{num(len(r['arenas']), 6)} {num(r['slots_used'], 7)} {num(r['pins'], 6)} "
-                     f"{num(r['claims'], 6)} {num(cnt.get('gets', 0), 8)} "
-                     f"{num(cnt.get('hits', 0), 8)} {num(cnt.get('misses', 0), 8)} "
+                     f"{num(r['claims'], 6)} {num(cnt.get('gets', 0), 7)} "
+                     f"{num(cnt.get('hits', 0), 7)} {num(cnt.get('misses', 0), 7)} "
                      f"{num(cnt.get('loads_started', 0), 7)} {num(cnt.get('loads_failed', 0), 5)}")
     if hidden:
         lines.append(f"  ({hidden} free rank(s) never used not shown)")
