@@ -243,6 +243,21 @@ def compute_read_targets(out: Dict[str, Any]) -> List[Dict[str, Any]]:
     return T
 
 
+def compute_arena_targets(out: Dict[str, Any]) -> List[Dict[str, Any]]:
+    """Issue 15's target, one per row of scenario 8: ucmcache hits / global LRU hits."""
+    s8 = out.get("s8_arenas")
+    if not s8:
+        return []
+    T: List[Dict[str, Any]] = []
+    for r in s8.get("rows", []):
+        detail = ("error: " + r["error"]) if "error" in r else \
+            f"{r['ratio']:.3f} (hit ratio {r['hit_ratio']:.4f} vs LRU {s8['lru_hit_ratio']:.4f})"
+        T.append({"target": f"hit rate at equal memory, {r['label']}: ucmcache / global LRU",
+                  "goal": f">= {s8['target']:g}", "measured": r.get("ratio"),
+                  "met": r.get("met") if "error" not in r else False, "detail": detail})
+    return T
+
+
 def ratio_lines(out: Dict[str, Any]) -> List[str]:
     R = out.get("ratios", {})
     lines = ["Ratios, ucmcache's speed-up over each baseline (>1: ucmcache faster)"
@@ -292,6 +307,11 @@ def target_lines(out: Dict[str, Any]) -> List[str]:
     if out.get("targets_reads"):
         lines.append("Targets (issue 14, reads: scenario 7, judged at 4 KiB on the median):")
         for t in out["targets_reads"]:
+            mark = {True: "MET    ", False: "NOT MET", None: "n/a    "}[t["met"]]
+            lines.append(f"  [{mark}] {t['target']}: goal {t['goal']}; measured {t['detail']}")
+    if out.get("targets_arenas"):
+        lines.append("Targets (issue 15, hit rate at equal memory: scenario 8):")
+        for t in out["targets_arenas"]:
             mark = {True: "MET    ", False: "NOT MET", None: "n/a    "}[t["met"]]
             lines.append(f"  [{mark}] {t['target']}: goal {t['goal']}; measured {t['detail']}")
     return lines
@@ -397,6 +417,62 @@ def _md_reads(out: Dict[str, Any]) -> List[str]:
     return L
 
 
+def arenas_table(s8: Dict[str, Any]) -> List[str]:
+    """Scenario 8's table (also printed by `python -m bench.arenas`)."""
+    n = s8["requests"]
+    L = ["| ranks attached | requests on the busiest rank | ucmcache hit ratio | global LRU hit "
+         "ratio | ucmcache / LRU | target >= " + f"{s8['target']:g} met? |",
+         "|---|---|---|---|---|---|"]
+    for r in s8["rows"]:
+        busy = f"{r['busiest_rank_requests']:,} ({100 * r['busiest_rank_share']:.1f}%)"
+        if "error" in r:
+            L.append(f"| {r['label']} | {busy} | **error**: {r['error'][:200]} | "
+                     f"{s8['lru_hit_ratio']:.4f} | — | **no** |")
+            continue
+        L.append(f"| {r['label']} | {busy} | {r['hit_ratio']:.4f} | {s8['lru_hit_ratio']:.4f} | "
+                 f"{r['ratio']:.3f} | {'yes' if r['met'] else '**no**'} |")
+    L.append("")
+    L.append("| ranks attached | loader calls (ucmcache) | LRU misses | evictions | bypasses "
+             "(cache full) | requests/s | time |")
+    L.append("|---|---|---|---|---|---|---|")
+    for r in s8["rows"]:
+        if "error" in r:
+            continue
+        st = r.get("stats", {})
+        L.append(f"| {r['label']} | {r['loader_calls']:,} | {n - s8['lru_hits']:,} | "
+                 f"{st.get('evictions', 0):,} | {st.get('bypasses', 0):,} | "
+                 f"{fmt_ops(r['requests_per_s'])} | {r['elapsed_s']:.2f} s |")
+    return L
+
+
+def _md_arenas(out: Dict[str, Any]) -> List[str]:
+    s8 = out.get("s8_arenas")
+    if not s8:
+        return []
+    L = ["## 8. Hit rate at equal memory (issue 15)", ""]
+    L.append(f"One Zipf({s8['zipf_s']}) trace of {s8['requests']:,} requests over "
+             f"{s8['keys']:,} keys ({s8['distinct_keys_requested']:,} of them requested; fixed "
+             f"seed {s8['seeds']['trace']}), walked in order. ucmcache: one segment of "
+             f"max_ranks={s8['max_ranks']} x {s8['slots_per_rank']} slots of {s8['slot_size']} B "
+             "with the row's ranks attached (SlotCache instances in one process), each request "
+             "sent to one attached rank's `get_or_load` (uniformly at random, fixed seed, or 70% "
+             "to the first rank and the rest uniform over the other three); a hit is a request "
+             "whose loader did not run, and every returned value was checked to be the key's "
+             f"payload. Global LRU: an OrderedDict of {s8['lru_capacity']:,} entries (the same "
+             "number of slots) on the same key sequence. The ratio is ucmcache's hits / the "
+             "LRU's; it depends only on the build and the seeds, so one run is enough. "
+             "Requests/s (for information) include the loader and the check. "
+             "Rerun: `./scripts/bench --scenarios 8` (or `.venv/bin/python -m bench.arenas` "
+             "to print the table without writing results).")
+    if s8.get("error"):
+        L.append("")
+        L.append(f"**Scenario 8 failed**: {s8['error']}")
+    L.append("")
+    L.extend(arenas_table(s8))
+    L.append("")
+    return L
+
+
 def markdown(out: Dict[str, Any]) -> str:
     m = out["meta"]
     R = out.get("ratios", {})
@@ -419,7 +495,9 @@ def markdown(out: Dict[str, Any]) -> str:
               "over the passes, each x the median of the per-pass ratios with its [min-max]."
               if rep and rep > 1 else "") +
              (" Scenario 7 (reads) repeats inside itself, interleaved: its figures and ratios are "
-              "median [min-max] over its repetitions." if out.get("s7_reads") else ""))
+              "median [min-max] over its repetitions." if out.get("s7_reads") else "") +
+             (" Scenario 8 (hit rate) runs once: one process, fixed seeds, deterministic hit "
+              "counts." if out.get("s8_arenas") else ""))
     lb = m.get("load_before") or []
     if lb and m.get("cores") and lb[0] > 0.5 * m["cores"]:
         L.append("")
@@ -447,6 +525,7 @@ def markdown(out: Dict[str, Any]) -> str:
                  f"{ {True: 'yes', False: '**no**', None: 'n/a'}[t['met']] } |")
     L.append("")
     L.extend(_md_reads(out))
+    L.extend(_md_arenas(out))
 
     # ---- scenario 1
     s1 = _get(out, "s1_hit", "by_size", default={})
@@ -939,6 +1018,7 @@ def finish(out: Dict[str, Any], outdir: str, chart: bool = True,
         out["ratios"] = compute_ratios(out)
     out["targets"] = compute_targets(out, out["ratios"])
     out["targets_reads"] = compute_read_targets(out)
+    out["targets_arenas"] = compute_arena_targets(out)
     png = os.path.join(outdir, "latest.png")
     if chart:
         ok, why = draw_chart(out, png + ".tmp.png")

@@ -2,6 +2,7 @@
 
     .venv/bin/python -m bench.run            # the full run (about 4-5 minutes on 2 cores)
     .venv/bin/python -m bench.run --scenarios 7   # the reads alone (under a minute)
+    .venv/bin/python -m bench.run --scenarios 8   # hit rate at equal memory alone (about 15 s)
     .venv/bin/python -m bench.run --quick    # tiny sizes: checks the harness, numbers mean little
 
 Writes bench/results/latest.json, latest.md and latest.png (--out DIR to put them elsewhere).
@@ -18,6 +19,9 @@ Scenarios (same payloads, key sets and process counts for every system):
             get_many(64) + every data(i), gather / read_many of 64 into a numpy array, each vs
             py-lmdb doing the same work, the old design, the Python floor and the memcpy floor;
             every row interleaved in one process, median [min-max] over repetitions (reads.py)
+  8 arenas: hit rate at equal memory (issue 15): one Zipf(0.9) trace against a segment of 8 ranks
+            x 500 slots with 8, 4, 2, 1 (and 4, skewed) ranks attached vs a global LRU of as many
+            slots; ucmcache hits / LRU hits per row; one process, deterministic (arenas.py)
 Scenarios 1-6 and the floors run --repeat passes (default 3): each figure is the median over the
 passes, each ratio the median of the per-pass ratios with its [min-max].
 Baselines: the old locking design (bench/baselines/oldlock.*), py-lmdb, Redis over a unix socket,
@@ -44,7 +48,7 @@ if not _RUN_AS_MODULE:  # run as a file (`ucmcache bench` does that): make `benc
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     __package__ = "bench"
 
-from bench import cbuild, common, reads, report  # noqa: E402
+from bench import arenas, cbuild, common, reads, report  # noqa: E402
 from bench.baselines.redis_server import RedisServer  # noqa: E402
 from bench.systems import ALL_SYSTEMS  # noqa: E402
 
@@ -66,6 +70,9 @@ FULL = {
     "s7_keys": 4096, "s7_keys_by_size": {}, "s7_batch": 64, "s7_reps": 5, "s7_rounds": 6,
     "s7_slice": 0.02, "s7_pool": 100_000, "s7_distinct_batches": 256,
     "s7_min_keys": 200, "s7_max_keys": 50_000, "s7_min_batches": 3, "s7_max_batches": 2000,
+    # scenario 8 (hit rate at equal memory, issue 15): a Zipf trace, max_ranks x slots_per_rank
+    "s8_requests": 200_000, "s8_keys": 20_000, "s8_zipf": 0.9, "s8_max_ranks": 8,
+    "s8_slots_per_rank": 500,
 }
 QUICK = {
     "sizes": [4096, 65536],
@@ -80,8 +87,10 @@ QUICK = {
     "s7_keys": 256, "s7_keys_by_size": {}, "s7_batch": 64, "s7_reps": 3, "s7_rounds": 1,
     "s7_slice": 0.002, "s7_pool": 2000, "s7_distinct_batches": 16,
     "s7_min_keys": 50, "s7_max_keys": 2000, "s7_min_batches": 2, "s7_max_batches": 20,
+    "s8_requests": 5000, "s8_keys": 1000, "s8_zipf": 0.9, "s8_max_ranks": 8,
+    "s8_slots_per_rank": 25,
 }
-SCENARIOS = ["1", "2", "3", "4", "5", "6", "7"]
+SCENARIOS = ["1", "2", "3", "4", "5", "6", "7", "8"]
 
 
 # ====================================================================== run-wide environment
@@ -734,7 +743,7 @@ def parse(argv):
                    help="directory for latest.json / latest.md / latest.png")
     p.add_argument("--systems", default=",".join(s.name for s in ALL_SYSTEMS),
                    help="comma list of systems (default: all)")
-    p.add_argument("--scenarios", default=",".join(SCENARIOS), help="comma list of 1..7")
+    p.add_argument("--scenarios", default=",".join(SCENARIOS), help="comma list of 1..8")
     p.add_argument("--no-floor", action="store_true", help="skip the C and Python floors")
     p.add_argument("--no-chart", action="store_true", help="skip the PNG chart")
     p.add_argument("--repeat", type=int, default=None,
@@ -802,6 +811,8 @@ def main(argv=None) -> int:
         floors = not args.no_floor and any(s in scen for s in "12345")
         if "7" in scen:  # first: the reads are what issue 14 asks about (a quiet start)
             reads.scenario7(env, systems, cfg, out, log)
+        if "8" in scen:  # one process, deterministic hit counts: needs no passes
+            arenas.scenario8(env, cfg, out, log)
         if want_passes or floors:
             for p in range(repeat):
                 if repeat > 1:
@@ -826,7 +837,15 @@ def main(argv=None) -> int:
     log("")
     for line in report.target_lines(out):
         log(line)
+    if _get_error(out, "s8_arenas"):  # a wrong value or a broken invariant: not a figure, a bug
+        log(f"scenario 8 FAILED: {out['s8_arenas']['error']}")
+        return 1
     return 0
+
+
+def _get_error(out: Dict[str, Any], section: str) -> Optional[str]:
+    sec = out.get(section)
+    return sec.get("error") if isinstance(sec, dict) else None
 
 
 if __name__ == "__main__":
