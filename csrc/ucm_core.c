@@ -1138,18 +1138,6 @@ int ucm_arena_take(ucm_ctx *c, uint32_t a, uint32_t expected)
                                        __ATOMIC_RELAXED) ? UCM_OK : UCM_BUSY;
 }
 
-int ucm_arena_release(ucm_ctx *c, uint32_t a)
-{
-    /* Give arena a up (free), if we own it.  Safe with our own installs or loads still in
-     * flight there: we stay its words' writer until they end, and a new owner verifies. */
-    if (c->rank < 0 || !ctx_live(c)) return UCM_NOT_HELD;
-    if (a >= c->l.n_arenas) return UCM_CORRUPT;
-    uint32_t me = (uint32_t)c->rank + 1;
-    /* seq_cst: as a take (a claimant of ours checking the owner word after its claim). */
-    return __atomic_compare_exchange_n(owner_w(c, a), &me, 0, 0, __ATOMIC_SEQ_CST,
-                                       __ATOMIC_RELAXED) ? UCM_OK : UCM_NOT_HELD;
-}
-
 uint32_t ucm_arena_owners(ucm_ctx *c, uint32_t *out)
 {
     /* Every arena's owner word (a snapshot for the balancing policy and for inspection).

@@ -321,7 +321,6 @@ uint64_t ucm_acc_value(ucm_ctx *c, uint64_t off);
 int ucm_recount_arena(ucm_ctx *c, uint32_t arena, uint64_t *entries_out, uint64_t *bytes_out);
 
 int ucm_arena_take(ucm_ctx *c, uint32_t arena, uint32_t expected_owner);
-int ucm_arena_release(ucm_ctx *c, uint32_t arena);
 uint32_t ucm_arena_owners(ucm_ctx *c, uint32_t *owners_out);
 int ucm_arena_usable(ucm_ctx *c, uint32_t arena);
 

@@ -38,7 +38,8 @@ def test_I3_reader_between_match_and_pin_sees_miss_not_false_hit(make_cache, pro
     B = other_key(c, same_bucket)
     c.get_or_load(A, lambda: b"value-A")       # our only slot, slot 0, holds A
     g = gate()
-    p, q = procs.start(workers.get_with_point, c.uuid, A, "after_match", g.path, 1)
+    # The reader first loads a key of its own, taking its share: arena 1, slot 1.
+    p, q = procs.start(workers.get_with_point, c.uuid, A, "after_match", g.path, 1, b"R" * 16)
     g.wait_arrived()                            # the reader matched slot 0 for A, not pinned
     with c.get(B) as h:                         # we reclaim slot 0 for B meanwhile
         assert h.owner and h.slot == 0
@@ -74,7 +75,8 @@ def test_I1_claim_and_pin_race_from_the_same_reference(make_cache, procs, gate):
     B = other_key(c, True)
     c.get_or_load(A, lambda: b"value-A")
     g_reader, g_writer = gate(), gate()
-    p, q = procs.start(workers.get_with_point, c.uuid, A, "before_pin_cas", g_reader.path, 1)
+    p, q = procs.start(workers.get_with_point, c.uuid, A, "before_pin_cas", g_reader.path, 1,
+                       b"R" * 16)               # the reader owns arena 1 (slot 1) first
     g_reader.wait_arrived()
     c._arm("after_claim", "gate", g_writer)
     result = {}

@@ -10,11 +10,11 @@ many arenas each attached rank should own and which ones it takes.
   arena epoch moved: an attach, a close, a recovery) at its next allocation, never on a hit.
 * Taking: free arenas first, its home arenas (its own slot range) before others, so with every
   rank attached each rank owns its own range; then arenas of ranks that are not READY, then
-  arenas of ranks holding more than their share, the largest surplus first.  A newcomer takes
-  its share at its own first allocation, from the others if none is free, so an idle rank never
-  holds capacity back and an attach never waits.
-* Handing over: a rank above its share when it looks again frees its surplus (others' home
-  arenas first), for whoever is below its share to take without taking it from anybody.
+  arenas of ranks holding more than their share, the largest surplus first (their own range
+  last).  Then any arena still free: capacity nobody uses serves whoever allocates.
+* Nobody gives arenas away while attached: a newcomer takes its share from the others at its
+  own first allocation.  So an attach never waits for anybody, and a rank that attaches but
+  never allocates (a reader, a monitor) takes nothing: its share keeps serving the others.
 * When its arenas have no claimable slot (everything pinned or loading), a rank takes one more
   arena, free or from a rank above its share, before the cache reports CacheFull.
 """
@@ -39,33 +39,21 @@ def shares(live: Sequence[int], n_arenas: int) -> Dict[int, int]:
     return {r: base + (i < extra) for i, r in enumerate(ranks)}
 
 
-def surplus(owners: Sequence[int], me: int, live: Sequence[int],
-            home: Sequence[int]) -> List[int]:
-    """The arenas rank `me` holds above its share, the ones in other ranks' ranges first."""
-    mine = [a for a, o in enumerate(owners) if o == me + 1]
-    extra = len(mine) - shares(live, len(owners)).get(me, 0)
-    if extra <= 0:
-        return []
-    mine.sort(key=lambda a: home[a] == me)
-    return mine[:extra]
-
-
 def plan(owners: Sequence[int], me: int, live: Sequence[int], home: Sequence[int],
          want_one: bool = False) -> List[Tuple[int, int]]:
-    """The arenas rank `me` should take, as (arena, owner word it must still hold).  `owners`:
-    each arena's owner word (0 free, else rank + 1); `home[a]`: the rank whose range arena a
-    is in.  `want_one`: the rank found nothing claimable in its arenas, so it takes at least
-    one more if one can be had without going below a rank's share."""
+    """The arenas rank `me` should take, as (arena, owner word it must still hold): every free
+    one, then from others up to its share.  `owners`: each arena's owner word (0 free, else
+    rank + 1); `home[a]`: the rank whose range arena a is in.  `want_one`: the rank found
+    nothing claimable in its arenas, so it takes at least one more if one can be had without
+    taking a rank below its share."""
     target = shares(live, len(owners))
     counts = Counter(o - 1 for o in owners if o)
     need = target.get(me, 0) - counts[me]
     if want_one:
         need = max(need, 1)
-    if need <= 0:
-        return []
     free = [a for a, o in enumerate(owners) if o == 0]
     free.sort(key=lambda a: home[a] != me)  # our own range first
-    picks = [(a, 0) for a in free[:need]]
+    picks = [(a, 0) for a in free]          # all of them: capacity nobody uses
     need -= len(picks)
     if need <= 0:
         return picks
@@ -114,15 +102,12 @@ class Arenas:
                 if lib.ucm_load32(base, L.rank(r) + lib.UCM_R_STATE) == lib.UCM_RANK_READY]
 
     def rebalance_if_changed(self) -> int:
-        """At an allocation: if the set of ranks changed since we last looked, free what we hold
-        above our share, or take our share.  Returns how many arenas were taken."""
+        """At an allocation: if the set of ranks changed since we last looked, take our share
+        and whatever is free.  Returns how many arenas were taken."""
         epoch = lib.ucm_load64(self._seg.base, lib.UCM_H_ARENA_EPOCH)
         if epoch == self._epoch_seen:
             return 0
         self._epoch_seen = epoch
-        owners = self.owners().tolist()
-        for a in surplus(owners, self._rank, self.live_ranks(), self._home):
-            lib.ucm_arena_release(self._ctx, a)
         return self._take(want_one=False)
 
     def grow(self) -> int:
