@@ -378,6 +378,14 @@ ucm_plock *ucm_plock_new(void)
     return p;
 }
 
+void ucm_plock_free(ucm_plock *p)
+{
+    /* When its owner object is collected: nobody can hold it any more. */
+    if (!p) return;
+    pthread_mutex_destroy(&p->m);
+    free(p);
+}
+
 int ucm_plock_acquire(ucm_plock *p, int64_t timeout_ns, uint64_t ticket)
 {
     int32_t me = (int32_t)syscall(SYS_gettid);
@@ -1126,9 +1134,12 @@ int ucm_arena_take(ucm_ctx *c, uint32_t a, uint32_t expected)
     if (c->rank < 0 || !ctx_live(c)) return UCM_NOT_HELD;
     if (a >= c->l.n_arenas) return UCM_CORRUPT;
     uint32_t me = (uint32_t)c->rank + 1;
-    if (expected == me) return UCM_OK;
+    /* Already ours (another thread of ours took it): keep its serial, so our claimants there
+     * are not sent back for nothing.  seq_cst: as the CAS below. */
+    if (__atomic_load_n(owner_w(c, a), __ATOMIC_SEQ_CST) == me) return UCM_OK;
     /* A new serial, unverified, before the CAS (seq_cst, as the CAS): a claimant of ours that
-     * sees our CAS's owner word also sees the serial moved (see "Arenas"). */
+     * sees our CAS's owner word also sees the serial moved (see "Arenas").  The relaxed load
+     * is a first guess for the CAS loop, which decides. */
     uint32_t v = __atomic_load_n(&c->arena_seen[a], __ATOMIC_RELAXED);
     while (!__atomic_compare_exchange_n(&c->arena_seen[a], &v, ((v >> 1) + 1) << 1, 0,
                                         __ATOMIC_SEQ_CST, __ATOMIC_RELAXED)) {
@@ -1136,6 +1147,41 @@ int ucm_arena_take(ucm_ctx *c, uint32_t a, uint32_t expected)
     /* seq_cst: the Dekker pair with a claimant's claim CAS and owner load. */
     return __atomic_compare_exchange_n(owner_w(c, a), &expected, me, 0, __ATOMIC_SEQ_CST,
                                        __ATOMIC_RELAXED) ? UCM_OK : UCM_BUSY;
+}
+
+int ucm_arena_release(ucm_ctx *c, uint32_t a)
+{
+    /* Give arena a up (free), if we own it: done only for an arena another rank's install or
+     * load keeps us from verifying, so that its writer's rank can take it back at once.  Safe
+     * with installs or loads of ours still in flight there: we stay their words' writer until
+     * they end, and a new owner verifies before it writes. */
+    if (c->rank < 0 || !ctx_live(c)) return UCM_NOT_HELD;
+    if (a >= c->l.n_arenas) return UCM_CORRUPT;
+    uint32_t me = (uint32_t)c->rank + 1;
+    /* seq_cst: as a take (a claimant of ours checks the owner word after its claim). */
+    return __atomic_compare_exchange_n(owner_w(c, a), &me, 0, 0, __ATOMIC_SEQ_CST,
+                                       __ATOMIC_RELAXED) ? UCM_OK : UCM_NOT_HELD;
+}
+
+/* Does slot s hold another rank's install or load (what keeps us from verifying its arena)? */
+static inline int foreign_activity(ucm_ctx *c, uint32_t s, uint64_t ref)
+{
+    if ((ref & UCM_CLAIMED) && (ref & ~UCM_CLAIMED) != (uint64_t)c->rank) return 1;
+    /* Acquire: a publish's release exchange (its words are written before it). */
+    return (ACQ(state_w(c, s)) & UCM_STATE_MASK) == UCM_LOADING && RLX(loader_w(c, s)) != c->rank;
+}
+
+uint32_t ucm_arena_foreign(ucm_ctx *c, uint32_t *out)
+{
+    /* For the balancing policy: per arena, how many of its slots hold another rank's install or
+     * load now (an arena we could not verify yet).  A hint: relaxed references. */
+    for (uint32_t a = 0; a < c->l.n_arenas; a++) {
+        uint32_t n = 0;
+        for (uint64_t i = (uint64_t)a * c->l.arena_slots; i < arena_end(c, a); i++)
+            n += (uint32_t)foreign_activity(c, (uint32_t)i, RLX(ref_w(c, (uint32_t)i)));
+        out[a] = n;
+    }
+    return (uint32_t)c->l.n_arenas;
 }
 
 uint32_t ucm_arena_owners(ucm_ctx *c, uint32_t *out)
@@ -1153,7 +1199,9 @@ static int arena_usable(ucm_ctx *c, uint32_t a, uint32_t *seen_out)
     uint32_t me = (uint32_t)c->rank + 1;
     /* Relaxed: a hint for skipping; the seq_cst load after a claim decides. */
     if (RLX(owner_w(c, a)) != me) return 0;
-    uint32_t v = __atomic_load_n(&c->arena_seen[a], __ATOMIC_SEQ_CST); /* see ucm_arena_take */
+    /* seq_cst: read before our owner check below, so a re-take by another thread of ours
+     * (serial bump, then CAS) is not half seen. */
+    uint32_t v = __atomic_load_n(&c->arena_seen[a], __ATOMIC_SEQ_CST);
     if (!(v & 1)) {
         /* seq_cst: after our take's CAS in the total order, so a claim that our owner word
          * did not stop is seen below. */
@@ -1161,10 +1209,7 @@ static int arena_usable(ucm_ctx *c, uint32_t a, uint32_t *seen_out)
         for (uint64_t i = (uint64_t)a * c->l.arena_slots; i < arena_end(c, a); i++) {
             uint32_t s = (uint32_t)i;
             uint64_t r = __atomic_load_n(ref_w(c, s), __ATOMIC_SEQ_CST); /* Dekker, as above */
-            if ((r & UCM_CLAIMED) && (r & ~UCM_CLAIMED) != (uint64_t)c->rank) return 0;
-            /* Acquire: a publish's release exchange (its words are written before it). */
-            if ((ACQ(state_w(c, s)) & UCM_STATE_MASK) == UCM_LOADING && RLX(loader_w(c, s)) != c->rank)
-                return 0;
+            if (foreign_activity(c, s, r)) return 0;
         }
         /* Another thread of ours may have taken it again meanwhile: then its serial wins. */
         if (!__atomic_compare_exchange_n(&c->arena_seen[a], &v, v | 1, 0, __ATOMIC_SEQ_CST,

@@ -268,6 +268,7 @@ int ucm_gate_wake(uint32_t *word);
  * (thread and ticket) holds it, and release names the ticket (see ucm_core.c). */
 typedef struct ucm_plock ucm_plock;
 ucm_plock *ucm_plock_new(void);
+void ucm_plock_free(ucm_plock *p);
 int ucm_plock_acquire(ucm_plock *p, int64_t timeout_ns, uint64_t ticket);
 void ucm_plock_release(ucm_plock *p, uint64_t ticket);
 
@@ -321,6 +322,8 @@ uint64_t ucm_acc_value(ucm_ctx *c, uint64_t off);
 int ucm_recount_arena(ucm_ctx *c, uint32_t arena, uint64_t *entries_out, uint64_t *bytes_out);
 
 int ucm_arena_take(ucm_ctx *c, uint32_t arena, uint32_t expected_owner);
+int ucm_arena_release(ucm_ctx *c, uint32_t arena);
+uint32_t ucm_arena_foreign(ucm_ctx *c, uint32_t *counts_out);
 uint32_t ucm_arena_owners(ucm_ctx *c, uint32_t *owners_out);
 int ucm_arena_usable(ucm_ctx *c, uint32_t arena);
 

@@ -258,6 +258,71 @@ def test_killed_between_claim_and_ownership_check_loses_no_entry(make_cache, pro
     assert_whole(c)
 
 
+def _hold_a_load_in_each_home_arena_of(c, rank):
+    """Rank 0 (c) fills the segment, keeping one load in flight in each arena of `rank`'s
+    range; returns the owner handles."""
+    L, held = c.layout, []
+    for i in range(c.capacity):
+        h = c.get(key(i))
+        a = h.slot // L.arena_slots
+        if h.slot == L.arena_range(a).start and L.home_rank(a) == rank:
+            held.append(h)
+        else:
+            with h:
+                h.ready(0)
+    return held
+
+
+def test_busy_arenas_are_not_taken_while_idle_ones_will_do(make_cache):
+    """A newcomer's share comes from arenas nobody is loading into: one with another rank's
+    load in flight could not be used until the load ends (I6)."""
+    c = make_cache(slots_per_rank=64, slot_size=64, max_ranks=2)   # 16 arenas of 8
+    held = _hold_a_load_in_each_home_arena_of(c, 1)
+    d = SlotCache.attach(c.uuid)
+    try:
+        with d.get(key(1000), timeout=5) as h:
+            assert h.owner
+            h.ready(0)
+        busy = {h.slot // c.layout.arena_slots for h in held}
+        assert d.arenas() and not busy & set(d.arenas())
+        assert all(lib.ucm_arena_usable(d._ctx, a) for a in d.arenas())
+    finally:
+        for h in held:
+            h.ready(0)
+            h.close()
+        d.close()
+    assert_whole(c)
+
+
+def test_a_rank_gives_back_busy_arenas_for_idle_ones(make_cache):
+    """A rank whose arenas are all busy with another rank's loads gives them back (free) and
+    takes as many idle arenas, even from a rank at its share, rather than raise CacheFull; the
+    loader's rank takes its busy arenas back at once (its own loads are no obstacle to it)."""
+    c = make_cache(slots_per_rank=64, slot_size=64, max_ranks=2)
+    held = _hold_a_load_in_each_home_arena_of(c, 1)
+    busy = sorted({h.slot // c.layout.arena_slots for h in held})
+    d = SlotCache.attach(c.uuid)
+    try:
+        d._arenas.rebalance_if_changed = lambda: 0          # this test places d's arenas
+        for a in busy:
+            assert lib.ucm_arena_take(d._ctx, a, 1) == lib.UCM_OK
+        assert d.arenas() == busy and not any(lib.ucm_arena_usable(d._ctx, a) for a in busy)
+        with d.get(key(1000), timeout=5) as h:             # FULL -> give back, take idle ones
+            assert h.owner and h.slot // c.layout.arena_slots not in busy
+            h.ready(0)
+        assert not set(busy) & set(d.arenas())
+        assert len(d.arenas()) == len(busy)                # as many as it gave back
+        load(c, 2000)                                      # c takes the free busy ones back
+        assert set(busy) <= set(c.arenas())
+        assert sorted(c.arenas() + d.arenas()) == list(range(c.layout.n_arenas))
+    finally:
+        for h in held:
+            h.ready(0)
+            h.close()
+        d.close()
+    assert_whole(c)
+
+
 # ------------------------------------------------------------------------------- policy
 
 
@@ -270,15 +335,22 @@ def test_plan_takes_free_home_arenas_first_then_from_the_largest_surplus():
     home = [0, 0, 1, 1, 2, 2]
     # rank 2 alone is new: arenas 0-3 are rank 0's, 4-5 rank 1's, none free
     owners = [1, 1, 1, 1, 2, 2]
-    assert plan(owners, 2, [0, 1, 2], home) == [(2, 1), (3, 1)]  # not rank 0's own range
+    idle = [0] * 6
+    assert plan(owners, 2, [0, 1, 2], home, idle) == [(2, 1), (3, 1)]  # not rank 0's own range
     # every free arena, its home ones first
-    assert plan([0, 0, 0, 0, 0, 0], 1, [0, 1], home) == [(2, 0), (3, 0), (0, 0), (1, 0),
+    assert plan([0, 0, 0, 0, 0, 0], 1, [0, 1], home, idle) == [(2, 0), (3, 0), (0, 0), (1, 0),
                                                          (4, 0), (5, 0)]
     # a rank not READY (dead, not yet recovered) gives before a live one with surplus
-    assert plan([4, 4, 1, 1, 1, 0], 1, [0, 1], home) == [(5, 0), (0, 4), (1, 4)]
+    assert plan([4, 4, 1, 1, 1, 0], 1, [0, 1], home, idle) == [(5, 0), (0, 4), (1, 4)]
     # above its share, it still takes what is free
-    assert plan([2, 2, 2, 2, 1, 0], 1, [0, 1], home) == [(5, 0)]
+    assert plan([2, 2, 2, 2, 1, 0], 1, [0, 1], home, idle) == [(5, 0)]
+    # a busy arena (another rank's load in it) is neither counted as usable nor taken
+    assert plan([0, 1, 1, 1, 2, 2], 1, [0, 1], home, [1, 0, 0, 0, 0, 0]) == []
+    assert plan([1, 1, 1, 1, 2, 2], 1, [0, 1], home, [0, 0, 0, 0, 1, 0]) == [(2, 1)]
+    # giving busy arenas back (swaps) lets it take idle ones from a rank at its share
+    assert plan([1, 1, 1, 0, 0, 2], 1, [0, 1], home, [0, 0, 0, 1, 1, 0], want_one=True,
+                swaps=2) == [(2, 1), (0, 1)]
     # at its share: nothing, unless it found nothing claimable and someone is above share
-    assert plan([1, 1, 1, 2, 2, 2], 1, [0, 1], home) == []
-    assert plan([1, 1, 1, 2, 2, 2], 1, [0, 1], home, want_one=True) == []
-    assert plan([1, 1, 1, 1, 2, 2], 1, [0, 1], home, want_one=True) == [(2, 1)]
+    assert plan([1, 1, 1, 2, 2, 2], 1, [0, 1], home, idle) == []
+    assert plan([1, 1, 1, 2, 2, 2], 1, [0, 1], home, idle, want_one=True) == []
+    assert plan([1, 1, 1, 1, 2, 2], 1, [0, 1], home, idle, want_one=True) == [(2, 1)]

@@ -7,19 +7,25 @@ many arenas each attached rank should own and which ones it takes.
 
 * Shares: the arenas split evenly over the ranks whose descriptor is READY (the lower ranks get
   the remainder).  A rank looks at its share again when the set of ranks changes (the header's
-  arena epoch moved: an attach, a close, a recovery) at its next allocation, never on a hit.
-* Taking: free arenas first, its home arenas (its own slot range) before others, so with every
-  rank attached each rank owns its own range; then arenas of ranks that are not READY, then
-  arenas of ranks holding more than their share, the largest surplus first (their own range
-  last).  Then any arena still free: capacity nobody uses serves whoever allocates.
-* Nobody gives arenas away while attached: a newcomer takes its share from the others at its
-  own first allocation.  So an attach never waits for anybody, and a rank that attaches but
+  arena epoch moved: an attach, a close, a recovery, an arena freed) at its next allocation,
+  never on a hit.
+* Taking: every free arena, its home arenas (its own slot range) first, so with every rank
+  attached each rank owns its own range; then, up to its share, arenas of ranks that are not
+  READY, then of ranks holding more than their share (the largest surplus first, their own range
+  last).  Nobody gives arenas away while attached: a newcomer takes its share from the others at
+  its own first allocation, so an attach never waits for anybody, and a rank that attaches but
   never allocates (a reader, a monitor) takes nothing: its share keeps serving the others.
-* When its arenas have no claimable slot (everything pinned or loading), a rank takes one more
-  arena, free or from a rank above its share, before the cache reports CacheFull.
+* Busy arenas: an arena where another rank's install or load is in flight cannot be used by a
+  new owner until it ends (I6), so it is never chosen while another will do, and it does not
+  count as usable.  When a rank's arenas hold nothing claimable, it takes one more (free, or from
+  a rank above its share); and it gives every busy arena it holds back to free, for the rank
+  whose load is in it (that rank may use it at once) or for whoever allocates after the load,
+  taking as many idle arenas in exchange, from ranks at their share too.  So `CacheFull` means
+  every slot the rank can obtain is pinned or loading.
 """
 from __future__ import annotations
 
+import itertools
 from collections import Counter
 from typing import Dict, List, Sequence, Tuple
 
@@ -40,39 +46,42 @@ def shares(live: Sequence[int], n_arenas: int) -> Dict[int, int]:
 
 
 def plan(owners: Sequence[int], me: int, live: Sequence[int], home: Sequence[int],
-         want_one: bool = False) -> List[Tuple[int, int]]:
-    """The arenas rank `me` should take, as (arena, owner word it must still hold): every free
-    one, then from others up to its share.  `owners`: each arena's owner word (0 free, else
-    rank + 1); `home[a]`: the rank whose range arena a is in.  `want_one`: the rank found
-    nothing claimable in its arenas, so it takes at least one more if one can be had without
-    taking a rank below its share."""
+         busy: Sequence[int], want_one: bool = False, swaps: int = 0) -> List[Tuple[int, int]]:
+    """The arenas rank `me` should take, as (arena, owner word it must still hold).
+
+    `owners`: each arena's owner word (0 free, else rank + 1); `home[a]`: the rank whose range
+    arena a is in; `busy[a]`: how many of its slots hold another rank's install or load (a busy
+    arena is not usable by a new owner yet, so it is neither counted as usable nor taken).
+    `want_one`: nothing claimable in our arenas: take at least one more if one can be had
+    without taking a rank below its share.  `swaps`: how many busy arenas we are giving back,
+    so as many may be taken from ranks at their share (their totals stay the same)."""
     target = shares(live, len(owners))
     counts = Counter(o - 1 for o in owners if o)
-    need = target.get(me, 0) - counts[me]
+    usable = sum(1 for a, o in enumerate(owners) if o == me + 1 and not busy[a])
+    need = target.get(me, 0) - usable
     if want_one:
         need = max(need, 1)
-    free = [a for a, o in enumerate(owners) if o == 0]
+    free = [a for a, o in enumerate(owners) if o == 0 and not busy[a]]
     free.sort(key=lambda a: home[a] != me)  # our own range first
     picks = [(a, 0) for a in free]          # all of them: capacity nobody uses
     need -= len(picks)
-    if need <= 0:
-        return picks
     # Ranks not READY (closing, or their arenas not yet freed by a recovery): all surplus.
     surplus = {r: n - target.get(r, 0) for r, n in counts.items() if r != me}
-    mine_by_rank: Dict[int, List[int]] = {}
+    idle: Dict[int, List[int]] = {}
     for a, o in enumerate(owners):
-        if o and o - 1 != me:
-            mine_by_rank.setdefault(o - 1, []).append(a)
+        if o and o - 1 != me and not busy[a]:
+            idle.setdefault(o - 1, []).append(a)
+    for arenas in idle.values():
+        # take ours back first; leave a rank its own range last
+        arenas.sort(key=lambda a: (home[a] != me, home[a] == owners[a] - 1))
     while need > 0:
-        victim = max((r for r, n in surplus.items() if n > 0), default=None,
-                     key=lambda r: (r not in target, surplus[r]))
-        if victim is None:
+        can = [r for r, n in surplus.items() if idle.get(r) and (n > 0 or swaps > 0)]
+        if not can:
             break
-        arenas = mine_by_rank[victim]
-        # leave a rank its own range last; take ours back first
-        arenas.sort(key=lambda a: (home[a] == victim, home[a] != me))
-        a = arenas.pop(0)
-        picks.append((a, victim + 1))
+        victim = max(can, key=lambda r: (r not in target, surplus[r]))
+        if surplus[victim] <= 0:
+            swaps -= 1
+        picks.append((idle[victim].pop(0), victim + 1))
         surplus[victim] -= 1
         need -= 1
     return picks
@@ -86,15 +95,25 @@ class Arenas:
         self._ctx = ctx
         self._rank = rank
         L = seg.layout
-        self._owners = np.zeros(L.n_arenas, dtype=np.uint32)
-        self._owners_p = ffi.from_buffer("uint32_t[]", self._owners)
         self._home = [L.home_rank(a) for a in range(L.n_arenas)]
         self._epoch_seen = -1  # the first allocation looks
+        # Threads of this process take arenas one at a time (another one, meanwhile, just
+        # allocates); a C lock that an exception cannot leave held (see Segment.rank_lock).
+        self._lock = ffi.gc(lib.ucm_plock_new(), lib.ucm_plock_free)
+        if self._lock == ffi.NULL:
+            raise MemoryError("could not allocate the arena lock")
 
     def owners(self) -> np.ndarray:
         """A snapshot of every arena's owner word (0 free, else rank + 1)."""
-        lib.ucm_arena_owners(self._ctx, self._owners_p)
-        return self._owners.copy()
+        out = np.zeros(self._seg.layout.n_arenas, dtype=np.uint32)
+        lib.ucm_arena_owners(self._ctx, ffi.from_buffer("uint32_t[]", out))
+        return out
+
+    def busy(self) -> np.ndarray:
+        """Per arena, how many slots hold another rank's install or load now (a hint)."""
+        out = np.zeros(self._seg.layout.n_arenas, dtype=np.uint32)
+        lib.ucm_arena_foreign(self._ctx, ffi.from_buffer("uint32_t[]", out))
+        return out
 
     def live_ranks(self) -> List[int]:
         base, L = self._seg.base, self._seg.layout
@@ -107,34 +126,59 @@ class Arenas:
         epoch = lib.ucm_load64(self._seg.base, lib.UCM_H_ARENA_EPOCH)
         if epoch == self._epoch_seen:
             return 0
-        self._epoch_seen = epoch
-        return self._take(want_one=False)
+        taken = self._locked(self._take, False)
+        self._epoch_seen = epoch  # after: a look cut short (another thread of ours) looks again
+        return taken or 0
 
     def grow(self) -> int:
-        """Nothing claimable in our arenas: take one more if one can be had."""
-        return self._take(want_one=True)
+        """Nothing claimable in our arenas: give back the busy ones, take one more (and one per
+        busy arena given back) if they can be had."""
+        return self._locked(self._take, True) or 0
+
+    def _locked(self, step, want_one: bool):
+        ticket = next(_tickets)
+        try:  # acquire inside the try: an exception right after it still reaches the release
+            if lib.ucm_plock_acquire(self._lock, 0, ticket) != lib.UCM_OK:
+                return None  # another thread of ours is at it
+            return step(want_one)
+        finally:
+            lib.ucm_plock_release(self._lock, ticket)
 
     def _take(self, want_one: bool) -> int:
         taken = 0
+        me = self._rank + 1
         for _ in range(3):  # another rank may take the same arena first: look again
-            owners = self.owners()
-            picks = plan(owners.tolist(), self._rank, self.live_ranks(), self._home, want_one)
+            owners, busy = self.owners(), self.busy()
+            swaps = 0
+            if want_one:
+                for a in np.flatnonzero((owners == me) & (busy > 0)).tolist():
+                    if lib.ucm_arena_release(self._ctx, a) == lib.UCM_OK:
+                        owners[a] = 0
+                        swaps += 1
+                if swaps:
+                    announce_ranks_changed(self._seg)  # its loader's rank may take it back
+            picks = plan(owners.tolist(), self._rank, self.live_ranks(), self._home,
+                         busy.tolist(), want_one, swaps)
             if not picks:
                 break
-            busy = 0
+            lost = 0
             for a, expected in picks:
                 r = lib.ucm_arena_take(self._ctx, a, expected)
                 if r == lib.UCM_OK:
                     taken += 1
                 elif r == lib.UCM_BUSY:
-                    busy += 1
+                    lost += 1
                 else:
                     return taken  # closed or not attached: nothing to take for
-            if not busy or (want_one and taken):
+            if not lost or (want_one and taken):
                 break
         return taken
 
 
+_tickets = itertools.count(1)
+
+
 def announce_ranks_changed(seg: Segment) -> None:
-    """An attach or a close: every rank looks at its share at its next allocation."""
+    """An attach, a close, a recovery, an arena given back: every rank looks at its share at
+    its next allocation."""
     lib.ucm_fetch_add64(seg.base, lib.UCM_H_ARENA_EPOCH, 1)

@@ -385,14 +385,14 @@ class SlotCache:
             if code == lib.UCM_ROLLBACK and rollback_rounds < MAX_ROLLBACK_ROUNDS:
                 rollback_rounds += 1  # contended, not full: the other stripes were busy
                 continue
-            if code == lib.UCM_FULL and grown < MAX_GROWS and self._arenas.grow():
-                grown += 1  # one more arena, free or from a rank above its share
-                continue
             if code in (lib.UCM_FULL, lib.UCM_ROLLBACK):
-                if not recovered_once:
+                if not recovered_once:  # a dead rank's pins, claims or arenas first
                     recovered_once = True
                     if self._recover(stripe_deadline - time.monotonic()).count:
                         continue
+                if code == lib.UCM_FULL and grown < MAX_GROWS and self._arenas.grow():
+                    grown += 1  # one more arena, free or from a rank above its share
+                    continue
                 raise CacheFull(
                     f"segment {self.uuid!r}: rank {self._rank} found no claimable slot in the "
                     f"{self._owned_slots()} slots of the arenas it owns, and no arena to take "

@@ -156,6 +156,7 @@ def _recover_held(seg: Segment, ctx, dead: int,
     off = seg.layout.rank(dead)
     lib.ucm_store32(seg.base, off + lib.UCM_R_PID, 0)
     lib.ucm_store32(seg.base, off + lib.UCM_R_STATE, lib.UCM_RANK_FREE)
+    announce_ranks_changed(seg)  # one rank fewer: the others' shares grow
     return rec
 
 

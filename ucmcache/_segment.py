@@ -294,7 +294,8 @@ class Segment:
         # Recovery and rank taking are exclusive between processes by the life lock itself, but
         # the threads of this process share lock_fd's description, so each one's trylock would
         # succeed: this lock makes "trylock -> recover -> unlock" exclusive among them too.
-        self.rank_lock = lib.ucm_plock_new()  # see ucm_plock in ucm_core.c
+        # see ucm_plock in ucm_core.c
+        self.rank_lock = ffi.gc(lib.ucm_plock_new(), lib.ucm_plock_free)
         if self.rank_lock == ffi.NULL:
             os.close(self.lock_fd)
             raise MemoryError("could not allocate the process-local rank lock")
