@@ -1996,14 +1996,15 @@ static int reclaim_claimed(ucm_ctx *c, uint32_t s, uint32_t dead, uint32_t held_
     return UCM_OK;
 }
 
-int ucm_recover_rank(ucm_ctx *c, uint32_t dead, int64_t stripe_timeout_ns, uint32_t *counts_out)
+int ucm_recover_rank(ucm_ctx *c, uint32_t dead, int64_t stripe_timeout_ns, int32_t count_in_rank,
+                     uint32_t *counts_out)
 {
     /* Every hold of a dead rank, removed in one step (I5); the caller holds the rank's life
      * lock, so the rank cannot come back meanwhile.  counts_out: [pins, failed loads, claims
      * freed, the stripe that stayed held (UCM_NIL if none)].  Each claimed slot is freed under
      * its bucket's stripe, taken and dropped here, so the Python layer never holds a stripe.
      * The arenas it was writing are recounted first (exact whatever step it died in: I4, I5,
-     * I6), and the arenas it owned are freed last.  UCM_TIMEOUT: a stripe stayed held past the
+     * I6), the arenas it owned are freed, and the rank is made FREE and counted last.  UCM_TIMEOUT: a stripe stayed held past the
      * deadline; what was done stays done and the rest is found again by the next recovery. */
     if (dead >= c->l.max_ranks) return UCM_CORRUPT;
     uint32_t pins = 0, loading = 0, freed = 0;
@@ -2056,10 +2057,25 @@ int ucm_recover_rank(ucm_ctx *c, uint32_t dead, int64_t stripe_timeout_ns, uint3
         owned += __atomic_compare_exchange_n(owner_w(c, a), &expected, 0, 0, __ATOMIC_SEQ_CST,
                                              __ATOMIC_RELAXED);
     }
-    /* seq_cst, though it orders nothing: ranks only compare it with the value they saw. */
-    if (owned) __atomic_fetch_add(W64(c->base, UCM_H_ARENA_EPOCH), 1, __ATOMIC_SEQ_CST);
     counts_out[0] = pins;
     counts_out[1] = loading;
     counts_out[2] = freed;
+    if (result == UCM_OK) {
+        /* Done: the rank is FREE (for the caller to take, or for anyone once the caller drops
+         * its life lock), and counted, in this same step, so no exception in the caller can
+         * leave a recovered rank looking dead (recovered twice) or uncounted.  Release: our
+         * writes above happen before a taker's acquire of the state.  The count goes in
+         * count_in_rank's stats line (the recoverer's rank, or the rank it is taking; < 0:
+         * not counted, as for a close of our own rank); relaxed: a counter. */
+        char *desc = c->base + c->l.rank_off + (uint64_t)dead * UCM_RANK_SIZE;
+        SET_REL(W32(desc, UCM_R_PID), 0);
+        SET_REL(W32(desc, UCM_R_STATE), UCM_RANK_FREE);
+        if (count_in_rank >= 0 && (uint32_t)count_in_rank < c->l.max_ranks)
+            __atomic_fetch_add(W64(c->base, c->l.rank_off + (uint64_t)count_in_rank * UCM_RANK_SIZE
+                                   + UCM_R_STATS + 8 * UCM_ST_RECOVERED_RANKS), 1, __ATOMIC_RELAXED);
+    }
+    /* After FREE: a rank that looks at its share now sees one rank fewer.  seq_cst, though it
+     * orders nothing: ranks only compare it with the value they saw. */
+    if (result == UCM_OK || owned) __atomic_fetch_add(W64(c->base, UCM_H_ARENA_EPOCH), 1, __ATOMIC_SEQ_CST);
     return result;
 }

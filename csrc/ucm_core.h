@@ -338,7 +338,7 @@ int ucm_ring_take(ucm_ctx *c, char *ids_out, uint64_t *offsets_out, uint32_t max
 int ucm_ring_wake(ucm_ctx *c, uint32_t ring);
 
 int ucm_recover_rank(ucm_ctx *c, uint32_t dead_rank, int64_t stripe_timeout_ns,
-                     uint32_t *counts_out);
+                     int32_t count_in_rank, uint32_t *counts_out);
 /* CDEF-END */
 
 #endif

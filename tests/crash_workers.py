@@ -16,11 +16,26 @@ threads  3 or 4 threads on the one SlotCache, killed as a whole.
 signals  a SIGALRM interval timer (0.3 to 2 ms) whose handler raises an exception of this module
          (an Exception or a BaseException subclass, chosen per worker) wherever the workload or
          the library happens to be; the workload catches it around each operation and goes on.
+churn    detaches and attaches again while it works, so the number of attached ranks (and which
+         ranks hold capacity) changes during the round: between operations it closes its
+         SlotCache and attaches again (SlotCache.attach on the same uuid: maybe another rank),
+         and it attaches a second SlotCache in the same process for a while (between
+         operations, or inside one, while the first holds a Loading slot or a pin), runs some
+         operations on it and closes it.  After each of those closes it checks, from a
+         read-only mapping, that nothing names the rank it gave up (when nobody took the rank
+         meanwhile: otherwise the check is skipped).
 
-A worker that is stopped (not killed), with its signals off and no handle open, checks that it
-can still recover promptly and that its rank holds nothing (no pin, claim or Loading slot of its
-own), closes its cache (it must work), checks again from a read-only attach (and with verify)
-that nothing of its rank is left, and writes a JSON report for the harness.  Every wait is
+Every attach and close of a worker goes through Attachments, which keeps the ranks it held (all
+of them, in order: the report's "ranks") and marks, in a shared word per worker (the "phases"
+gate file, word j), whether it is attaching or closing, so the harness can tell what a kill cut.
+
+A worker that is stopped (not killed) leaves its loop, says so (its phase word, then a wake on
+the "stopped" gate) and waits, bounded, for the harness's "close" gate (opened once every
+survivor has stopped: no attach or operation of another worker then runs, so a rank this one
+gives up is not retaken while it checks it).  Then, with its signals off and no handle open, it checks that it can still recover
+promptly and that each rank it holds holds nothing (no pin, claim or Loading slot of its own),
+closes its caches (it must work), checks again from a read-only attach (and with verify) that
+nothing of those ranks is left, and writes a JSON report for the harness.  Every wait is
 bounded; helpers are killed by the harness.
 """
 import faulthandler
@@ -39,14 +54,15 @@ import numpy as np
 
 import ucmcache
 from ucmcache import SlotCache
-from ucmcache._core import lib
+from ucmcache._core import ffi, lib
 from ucmcache._hooks import Gate
+from ucmcache._recovery import rank_state
 from ucmcache._segment import Segment
 from ucmcache._verify import slot_fields, snapshot
 
 from workers import check_payload, fill_owned, payload_for
 
-KINDS = ("plain", "fork", "threads", "signals")
+KINDS = ("plain", "fork", "threads", "signals", "churn")
 N_KEYS = 48
 WAIT_TIMEOUT = 10.0      # any one wait of the workload: a loader's waiters learn of its death
                          # within 0.5 s, so 10 s means stuck
@@ -56,6 +72,15 @@ WATCHDOG = 40.0          # a worker still running this long after its start is s
                          # stacks go to stderr before the harness kills it (45 s after stop)
 MAX_SAMPLES = 5          # error messages kept per worker
 RECOVER_SLOW = 5.0       # a stopped worker's recover() taking longer is reported
+CLOSE_WAIT = 60.0        # a stopped worker waits this long for the harness's close gate (the
+                         # harness opens it within its own 45 s)
+ATTACH_TIMEOUT = 30.0    # SlotCache.attach's wait for the segment
+
+# A worker's phase, in its word of the phases gate file (read by the harness at a kill, and
+# to know that every survivor has left its loop: "stopped").
+PHASE_WORKING, PHASE_ATTACHING, PHASE_CLOSING, PHASE_STOPPED = 0, 1, 2, 3
+PHASE_NAMES = {PHASE_WORKING: "working", PHASE_ATTACHING: "attaching", PHASE_CLOSING: "closing",
+               PHASE_STOPPED: "stopped"}
 
 
 class SoftInterrupt(Exception):
@@ -185,6 +210,18 @@ def own_holds(seg, rank):
             "loading": int(loading.sum())}
 
 
+def quiet_own_holds(seg, rank):
+    """own_holds(seg, rank) for a rank just given up, if nobody held it while its slots were
+    read (FREE before and after, with the same attach count); None otherwise (another process
+    took it: what names it now is theirs)."""
+    off = seg.layout.rank(rank) + lib.UCM_R_ATTACHES
+    n0, s0 = lib.ucm_load64(seg.base, off), rank_state(seg, rank)
+    held = own_holds(seg, rank)
+    s1, n1 = rank_state(seg, rank), lib.ucm_load64(seg.base, off)
+    free = lib.UCM_RANK_FREE
+    return held if s0 == free and s1 == free and n0 == n1 else None
+
+
 def _verify_mentions(uuid, rank):
     """verify's problems that name `rank` (others may still be working: theirs are theirs)."""
     rep = ucmcache.verify(uuid, timeout=5)
@@ -245,6 +282,148 @@ class Forker:
         if self.forks_left and self.rnd.random() < self.P_FORK[point]:
             self.forks_left -= 1
             self.fork_helper(point)
+
+
+# ---------------------------------------------------------------- a worker's attachments
+
+class Attachments:
+    """The SlotCaches a worker has attached (the first is the one its workload uses), every rank
+    it has held (report["ranks"], in order), and its phase word for the harness."""
+
+    def __init__(self, uuid, report, phases, index):
+        self.uuid = uuid
+        self.report = report
+        self.caches = []
+        self._phase_base = ffi.cast("char *", phases.word)
+        self._phase_off = 4 * index
+        self.resting = PHASE_WORKING  # the phase outside attach and close
+
+    @property
+    def primary(self):
+        return self.caches[0] if self.caches else None
+
+    @property
+    def second(self):
+        return self.caches[1] if len(self.caches) > 1 else None
+
+    def ranks(self):
+        return [c.rank for c in self.caches]
+
+    def _phase(self, v):
+        lib.ucm_store32(self._phase_base, self._phase_off, v)
+
+    def stopped(self, gate):
+        """Out of the loop for good: say so in the phase word, then wake the harness."""
+        self.resting = PHASE_STOPPED
+        self._phase(PHASE_STOPPED)
+        gate.release()
+
+    def attach(self):
+        self._phase(PHASE_ATTACHING)
+        try:
+            c = SlotCache.attach(self.uuid, timeout=ATTACH_TIMEOUT)
+            self.caches.append(c)
+            self.report["ranks"].append(c.rank)
+        finally:
+            self._phase(self.resting)
+        return c
+
+    def close(self, c):
+        """Close one of ours.  Whether it worked or not, a cache whose rank was given up (its
+        context gone) is no longer ours; one that refused stays."""
+        self._phase(PHASE_CLOSING)
+        try:
+            c.close()
+        finally:
+            if c._ctx is None and c in self.caches:
+                self.caches.remove(c)
+            self._phase(self.resting)
+
+
+class ChurnWorkload(Workload):
+    """The churn kind: the workload, with detaches and attaches among its operations.
+
+    Each step is one of: close the first cache and attach again (or promote the second cache
+    to first), attach a second cache or close it, an operation on the second cache, an
+    operation on the first.  Inside an operation on the first (holding a Loading slot or a
+    pin), the second cache is sometimes attached or closed."""
+
+    P_SWAP = 0.05         # close the first cache and attach again
+    P_PROMOTE = 0.3       # ... of those, with a second attached: close the first, the second
+                          # becomes first (no attach)
+    P_MAKE_FIRST = 0.2    # ... of the others: attach the new one before closing the old
+    P_SECOND = 0.04       # attach a second cache (none attached) or close it
+    P_ON_SECOND = 0.35    # an operation runs on the second cache, while one is attached
+    P_INSIDE = 0.12       # at an "owner" or "pinned" point: attach or close the second cache
+
+    def __init__(self, att, obs, rnd, gates, report):
+        super().__init__(att.primary, rnd, gates, hook=self._inside)
+        self.att = att
+        self.obs = obs          # a read-only mapping, for the checks after each close
+        self.report = report
+
+    def _close(self, c):
+        rank = c.rank
+        self.att.close(c)
+        self.report["closes"] += 1
+        held = quiet_own_holds(self.obs, rank)
+        if held is None:
+            self.report["close_checks_skipped"] += 1
+            return
+        self.report["close_checks"] += 1
+        if any(held.values()):
+            _add_holds(self.report["own_after_churn_close"], held)
+
+    def _attach(self):
+        self.att.attach()
+        self.report["attaches"] += 1
+
+    def swap(self):
+        att, rnd = self.att, self.rnd
+        old = att.primary
+        if att.second is not None and rnd.random() < self.P_PROMOTE:
+            self._close(old)        # the second is first now
+        elif att.second is None and rnd.random() < self.P_MAKE_FIRST:
+            self._attach()          # briefly two ranks, then the new one is first
+            self._close(old)
+        else:
+            self._close(old)
+            self._attach()          # maybe another rank; the first again if a second exists
+            if att.second is not None and rnd.random() < 0.5:
+                att.caches.reverse()  # the new one first, the older second
+
+    def toggle_second(self):
+        if self.att.second is None:
+            self._attach()
+        else:
+            self._close(self.att.second)
+
+    def one_op(self):
+        att, rnd = self.att, self.rnd
+        if att.primary is None:     # an attach failed (reported): try again
+            self._attach()
+            return
+        r = rnd.random()
+        if r < self.P_SWAP:
+            self.swap()
+            return
+        if r < self.P_SWAP + self.P_SECOND:
+            self.toggle_second()
+            return
+        on_second = att.second is not None and rnd.random() < self.P_ON_SECOND
+        self.c = att.second if on_second else att.primary
+        super().one_op()
+
+    def _inside(self, point):
+        """Inside an operation on self.c (which holds a Loading slot or a pin): attach a second
+        cache, or close the second if the operation is not running on it."""
+        if point == "between" or self.rnd.random() >= self.P_INSIDE:
+            return
+        second = self.att.second
+        if second is None:
+            self._attach()
+        elif second is not self.c:
+            self._close(second)
 
 
 # ---------------------------------------------------------------- the kinds
@@ -329,46 +508,78 @@ def _run_signals(c, rnd, gates, report):
         merge_counts(report["counts"], w.counts)
 
 
+def _run_churn(att, rnd, gates, report):
+    obs = Segment.attach(att.uuid, timeout=5, writable=False)
+    try:
+        w = ChurnWorkload(att, obs, rnd, gates, report)
+        gates["ready"].release()
+        try:
+            w.loop(gates["stop"])
+        finally:
+            merge_counts(report["counts"], w.counts)
+    finally:
+        obs.detach()
+
+
+# Each runner takes (first cache, rnd, gates, report); the churn one takes the Attachments.
 RUNNERS = {"plain": _run_plain, "fork": _run_fork, "threads": _run_threads,
-           "signals": _run_signals}
+           "signals": _run_signals, "churn": _run_churn}
 
 
 class _Stuck(Exception):
     pass
 
 
-def worker(kind, uuid, gate_paths, seed, report_path):
+def worker(kind, uuid, gate_paths, index, seed, report_path):
     """The process body: lead a process group (the harness kills it whole), attach, run the
-    kind until stopped, then check, close and report.  Never returns (os._exit): what the
-    worker leaves behind (helpers, a Pool) is the harness's to clean up."""
+    kind until stopped, say so, wait for the close gate, then check, close and report.  Never
+    returns (os._exit): what the worker leaves behind (helpers, a Pool) is the harness's to
+    clean up.  `index`: the worker's word in the phases gate file."""
     os.setpgid(0, 0)
     faulthandler.dump_traceback_later(WATCHDOG, exit=False)
     rnd = random.Random(seed)
     gates = {name: Gate(path) for name, path in gate_paths.items()}
-    report = {"kind": kind, "pid": os.getpid(), "rank": None, "counts": new_counts(),
+    report = {"kind": kind, "pid": os.getpid(), "rank": None, "ranks": [], "counts": new_counts(),
               "interrupts": 0, "helpers_forked": {}, "pool": False, "stuck_threads": 0,
               "fatal": None, "open_handles": None, "own_before_close": None, "closed": False,
               "close_error": None, "own_after_close": None, "verify_after_close": None,
-              "recover_seconds": None}
+              "recover_seconds": None, "held_at_stop": [], "unclosed_ranks": [],
+              "close_gate_timeout": False, "attaches": 0, "closes": 0, "close_checks": 0,
+              "close_checks_skipped": 0, "own_after_churn_close": {}}
     code = 0
+    att = Attachments(uuid, report, gates["phases"], index)
+    stopped = False
     try:
-        c = SlotCache.attach(uuid, timeout=30)
+        c = att.attach()
         report["rank"] = c.rank
         stuck = False
         try:
-            RUNNERS[kind](c, rnd, gates, report)
+            RUNNERS[kind](att if kind == "churn" else c, rnd, gates, report)
         except _Stuck as e:
             stuck = True
             report["fatal"] = str(e)
         except BaseException as e:
             report["fatal"] = _format(e)
+        # What we hold now; until each is closed, the harness counts on its recovery.
+        report["held_at_stop"] = att.ranks()
+        report["unclosed_ranks"] = att.ranks()
+        if att.ranks():
+            report["rank"] = att.ranks()[0]
+        att.stopped(gates["stopped"])
+        stopped = True
+        try:
+            gates["close"].wait_value(1, timeout=CLOSE_WAIT)
+        except TimeoutError:
+            report["close_gate_timeout"] = True
         if not stuck:  # with threads still inside the cache, neither check nor close is sound
-            _finish(c, uuid, report)
+            _finish(att, uuid, report)
     except BaseException as e:
         report["fatal"] = _format(e)
         code = 2
     finally:
         try:
+            if not stopped:
+                att.stopped(gates["stopped"])
             tmp = report_path + ".tmp"
             with open(tmp, "w") as f:
                 json.dump(report, f)
@@ -381,26 +592,47 @@ def _format(e):
     return "".join(traceback.format_exception(type(e), e, e.__traceback__))[-2000:]
 
 
-def _finish(c, uuid, report):
-    """Stopped cleanly: nothing of ours may be held once no handle is open; close must work."""
+def _add_holds(into, held):
+    for k, v in held.items():
+        into[k] = into.get(k, 0) + v
+    return into
+
+
+def _finish(att, uuid, report):
+    """Stopped cleanly: nothing of ours may be held once no handle is open; close must work.
+    Every cache we hold is checked and closed (a second one first); the holds are summed."""
     gc.collect()  # handles only a reference cycle still holds are closed by their finalizer
-    rank = c.rank
     # It can still recover (the victim, if nobody has yet): nothing process-local (a lock an
     # interruption left held, say) keeps it from it.  Slower than RECOVER_SLOW s is reported.
-    t = time.monotonic()
-    c.recover()
-    report["recover_seconds"] = round(time.monotonic() - t, 3)
-    report["open_handles"] = c._open_handles
-    report["own_before_close"] = own_holds(c._seg, rank)
-    try:
-        c.close()
-        report["closed"] = True
-    except Exception as e:
-        report["close_error"] = f"{type(e).__name__}: {e}"
+    slowest = 0.0
+    for c in att.caches:
+        t = time.monotonic()
+        c.recover()
+        slowest = max(slowest, time.monotonic() - t)
+    report["recover_seconds"] = round(slowest, 3)
+    report["open_handles"] = sum(c._open_handles for c in att.caches)
+    report["own_before_close"] = {}
+    for c in att.caches:
+        _add_holds(report["own_before_close"], own_holds(c._seg, c.rank))
+    closed = []
+    for c in list(reversed(att.caches)):
+        rank = c.rank
+        try:
+            att.close(c)
+        except Exception as e:
+            if report["close_error"] is None:
+                report["close_error"] = f"{type(e).__name__}: {e}"
+        if c not in att.caches:
+            closed.append(rank)
+    report["unclosed_ranks"] = att.ranks()
+    report["closed"] = not att.caches
+    if not closed:
         return
     seg = Segment.attach(uuid, timeout=5, writable=False)
     try:
-        report["own_after_close"] = own_holds(seg, rank)
+        report["own_after_close"] = {}
+        for rank in closed:
+            _add_holds(report["own_after_close"], own_holds(seg, rank))
     finally:
         seg.detach()
-    report["verify_after_close"] = _verify_mentions(uuid, rank)
+    report["verify_after_close"] = [p for rank in closed for p in _verify_mentions(uuid, rank)]

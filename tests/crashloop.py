@@ -11,17 +11,30 @@ Kinds of worker (tests/crash_workers.py), chosen per worker per round from --kin
            live; the harness kills and reaps them at the end of the round
   threads  3-4 threads on one SlotCache, killed as a whole
   signals  a SIGALRM timer every 0.3-2 ms whose handler raises; the workload carries on
+  churn    closes its SlotCache and attaches again among its operations (maybe another rank),
+           and now and then holds a second SlotCache (a second rank) for a while: ranks attach
+           and detach during the round, so capacity moves between them
 
 Each round: start the workers (from a forkserver; each leads its own process group) -> all
-attached (a gate) -> N operations done (a gate, N random) -> SIGKILL the victim -> M more
+attached (a gate) -> N operations done (a gate, N random) -> kill the victim -> M more
 operations by the others (a gate, M random, maybe 0: they meet the victim's leftovers) -> open
-the stop gate -> join the others (bounded) -> recover and check, helpers of fork workers still
+the stop gate -> every survivor out of its loop (a gate, bounded) -> open the close gate (from
+here nobody attaches or operates, so a stopped worker's check of the ranks it gives up sees
+only its own) -> join the others (bounded) -> recover and check, helpers of fork workers still
 alive -> kill and reap every worker's process group (this process is their subreaper) ->
 recover again (a late recovery means a rank was held by a helper) -> if the segment is still
 not whole, replace it, so one failing round does not spill into the next.  Ordering is by
 gates, every wait bounded.
 
-Run it as `scripts/crashloop [ROUNDS] [--seed S] [--kinds plain,fork,threads,signals]`
+A kill is SIGSTOP, then (every thread stopped, a bounded wait) a look at what the process holds
+at that instant: the ranks whose life lock it holds (its lock fd's OFD locks in
+/proc/PID/fdinfo) and which of them are not FREE (those, and only those, must be recovered: a
+churn worker holds 0, 1 or 2 such ranks, and may be cut inside attach or close), and its phase
+word (working, attaching, closing) -> SIGKILL.  The ranks recovered in a round must be exactly
+those: the victim's, plus every rank a stopped worker did not close (or a stuck one held when
+it was killed).
+
+Run it as `scripts/crashloop [ROUNDS] [--seed S] [--kinds plain,fork,threads,signals,churn]`
 (default 1000 rounds, every kind) or call run_rounds() from a test.
 """
 import argparse
@@ -42,9 +55,10 @@ sys.path.insert(0, HERE)  # crash_workers, workers
 
 import ucmcache  # noqa: E402
 from ucmcache import SlotCache  # noqa: E402
-from ucmcache._core import lib  # noqa: E402
+from ucmcache._core import ffi, lib  # noqa: E402
 from ucmcache._hooks import Gate  # noqa: E402
-from ucmcache._recovery import rank_alive, rank_state  # noqa: E402
+from ucmcache._recovery import rank_alive, rank_pid, rank_state  # noqa: E402
+from ucmcache._segment import life_lock_byte  # noqa: E402
 from ucmcache._stats import rank_counters  # noqa: E402
 from ucmcache._verify import slot_fields, snapshot  # noqa: E402
 
@@ -59,16 +73,25 @@ START_TIMEOUT = 60.0    # every worker attached
 PROGRESS_TIMEOUT = 60.0
 JOIN_TIMEOUT = 45.0     # the survivors stop (their own waits are bounded by 10 s)
 REAP_TIMEOUT = 10.0     # a SIGKILLed process group is gone
+STOP_TIMEOUT = 10.0     # a SIGSTOPped process has every thread stopped
+SLOTS_PER_RANK = 6      # a few slots per rank: ranks that come and go move capacity
 TOTALS = ("rounds", "kills", "leaked_slots", "stuck_waiters", "false_hits", "recovered_ranks",
-          "verify_problems", "worker_errors", "close_refused", "own_leaks", "bad_recoveries",
-          "stale_ranks", "late_recoveries", "helpers_reaped", "helpers_left", "segment_resets",
-          "failed_rounds")
+          "expected_recoveries", "verify_problems", "worker_errors", "close_refused",
+          "own_leaks", "bad_recoveries", "stale_ranks", "late_recoveries", "helpers_reaped",
+          "helpers_left", "segment_resets", "failed_rounds")
 FAILURES = ("leaked_slots", "stuck_waiters", "false_hits", "verify_problems", "worker_errors",
             "close_refused", "own_leaks", "bad_recoveries", "stale_ranks", "late_recoveries",
             "helpers_left")
+# Per kind.  ranks_at_kill: the victims' ranks that needed recovery (summed); kills_with_0/2:
+# victims holding none or two; kills_in_attach/close: victims cut inside an attach or a close;
+# attaches, closes: a stopped churn worker's detaches and attaches during the round;
+# close_checks: its checks after them that nothing named the rank it gave up (skipped when
+# another process took the rank first: close_checks_skipped).
 KIND_ROW = ("workers", "rounds", "kills", "stops", "failed_rounds", "failed_as_victim", "stuck",
             "errors", "close_refused", "own_leaks", "interrupts", "helpers",
-            "kills_with_live_helpers")
+            "kills_with_live_helpers", "ranks_at_kill", "kills_with_0_ranks",
+            "kills_with_2_ranks", "kills_in_attach", "kills_in_close", "attaches", "closes",
+            "close_checks", "close_checks_skipped")
 
 PR_SET_CHILD_SUBREAPER, PR_GET_CHILD_SUBREAPER = 36, 37
 
@@ -118,6 +141,77 @@ def _kill_and_reap_groups(pgids, timeout=REAP_TIMEOUT):
             break
         time.sleep(0.002)  # polling a SIGKILLed group's exit, not ordering anything
     return reaped, sorted(left)
+
+
+def _threads_stopped(pid):
+    """True once every thread of `pid` is in a stop (or the process is gone)."""
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except FileNotFoundError:
+        return True
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except (FileNotFoundError, ProcessLookupError, IndexError):
+            continue  # a thread that exited
+        if state not in ("T", "t", "Z", "X"):
+            return False
+    return True
+
+
+def _life_locks(pid, seg):
+    """The ranks whose life lock `pid` holds on `seg`'s file: its OFD locks, listed under each
+    fd in /proc/PID/fdinfo ("lock:  1: OFDLCK ADVISORY WRITE -1 MAJ:MIN:INODE START END")."""
+    ino = os.fstat(seg.fd).st_ino
+    first, n = life_lock_byte(0), seg.layout.max_ranks
+    ranks = set()
+    try:
+        fds = os.listdir(f"/proc/{pid}/fdinfo")
+    except FileNotFoundError:
+        return ranks
+    for fd in fds:
+        try:
+            with open(f"/proc/{pid}/fdinfo/{fd}") as f:
+                lines = f.read().splitlines()
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        for line in lines:
+            w = line.split()
+            if not line.startswith("lock:") or "OFDLCK" not in w or len(w) < 4:
+                continue
+            if w[-3].rsplit(":", 1)[-1] != str(ino):
+                continue
+            start, end = int(w[-2]), (int(w[-1]) if w[-1] != "EOF" else 1 << 62)
+            ranks.update(r - first for r in range(max(start, first), min(end, first + n - 1) + 1))
+    return ranks
+
+
+def _stop_and_kill(p, seg, phases, j):
+    """SIGKILL worker `p` (index j) at the instant it is at now, knowing what it held then:
+    SIGSTOP, wait (bounded) until every thread of it is stopped, read the ranks whose life lock
+    it holds and their states (only those not FREE need recovery: a lock taken in attach before
+    the rank left FREE, or kept in close after it went back to FREE, leaves nothing to
+    recover), and its phase; then SIGKILL and join.  Returns a dict: held (ranks locked),
+    recover (of those, not FREE), phase, stopped (False: it did not stop in time, so what was
+    read may be off)."""
+    try:
+        os.kill(p.pid, signal.SIGSTOP)
+    except ProcessLookupError:
+        pass
+    deadline = time.monotonic() + STOP_TIMEOUT
+    while not _threads_stopped(p.pid) and time.monotonic() < deadline:
+        time.sleep(0.0005)  # polling the kernel's view of a stop we sent, not ordering anything
+    stopped = _threads_stopped(p.pid)
+    held = _life_locks(p.pid, seg)
+    recover = sorted(r for r in held if rank_state(seg, r) != lib.UCM_RANK_FREE)
+    phase = _phase(phases, j)
+    try:
+        os.kill(p.pid, signal.SIGKILL)  # a stopped process dies of it all the same
+    except ProcessLookupError:
+        pass
+    _join(p, 30)
+    return {"held": sorted(held), "recover": recover, "stopped": stopped, "phase": phase}
 
 
 def _start_forkserver():
@@ -179,8 +273,10 @@ class _Segment:
     def _make(self):
         self.n += 1
         self.uuid = f"crash-{os.getpid()}-{uuidlib.uuid4().hex[:8]}"
-        self.cache = SlotCache.create(self.uuid, slots_per_rank=6, slot_size=96,
-                                      max_ranks=self.workers + 2, n_buckets=8, n_stripes=2)
+        # Ranks: ours, and up to two per worker (a churn worker's second cache), and a spare.
+        self.cache = SlotCache.create(self.uuid, slots_per_rank=SLOTS_PER_RANK, slot_size=96,
+                                      max_ranks=min(63, 2 * self.workers + 2), n_buckets=8,
+                                      n_stripes=2)
 
     def drop(self):
         try:
@@ -249,7 +345,7 @@ def _round(i, plan, seg, bad, tmp, stats):
     n = len(kinds)
     cache = seg.cache
     problems = []
-    names = ("progress", "stop", "ready", "helpers", "helpers_stop")
+    names = ("progress", "stop", "ready", "helpers", "helpers_stop", "stopped", "close", "phases")
     gates = {name: Gate() for name in names}
     paths = {name: g.path for name, g in gates.items()}
     paths["bad"] = bad.path
@@ -258,9 +354,10 @@ def _round(i, plan, seg, bad, tmp, stats):
     rec0 = _recoveries(cache)
     # Not daemonic: a fork worker's Pool needs children.  The finally below kills them all.
     ps = [WORKERS.Process(target=crash_workers.worker,
-                          args=(kinds[j], seg.uuid, paths, plan["seeds"][j], reports[j]))
+                          args=(kinds[j], seg.uuid, paths, j, plan["seeds"][j], reports[j]))
           for j in range(n)]
     started = []
+    whose = {}  # rank -> the worker last known to hold it (for messages)
     try:
         for p in ps:
             p.start()
@@ -270,32 +367,46 @@ def _round(i, plan, seg, bad, tmp, stats):
             problems.append(f"workers did not all attach: {why}")
             stats["worker_errors"] += 1
             return problems
-        pid_rank = {int(pid): r for r, pid in
-                    enumerate(snapshot(cache._seg)["ranks"][:, lib.UCM_R_PID // 4]) if pid}
-        ranks = [pid_rank.get(p.pid) for p in ps]
         why = _wait_gate(gates["progress"], plan["kill_at"], ps, PROGRESS_TIMEOUT)
         if why:
             problems.append(f"no progress to {plan['kill_at']} operations: {why}")
-        # The kill.
+        # The kill, with what the victim held at that instant: the ranks to recover.
         v = ps[victim]
-        os.kill(v.pid, signal.SIGKILL)
-        _join(v, 30)
+        vat = _stop_and_kill(v, cache._seg, gates["phases"], victim)
         killed = v.exitcode == -signal.SIGKILL
         stats["kills"] += killed
-        per_kind[kinds[victim]]["kills"] += killed
+        _count_kill(per_kind[kinds[victim]], killed, vat)
+        whose.update((r, victim) for r in vat["held"])
+        expect_recovered = len(vat["recover"])
+        vwho = f"worker {victim} ({kinds[victim]}, killed)"
+        if not vat["stopped"]:
+            stats["worker_errors"] += 1
+            problems.append(f"{vwho} did not stop within {STOP_TIMEOUT} s of SIGSTOP: the ranks "
+                            "it held were read while it ran")
+        if vat["phase"] == "stopped":  # before the stop gate: it failed (never reported)
+            stats["worker_errors"] += 1
+            problems.append(f"{vwho} had left its workload before the kill")
+        if kinds[victim] != "churn" and (vat["held"] != vat["recover"]
+                                         or len(vat["recover"]) != 1):
+            stats["bad_recoveries"] += 1
+            problems.append(f"{vwho} held the life locks of ranks {vat['held']}, of which "
+                            f"{vat['recover']} not FREE: one attached rank was expected")
         # The others go on for a while among the victim's leftovers (its pins, its Loading
         # slots: they wait on them, recover it, allocate around it), then stop.
+        others = [p for j, p in enumerate(ps) if j != victim]
         if plan["after_kill"]:
-            others = [p for j, p in enumerate(ps) if j != victim]
             why = _wait_gate(gates["progress"], gates["progress"].value + plan["after_kill"],
                              others, PROGRESS_TIMEOUT)
             if why:
                 problems.append(f"no progress to {plan['after_kill']} more operations after "
                                 f"the kill: {why}")
         gates["stop"].release()
-        # The others stop, bounded.
+        # Every survivor out of its loop (no attach or operation from here), then they check
+        # and close, bounded.
         deadline = time.monotonic() + JOIN_TIMEOUT
-        expect_recovered = 1 if ranks[victim] is not None else 0
+        _wait_stopped(gates["stopped"], gates["phases"],
+                      [(j, p) for j, p in enumerate(ps) if j != victim], deadline)
+        gates["close"].release()
         for j, p in enumerate(ps):
             if j == victim:
                 continue
@@ -303,11 +414,11 @@ def _round(i, plan, seg, bad, tmp, stats):
             if not _join(p, deadline - time.monotonic()):  # a survivor that cannot finish
                 stats["stuck_waiters"] += 1
                 row["stuck"] += 1
-                problems.append(f"worker {j} ({kinds[j]}, rank {ranks[j]}) did not stop within "
-                                f"{JOIN_TIMEOUT} s: killed")
-                p.kill()
-                _join(p, 10)
-                expect_recovered += 1
+                at = _stop_and_kill(p, cache._seg, gates["phases"], j)
+                whose.update((r, j) for r in at["held"])
+                problems.append(f"worker {j} ({kinds[j]}, ranks {at['held']}, {at['phase']}) "
+                                f"did not stop within {JOIN_TIMEOUT} s: killed")
+                expect_recovered = _plus(expect_recovered, len(at["recover"]))
                 continue
             row["stops"] += 1
             rep = _read_report(reports[j])
@@ -315,9 +426,11 @@ def _round(i, plan, seg, bad, tmp, stats):
                 problems.append(f"worker {j} ({kinds[j]}) exited with {p.exitcode} and no report")
                 stats["worker_errors"] += 1
                 row["errors"] += 1
-                expect_recovered += 1
+                # How many ranks it held when it died is known only for a worker of one rank.
+                expect_recovered = _plus(expect_recovered, None if kinds[j] == "churn" else 1)
                 continue
-            expect_recovered += not rep["closed"]
+            whose.update((r, j) for r in rep["ranks"])
+            expect_recovered = _plus(expect_recovered, len(rep["unclosed_ranks"]))
             problems += _check_report(j, rep, stats, row)
         # Recovery and checks, with every fork worker's helpers still alive.
         for j, p in enumerate(ps):
@@ -328,18 +441,26 @@ def _round(i, plan, seg, bad, tmp, stats):
         cache.recover()
         recovered = _recoveries(cache) - rec0
         stats["recovered_ranks"] += recovered
-        if recovered != expect_recovered:
-            stats["bad_recoveries"] += 1
-            problems.append(f"ranks recovered {recovered} time(s) in the round, expected "
-                            f"{expect_recovered} (the victim, and each stopped worker that did "
-                            "not close)")
-        problems += _check_segment(seg, ranks, kinds, victim, stats)
+        if expect_recovered is None:
+            problems.append(f"ranks recovered {recovered} time(s) in the round: not checked (a "
+                            "churn worker died without a report)")
+        else:
+            stats["expected_recoveries"] += expect_recovered
+            if recovered != expect_recovered:
+                stats["bad_recoveries"] += 1
+                problems.append(f"ranks recovered {recovered} time(s) in the round, expected "
+                                f"{expect_recovered} (the victim's ranks not FREE at its kill, "
+                                f"{vat['recover']} ({vat['phase']}), and each rank a stopped "
+                                "worker did not close)")
+        pids = {p.pid: j for j, p in enumerate(ps)}
+        problems += _check_segment(seg, whose, pids, kinds, victim, stats)
         hits = bad.value - bad0
         if hits:
             problems.append(f"{hits} false hit(s)")
         return problems
     finally:
         gates["stop"].release()
+        gates["close"].release()
         gates["helpers_stop"].release()
         for p in started:
             if p.is_alive():
@@ -369,6 +490,42 @@ def _round(i, plan, seg, bad, tmp, stats):
                 seg.replace()
 
 
+def _plus(total, n):
+    """Expected recoveries so far plus n; None (unknown) absorbs."""
+    return None if total is None or n is None else total + n
+
+
+def _count_kill(row, killed, at):
+    row["kills"] += killed
+    row["ranks_at_kill"] += len(at["recover"])
+    row["kills_with_0_ranks"] += not at["recover"]
+    row["kills_with_2_ranks"] += len(at["recover"]) == 2
+    row["kills_in_attach"] += at["phase"] == "attaching"
+    row["kills_in_close"] += at["phase"] == "closing"
+
+
+def _phase(phases, j):
+    return crash_workers.PHASE_NAMES.get(
+        lib.ucm_load32(ffi.cast("char *", phases.word), 4 * j), "?")
+
+
+def _wait_stopped(gate, phases, others, deadline):
+    """Wait (bounded) until every survivor (j, process) has left its loop: its phase word says
+    "stopped" (set once on the way out, whatever happened, before a wake on the gate), or it
+    is gone.  Gives up at the deadline."""
+    while True:
+        seen = gate.value  # before the words: a later stop bumps it, and the wait below sees it
+        if all(_phase(phases, j) == "stopped" or not p.is_alive() for j, p in others):
+            return
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return
+        try:
+            gate.wait_value(seen + 1, timeout=min(0.25, left))
+        except TimeoutError:
+            pass
+
+
 def _read_report(path):
     try:
         with open(path) as f:
@@ -383,16 +540,22 @@ def _check_report(j, rep, stats, row):
     kind, rank = rep["kind"], rep["rank"]
     cnt = rep["counts"]
     row["interrupts"] += rep["interrupts"]
+    for f in ("attaches", "closes", "close_checks", "close_checks_skipped"):
+        row[f] += rep[f]
     who = f"worker {j} ({kind}, rank {rank})"
+    if len(rep["ranks"]) > 1 or len(rep["held_at_stop"]) != 1:
+        who = f"worker {j} ({kind}, ranks {rep['held_at_stop']} at the stop, {rep['ranks']} held)"
     if cnt["timeouts"] or rep["stuck_threads"]:
         stats["stuck_waiters"] += cnt["timeouts"] + rep["stuck_threads"]
         row["stuck"] += cnt["timeouts"] + rep["stuck_threads"]
         out.append(f"{who}: {cnt['timeouts']} wait(s) timed out, {rep['stuck_threads']} stuck "
                    "thread(s)")
-    if cnt["errors"] or rep["fatal"]:
-        stats["worker_errors"] += cnt["errors"] + bool(rep["fatal"])
-        row["errors"] += cnt["errors"] + bool(rep["fatal"])
-        out.append(f"{who}: {cnt['errors']} error(s), fatal: {rep['fatal']}")
+    if cnt["errors"] or rep["fatal"] or rep["close_gate_timeout"]:
+        n = cnt["errors"] + bool(rep["fatal"]) + rep["close_gate_timeout"]
+        stats["worker_errors"] += n
+        row["errors"] += n
+        out.append(f"{who}: {cnt['errors']} error(s), fatal: {rep['fatal']}"
+                   + (", the close gate never opened" if rep["close_gate_timeout"] else ""))
     for s in cnt["samples"]:
         out.append(f"{who}:   {s.strip()}")
     if (rep["recover_seconds"] or 0) > crash_workers.RECOVER_SLOW:
@@ -405,7 +568,7 @@ def _check_report(j, rep, stats, row):
         out.append(f"{who}: close() refused: {rep['close_error']} (open handles counted: "
                    f"{rep['open_handles']})")
     leaks = 0
-    for when in ("own_before_close", "own_after_close"):
+    for when in ("own_before_close", "own_after_close", "own_after_churn_close"):
         held = rep[when] or {}
         if any(held.values()):
             leaks += sum(held.values())
@@ -419,22 +582,24 @@ def _check_report(j, rep, stats, row):
     return out
 
 
-def _check_segment(seg, ranks, kinds, victim, stats):
-    """After recovery, with every worker gone: nothing held, no rank left, verify clean."""
+def _check_segment(seg, whose, pids, kinds, victim, stats):
+    """After recovery, with every worker gone: nothing held, no rank left, verify clean.
+    whose: rank -> the worker last known to hold it; pids: pid -> worker (a rank's pid word
+    names its holder, while it has one)."""
     out = []
     cache = seg.cache
     leaked = _leaked(cache)
     stats["leaked_slots"] += leaked
     if leaked:
         out.append(f"{leaked} slot(s) pinned, claimed or Loading after recovery")
-    whose = {r: (j, kinds[j]) for j, r in enumerate(ranks) if r is not None}
     for r in range(cache.max_ranks):
         if r == cache.rank:
             continue
         state, alive = rank_state(cache._seg, r), rank_alive(cache._seg, r)
         if state != lib.UCM_RANK_FREE or alive:
             stats["stale_ranks"] += 1
-            j, kind = whose.get(r, (None, "?"))
+            j = pids.get(rank_pid(cache._seg, r), whose.get(r))
+            kind = "?" if j is None else kinds[j]
             role = "killed" if j == victim else "stopped"
             out.append(f"rank {r} ({kind} worker {j}, {role}) is "
                        f"{'alive' if alive else 'dead'} with state {state} after recovery")
@@ -460,7 +625,8 @@ def main(argv=None):
     stats = run_rounds(args.rounds, seed=args.seed, workers=args.workers, kinds=kinds,
                        log=lambda m: print(m, file=sys.stderr, flush=True))
     print(json.dumps(stats, indent=2))
-    bad = any(stats[k] for k in FAILURES) or stats["kills"] != stats["rounds"]
+    bad = (any(stats[k] for k in FAILURES) or stats["kills"] != stats["rounds"]
+           or stats["recovered_ranks"] != stats["expected_recoveries"])
     return 1 if bad else 0
 
 

@@ -212,12 +212,15 @@ def pin_and_block(q, uuid, keys, gate_path):
     gate.wait_value(10 ** 9, timeout=60)
 
 
-def _read_many_with_point(uuid, keys, point, gate_path, row):
-    """read_many(keys) with `point` armed (a gate): returns (lengths, rows as bytes)."""
+def _read_many_with_point(uuid, keys, point, gate_path, row, own_first=None):
+    """read_many(keys) with `point` armed (a gate): returns (lengths, rows as bytes).
+    `own_first`: a key to load before, so that this rank takes its share of the arenas."""
     import numpy as np
     c = SlotCache.attach(uuid)
     gate = Gate(gate_path)  # kept alive: the armed point holds a pointer into its mapping
     try:
+        if own_first is not None:
+            c.get_or_load(own_first, lambda: b"mine")
         c._arm(point, "gate", gate)
         out = np.zeros((len(keys), row), dtype=np.uint8)
         lens = c.read_many(keys, out)

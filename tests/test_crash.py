@@ -1,5 +1,5 @@
-"""Random kills (100 rounds, workers that fork, thread and not) and corrupted segments: recovery
-is exact, nothing crashes."""
+"""Random kills (100 rounds, workers that fork, thread, take signals, detach and attach again,
+and not) and corrupted segments: recovery is exact, nothing crashes."""
 import multiprocessing as mp
 import os
 import random
@@ -16,7 +16,7 @@ SPAWN = mp.get_context("spawn")
 
 
 # The kinds of worker the in-suite run draws from: every kind, as scripts/crashloop does.
-IN_SUITE_KINDS = ("plain", "fork", "threads", "signals")
+IN_SUITE_KINDS = ("plain", "fork", "threads", "signals", "churn")
 
 
 def test_random_kills_100_rounds():
@@ -26,9 +26,17 @@ def test_random_kills_100_rounds():
     assert stats["rounds"] == 100 and stats["kills"] == 100
     for what in crashloop.FAILURES:  # leaked slots, stuck waiters, false hits, verify, ...
         assert stats[what] == 0, (what, stats)
-    assert stats["recovered_ranks"] == 100  # each killed rank exactly once, and nothing else
     per_kind = stats["per_kind"]
     assert all(per_kind[k]["kills"] and per_kind[k]["stops"] for k in IN_SUITE_KINDS), per_kind
+    # Each rank a victim held (not FREE) when it was killed, exactly once, and nothing else: one
+    # for a victim of every kind but churn, 0, 1 or 2 for a churn victim (cut anywhere, inside
+    # attach or close too).
+    churn = per_kind["churn"]
+    assert stats["recovered_ranks"] == stats["expected_recoveries"] == \
+        100 - churn["kills"] + churn["ranks_at_kill"], stats
+    # The churn workers did detach and attach during their rounds, and checked each rank they
+    # gave up.
+    assert churn["attaches"] and churn["closes"] and churn["close_checks"], churn
     # Every killed fork worker was recovered while a helper of its still lived.
     assert per_kind["fork"]["kills_with_live_helpers"] == per_kind["fork"]["kills"]
 

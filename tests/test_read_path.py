@@ -113,8 +113,9 @@ def test_read_many_is_a_trusted_hit_I3(make_cache, procs, gate):
     B = other_key(c, True)
     c.get_or_load(A, lambda: b"value-A")
     g = gate()
+    # the reader first loads a key of its own, taking its share: arena 1, slot 1
     p, q = procs.start(safety_workers.read_many_with_point, c.uuid, [A], "after_match", g.path,
-                       64)
+                       64, b"R" * 16)
     g.wait_arrived()
     with c.get(B) as h:  # reclaims the slot A was in
         assert h.owner and h.slot == 0

@@ -129,15 +129,13 @@ class SlotCache:
         self._keep = ffi.new_handle(seg)
         self._token_release = functools.partial(lib.ucm_token_release, self._keep)
         try:
-            self._rank, recovered = take_rank(seg, ctx, rank)
+            self._rank, _ = take_rank(seg, ctx, rank)  # a dead holder recovered: counted in C
         except BaseException:
             lib.ucm_ctx_free(ctx)
             self._ctx = None
             raise
         lib.ucm_ctx_set_rank(ctx, self._rank)
         self._arenas = Arenas(seg, ctx, self._rank)
-        if recovered is not None:
-            lib.ucm_stat_add(ctx, lib.UCM_ST_RECOVERED_RANKS, 1)
         _live_caches.add(self)
         self.recover()
 

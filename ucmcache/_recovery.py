@@ -123,7 +123,7 @@ def _take_locked(seg: Segment, ctx, r: int) -> Optional[Recovered]:
     off = seg.layout.rank(r)
     recovered = None
     if rank_state(seg, r) != lib.UCM_RANK_FREE:
-        recovered = _recover_held(seg, ctx, r)  # its holder died; its lock is ours
+        recovered = _recover_held(seg, ctx, r, count_in=r)  # its holder died; its lock is ours
     # The life lock makes us the only writer of this descriptor; the CAS states the rule.
     if not lib.ucm_cas32(seg.base, off + lib.UCM_R_STATE, lib.UCM_RANK_FREE,
                          lib.UCM_RANK_INITIALIZING):
@@ -140,34 +140,27 @@ def free_rank(seg: Segment, ctx, rank: int) -> None:
     With no handle open, any hold still naming the rank is a leak (a pin taken just before an
     exception, say): it is removed as a dead rank's would be.  Our own rank: no other thread
     of ours recovers it (recover_dead_ranks skips it), so no rank_lock is needed."""
-    _recover_holds(seg, ctx, rank)
-    off = seg.layout.rank(rank)
-    lib.ucm_store32(seg.base, off + lib.UCM_R_STATE, lib.UCM_RANK_STOPPED)
-    lib.ucm_store32(seg.base, off + lib.UCM_R_PID, 0)
-    lib.ucm_store32(seg.base, off + lib.UCM_R_STATE, lib.UCM_RANK_FREE)
-    announce_ranks_changed(seg)  # our arenas (freed by the recovery above) are for the others
+    _recover_holds(seg, ctx, rank, count_in=-1)  # frees our arenas, marks the rank FREE
     lib.ucm_ofd_unlock(seg.lock_fd, life_lock_byte(rank))
 
 
-def _recover_held(seg: Segment, ctx, dead: int,
-                  stripe_wait: float = RECOVERY_STRIPE_WAIT) -> Recovered:
-    """Remove every hold of a rank whose life lock we hold, then mark it FREE."""
-    rec = _recover_holds(seg, ctx, dead, stripe_wait)
-    off = seg.layout.rank(dead)
-    lib.ucm_store32(seg.base, off + lib.UCM_R_PID, 0)
-    lib.ucm_store32(seg.base, off + lib.UCM_R_STATE, lib.UCM_RANK_FREE)
-    announce_ranks_changed(seg)  # one rank fewer: the others' shares grow
-    return rec
+def _recover_held(seg: Segment, ctx, dead: int, stripe_wait: float = RECOVERY_STRIPE_WAIT, *,
+                  count_in: int) -> Recovered:
+    """Remove every hold of a rank whose life lock we hold; the C step marks it FREE and
+    counts the recovery in rank `count_in`'s stats line."""
+    return _recover_holds(seg, ctx, dead, stripe_wait, count_in=count_in)
 
 
-def _recover_holds(seg: Segment, ctx, dead: int,
-                   stripe_wait: float = RECOVERY_STRIPE_WAIT) -> Recovered:
+def _recover_holds(seg: Segment, ctx, dead: int, stripe_wait: float = RECOVERY_STRIPE_WAIT, *,
+                   count_in: int) -> Recovered:
     """One C step (ucm_recover_rank): recount the arenas it was writing, fail its loads, clear
     its pins, free its claims under their stripes, free its arenas.  Raises if a stripe stayed held past
     stripe_wait, leaving the rank as it is for the next recovery."""
     rec = Recovered(rank=dead, pid=rank_pid(seg, dead))
     counts = ffi.new("uint32_t[4]")
-    r = lib.ucm_recover_rank(ctx, dead, max(1, int(stripe_wait * 1e9)), counts)
+    # count_in: a recovery is counted by the C step itself (recovered_ranks, in that rank's
+    # stats line), so an exception right after it cannot lose the count; -1 for our own close.
+    r = lib.ucm_recover_rank(ctx, dead, max(1, int(stripe_wait * 1e9)), count_in, counts)
     rec.pins, rec.failed_loads, rec.claims = counts[0], counts[1], counts[2]
     if r == lib.UCM_TIMEOUT:
         raise UcmError(f"segment {seg.uuid!r}: recovering rank {dead} waits for stripe "
@@ -199,8 +192,8 @@ def recover_dead_ranks(seg: Segment, ctx, my_rank: Optional[int],
                 continue  # alive (or another process's recoverer is at it)
             try:
                 if rank_state(seg, r) != lib.UCM_RANK_FREE:
-                    report.ranks.append(_recover_held(seg, ctx, r, stripe_wait))
-                    lib.ucm_stat_add(ctx, lib.UCM_ST_RECOVERED_RANKS, 1)
+                    report.ranks.append(_recover_held(seg, ctx, r, stripe_wait,
+                                                      count_in=-1 if my_rank is None else my_rank))
             except UcmError as e:  # a stripe held past the wait, or corruption: next time
                 report.failed.append(f"rank {r}: {e}")
             finally:
