@@ -67,6 +67,7 @@ struct ucm_ctx {
     uint64_t walk_limit;
     uint32_t *local_pins;    /* process-local: how many handles of this process share our pin */
     uint32_t *arena_seen;    /* process-local, per arena: serial << 1 | verified (see "Arenas") */
+    uint64_t epoch_seen;     /* the arena epoch our rank last looked at its share in */
     uint32_t local_locks[LOCAL_LOCKS]; /* process-local spinlocks, see local_lock() */
     uint8_t *repair_seen;    /* process-local visited set for stripe repair, made up front */
     pthread_mutex_t repair_lock;
@@ -472,6 +473,7 @@ ucm_ctx *ucm_ctx_new(char *base, uint64_t map_size, const ucm_layout *l)
     c->stripe_mask = l->n_stripes - 1;
     c->rank = -1;
     c->stats = c->stats_sink;
+    c->epoch_seen = UINT64_MAX; /* never: the first slow path looks at its share */
     /* A walk longer than this on the lock-free path gives up and takes the slow path; under
      * the lock a chain can never be longer than the number of slots. */
     c->walk_limit = l->n_slots + 1;
@@ -1184,6 +1186,13 @@ uint32_t ucm_arena_foreign(ucm_ctx *c, uint32_t *out)
     return (uint32_t)c->l.n_arenas;
 }
 
+void ucm_arena_epoch_seen(ucm_ctx *c, uint64_t epoch)
+{
+    /* The policy looked at our share in this epoch (threads of ours may race here: any of
+     * their values makes the next slow path look again or not, both fine).  Relaxed: a hint. */
+    __atomic_store_n(&c->epoch_seen, epoch, __ATOMIC_RELAXED);
+}
+
 uint32_t ucm_arena_owners(ucm_ctx *c, uint32_t *out)
 {
     /* Every arena's owner word (a snapshot for the balancing policy and for inspection).
@@ -1704,13 +1713,19 @@ int64_t ucm_get_slow(ucm_ctx *c, const char *id, uint64_t offset, uint32_t spin_
      * see lock_stripe_repairing), look again (exact now: nobody else changes this chain), and on
      * a miss claim a victim with our CLOCK hand and install the key, handing the slot over
      * pinned by us.  The stripe is released before returning, always.  Answers: a pin answer
-     * (UCM_PIN_*, with UCM_PIN_OWNER if ours to load), or -UCM_FULL (nothing claimable: the caller
+     * (UCM_PIN_*, with UCM_PIN_OWNER if ours to load), or -UCM_MOVED (the arena epoch moved: the
+     * caller looks at its share, then calls again), -UCM_FULL (nothing claimable: the caller
      * decides), -UCM_ROLLBACK (every victim's old stripe was busy: try again), -UCM_BUSY (the
      * key's slot stays claimed under our stripe: its claimant died), -UCM_TIMEOUT (the stripe
      * stayed held), -UCM_CORRUPT.  A pin taken is also handed, inside this step, to whatever
      * will own it: the token (a single key), or slot_out/owner_out (a batch's arrays, which its
      * token covers). */
     if (c->rank < 0) return -(int64_t)UCM_NOT_HELD;
+    /* The set of ranks changed since our rank looked at its share of the arenas: the Python
+     * layer looks first (one load here instead of a call per miss there).  Relaxed: the epoch
+     * is a hint that only says when to look; the owner words decide. */
+    if (RLX(W64(c->base, UCM_H_ARENA_EPOCH)) != __atomic_load_n(&c->epoch_seen, __ATOMIC_RELAXED))
+        return -(int64_t)UCM_MOVED;
     uint64_t key[3];
     load_key(id, offset, key);
     uint32_t b = bucket_of_key(c, key), stripe = ucm_stripe_of(c, b);

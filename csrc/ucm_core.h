@@ -118,6 +118,7 @@
 #define UCM_OWNERDEAD        7
 #define UCM_NOT_HELD         8
 #define UCM_PUBLISHED        9   /* publish: the slot left Loading already */
+#define UCM_MOVED            10  /* the slow path: the arena epoch moved since we last looked */
 
 /* Parameter errors from ucm_layout_compute (which field is out of range). */
 #define UCM_EP_MAX_RANKS     101
@@ -322,6 +323,7 @@ uint64_t ucm_acc_value(ucm_ctx *c, uint64_t off);
 int ucm_recount_arena(ucm_ctx *c, uint32_t arena, uint64_t *entries_out, uint64_t *bytes_out);
 
 int ucm_arena_take(ucm_ctx *c, uint32_t arena, uint32_t expected_owner);
+void ucm_arena_epoch_seen(ucm_ctx *c, uint64_t epoch);
 int ucm_arena_release(ucm_ctx *c, uint32_t arena);
 uint32_t ucm_arena_foreign(ucm_ctx *c, uint32_t *counts_out);
 uint32_t ucm_arena_owners(ucm_ctx *c, uint32_t *owners_out);

@@ -96,7 +96,6 @@ class Arenas:
         self._rank = rank
         L = seg.layout
         self._home = [L.home_rank(a) for a in range(L.n_arenas)]
-        self._epoch_seen = -1  # the first allocation looks
         # Threads of this process take arenas one at a time (another one, meanwhile, just
         # allocates); a C lock that an exception cannot leave held (see Segment.rank_lock).
         self._lock = ffi.gc(lib.ucm_plock_new(), lib.ucm_plock_free)
@@ -120,14 +119,13 @@ class Arenas:
         return [r for r in range(L.max_ranks)
                 if lib.ucm_load32(base, L.rank(r) + lib.UCM_R_STATE) == lib.UCM_RANK_READY]
 
-    def rebalance_if_changed(self) -> int:
-        """At an allocation: if the set of ranks changed since we last looked, take our share
-        and whatever is free.  Returns how many arenas were taken."""
+    def rebalance(self) -> int:
+        """The slow path said the set of ranks changed since we last looked (UCM_MOVED): take
+        our share and whatever is free.  Returns how many arenas were taken."""
         epoch = lib.ucm_load64(self._seg.base, lib.UCM_H_ARENA_EPOCH)
-        if epoch == self._epoch_seen:
-            return 0
         taken = self._locked(self._take, False)
-        self._epoch_seen = epoch  # after: a look cut short (another thread of ours) looks again
+        # Seen even if another thread of ours is taking (it does it for us): no spin on MOVED.
+        lib.ucm_arena_epoch_seen(self._ctx, epoch)
         return taken or 0
 
     def grow(self) -> int:

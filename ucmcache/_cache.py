@@ -48,6 +48,7 @@ SLOW_SPIN = 64          # under the stripe a live claimant of our chain rolls ba
 MAX_ROLLBACKS = 64      # isolate trylock failures tolerated in one allocation
 MAX_ROLLBACK_ROUNDS = 8 # allocations retried when every one of them rolled back
 MAX_GROWS = 8           # arenas one allocation may take when its rank's arenas are full
+MAX_MOVED = 4           # looks at the arena shares in one allocation (ranks keep changing)
 LIVENESS_SLICE = 0.5    # a waiter checks that the loader still lives this often (seconds)
 CLAIM_WAIT = 10.0       # the longest a get waits for another process to recover a dead claim
 CANCEL_SLICE = 0.02     # an async wait's thread looks at its cancel flag this often (seconds)
@@ -349,8 +350,7 @@ class SlotCache:
             raise CorruptSegment(f"segment {self.uuid!r}: a chain points outside the slot table")
         ctx = self._ctx
         recovered_once = False
-        rollback_rounds = grown = 0
-        self._arenas.rebalance_if_changed()
+        rollback_rounds = grown = moved = 0
         start = time.monotonic()
         stripe_deadline = start + (STRIPE_WAIT if timeout is None else max(timeout, MIN_LOCK_WAIT))
         claim_deadline = start + (CLAIM_WAIT if timeout is None else max(timeout, MIN_LOCK_WAIT))
@@ -362,6 +362,14 @@ class SlotCache:
             if r >= 0:
                 return r
             code = -r
+            if code == lib.UCM_MOVED:  # ranks came or went: look at our share of arenas first
+                moved += 1
+                if moved <= MAX_MOVED:
+                    self._arenas.rebalance()
+                else:  # they keep changing: allocate in what we have, look next time
+                    lib.ucm_arena_epoch_seen(ctx, lib.ucm_load64(self._seg.base,
+                                                                 lib.UCM_H_ARENA_EPOCH))
+                continue
             if code == lib.UCM_TIMEOUT:
                 stripe = lib.ucm_stripe_of(ctx, lib.ucm_bucket_of(ctx, block_id, offset))
                 raise LockTimeout(
