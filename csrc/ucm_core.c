@@ -362,8 +362,8 @@ uint32_t ucm_mutex_holder(char *base, uint64_t off)
  * try block owns it; this one records the holder (thread id and the caller's ticket) inside the
  * acquire, and the caller's `finally` releases by ticket, which is a no-op unless that very
  * call holds it.  A nested call on the holding thread (a signal handler recovering while its
- * thread recovers) gets UCM_BUSY instead of a second, overlapping recovery.  Never freed (one
- * per attached segment object, a few dozen bytes).  The holder fields are written only by the
+ * thread recovers) gets UCM_BUSY instead of a second, overlapping recovery.  Freed by
+ * ucm_plock_free when the Python object owning it is collected (a Segment, an arena policy).  The holder fields are written only by the
  * holder with the mutex held, and read by other threads only to compare with their own id:
  * relaxed atomics. */
 struct ucm_plock {
@@ -1136,8 +1136,9 @@ int ucm_arena_take(ucm_ctx *c, uint32_t a, uint32_t expected)
     if (c->rank < 0 || !ctx_live(c)) return UCM_NOT_HELD;
     if (a >= c->l.n_arenas) return UCM_CORRUPT;
     uint32_t me = (uint32_t)c->rank + 1;
-    /* Already ours (another thread of ours took it): keep its serial, so our claimants there
-     * are not sent back for nothing.  seq_cst: as the CAS below. */
+    /* Already ours (ours without a break since our last take, which bumped the serial): keep
+     * its serial, so our claimants there are not sent back for nothing.  seq_cst: as the CAS
+     * below. */
     if (__atomic_load_n(owner_w(c, a), __ATOMIC_SEQ_CST) == me) return UCM_OK;
     /* A new serial, unverified, before the CAS (seq_cst, as the CAS): a claimant of ours that
      * sees our CAS's owner word also sees the serial moved (see "Arenas").  The relaxed load
@@ -2072,6 +2073,11 @@ int ucm_recover_rank(ucm_ctx *c, uint32_t dead, int64_t stripe_timeout_ns, int32
         owned += __atomic_compare_exchange_n(owner_w(c, a), &expected, 0, 0, __ATOMIC_SEQ_CST,
                                              __ATOMIC_RELAXED);
     }
+    /* Announced at once (the others take free arenas at their next allocation whatever the
+     * shares), and again after FREE below (the shares changed): a recoverer killed between
+     * the two still announced the arenas.  seq_cst, though it orders nothing: ranks only
+     * compare it with the value they saw. */
+    if (owned) __atomic_fetch_add(W64(c->base, UCM_H_ARENA_EPOCH), 1, __ATOMIC_SEQ_CST);
     counts_out[0] = pins;
     counts_out[1] = loading;
     counts_out[2] = freed;
@@ -2089,8 +2095,7 @@ int ucm_recover_rank(ucm_ctx *c, uint32_t dead, int64_t stripe_timeout_ns, int32
             __atomic_fetch_add(W64(c->base, c->l.rank_off + (uint64_t)count_in_rank * UCM_RANK_SIZE
                                    + UCM_R_STATS + 8 * UCM_ST_RECOVERED_RANKS), 1, __ATOMIC_RELAXED);
     }
-    /* After FREE: a rank that looks at its share now sees one rank fewer.  seq_cst, though it
-     * orders nothing: ranks only compare it with the value they saw. */
-    if (result == UCM_OK || owned) __atomic_fetch_add(W64(c->base, UCM_H_ARENA_EPOCH), 1, __ATOMIC_SEQ_CST);
+    /* After FREE: a rank that looks at its share now sees one rank fewer.  seq_cst: as above. */
+    if (result == UCM_OK) __atomic_fetch_add(W64(c->base, UCM_H_ARENA_EPOCH), 1, __ATOMIC_SEQ_CST);
     return result;
 }

@@ -296,15 +296,16 @@ def test_busy_arenas_are_not_taken_while_idle_ones_will_do(make_cache):
 
 def test_a_rank_gives_back_busy_arenas_for_idle_ones(make_cache):
     """A rank whose arenas are all busy with another rank's loads gives them back (free) and
-    takes as many idle arenas, even from a rank at its share, rather than raise CacheFull; the
-    loader's rank takes its busy arenas back at once (its own loads are no obstacle to it)."""
+    takes an idle arena, even from a rank at its share, rather than raise CacheFull; the
+    loader's rank takes its busy arenas back at once (its own loads are no obstacle to it), and
+    the first rank then takes its share from that rank's surplus."""
     c = make_cache(slots_per_rank=64, slot_size=64, max_ranks=2)
     held = _hold_a_load_in_each_home_arena_of(c, 1)
     busy = sorted({h.slot // c.layout.arena_slots for h in held})
     d = SlotCache.attach(c.uuid)
     try:
         # this test places d's arenas: its rebalance only notes the epoch
-        d._arenas.rebalance = lambda: lib.ucm_arena_epoch_seen(
+        d._arenas.rebalance = lambda *wait: lib.ucm_arena_epoch_seen(
             d._ctx, lib.ucm_load64(d._seg.base, lib.UCM_H_ARENA_EPOCH))
         for a in busy:
             assert lib.ucm_arena_take(d._ctx, a, 1) == lib.UCM_OK
@@ -312,10 +313,12 @@ def test_a_rank_gives_back_busy_arenas_for_idle_ones(make_cache):
         with d.get(key(1000), timeout=5) as h:             # FULL -> give back, take idle ones
             assert h.owner and h.slot // c.layout.arena_slots not in busy
             h.ready(0)
-        assert not set(busy) & set(d.arenas())
-        assert len(d.arenas()) == len(busy)                # as many as it gave back
+        assert d.arenas() and not set(busy) & set(d.arenas())   # idle ones instead
         load(c, 2000)                                      # c takes the free busy ones back
         assert set(busy) <= set(c.arenas())
+        del d._arenas.rebalance                            # d places itself again:
+        load(d, 2001)                                      # its share, from c's surplus
+        assert len(d.arenas()) == shares([0, 1], c.layout.n_arenas)[1]
         assert sorted(c.arenas() + d.arenas()) == list(range(c.layout.n_arenas))
     finally:
         for h in held:
@@ -349,9 +352,12 @@ def test_plan_takes_free_home_arenas_first_then_from_the_largest_surplus():
     # a busy arena (another rank's load in it) is neither counted as usable nor taken
     assert plan([0, 1, 1, 1, 2, 2], 1, [0, 1], home, [1, 0, 0, 0, 0, 0]) == []
     assert plan([1, 1, 1, 1, 2, 2], 1, [0, 1], home, [0, 0, 0, 0, 1, 0]) == [(2, 1)]
-    # giving busy arenas back (swaps) lets it take idle ones from a rank at its share
+    # giving busy arenas back (swaps) lets it take an idle one from a rank at its share, but
+    # never from a rank below it
     assert plan([1, 1, 1, 0, 0, 2], 1, [0, 1], home, [0, 0, 0, 1, 1, 0], want_one=True,
-                swaps=2) == [(2, 1), (0, 1)]
+                swaps=2) == [(2, 1)]
+    assert plan([1, 0, 0, 0, 0, 2], 1, [0, 1, 2], home, [0, 1, 1, 1, 1, 0], want_one=True,
+                swaps=3) == []
     # at its share: nothing, unless it found nothing claimable and someone is above share
     assert plan([1, 1, 1, 2, 2, 2], 1, [0, 1], home, idle) == []
     assert plan([1, 1, 1, 2, 2, 2], 1, [0, 1], home, idle, want_one=True) == []

@@ -34,6 +34,8 @@ import numpy as np
 from ._core import ffi, lib
 from ._segment import Segment
 
+LOCK_WAIT = 0.5  # the longest a thread waits for another thread of its rank to take arenas
+
 
 def shares(live: Sequence[int], n_arenas: int) -> Dict[int, int]:
     """How many arenas each READY rank should own: an even split, the remainder to the lowest
@@ -75,7 +77,8 @@ def plan(owners: Sequence[int], me: int, live: Sequence[int], home: Sequence[int
         # take ours back first; leave a rank its own range last
         arenas.sort(key=lambda a: (home[a] != me, home[a] == owners[a] - 1))
     while need > 0:
-        can = [r for r, n in surplus.items() if idle.get(r) and (n > 0 or swaps > 0)]
+        # above its share; or, for an arena we gave back, at its share (never below it)
+        can = [r for r, n in surplus.items() if idle.get(r) and (n > 0 or (swaps > 0 and n == 0))]
         if not can:
             break
         victim = max(can, key=lambda r: (r not in target, surplus[r]))
@@ -119,26 +122,25 @@ class Arenas:
         return [r for r in range(L.max_ranks)
                 if lib.ucm_load32(base, L.rank(r) + lib.UCM_R_STATE) == lib.UCM_RANK_READY]
 
-    def rebalance(self) -> int:
+    def rebalance(self, wait: float = LOCK_WAIT) -> int:
         """The slow path said the set of ranks changed since we last looked (UCM_MOVED): take
         our share and whatever is free.  Returns how many arenas were taken."""
-        epoch = lib.ucm_load64(self._seg.base, lib.UCM_H_ARENA_EPOCH)
-        taken = self._locked(self._take, False)
-        # Seen even if another thread of ours is taking (it does it for us): no spin on MOVED.
-        lib.ucm_arena_epoch_seen(self._ctx, epoch)
-        return taken or 0
+        return self._locked(False, wait)
 
-    def grow(self) -> int:
+    def grow(self, wait: float = LOCK_WAIT) -> int:
         """Nothing claimable in our arenas: give back the busy ones, take one more (and one per
         busy arena given back) if they can be had."""
-        return self._locked(self._take, True) or 0
+        return self._locked(True, wait)
 
-    def _locked(self, step, want_one: bool):
+    def _locked(self, want_one: bool, wait: float) -> int:
+        """One thread of ours at a time (a take lasts a millisecond or so: the others wait,
+        bounded, rather than report CacheFull while it frees or takes what they need); a
+        nested call on the same thread (a signal handler) gets nothing at once."""
         ticket = next(_tickets)
         try:  # acquire inside the try: an exception right after it still reaches the release
-            if lib.ucm_plock_acquire(self._lock, 0, ticket) != lib.UCM_OK:
-                return None  # another thread of ours is at it
-            return step(want_one)
+            if lib.ucm_plock_acquire(self._lock, max(0, int(wait * 1e9)), ticket) != lib.UCM_OK:
+                return 0  # the epoch stays unseen: the next slow path looks again
+            return self._take(want_one)
         finally:
             lib.ucm_plock_release(self._lock, ticket)
 
@@ -146,28 +148,42 @@ class Arenas:
         taken = 0
         me = self._rank + 1
         for _ in range(3):  # another rank may take the same arena first: look again
+            # Only the thread that looks marks the epoch it looked in, read before its look: a
+            # change while it looks is seen by the next slow path (UCM_MOVED).
+            epoch = lib.ucm_load64(self._seg.base, lib.UCM_H_ARENA_EPOCH)
             owners, busy = self.owners(), self.busy()
             swaps = 0
             if want_one:
-                for a in np.flatnonzero((owners == me) & (busy > 0)).tolist():
-                    if lib.ucm_arena_release(self._ctx, a) == lib.UCM_OK:
-                        owners[a] = 0
-                        swaps += 1
-                if swaps:
-                    announce_ranks_changed(self._seg)  # its loader's rank may take it back
-            picks = plan(owners.tolist(), self._rank, self.live_ranks(), self._home,
-                         busy.tolist(), want_one, swaps)
+                try:
+                    for a in np.flatnonzero((owners == me) & (busy > 0)).tolist():
+                        if lib.ucm_arena_release(self._ctx, a) == lib.UCM_OK:
+                            owners[a] = 0
+                            swaps += 1
+                finally:
+                    if swaps:
+                        announce_ranks_changed(self._seg)  # its loader's rank takes it back
+            live = self.live_ranks()
+            picks = plan(owners.tolist(), self._rank, live, self._home, busy.tolist(),
+                         want_one, swaps)
+            lib.ucm_arena_epoch_seen(self._ctx, epoch)
             if not picks:
                 break
-            lost = 0
+            lost = freed_taken = 0
             for a, expected in picks:
                 r = lib.ucm_arena_take(self._ctx, a, expected)
                 if r == lib.UCM_OK:
                     taken += 1
+                    owners[a] = me
+                    freed_taken += expected == 0
                 elif r == lib.UCM_BUSY:
                     lost += 1
                 else:
                     return taken  # closed or not attached: nothing to take for
+            if freed_taken and int((owners == me).sum()) > shares(live, len(owners)).get(
+                    self._rank, 0):
+                # Free arenas took us above our share: a rank below its share (one that gave
+                # them back, say) looks again and takes its share from our surplus.
+                announce_ranks_changed(self._seg)
             if not lost or (want_one and taken):
                 break
         return taken

@@ -25,7 +25,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 import numpy as np
 
 from . import _hooks
-from ._arenas import Arenas
+from ._arenas import LOCK_WAIT, Arenas
 from ._core import ffi, lib
 from ._errors import (CacheFull, CorruptSegment, IncompatibleSegment, LockTimeout,
                       NotAttached, SegmentExists, UcmError)
@@ -351,6 +351,7 @@ class SlotCache:
         ctx = self._ctx
         recovered_once = False
         rollback_rounds = grown = moved = 0
+        tried_recovery = looked_again = False
         start = time.monotonic()
         stripe_deadline = start + (STRIPE_WAIT if timeout is None else max(timeout, MIN_LOCK_WAIT))
         claim_deadline = start + (CLAIM_WAIT if timeout is None else max(timeout, MIN_LOCK_WAIT))
@@ -365,10 +366,13 @@ class SlotCache:
             if code == lib.UCM_MOVED:  # ranks came or went: look at our share of arenas first
                 moved += 1
                 if moved <= MAX_MOVED:
-                    self._arenas.rebalance()
-                else:  # they keep changing: allocate in what we have, look next time
-                    lib.ucm_arena_epoch_seen(ctx, lib.ucm_load64(self._seg.base,
-                                                                 lib.UCM_H_ARENA_EPOCH))
+                    self._arenas.rebalance(min(LOCK_WAIT, max(0.0, stripe_deadline - start)))
+                elif time.monotonic() < stripe_deadline:  # they keep changing: allocate in
+                    lib.ucm_arena_epoch_seen(ctx, lib.ucm_load64(  # what we have, look later
+                        self._seg.base, lib.UCM_H_ARENA_EPOCH))
+                else:
+                    raise LockTimeout(f"segment {self.uuid!r}: ranks attached and closed faster "
+                                      f"than this get could allocate, for {STRIPE_WAIT} s")
                 continue
             if code == lib.UCM_TIMEOUT:
                 stripe = lib.ucm_stripe_of(ctx, lib.ucm_bucket_of(ctx, block_id, offset))
@@ -392,12 +396,21 @@ class SlotCache:
                 rollback_rounds += 1  # contended, not full: the other stripes were busy
                 continue
             if code in (lib.UCM_FULL, lib.UCM_ROLLBACK):
-                if not recovered_once:  # a dead rank's pins, claims or arenas first
-                    recovered_once = True
-                    if self._recover(stripe_deadline - time.monotonic()).count:
+                if not tried_recovery:  # a dead rank's pins, claims or arenas, if free at once
+                    tried_recovery = True
+                    if self._recover(0.0).count:
                         continue
-                if code == lib.UCM_FULL and grown < MAX_GROWS and self._arenas.grow():
+                left = max(0.0, stripe_deadline - time.monotonic())
+                if code == lib.UCM_FULL and grown < MAX_GROWS and self._arenas.grow(
+                        min(LOCK_WAIT, left)):
                     grown += 1  # one more arena, free or from a rank above its share
+                    continue
+                if not recovered_once:  # the same, waiting (bounded) for what holds it up
+                    recovered_once = True
+                    if self._recover(left).count:
+                        continue
+                if not looked_again:  # ranks may have come or gone meanwhile (UCM_MOVED)
+                    looked_again = True
                     continue
                 raise CacheFull(
                     f"segment {self.uuid!r}: rank {self._rank} found no claimable slot in the "

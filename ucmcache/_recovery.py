@@ -164,7 +164,7 @@ def _recover_holds(seg: Segment, ctx, dead: int, stripe_wait: float = RECOVERY_S
     rec.pins, rec.failed_loads, rec.claims = counts[0], counts[1], counts[2]
     if r == lib.UCM_TIMEOUT:
         raise UcmError(f"segment {seg.uuid!r}: recovering rank {dead} waits for stripe "
-                       f"{counts[3]}, held for {RECOVERY_STRIPE_WAIT} s by "
+                       f"{counts[3]}, held for {stripe_wait:g} s by "
                        f"{describe_stripe_holder(seg, counts[3])}; recovery will be "
                        "retried")
     if r != lib.UCM_OK:
