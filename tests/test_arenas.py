@@ -2,6 +2,7 @@
 ownership moves between ranks without losing an entry, a false hit, a leaked slot or exact
 accounting (I6: one writer of an arena's words at a time), and a killed rank's arenas return."""
 import signal
+from contextlib import contextmanager
 
 import pytest
 
@@ -258,34 +259,24 @@ def test_killed_between_claim_and_ownership_check_loses_no_entry(make_cache, pro
     assert_whole(c)
 
 
-def _hold_a_load_in_each_home_arena_of(c, rank):
-    """Rank 0 (c) fills the segment, keeping one load in flight in each arena of `rank`'s
-    range; returns the owner handles."""
+@contextmanager
+def rank_1_beside_loads_of_rank_0(make_cache):
+    """Rank 0 (c) fills a 2-rank segment (16 arenas of 8), keeping one load in flight in each
+    arena of rank 1's range; rank 1 (d) attached.  Yields (c, d, the busy arenas); publishes
+    the loads and closes d afterwards, and checks the segment is whole."""
+    c = make_cache(slots_per_rank=64, slot_size=64, max_ranks=2)
     L, held = c.layout, []
     for i in range(c.capacity):
         h = c.get(key(i))
         a = h.slot // L.arena_slots
-        if h.slot == L.arena_range(a).start and L.home_rank(a) == rank:
+        if h.slot == L.arena_range(a).start and L.home_rank(a) == 1:
             held.append(h)
         else:
             with h:
                 h.ready(0)
-    return held
-
-
-def test_busy_arenas_are_not_taken_while_idle_ones_will_do(make_cache):
-    """A newcomer's share comes from arenas nobody is loading into: one with another rank's
-    load in flight could not be used until the load ends (I6)."""
-    c = make_cache(slots_per_rank=64, slot_size=64, max_ranks=2)   # 16 arenas of 8
-    held = _hold_a_load_in_each_home_arena_of(c, 1)
     d = SlotCache.attach(c.uuid)
     try:
-        with d.get(key(1000), timeout=5) as h:
-            assert h.owner
-            h.ready(0)
-        busy = {h.slot // c.layout.arena_slots for h in held}
-        assert d.arenas() and not busy & set(d.arenas())
-        assert all(lib.ucm_arena_usable(d._ctx, a) for a in d.arenas())
+        yield c, d, sorted({h.slot // L.arena_slots for h in held})
     finally:
         for h in held:
             h.ready(0)
@@ -294,16 +285,23 @@ def test_busy_arenas_are_not_taken_while_idle_ones_will_do(make_cache):
     assert_whole(c)
 
 
+def test_busy_arenas_are_not_taken_while_idle_ones_will_do(make_cache):
+    """A newcomer's share comes from arenas nobody is loading into: one with another rank's
+    load in flight could not be used until the load ends (I6)."""
+    with rank_1_beside_loads_of_rank_0(make_cache) as (c, d, busy):
+        with d.get(key(1000), timeout=5) as h:
+            assert h.owner
+            h.ready(0)
+        assert d.arenas() and not set(busy) & set(d.arenas())
+        assert all(lib.ucm_arena_usable(d._ctx, a) for a in d.arenas())
+
+
 def test_a_rank_gives_back_busy_arenas_for_idle_ones(make_cache):
     """A rank whose arenas are all busy with another rank's loads gives them back (free) and
     takes an idle arena, even from a rank at its share, rather than raise CacheFull; the
     loader's rank takes its busy arenas back at once (its own loads are no obstacle to it), and
     the first rank then takes its share from that rank's surplus."""
-    c = make_cache(slots_per_rank=64, slot_size=64, max_ranks=2)
-    held = _hold_a_load_in_each_home_arena_of(c, 1)
-    busy = sorted({h.slot // c.layout.arena_slots for h in held})
-    d = SlotCache.attach(c.uuid)
-    try:
+    with rank_1_beside_loads_of_rank_0(make_cache) as (c, d, busy):
         # this test places d's arenas: its rebalance only notes the epoch
         d._arenas.rebalance = lambda *wait: lib.ucm_arena_epoch_seen(
             d._ctx, lib.ucm_load64(d._seg.base, lib.UCM_H_ARENA_EPOCH))
@@ -320,12 +318,6 @@ def test_a_rank_gives_back_busy_arenas_for_idle_ones(make_cache):
         load(d, 2001)                                      # its share, from c's surplus
         assert len(d.arenas()) == shares([0, 1], c.layout.n_arenas)[1]
         assert sorted(c.arenas() + d.arenas()) == list(range(c.layout.n_arenas))
-    finally:
-        for h in held:
-            h.ready(0)
-            h.close()
-        d.close()
-    assert_whole(c)
 
 
 # ------------------------------------------------------------------------------- policy
