@@ -3,13 +3,19 @@ and 5 "no worse than today's").
 
     .venv/bin/python -m bench.ab                       # base d654dfe, 3 rounds, scenarios 3,5
     .venv/bin/python -m bench.ab --quick               # tiny sizes, 1 round: checks the harness
-    .venv/bin/python -m bench.ab --base REF --rounds 5 --scenarios 3,5
+    .venv/bin/python -m bench.ab --base REF --rounds 5 --scenarios 3,5 --time-scale 4
 
 The base is checked out in a temporary detached git worktree and its C core built in place
 (`setup.py build_ext --inplace`, as the editable install of this tree built its own), then
-`python -m bench.run --scenarios S --repeat 1 --systems ucmcache --no-floor --no-chart` runs
-alternately on the base and on this tree, each with its own cwd and PYTHONPATH (each tree runs
-its own bench/run.py).  A round is one base run and one new run back to back, the order
+`python -P -m bench.run --scenarios S --repeat 1 --systems ucmcache --no-floor --no-chart
+--time-scale T` runs alternately for the base and for this tree.  Both sides run THIS tree's
+bench harness (bench/run.py, systems.py, ...): only the `ucmcache` package and its built `_core`
+differ.  Each side's PYTHONPATH is a directory of ours holding nothing but a link `ucmcache` to
+that side's package, then this tree's root (for `bench`); -P keeps the cwd off sys.path, so the
+root's own `ucmcache` is never reached first (check_import verifies where `bench`, `ucmcache` and
+`_core` come from).  --time-scale (default 4) multiplies scenarios 3 and 5's measurement windows
+(1.5 s and 1 s in bench/run.py): a window of 4-6 s averages out more of the other work on a
+shared machine than one of 1-1.5 s.  A round is one base run and one new run back to back, the order
 alternating from round to round (base new, new base, base new, ...), so a drift in the machine's
 load falls on both sides; each figure's ratio new/base is computed within a round and reported
 as the median [min-max] over the rounds.  Judged figures: scenario 3's 2-process hit-heavy mix
@@ -40,6 +46,7 @@ from typing import Any, Dict, List, Optional, Tuple
 BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(BENCH_DIR)
 DEFAULT_BASE = "d654dfe"  # main before the arena branch (issue 15's "today")
+DEFAULT_TIME_SCALE = 4.0  # scenario 3's 1.5 s window -> 6 s, scenario 5's 1 s -> 4 s
 THRESHOLD = 0.95  # a 2-core shared machine: run-to-run noise of a few % is normal
 RUN_TIMEOUT_S = 900.0
 # a scenario's knobs that must be equal on both sides, or the figures are not comparable
@@ -63,6 +70,7 @@ class Tree:
     ref: str = ""             # the git ref asked for ("" for this tree as it is)
     worktree: bool = False    # a temporary worktree of ours: built here, removed at the end
     dirty: bool = False       # uncommitted changes under csrc/ or ucmcache/ (this tree only)
+    pkgdir: str = ""          # a directory of ours holding only a link `ucmcache` -> the package
     imports: Dict[str, str] = field(default_factory=dict)
     core_sha: str = ""        # the loaded .so's sha256 when checked: a rebuild mid-A/B shows
 
@@ -99,46 +107,78 @@ def this_tree() -> Tree:
     return Tree("new", ROOT, git("rev-parse", "HEAD"), dirty=dirty)
 
 
+def make_pkgdir(tree: Tree, parent: str) -> None:
+    """A directory holding nothing but a link `ucmcache` -> the tree's package: first on the
+    side's PYTHONPATH, it gives that side's ucmcache (and its `_core`) and no `bench`, which comes
+    from this tree's root, next on the path.  Removing the directory removes the link only."""
+    pkg = os.path.join(tree.path, "ucmcache")
+    if not os.path.isfile(os.path.join(pkg, "__init__.py")):
+        raise RuntimeError(f"the {tree.side} tree has no ucmcache package: {pkg}")
+    tree.pkgdir = os.path.join(parent, f"pkg-{tree.side}")
+    os.makedirs(tree.pkgdir)
+    os.symlink(pkg, os.path.join(tree.pkgdir, "ucmcache"), target_is_directory=True)
+
+
 def tree_env(tree: Tree, tmpdir: Optional[str] = None) -> Dict[str, str]:
-    """PYTHONPATH = the tree alone: an inherited one could name another ucmcache.  The editable
-    install of this tree in .venv is a meta-path finder placed after the path finder, so the
-    tree on sys.path wins (check_import verifies it).  TMPDIR inside ours: what a run ended
-    from outside leaves in its temporary directory goes with ours."""
+    """PYTHONPATH = the side's package directory, then this tree's root (for `bench`; its own
+    ucmcache comes after the side's and is never reached): an inherited PYTHONPATH could name
+    another ucmcache.  The editable install of this tree in .venv is a meta-path finder placed
+    after the path finder, so the path wins (check_import verifies it).  TMPDIR inside ours:
+    what a run ended from outside leaves in its temporary directory goes with ours."""
     env = dict(os.environ)
-    env["PYTHONPATH"] = tree.path
+    env.pop("PYTHONSAFEPATH", None)  # -P says it; nothing else of the caller's
+    env["PYTHONPATH"] = os.pathsep.join([tree.pkgdir, ROOT])
     if tmpdir is not None:
         env["TMPDIR"] = tmpdir
     return env
 
 
+def side_python(*args: str) -> List[str]:
+    """-P: no cwd (or script directory) first on sys.path, where ROOT's own ucmcache would sit
+    before the side's (`python -m` puts the cwd first)."""
+    return [sys.executable, "-P", *args]
+
+
 def build_core(tree: Tree, log_path: str) -> None:
     """The same build as the editable install's (setuptools + cffi_modules, an abi3 module), so
     both sides' cffi wrappers are compiled alike."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = tree.path
     with open(log_path, "w") as f:
         r = subprocess.run([sys.executable, "setup.py", "build_ext", "--inplace"], cwd=tree.path,
-                           env=tree_env(tree), stdout=f, stderr=subprocess.STDOUT, timeout=600)
+                           env=env, stdout=f, stderr=subprocess.STDOUT, timeout=600)
     if r.returncode != 0:
         raise RuntimeError(f"building the C core of {tree.side} ({tree.path}) failed; "
                            f"log:\n{_tail(log_path)}")
 
 
-_IMPORT_CHECK = ("import json, bench, ucmcache, ucmcache._core as c; print(json.dumps("
-                 "{'bench': bench.__file__, 'ucmcache': ucmcache.__file__, 'core': c.__file__}))")
+# bench.run and the old design's module (imported by every run's cleanup) import what the
+# harness needs of ucmcache at import time: a package too old for this harness fails here, before
+# any run, rather than in every run
+_IMPORT_CHECK = ("import json, bench, bench.run, bench.systems, bench.baselines.oldlock, ucmcache, "
+                 "ucmcache._core as c; print(json.dumps({'bench': bench.__file__, "
+                 "'bench_run': bench.run.__file__, 'ucmcache': ucmcache.__file__, "
+                 "'core': c.__file__}))")
 
 
-def check_import(tree: Tree) -> Dict[str, str]:
-    """The package, its .so and the bench a run of this side will load: all must be the tree's
-    own, or the comparison compares nothing."""
-    r = subprocess.run([sys.executable, "-c", _IMPORT_CHECK], cwd=tree.path, env=tree_env(tree),
+def check_import(tree: Tree, cwd: str) -> Dict[str, str]:
+    """What a run of this side will load, the way it will load it (same interpreter flags,
+    environment and a cwd with nothing importable): `bench` must be this tree's harness, the
+    package and its .so the side's own, or the comparison compares nothing."""
+    r = subprocess.run(side_python("-c", _IMPORT_CHECK), cwd=cwd, env=tree_env(tree),
                        capture_output=True, text=True, timeout=120)
     if r.returncode != 0:
-        raise RuntimeError(f"import from the {tree.side} tree failed: {r.stderr.strip()}")
+        raise RuntimeError(f"import for the {tree.side} side failed: {r.stderr.strip()}")
     got = json.loads(r.stdout.strip().splitlines()[-1])
-    root = os.path.realpath(tree.path) + os.sep
-    wrong = {k: v for k, v in got.items() if not os.path.realpath(v).startswith(root)}
+    want = {"bench": BENCH_DIR, "bench_run": BENCH_DIR, "ucmcache": os.path.join(tree.path,
+            "ucmcache"), "core": os.path.join(tree.path, "ucmcache")}
+    wrong = {k: v for k, v in got.items()
+             if not os.path.realpath(v).startswith(os.path.realpath(want[k]) + os.sep)}
     if wrong:
-        raise RuntimeError(f"the {tree.side} environment loads files outside {tree.path}: {wrong}")
-    return got
+        raise RuntimeError(f"the {tree.side} side loads files from the wrong tree: "
+                           + ", ".join(f"{k} {v} (want under {want[k]})"
+                                       for k, v in wrong.items()))
+    return {k: os.path.realpath(v) for k, v in got.items()}
 
 
 def file_sha(path: str) -> str:
@@ -176,17 +216,23 @@ def stale_core(tree: Tree) -> Optional[str]:
 # ====================================================================== runs
 
 
-def run_bench(tree: Tree, scenarios: str, quick: bool, outdir: str,
+def bench_args(scenarios: str, quick: bool, time_scale: float) -> List[str]:
+    """The bench.run arguments of every run, either side."""
+    a = ["--scenarios", scenarios, "--repeat", "1", "--systems", "ucmcache", "--no-floor",
+         "--no-chart", "--time-scale", f"{time_scale:g}"]
+    return a + (["--quick"] if quick else [])
+
+
+def run_bench(tree: Tree, scenarios: str, quick: bool, time_scale: float, outdir: str,
               log_path: str) -> Tuple[Dict[str, Any], int]:
-    """One `python -m bench.run` of the tree; returns its latest.json and the run's pid.  The run
-    gets its own session so that a timeout or ^C here ends it and its forked workers (one
-    process group, ours) instead of orphaning them."""
-    cmd = [sys.executable, "-m", "bench.run", "--scenarios", scenarios, "--repeat", "1",
-           "--systems", "ucmcache", "--no-floor", "--no-chart", "--out", outdir]
-    if quick:
-        cmd.append("--quick")
+    """One `python -P -m bench.run` (this tree's harness) with the side's package; returns its
+    latest.json and the run's pid.  cwd = the run's own output directory (nothing importable
+    there).  The run gets its own session so that a timeout or ^C here ends it and its forked
+    workers (one process group, ours) instead of orphaning them."""
+    cmd = side_python("-m", "bench.run", *bench_args(scenarios, quick, time_scale),
+                      "--out", outdir)
     with open(log_path, "w") as f:
-        proc = subprocess.Popen(cmd, cwd=tree.path, env=tree_env(tree, outdir), stdout=f,
+        proc = subprocess.Popen(cmd, cwd=outdir, env=tree_env(tree, outdir), stdout=f,
                                 stderr=subprocess.STDOUT, start_new_session=True)
         try:
             rc = proc.wait(timeout=RUN_TIMEOUT_S)
@@ -399,10 +445,12 @@ def markdown(doc: Dict[str, Any]) -> str:
               ""]
     L += [f"Base: `{base['commit'][:12]}` ({base['ref']}), built in a temporary worktree. "
           f"New: `{new['commit'][:12]}` ({_side_name(new)}).",
-          f"{m['rounds']} round(s) of `python -m bench.run --scenarios {m['scenarios']} --repeat 1 "
-          f"--systems ucmcache --no-floor --no-chart` per side, run order "
-          f"{' '.join(s for _, s in schedule(m['rounds']))}; each side runs its own bench/run.py, "
-          f"package and C core.",
+          f"{m['rounds']} round(s) of `python -P -m bench.run "
+          f"{' '.join(bench_args(m['scenarios'], m['quick'], m['time_scale']))}` per side, run "
+          f"order {' '.join(s for _, s in schedule(m['rounds']))}; both sides run this tree's "
+          f"bench harness (bench/run.py, systems.py, ...), only the `ucmcache` package and its "
+          f"C core differ. Measurement windows: scenario 3 {m.get('s3_time_s')} s, scenario 5 "
+          f"{m.get('s5_time_s')} s per figure (--time-scale {m['time_scale']:g}).",
           "", "Rule: " + rule_text(m["threshold"]) + ". Scenario 3's 1-process figures are shown, "
           "not judged.", "", f"**Overall: {doc['verdict']}**", ""]
     L += table_lines(doc["rows"])
@@ -449,6 +497,9 @@ def parse(argv: Optional[List[str]]) -> argparse.Namespace:
                    help="rounds of one base and one new run (default 3; --quick: 1)")
     p.add_argument("--scenarios", default="3,5", help="comma list of 3 and/or 5 (default 3,5)")
     p.add_argument("--quick", action="store_true", help="bench.run --quick (tiny sizes)")
+    p.add_argument("--time-scale", type=float, default=DEFAULT_TIME_SCALE,
+                   help="bench.run --time-scale: multiplies scenarios 3 and 5's measurement "
+                        f"windows (default {DEFAULT_TIME_SCALE:g}: 6 s and 4 s per figure)")
     p.add_argument("--threshold", type=float, default=THRESHOLD,
                    help=f"lowest median ratio new/base counted as no worse (default {THRESHOLD})")
     p.add_argument("--out", default=os.path.join(BENCH_DIR, "results"),
@@ -457,15 +508,18 @@ def parse(argv: Optional[List[str]]) -> argparse.Namespace:
 
 
 def prepare(trees: List[Tree], tmp: str, warnings: List[str]) -> None:
+    empty = os.path.join(tmp, "cwd-check")  # a cwd with nothing importable
+    os.makedirs(empty, exist_ok=True)
     for t in trees:
         if t.worktree:
             t0 = time.monotonic()
             build_core(t, os.path.join(tmp, f"build-{t.side}.log"))
             log(f"[ab] built the {t.side} side's C core in {time.monotonic() - t0:.1f} s")
-        t.imports = check_import(t)
+        make_pkgdir(t, tmp)
+        t.imports = check_import(t, empty)
         t.core_sha = file_sha(t.imports["core"])
         log(f"[ab] {t.side}: {t.commit[:12]} imports {t.imports['ucmcache']}, "
-            f"{t.imports['core']}")
+            f"{t.imports['core']}; harness {t.imports['bench_run']}")
         why = stale_core(t)
         if why:
             raise RuntimeError(f"the {t.side} tree's C core is stale: {why}")
@@ -484,8 +538,8 @@ def run_all(trees: Dict[str, Tree], args: argparse.Namespace, rounds: int,
         rec: Dict[str, Any] = {"round": rnd, "side": side, "load_before": _loadavg()}
         t0 = time.monotonic()
         try:
-            res, pid = run_bench(trees[side], args.scenarios, args.quick, outdir,
-                                 os.path.join(tmp, f"r{rnd}-{side}.log"))
+            res, pid = run_bench(trees[side], args.scenarios, args.quick, args.time_scale,
+                                 outdir, os.path.join(tmp, f"r{rnd}-{side}.log"))
             changed = core_changed(trees[side])  # after the run: it may have loaded either
             if changed:
                 raise RuntimeError(changed)
@@ -508,7 +562,7 @@ def config_warnings(runs: List[Dict[str, Any]]) -> List[str]:
     if len(cfg) == 2 and cfg["base"] != cfg["new"]:
         diff = sorted(k for k in set(cfg["base"]) | set(cfg["new"])
                       if cfg["base"].get(k) != cfg["new"].get(k))
-        return [f"the two sides' bench/run.py configure scenarios 3/5 differently: {diff}"]
+        return [f"the two sides' runs configured scenarios 3/5 differently: {diff}"]
     return []
 
 
@@ -521,8 +575,9 @@ def _loadavg() -> List[float]:
 
 def side_meta(t: Tree) -> Dict[str, Any]:
     return {"ref": t.ref or None, "commit": t.commit, "tree": "temporary worktree" if t.worktree
-            else t.path, "dirty": t.dirty, "core": t.imports.get("core"),
-            "core_sha256": t.core_sha}
+            else t.path, "dirty": t.dirty, "ucmcache": t.imports.get("ucmcache"),
+            "core": t.imports.get("core"), "core_sha256": t.core_sha,
+            "harness": t.imports.get("bench_run")}
 
 
 def overall(verdicts: List[str]) -> str:
@@ -548,6 +603,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     if rounds < 1 or not scen or any(s not in ("3", "5") for s in scen):
         print("--rounds must be >= 1 and --scenarios a comma list of 3 and/or 5", file=sys.stderr)
         return 2
+    if not args.time_scale > 0:  # also refuses nan
+        print("--time-scale must be > 0", file=sys.stderr)
+        return 2
     args.scenarios = ",".join(scen)
     args_txt = " ".join(argv if argv is not None else sys.argv[1:])
     t_start = time.monotonic()
@@ -555,6 +613,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         "command": ".venv/bin/python -m bench.ab" + (" " + args_txt if args_txt else ""),
         "started": time.strftime("%Y-%m-%d %H:%M:%S %z"), "quick": args.quick,
         "rounds": rounds, "scenarios": args.scenarios, "threshold": args.threshold,
+        "time_scale": args.time_scale, "harness": "this tree's bench/ (both sides)",
         "cores": os.cpu_count(), "load_before": _loadavg(),
         "python": platform.python_version(), "platform": platform.platform(), "warnings": []}
     # a plain SIGTERM would end us without running the finally blocks (worktrees, temporary
@@ -581,6 +640,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             remove_worktree(t.path)
         shutil.rmtree(tmp, ignore_errors=True)
     meta["warnings"] += config_warnings(runs) + busy_warnings(runs, os.cpu_count() or 1)
+    cfg = next((r["config"] for r in runs if r.get("config")), {})
+    meta["s3_time_s"], meta["s5_time_s"] = cfg.get("s3_time"), cfg.get("s5_time")
     meta["base"] = side_meta(base)
     meta["new"] = side_meta(new)
     meta["load_after"] = _loadavg()

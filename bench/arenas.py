@@ -34,6 +34,12 @@ import numpy as np
 
 from . import common
 
+# Sizes, merged into bench.run's FULL and QUICK (here so that running this file alone needs
+# nothing from run.py): a Zipf trace over max_ranks x slots_per_rank slots.
+FULL = {"s8_requests": 200_000, "s8_keys": 20_000, "s8_zipf": 0.9, "s8_max_ranks": 8,
+        "s8_slots_per_rank": 500}
+QUICK = {"s8_requests": 5000, "s8_keys": 1000, "s8_zipf": 0.9, "s8_max_ranks": 8,
+         "s8_slots_per_rank": 25}
 TARGET = 0.97
 SLOT_SIZE = 64  # small: this measures hit rate, not bytes
 TRACE_SEED = 1515
@@ -245,7 +251,6 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--quick", action="store_true", help="tiny sizes (the bench's --quick)")
     args = p.parse_args(argv)
     from bench import report
-    from bench.run import FULL, QUICK
 
     cfg = QUICK if args.quick else FULL
     tag = common.tag()
