@@ -9,49 +9,50 @@ stripe is released before any loader runs or any wait begins.
 
 Allocation that finds nothing claimable first recovers dead ranks (their pins may be what fills
 the cache), then tries once more, then raises CacheFull: never spins holding a stripe.
+
+The rest of SlotCache's API is mixed in, one concept a module, none of which imports this one:
+``_single_flight`` (get_or_load, aget_or_load, the wait), ``_batches`` (get_many, read_many,
+exist, exist_prefix, touch) and ``_ring`` (prefetch, prefetcher).
 """
 from __future__ import annotations
 
 import functools
 import gc
-import inspect
 import itertools
 import os
-import threading
 import time
 import weakref
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional
 
 import numpy as np
 
 from . import _hooks
 from ._arenas import LOCK_WAIT, Arenas
 from ._core import ffi, lib
+from ._batches import Batches
 from ._errors import (CacheFull, CorruptSegment, IncompatibleSegment, LockTimeout,
                       NotAttached, SegmentExists, UcmError)
-from ._buffers import check_rows, rows_of
-from ._handle import Handle, HandleBatch, _Pins
-from ._slots import ABANDONED, ABANDONED_LEN, as_value_view, check_timeout, isolate_owned
-from ._keys import Key, pack_keys, split_key
+from ._handle import Handle, _Pins
+from ._single_flight import SingleFlight
+from ._slots import (ABANDONED, ABANDONED_LEN, FAST_SPIN, _PIN_LEN_SHIFT, _PIN_OWNER,
+                     _PIN_OWNER_OR_READY, _PIN_READY, _PIN_SLOT_MASK, check_timeout)
+from ._keys import Key, split_key
 from ._layout import DEFAULT_STRIPES, Layout
 from ._locks import Stripes, describe_stripe_holder
 from ._recovery import (RecoveryReport, free_rank, rank_alive, recover_dead_ranks, take_rank)
 from ._results import code_name
-from ._ring import Prefetcher, ring_counters
+from ._ring import Prefetcher, Prefetching, ring_counters
 from ._tier import BoundTier, Tier, check_tier
 from ._segment import Segment
 from . import _stats
 
-FAST_SPIN = 64          # yields on a claimed slot before the fast path gives up (the seed's 64)
 SLOW_SPIN = 64          # under the stripe a live claimant of our chain rolls back at once; a
                         # claim that stays is a dead rank's, recovered without the stripe held
 MAX_ROLLBACKS = 64      # isolate trylock failures tolerated in one allocation
 MAX_ROLLBACK_ROUNDS = 8 # allocations retried when every one of them rolled back
 MAX_GROWS = 8           # arenas one allocation may take when its rank's arenas are full
 MAX_MOVED = 4           # looks at the arena shares in one allocation (ranks keep changing)
-LIVENESS_SLICE = 0.5    # a waiter checks that the loader still lives this often (seconds)
 CLAIM_WAIT = 10.0       # the longest a get waits for another process to recover a dead claim
-CANCEL_SLICE = 0.02     # an async wait's thread looks at its cancel flag this often (seconds)
 STRIPE_WAIT = 10.0      # the longest a get with no timeout waits for a bucket's stripe; held
                         # for microseconds normally, so past this its holder is stopped or stuck
 MIN_LOCK_WAIT = 0.05    # a get's timeout below this still waits this long for a lock: a
@@ -68,38 +69,11 @@ def _after_fork_in_child() -> None:
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-def _ptr(ctype: str, arr: np.ndarray):
-    return ffi.from_buffer(ctype, arr)
-
-
-_SHORT = 4  # exist/exist_prefix of at most this many plain ids: one C call per key, no arrays
-
-
-def _plain_ids(keys: list) -> bool:
-    for k in keys:
-        if type(k) is not bytes or len(k) != 16:
-            return False
-    return True
-
-
-_new = object.__new__  # an inert handle: every field is stored by get()/get_many()
+_new = object.__new__  # an inert handle: every field is stored by get()
 _next_ticket = itertools.count(1).__next__  # a unique ticket per single-key read (see get)
-_PIN_SLOT_MASK = lib.UCM_PIN_SLOT_MASK  # a pin's answer, decoded with plain ints (see C)
-_PIN_LEN_SHIFT = lib.UCM_PIN_LEN_SHIFT
-_PIN_OWNER = lib.UCM_PIN_OWNER
-_PIN_READY = lib.UCM_PIN_READY
-_PIN_OWNER_OR_READY = _PIN_OWNER | _PIN_READY
-class _NoOwned(frozenset):
-    """An all-hit batch's owned set (HandleBatch.own replaces it): nothing to discard."""
-
-    def discard(self, _slot) -> None:
-        pass
 
 
-_NO_OWNED = _NoOwned()
-
-
-class SlotCache:
+class SlotCache(SingleFlight, Batches, Prefetching):
     """A shared-memory slot cache attached to one segment as one rank.
 
     Create a segment with ``SlotCache.create`` (the creator is attached too), attach to it from
@@ -422,151 +396,6 @@ class SlotCache:
                 f"broken stripe lock ({code_name(code)}); `ucmcache verify {self.uuid}` lists "
                 "what is broken")
 
-    def get_many(self, keys: Sequence[Key], *, timeout: Optional[float] = None) -> HandleBatch:
-        """Pin every key of a request with one C call (misses take the slow path one by one).
-        Positions that come back owned must be filled and published by the caller.  All or
-        nothing: if any key cannot be pinned, nothing stays pinned or owned."""
-        ctx = self._ctx
-        if ctx is None:
-            self._check_usable()
-        if timeout is not None:
-            timeout = check_timeout(timeout)
-        ids, offsets, split = pack_keys(keys)
-        n = len(split)
-        slots = np.full(n, lib.UCM_NIL, dtype=np.uint32)
-        owner = np.zeros(n, dtype=bool)
-        states = np.empty(n, dtype=np.uint8)
-        codes = np.zeros(n, dtype=np.uint8)
-        lens = np.empty(n, dtype=np.int64)
-        slots_p = ffi.from_buffer("uint32_t[]", slots)
-        owner_p = ffi.from_buffer("uint8_t[]", owner)
-        # The batch's token covers its arrays from before the first pin: every C step pins
-        # straight into them, so whatever is raised where (a signal handler, CacheFull), the
-        # token's drop (explicit below, or from C when collected) releases every pin and fails
-        # every owned load.
-        token = ffi.gc(ffi.new("ucm_token *"),
-                       functools.partial(lib.ucm_batch_token_release, self._keep, slots_p,
-                                         owner_p))
-        lib.ucm_batch_token_arm(ctx, token, n)
-        batch = _new(HandleBatch)
-        batch._closed = True
-        try:
-            if n:
-                lib.ucm_lookup_pin_many(ctx, ids, _ptr("uint64_t[]", offsets), n, FAST_SPIN,
-                                        slots_p, _ptr("uint8_t[]", states),
-                                        _ptr("uint8_t[]", codes), _ptr("int64_t[]", lens))
-            misses = np.flatnonzero(codes)
-            for i in misses.tolist():
-                r = self._pin_slow(split[i][0], split[i][1], int(codes[i]), timeout, ffi.NULL,
-                                   slots_p + i, owner_p + i)
-                lens[i] = (r >> _PIN_LEN_SHIFT) & _PIN_SLOT_MASK if r & _PIN_READY else -1
-            any_owner = len(misses) > 0 and bool(owner.any())
-            batch._cache = self
-            batch._slots = slots
-            batch.owner = owner
-            batch._slots_p = slots_p
-            batch._owner_p = owner_p
-            batch._token = token
-            batch._n = n
-            batch._lens = lens
-            batch._lens_l = None  # lens and data offsets as lists, made by the first data(i)
-            batch._offs_l = None
-            batch._timeout = timeout
-            batch._owner_views = {}
-            batch._views = []
-            batch._any_owner = any_owner
-            batch._owned = _NO_OWNED
-            self._open_handles += 1
-            batch._closed = False
-            if any_owner:
-                batch.own()
-                if self._tier is not None:  # the batch owns the pins: a raise here closes it
-                    self._ask_tier_many(batch, split, timeout)
-        except BaseException as e:
-            if batch._closed:  # the token still holds every pin: drop them, failing owned loads
-                message, length = ABANDONED, ABANDONED_LEN
-                try:
-                    message = (f"the batch loading this key gave up: {type(e).__name__}: "
-                               f"{e}").encode("utf-8", "replace")
-                    length = len(message)
-                finally:
-                    lib.ucm_batch_token_drop(slots_p, owner_p, token, message, length)
-            else:
-                batch._close(ABANDONED)
-            raise
-        return batch
-
-    def _wait_loaded(self, slot: int, timeout: Optional[float],
-                     cancel: Optional[threading.Event] = None) -> int:
-        """Block on the slot's state word until it leaves Loading, never past ``timeout`` and
-        never spinning.  Every LIVENESS_SLICE the loader's life lock is checked, so a dead
-        loader is recovered rather than waited for.  ``cancel`` (set, then the state word
-        woken): returns UCM_LOADING at once (an abandoned async wait)."""
-        ctx = self._ctx
-        state = ffi.new("uint32_t *")
-        start = time.monotonic()
-        deadline = None if timeout is None else start + timeout
-        slice_s = LIVENESS_SLICE if cancel is None else CANCEL_SLICE
-        lib.ucm_stat_add(ctx, lib.UCM_ST_WAITS, 1)
-        try:
-            while True:
-                if cancel is not None and cancel.is_set():
-                    return lib.UCM_LOADING
-                left = slice_s if deadline is None else min(slice_s, deadline - time.monotonic())
-                if left > 0 and lib.ucm_wait_loaded(ctx, slot, int(left * 1e9), state) == lib.UCM_OK:
-                    return state[0]
-                loader = lib.ucm_slot_loader(ctx, slot)
-                if loader != self._rank and loader < self._layout.max_ranks \
-                        and not rank_alive(self._seg, loader):
-                    # Fails its loads, this one included, waking us; bounded by our deadline.
-                    self._recover(LIVENESS_SLICE if deadline is None
-                                  else deadline - time.monotonic())
-                    st = lib.ucm_slot_state(ctx, slot)
-                    if st != lib.UCM_LOADING:
-                        return st
-                if deadline is not None and time.monotonic() >= deadline:
-                    lib.ucm_stat_add(ctx, lib.UCM_ST_WAIT_TIMEOUTS, 1)
-                    raise TimeoutError(f"key still loading after {timeout} s (the load goes on; "
-                                       "get() again to wait more)")
-        finally:
-            waited = int((time.monotonic() - start) * 1e9)
-            lib.ucm_stat_add(ctx, lib.UCM_ST_WAIT_NS, waited)
-            lib.ucm_observe(ctx, lib.UCM_HIST_WAIT, waited)
-
-    def get_or_load(self, key: Key, loader: Callable[[], Any], *,
-                    timeout: Optional[float] = None) -> bytes:
-        """The value for key, computed by ``loader()`` exactly once across all processes.
-
-        loader returns a bytes-like of at most slot_size bytes.  Its exception reaches this
-        caller as itself and every concurrent waiter as LoadFailed.  When the cache is full the
-        loader runs uncached (counted as a bypass)."""
-        if not callable(loader):
-            raise TypeError(f"loader must be a callable returning bytes, got "
-                            f"{type(loader).__name__}")
-        value = self._hit_bytes(key)
-        if value is not None:
-            return value
-        try:
-            h = self.get(key, timeout=timeout)
-        except CacheFull:
-            lib.ucm_stat_add(self._ctx, lib.UCM_ST_BYPASSES, 1)
-            return as_value_view(loader(), self._layout.slot_size).tobytes()
-        with h:
-            if not h.owner:
-                h.wait(timeout)
-                return bytes(h.data)
-            if _hooks._armed:
-                _hooks.fire("inside_loader")
-            try:
-                value = loader()
-                mv = as_value_view(value, self._layout.slot_size)
-            except BaseException as e:
-                h.fail(f"{type(e).__name__}: {e}")
-                raise
-            h.data[: mv.nbytes] = mv
-            h.ready(mv.nbytes)
-            return mv.tobytes()
-
     def _hit_bytes(self, key: Key) -> Optional[bytes]:
         """A Ready entry's bytes (pin, copy, release; no Handle), or None for anything else
         (which the caller takes through get()).  Counts only a hit."""
@@ -593,156 +422,6 @@ class SlotCache:
             if r & _PIN_READY:
                 return value
         return None
-
-    async def aget_or_load(self, key: Key, loader: Callable[[], Any], *,
-                           timeout: Optional[float] = None) -> bytes:
-        """get_or_load for asyncio.  ``loader`` may be a plain callable or a coroutine
-        function.  A hit returns with no thread hop; a cold key makes this task the owner and
-        awaits its loader; waiting for another task's, thread's or process's load never blocks
-        the event loop (the futex wait runs in a thread) and honours ``timeout`` and
-        cancellation: a cancelled owner publishes Failed, a cancelled waiter abandons the wait,
-        never the load.  Single flight across tasks, threads and processes."""
-        if not callable(loader):
-            raise TypeError(f"loader must be a callable or a coroutine function returning "
-                            f"bytes, got {type(loader).__name__}")
-        value = self._hit_bytes(key)
-        if value is not None:
-            return value
-        isolate_owned()  # this task's own loads only (sibling tasks share the parent's set)
-        try:
-            h = self.get(key, timeout=timeout)
-        except CacheFull:
-            lib.ucm_stat_add(self._ctx, lib.UCM_ST_BYPASSES, 1)
-            value = loader()
-            if inspect.isawaitable(value):
-                value = await value
-            return as_value_view(value, self._layout.slot_size).tobytes()
-        with h:
-            if not h.owner:
-                await h.wait_async(timeout)
-                return bytes(h.data)
-            try:
-                value = loader()
-                if inspect.isawaitable(value):
-                    value = await value
-                mv = as_value_view(value, self._layout.slot_size)
-            except BaseException as e:  # CancelledError included: the load fails, waiters learn
-                h.fail(f"{type(e).__name__}: {e}")
-                raise
-            h.data[: mv.nbytes] = mv
-            h.ready(mv.nbytes)
-            return mv.tobytes()
-
-    def read_many(self, keys: Sequence[Key], out: Any) -> np.ndarray:
-        """Copy every key that is Ready now into row i of ``out`` and return the lengths
-        (int64; -1 for a key that is missing or not Ready, its row untouched), in one C call
-        that pins, copies and releases each key in turn (the GIL released).  Elects no owner
-        and creates nothing.  ``out`` as for HandleBatch.gather."""
-        ctx = self._ctx
-        if ctx is None:
-            self._check_usable()
-        ids, offsets, split = pack_keys(keys)
-        n = len(split)
-        lens = np.empty(n, dtype=np.int64)
-        if n:
-            ptr, row, keep = rows_of(out, n)
-            r = lib.ucm_read_many(ctx, ids, _ptr("uint64_t[]", offsets), n, ptr, row,
-                                  _ptr("int64_t[]", lens))
-            del keep
-            if r == lib.UCM_CORRUPT:
-                raise CorruptSegment(f"segment {self.uuid!r}: a chain points outside the slot "
-                                     "table")
-            check_rows(lens, row)
-        return lens
-
-    # ---------------------------------------------------------------- batch lookups
-
-    def exist(self, keys: Iterable[Key]) -> List[bool]:
-        """For each key, whether a Ready entry is there now (no pin, one C call)."""
-        ctx = self._ctx
-        if ctx is None:
-            self._check_usable()
-        if type(keys) is list and len(keys) <= _SHORT and _plain_ids(keys):
-            return [lib.ucm_exist1(ctx, k, 0) == 1 for k in keys]  # no arrays for a handful
-        ids, offsets, split = pack_keys(keys)
-        out = np.zeros(len(split), dtype=np.uint8)
-        if len(split):
-            lib.ucm_exist_many(ctx, ids, _ptr("uint64_t[]", offsets), len(split),
-                               _ptr("uint8_t[]", out))
-        return out.astype(bool).tolist()
-
-    def exist_prefix(self, keys: Sequence[Key]) -> int:
-        """How many leading keys (a chained-hash prefix) are Ready, in one C call."""
-        ctx = self._ctx
-        if ctx is None:
-            self._check_usable()
-        if type(keys) is list and len(keys) <= _SHORT and _plain_ids(keys) and \
-                self._tier is None:
-            n = 0
-            for k in keys:
-                if lib.ucm_exist1(ctx, k, 0) != 1:
-                    break
-                n += 1
-            return n
-        ids, offsets, split = pack_keys(keys)
-        if not split:
-            return 0
-        n = lib.ucm_exist_prefix(ctx, ids, _ptr("uint64_t[]", offsets), len(split))
-        if self._tier is not None and n < len(split):
-            n += self._tier.exist_prefix(split[n:])  # the rest, from tier 2: one round trip
-        return n
-
-    def touch(self, keys: Iterable[Key]) -> None:
-        """Mark entries recently used (CLOCK's bit) without pinning; best effort."""
-        ctx = self._ctx
-        if ctx is None:
-            self._check_usable()
-        ids, offsets, split = pack_keys(keys)
-        if split:
-            lib.ucm_touch_many(ctx, ids, _ptr("uint64_t[]", offsets), len(split))
-
-    # ---------------------------------------------------------------- prefetch
-
-    def prefetch(self, keys: Iterable[Key], *, rank: Optional[int] = None) -> int:
-        """Post keys to a rank's prefetch ring (default: our own); never blocks.  Keys already
-        Ready or Loading are skipped; a full ring or a busy producer drops them (counted in
-        stats).  Returns how many were posted."""
-        ctx = self._ctx
-        if ctx is None:
-            self._check_usable()
-        if rank is None:
-            rank = self._rank
-        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.max_ranks:
-            raise ValueError(f"rank must be None or an int in [0, {self.max_ranks}), got {rank!r}")
-        ids, offsets, split = pack_keys(keys)
-        posted = ffi.new("uint32_t *")
-        total = 0
-        for start in range(0, len(split), lib.UCM_RING_DEPTH):  # one lock hold per chunk
-            n = min(lib.UCM_RING_DEPTH, len(split) - start)
-            args = (ctx, rank, ids[16 * start:16 * (start + n)],
-                    _ptr("uint64_t[]", offsets[start:start + n]), n, posted)
-            if lib.ucm_ring_post(*args) == lib.UCM_BUSY and self._ring_holder_dead(rank):
-                # A producer died holding the lock (it names its rank): recovery releases it,
-                # so a dead producer costs one dropped post, not every post until a recovery.
-                self._recover(0.0)  # never blocks: a busy recovery elsewhere does it
-                lib.ucm_ring_post(*args)
-            total += posted[0]
-        return total
-
-    def _ring_holder_dead(self, ring: int) -> bool:
-        L = self._layout
-        holder = lib.ucm_load32(self._seg.base, L.ring_off + ring * L.ring_size + lib.UCM_RING_LOCK)
-        return 0 < holder <= L.max_ranks and holder - 1 != self._rank \
-            and not rank_alive(self._seg, holder - 1)
-
-    def prefetcher(self, loader: Callable[[Key], Any], *, batch: int = 64) -> Prefetcher:
-        """Start a thread that drains this rank's ring, loading each cold key with
-        ``loader(key)`` through the single-flight path.  Stop it with .stop() (or a with)."""
-        self._check_usable()
-        if self._prefetcher is not None and self._prefetcher.running:
-            raise UcmError(f"rank {self._rank} already has a prefetcher: a ring has one consumer")
-        self._prefetcher = Prefetcher(self, loader, batch)
-        return self._prefetcher
 
     # ---------------------------------------------------------------- generations, stats
 
@@ -796,6 +475,7 @@ class SlotCache:
     # The cache asks its tier (see _tier) right after get/get_many made this caller an owner,
     # with the pins already the handle's or the batch's; the handle publishes what the tier
     # serves (_served), writes through on ready() and abandons on an unpublished close.
+    # get_many's side of this is _ask_tier_many, beside it in _batches.
 
     def _ask_tier(self, h: Handle, block_id: bytes, offset: int,
                   timeout: Optional[float]) -> None:
@@ -806,19 +486,6 @@ class SlotCache:
                                        timeout)
         if payload is not None:
             h._served(payload)
-
-    def _ask_tier_many(self, batch: HandleBatch, split: Sequence[Tuple[bytes, int]],
-                       timeout: Optional[float]) -> None:
-        """get_many(): the owned positions ask the tier together; those it serves are
-        published and no longer owned."""
-        idx = np.flatnonzero(batch.owner).tolist()
-        slots = [int(batch._slots[i]) for i in idx]
-        may_wait = not (batch._owned - set(slots))
-        payloads = self._tier.lookup([(s, *split[i]) for s, i in zip(slots, idx)], may_wait,
-                                     timeout)
-        for i, p in zip(idx, payloads):
-            if p is not None:
-                batch._served(i, p)
 
     def _count(self, counter: int, n: int) -> None:
         """Add n to one of this rank's shared counters (the tier's UCM_ST_T2_*)."""

@@ -1,4 +1,5 @@
-"""Ring: each rank's prefetch ring of keys, and the prefetcher that drains it.
+"""Ring: each rank's prefetch ring of keys, the posting of keys to it (SlotCache.prefetch),
+and the prefetcher that drains it.
 
 A scheduler (any process) posts the keys a request will need to the ring of the rank that will
 serve it; that rank's prefetcher thread loads them through the normal single-flight path, so a
@@ -9,16 +10,18 @@ The prefetcher sleeps on the ring's tail word (a futex) while the ring is empty.
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, Iterable, Optional
 
 import numpy as np
 
 from ._core import ffi, lib
 from ._errors import CacheFull, CorruptSegment, UcmError
+from ._keys import Key, pack_keys
+from ._recovery import rank_alive
 from ._slots import as_value_view
 
-# The SlotCache these operations serve.  Not imported, not even for type checkers: slot
-# operations sit below the cache API and never reach back into it (no import circle).
+# The SlotCache these operations serve.  Not imported, not even for type checkers: this module
+# sits below _cache (which mixes Prefetching in) and never imports it (no import circle).
 SlotCache = Any
 
 SLEEP_SLICE = 0.2  # the longest a stop() can wait for the consumer (normally it is woken at once)
@@ -117,3 +120,49 @@ class Prefetcher:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+class Prefetching:
+    """SlotCache's prefetch calls (DESIGN 4.9).  A mixin: it uses the cache's _recover and
+    attributes (_ctx, _rank, _seg, _layout, _prefetcher), and adds no state of its own."""
+
+    def prefetch(self, keys: Iterable[Key], *, rank: Optional[int] = None) -> int:
+        """Post keys to a rank's prefetch ring (default: our own); never blocks.  Keys already
+        Ready or Loading are skipped; a full ring or a busy producer drops them (counted in
+        stats).  Returns how many were posted."""
+        ctx = self._ctx
+        if ctx is None:
+            self._check_usable()
+        if rank is None:
+            rank = self._rank
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.max_ranks:
+            raise ValueError(f"rank must be None or an int in [0, {self.max_ranks}), got {rank!r}")
+        ids, offsets, split = pack_keys(keys)
+        posted = ffi.new("uint32_t *")
+        total = 0
+        for start in range(0, len(split), lib.UCM_RING_DEPTH):  # one lock hold per chunk
+            n = min(lib.UCM_RING_DEPTH, len(split) - start)
+            args = (ctx, rank, ids[16 * start:16 * (start + n)],
+                    ffi.from_buffer("uint64_t[]", offsets[start:start + n]), n, posted)
+            if lib.ucm_ring_post(*args) == lib.UCM_BUSY and self._ring_holder_dead(rank):
+                # A producer died holding the lock (it names its rank): recovery releases it,
+                # so a dead producer costs one dropped post, not every post until a recovery.
+                self._recover(0.0)  # never blocks: a busy recovery elsewhere does it
+                lib.ucm_ring_post(*args)
+            total += posted[0]
+        return total
+
+    def _ring_holder_dead(self, ring: int) -> bool:
+        L = self._layout
+        holder = lib.ucm_load32(self._seg.base, L.ring_off + ring * L.ring_size + lib.UCM_RING_LOCK)
+        return 0 < holder <= L.max_ranks and holder - 1 != self._rank \
+            and not rank_alive(self._seg, holder - 1)
+
+    def prefetcher(self, loader: Callable[[Key], Any], *, batch: int = 64) -> Prefetcher:
+        """Start a thread that drains this rank's ring, loading each cold key with
+        ``loader(key)`` through the single-flight path.  Stop it with .stop() (or a with)."""
+        self._check_usable()
+        if self._prefetcher is not None and self._prefetcher.running:
+            raise UcmError(f"rank {self._rank} already has a prefetcher: a ring has one consumer")
+        self._prefetcher = Prefetcher(self, loader, batch)
+        return self._prefetcher

@@ -22,6 +22,15 @@ SlotCache = Any
 STATE_NAMES = {lib.UCM_LOADING: "loading", lib.UCM_READY: "ready", lib.UCM_FAILED: "failed",
                lib.UCM_EMPTY: "failed"}
 
+# The lock-free pin steps (get, get_many, get_or_load's hit), shared here so that the single-key
+# and the batch paths, in two modules, read one value and decode the answer one way.
+FAST_SPIN = 64          # yields on a claimed slot before the fast path gives up (the seed's 64)
+_PIN_SLOT_MASK = lib.UCM_PIN_SLOT_MASK  # a pin's answer, decoded with plain ints (see C)
+_PIN_LEN_SHIFT = lib.UCM_PIN_LEN_SHIFT
+_PIN_OWNER = lib.UCM_PIN_OWNER
+_PIN_READY = lib.UCM_PIN_READY
+_PIN_OWNER_OR_READY = _PIN_OWNER | _PIN_READY
+
 # Slots whose load this caller owns (per cache): waiting on one of them would wait forever.
 # A context variable, so a loader that hands its work to code running in a copy of its context
 # (asyncio.to_thread, contextvars.copy_context().run in a pool) is caught too.

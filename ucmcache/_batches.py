@@ -1,0 +1,204 @@
+"""Batches, copying reads, exist, touch (DESIGN 4.7): the calls that take many keys at once,
+each in one C call.  Mixed into SlotCache (``_cache``): ``get_many`` pins every key into a
+HandleBatch (misses go through the cache's slow path one by one); ``read_many`` copies Ready
+payloads out with no handle; ``exist``/``exist_prefix`` and ``touch`` take no pin at all.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any, Iterable, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from ._core import ffi, lib
+from ._errors import CorruptSegment
+from ._buffers import check_rows, rows_of
+from ._handle import HandleBatch
+from ._keys import Key, pack_keys
+from ._slots import (ABANDONED, ABANDONED_LEN, FAST_SPIN, _PIN_LEN_SHIFT, _PIN_READY,
+                     _PIN_SLOT_MASK, check_timeout)
+
+
+def _ptr(ctype: str, arr: np.ndarray):
+    return ffi.from_buffer(ctype, arr)
+
+
+_SHORT = 4  # exist/exist_prefix of at most this many plain ids: one C call per key, no arrays
+
+
+def _plain_ids(keys: list) -> bool:
+    for k in keys:
+        if type(k) is not bytes or len(k) != 16:
+            return False
+    return True
+
+
+_new = object.__new__  # an inert batch: every field is stored by get_many()
+
+
+class _NoOwned(frozenset):
+    """An all-hit batch's owned set (HandleBatch.own replaces it): nothing to discard."""
+
+    def discard(self, _slot) -> None:
+        pass
+
+
+_NO_OWNED = _NoOwned()
+
+
+class Batches:
+    """SlotCache's calls over many keys.  A mixin: it uses the cache's _pin_slow, _tier and
+    attributes (_ctx, _keep, _open_handles), and adds no state of its own."""
+
+    def get_many(self, keys: Sequence[Key], *, timeout: Optional[float] = None) -> HandleBatch:
+        """Pin every key of a request with one C call (misses take the slow path one by one).
+        Positions that come back owned must be filled and published by the caller.  All or
+        nothing: if any key cannot be pinned, nothing stays pinned or owned."""
+        ctx = self._ctx
+        if ctx is None:
+            self._check_usable()
+        if timeout is not None:
+            timeout = check_timeout(timeout)
+        ids, offsets, split = pack_keys(keys)
+        n = len(split)
+        slots = np.full(n, lib.UCM_NIL, dtype=np.uint32)
+        owner = np.zeros(n, dtype=bool)
+        states = np.empty(n, dtype=np.uint8)
+        codes = np.zeros(n, dtype=np.uint8)
+        lens = np.empty(n, dtype=np.int64)
+        slots_p = ffi.from_buffer("uint32_t[]", slots)
+        owner_p = ffi.from_buffer("uint8_t[]", owner)
+        # The batch's token covers its arrays from before the first pin: every C step pins
+        # straight into them, so whatever is raised where (a signal handler, CacheFull), the
+        # token's drop (explicit below, or from C when collected) releases every pin and fails
+        # every owned load.
+        token = ffi.gc(ffi.new("ucm_token *"),
+                       functools.partial(lib.ucm_batch_token_release, self._keep, slots_p,
+                                         owner_p))
+        lib.ucm_batch_token_arm(ctx, token, n)
+        batch = _new(HandleBatch)
+        batch._closed = True
+        try:
+            if n:
+                lib.ucm_lookup_pin_many(ctx, ids, _ptr("uint64_t[]", offsets), n, FAST_SPIN,
+                                        slots_p, _ptr("uint8_t[]", states),
+                                        _ptr("uint8_t[]", codes), _ptr("int64_t[]", lens))
+            misses = np.flatnonzero(codes)
+            for i in misses.tolist():
+                r = self._pin_slow(split[i][0], split[i][1], int(codes[i]), timeout, ffi.NULL,
+                                   slots_p + i, owner_p + i)
+                lens[i] = (r >> _PIN_LEN_SHIFT) & _PIN_SLOT_MASK if r & _PIN_READY else -1
+            any_owner = len(misses) > 0 and bool(owner.any())
+            batch._cache = self
+            batch._slots = slots
+            batch.owner = owner
+            batch._slots_p = slots_p
+            batch._owner_p = owner_p
+            batch._token = token
+            batch._n = n
+            batch._lens = lens
+            batch._lens_l = None  # lens and data offsets as lists, made by the first data(i)
+            batch._offs_l = None
+            batch._timeout = timeout
+            batch._owner_views = {}
+            batch._views = []
+            batch._any_owner = any_owner
+            batch._owned = _NO_OWNED
+            self._open_handles += 1
+            batch._closed = False
+            if any_owner:
+                batch.own()
+                if self._tier is not None:  # the batch owns the pins: a raise here closes it
+                    self._ask_tier_many(batch, split, timeout)
+        except BaseException as e:
+            if batch._closed:  # the token still holds every pin: drop them, failing owned loads
+                message, length = ABANDONED, ABANDONED_LEN
+                try:
+                    message = (f"the batch loading this key gave up: {type(e).__name__}: "
+                               f"{e}").encode("utf-8", "replace")
+                    length = len(message)
+                finally:
+                    lib.ucm_batch_token_drop(slots_p, owner_p, token, message, length)
+            else:
+                batch._close(ABANDONED)
+            raise
+        return batch
+
+    def _ask_tier_many(self, batch: HandleBatch, split: Sequence[Tuple[bytes, int]],
+                       timeout: Optional[float]) -> None:
+        """get_many(): the owned positions ask the tier together; those it serves are
+        published and no longer owned."""
+        idx = np.flatnonzero(batch.owner).tolist()
+        slots = [int(batch._slots[i]) for i in idx]
+        may_wait = not (batch._owned - set(slots))
+        payloads = self._tier.lookup([(s, *split[i]) for s, i in zip(slots, idx)], may_wait,
+                                     timeout)
+        for i, p in zip(idx, payloads):
+            if p is not None:
+                batch._served(i, p)
+
+    def read_many(self, keys: Sequence[Key], out: Any) -> np.ndarray:
+        """Copy every key that is Ready now into row i of ``out`` and return the lengths
+        (int64; -1 for a key that is missing or not Ready, its row untouched), in one C call
+        that pins, copies and releases each key in turn (the GIL released).  Elects no owner
+        and creates nothing.  ``out`` as for HandleBatch.gather."""
+        ctx = self._ctx
+        if ctx is None:
+            self._check_usable()
+        ids, offsets, split = pack_keys(keys)
+        n = len(split)
+        lens = np.empty(n, dtype=np.int64)
+        if n:
+            ptr, row, keep = rows_of(out, n)
+            r = lib.ucm_read_many(ctx, ids, _ptr("uint64_t[]", offsets), n, ptr, row,
+                                  _ptr("int64_t[]", lens))
+            del keep
+            if r == lib.UCM_CORRUPT:
+                raise CorruptSegment(f"segment {self.uuid!r}: a chain points outside the slot "
+                                     "table")
+            check_rows(lens, row)
+        return lens
+
+    def exist(self, keys: Iterable[Key]) -> List[bool]:
+        """For each key, whether a Ready entry is there now (no pin, one C call)."""
+        ctx = self._ctx
+        if ctx is None:
+            self._check_usable()
+        if type(keys) is list and len(keys) <= _SHORT and _plain_ids(keys):
+            return [lib.ucm_exist1(ctx, k, 0) == 1 for k in keys]  # no arrays for a handful
+        ids, offsets, split = pack_keys(keys)
+        out = np.zeros(len(split), dtype=np.uint8)
+        if len(split):
+            lib.ucm_exist_many(ctx, ids, _ptr("uint64_t[]", offsets), len(split),
+                               _ptr("uint8_t[]", out))
+        return out.astype(bool).tolist()
+
+    def exist_prefix(self, keys: Sequence[Key]) -> int:
+        """How many leading keys (a chained-hash prefix) are Ready, in one C call."""
+        ctx = self._ctx
+        if ctx is None:
+            self._check_usable()
+        if type(keys) is list and len(keys) <= _SHORT and _plain_ids(keys) and \
+                self._tier is None:
+            n = 0
+            for k in keys:
+                if lib.ucm_exist1(ctx, k, 0) != 1:
+                    break
+                n += 1
+            return n
+        ids, offsets, split = pack_keys(keys)
+        if not split:
+            return 0
+        n = lib.ucm_exist_prefix(ctx, ids, _ptr("uint64_t[]", offsets), len(split))
+        if self._tier is not None and n < len(split):
+            n += self._tier.exist_prefix(split[n:])  # the rest, from tier 2: one round trip
+        return n
+
+    def touch(self, keys: Iterable[Key]) -> None:
+        """Mark entries recently used (CLOCK's bit) without pinning; best effort."""
+        ctx = self._ctx
+        if ctx is None:
+            self._check_usable()
+        ids, offsets, split = pack_keys(keys)
+        if split:
+            lib.ucm_touch_many(ctx, ids, _ptr("uint64_t[]", offsets), len(split))

@@ -1,0 +1,136 @@
+"""Single flight and the wait (DESIGN 4.5, 4.6): get_or_load, aget_or_load, and the wait on a
+slot another caller is loading.  Mixed into SlotCache (``_cache``), whose ``get`` elects the
+owner; this module only decides what a caller does with the handle it got: load and publish,
+or wait (bounded, never spinning, recovering a dead loader) and read.
+"""
+from __future__ import annotations
+
+import inspect
+import threading
+import time
+from typing import Any, Callable, Optional
+
+from . import _hooks
+from ._core import ffi, lib
+from ._errors import CacheFull
+from ._keys import Key
+from ._recovery import rank_alive
+from ._slots import as_value_view, isolate_owned
+
+LIVENESS_SLICE = 0.5    # a waiter checks that the loader still lives this often (seconds)
+CANCEL_SLICE = 0.02     # an async wait's thread looks at its cancel flag this often (seconds)
+
+
+class SingleFlight:
+    """SlotCache's loading calls.  A mixin: it uses the cache's get, _hit_bytes, _recover and
+    its attributes (_ctx, _rank, _seg, _layout), and adds no state of its own."""
+
+    def get_or_load(self, key: Key, loader: Callable[[], Any], *,
+                    timeout: Optional[float] = None) -> bytes:
+        """The value for key, computed by ``loader()`` exactly once across all processes.
+
+        loader returns a bytes-like of at most slot_size bytes.  Its exception reaches this
+        caller as itself and every concurrent waiter as LoadFailed.  When the cache is full the
+        loader runs uncached (counted as a bypass)."""
+        if not callable(loader):
+            raise TypeError(f"loader must be a callable returning bytes, got "
+                            f"{type(loader).__name__}")
+        value = self._hit_bytes(key)
+        if value is not None:
+            return value
+        try:
+            h = self.get(key, timeout=timeout)
+        except CacheFull:
+            lib.ucm_stat_add(self._ctx, lib.UCM_ST_BYPASSES, 1)
+            return as_value_view(loader(), self._layout.slot_size).tobytes()
+        with h:
+            if not h.owner:
+                h.wait(timeout)
+                return bytes(h.data)
+            if _hooks._armed:
+                _hooks.fire("inside_loader")
+            try:
+                value = loader()
+                mv = as_value_view(value, self._layout.slot_size)
+            except BaseException as e:
+                h.fail(f"{type(e).__name__}: {e}")
+                raise
+            h.data[: mv.nbytes] = mv
+            h.ready(mv.nbytes)
+            return mv.tobytes()
+
+    async def aget_or_load(self, key: Key, loader: Callable[[], Any], *,
+                           timeout: Optional[float] = None) -> bytes:
+        """get_or_load for asyncio.  ``loader`` may be a plain callable or a coroutine
+        function.  A hit returns with no thread hop; a cold key makes this task the owner and
+        awaits its loader; waiting for another task's, thread's or process's load never blocks
+        the event loop (the futex wait runs in a thread) and honours ``timeout`` and
+        cancellation: a cancelled owner publishes Failed, a cancelled waiter abandons the wait,
+        never the load.  Single flight across tasks, threads and processes."""
+        if not callable(loader):
+            raise TypeError(f"loader must be a callable or a coroutine function returning "
+                            f"bytes, got {type(loader).__name__}")
+        value = self._hit_bytes(key)
+        if value is not None:
+            return value
+        isolate_owned()  # this task's own loads only (sibling tasks share the parent's set)
+        try:
+            h = self.get(key, timeout=timeout)
+        except CacheFull:
+            lib.ucm_stat_add(self._ctx, lib.UCM_ST_BYPASSES, 1)
+            value = loader()
+            if inspect.isawaitable(value):
+                value = await value
+            return as_value_view(value, self._layout.slot_size).tobytes()
+        with h:
+            if not h.owner:
+                await h.wait_async(timeout)
+                return bytes(h.data)
+            try:
+                value = loader()
+                if inspect.isawaitable(value):
+                    value = await value
+                mv = as_value_view(value, self._layout.slot_size)
+            except BaseException as e:  # CancelledError included: the load fails, waiters learn
+                h.fail(f"{type(e).__name__}: {e}")
+                raise
+            h.data[: mv.nbytes] = mv
+            h.ready(mv.nbytes)
+            return mv.tobytes()
+
+    def _wait_loaded(self, slot: int, timeout: Optional[float],
+                     cancel: Optional[threading.Event] = None) -> int:
+        """Block on the slot's state word until it leaves Loading, never past ``timeout`` and
+        never spinning.  Every LIVENESS_SLICE the loader's life lock is checked, so a dead
+        loader is recovered rather than waited for.  ``cancel`` (set, then the state word
+        woken): returns UCM_LOADING at once (an abandoned async wait)."""
+        ctx = self._ctx
+        state = ffi.new("uint32_t *")
+        start = time.monotonic()
+        deadline = None if timeout is None else start + timeout
+        slice_s = LIVENESS_SLICE if cancel is None else CANCEL_SLICE
+        lib.ucm_stat_add(ctx, lib.UCM_ST_WAITS, 1)
+        try:
+            while True:
+                if cancel is not None and cancel.is_set():
+                    return lib.UCM_LOADING
+                left = slice_s if deadline is None else min(slice_s, deadline - time.monotonic())
+                if left > 0 and lib.ucm_wait_loaded(ctx, slot, int(left * 1e9), state) == lib.UCM_OK:
+                    return state[0]
+                loader = lib.ucm_slot_loader(ctx, slot)
+                if loader != self._rank and loader < self._layout.max_ranks \
+                        and not rank_alive(self._seg, loader):
+                    # Fails its loads, this one included, waking us; bounded by our deadline.
+                    self._recover(LIVENESS_SLICE if deadline is None
+                                  else deadline - time.monotonic())
+                    st = lib.ucm_slot_state(ctx, slot)
+                    if st != lib.UCM_LOADING:
+                        return st
+                if deadline is not None and time.monotonic() >= deadline:
+                    lib.ucm_stat_add(ctx, lib.UCM_ST_WAIT_TIMEOUTS, 1)
+                    raise TimeoutError(f"key still loading after {timeout} s (the load goes on; "
+                                       "get() again to wait more)")
+        finally:
+            waited = int((time.monotonic() - start) * 1e9)
+            lib.ucm_stat_add(ctx, lib.UCM_ST_WAIT_NS, waited)
+            lib.ucm_observe(ctx, lib.UCM_HIST_WAIT, waited)
