@@ -315,9 +315,10 @@ class SlotCache(SingleFlight, Batches, Prefetching):
                   token, slot_out, owner_out) -> int:
         """The slow path for one key (one C step: lock, look again, allocate); returns the
         pin's answer (UCM_PIN_*), the pin also handed inside the step to its owner object: the
-        token, or slot_out/owner_out (a batch's arrays, covered by the batch's token).  What to do when it cannot is decided here: a
-        dead rank's pins may be what fills the cache, and a key's slot that stays claimed under
-        its stripe has a dead claimant; both are recovered and the step is tried again.  Never
+        token, or slot_out/owner_out (a batch's arrays, covered by the batch's token).  What to
+        do when it cannot is decided here: ranks came or went (look at our share of the arenas);
+        a dead rank's pins may be what fills the cache, and a key's slot that stays claimed
+        under its stripe has a dead claimant: both are recovered and the step is tried again.  Never
         CacheFull for a claim, never a spin with a stripe held, never a wait past the deadline
         (``timeout``, or STRIPE_WAIT for the stripe and CLAIM_WAIT for a dead claim)."""
         if code == lib.UCM_CORRUPT:
@@ -339,22 +340,11 @@ class SlotCache(SingleFlight, Batches, Prefetching):
             code = -r
             if code == lib.UCM_MOVED:  # ranks came or went: look at our share of arenas first
                 moved += 1
-                if moved <= MAX_MOVED:
-                    self._arenas.rebalance(min(LOCK_WAIT, max(0.0, stripe_deadline - start)))
-                elif time.monotonic() < stripe_deadline:  # they keep changing: allocate in
-                    lib.ucm_arena_epoch_seen(ctx, lib.ucm_load64(  # what we have, look later
-                        self._seg.base, lib.UCM_H_ARENA_EPOCH))
-                else:
-                    raise LockTimeout(f"segment {self.uuid!r}: ranks attached and closed faster "
-                                      f"than this get could allocate, for {STRIPE_WAIT} s")
+                self._look_at_share(moved, stripe_deadline)
                 continue
             if code == lib.UCM_TIMEOUT:
                 stripe = lib.ucm_stripe_of(ctx, lib.ucm_bucket_of(ctx, block_id, offset))
-                raise LockTimeout(
-                    f"segment {self.uuid!r}: stripe {stripe} (this key's bucket lock) stayed held "
-                    f"for {time.monotonic() - start:.1f} s by "
-                    f"{describe_stripe_holder(self._seg, stripe)}; a stripe is held for "
-                    "microseconds, so its holder is stopped, stuck, or the lock word is corrupt")
+                raise self._stripe_timeout(stripe, time.monotonic() - start)
             if code == lib.UCM_BUSY:
                 if self._recover(claim_deadline - time.monotonic()).count:
                     continue
@@ -395,6 +385,24 @@ class SlotCache(SingleFlight, Batches, Prefetching):
                 f"segment {self.uuid!r}: the slow path found inconsistent chain links or a "
                 f"broken stripe lock ({code_name(code)}); `ucmcache verify {self.uuid}` lists "
                 "what is broken")
+
+    def _look_at_share(self, moved: int, deadline: float) -> None:
+        """The slow step answered MOVED (ranks came or went): take our share of the arenas.
+        Past MAX_MOVED looks in one get, allocate in what we have and look next time."""
+        if moved <= MAX_MOVED:
+            self._arenas.rebalance(min(LOCK_WAIT, max(0.0, deadline - time.monotonic())))
+        elif time.monotonic() < deadline:
+            lib.ucm_arena_epoch_seen(self._ctx, lib.ucm_load64(self._seg.base,
+                                                               lib.UCM_H_ARENA_EPOCH))
+        else:
+            raise LockTimeout(f"segment {self.uuid!r}: ranks attached and closed faster than "
+                              f"this get could allocate, for {STRIPE_WAIT} s")
+
+    def _stripe_timeout(self, stripe: int, waited: float) -> LockTimeout:
+        return LockTimeout(
+            f"segment {self.uuid!r}: stripe {stripe} (this key's bucket lock) stayed held for "
+            f"{waited:.1f} s by {describe_stripe_holder(self._seg, stripe)}; a stripe is held "
+            "for microseconds, so its holder is stopped, stuck, or the lock word is corrupt")
 
     def _hit_bytes(self, key: Key) -> Optional[bytes]:
         """A Ready entry's bytes (pin, copy, release; no Handle), or None for anything else

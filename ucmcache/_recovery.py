@@ -154,8 +154,8 @@ def _recover_held(seg: Segment, ctx, dead: int, stripe_wait: float = RECOVERY_ST
 def _recover_holds(seg: Segment, ctx, dead: int, stripe_wait: float = RECOVERY_STRIPE_WAIT, *,
                    count_in: int) -> Recovered:
     """One C step (ucm_recover_rank): recount the arenas it was writing, fail its loads, clear
-    its pins, free its claims under their stripes, free its arenas.  Raises if a stripe stayed held past
-    stripe_wait, leaving the rank as it is for the next recovery."""
+    its pins, free its claims under their stripes, free its arenas, mark it FREE.  Raises if a
+    stripe stayed held past stripe_wait, leaving the rank as it is for the next recovery."""
     rec = Recovered(rank=dead, pid=rank_pid(seg, dead))
     counts = ffi.new("uint32_t[4]")
     # count_in: a recovery is counted by the C step itself (recovered_ranks, in that rank's
