@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List
 
 import numpy as np
 
@@ -138,37 +138,66 @@ def _stats(v: List[float]) -> Dict[str, Any]:
 
 
 # ====================================================================== the rows
+#
+# A row is (kind, function(lo, m) -> ns for m ops starting at position lo of the pools).  Every
+# timed loop is written out (no per-op indirection), bound methods looked up once before the
+# clock starts, as a user who cares would write it, for every system alike.
+
+
+class _Pools:
+    """What the rows walk: the key sequence and the batches, from position lo, wrapping, so
+    every round can start at a fresh random place without running off the end."""
+
+    def __init__(self, seq_pool: List[bytes], reqs: List[List[bytes]]):
+        self.seq_pool, self.reqs = seq_pool, reqs
+        self.NK, self.NR = len(seq_pool), len(reqs)
+
+    def keys_at(self, lo, m):
+        lo %= self.NK
+        s = self.seq_pool[lo:lo + m]
+        if len(s) < m:
+            s = s + self.seq_pool[:m - len(s)]
+        return s
+
+    def reqs_at(self, lo, m):
+        return [self.reqs[(lo + j) % self.NR] for j in range(m)]
+
+    def idx_at(self, lo, m):
+        return [(lo + j) % self.NR for j in range(m)]
 
 
 def _rows(size: int, c, lm_env, old, mod, seq_pool: List[bytes], off_of: Dict[bytes, int],
           reqs: List[List[bytes]], req_slots: List[np.ndarray], req_offs: List[List[int]],
           out: np.ndarray, out_al: np.ndarray) -> Dict[str, Any]:
-    """row id -> (kind, function(lo, m) -> ns for m ops starting at position lo of the pools).
-    Every loop is written out (no per-op indirection), bound methods looked up once, as a user
-    who cares would write it, for every system alike."""
-    pc = time.perf_counter_ns
+    """row id -> (kind, timed function), for every row the installed systems can run.  The
+    insertion order is kept as it always was: _check walks the rows in it and records them so."""
+    P = _Pools(seq_pool, reqs)
     R: Dict[str, Any] = {}
-    NK = len(seq_pool)
-    NR = len(reqs)
-    B = len(reqs[0])
-    RB = range(B)
+    R.update(_ucm_key_rows(c, P))
+    if lm_env is not None:
+        R.update(_lmdb_key_rows(lm_env, P))
+    if old is not None:
+        R.update(_old_key_rows(old, P))
+    ro = c._ro  # the segment's read-only view (what ucmcache's read views are slices of)
+    if mod is not None:
+        R.update(_floor_rows(mod, size, ro, off_of, req_offs, P))
+    R["gmdata.ucm"] = ("batch", _gmdata_ucm(c, P))
+    region = _data_region(c, size)
+    keep: list = []  # cffi views of the segment and the arrays, alive as long as the rows
+    for dst, tag in ((out, ""), (out_al, "@al")):
+        R.update(_copy_rows(size, c, lm_env, mod, ro, region, req_slots, req_offs, P, dst, tag,
+                            keep))
+    if lm_env is not None:
+        R.update(_lmdb_batch_rows(lm_env, P, out))
+    return R
 
-    def keys_at(lo, m):
-        lo %= NK
-        s = seq_pool[lo:lo + m]
-        if len(s) < m:
-            s = s + seq_pool[:m - len(s)]
-        return s
 
-    def reqs_at(lo, m):
-        return [reqs[(lo + j) % NR] for j in range(m)]
+def _ucm_key_rows(c, P: _Pools) -> Dict[str, Any]:
+    """ucmcache per key: read one byte, pin only, get_or_load and await aget_or_load hits."""
+    pc = time.perf_counter_ns
 
-    def idx_at(lo, m):
-        return [(lo + j) % NR for j in range(m)]
-
-    # ---------------------------------------------------------------- per key
     def read_ucm(lo, m):
-        seq = keys_at(lo, m)
+        seq = P.keys_at(lo, m)
         get = c.get
         t0 = pc()
         for k in seq:
@@ -177,7 +206,7 @@ def _rows(size: int, c, lm_env, old, mod, seq_pool: List[bytes], off_of: Dict[by
         return pc() - t0
 
     def pin_ucm(lo, m):
-        seq = keys_at(lo, m)
+        seq = P.keys_at(lo, m)
         get = c.get
         t0 = pc()
         for k in seq:
@@ -186,7 +215,7 @@ def _rows(size: int, c, lm_env, old, mod, seq_pool: List[bytes], off_of: Dict[by
         return pc() - t0
 
     def gol_ucm(lo, m):
-        seq = keys_at(lo, m)
+        seq = P.keys_at(lo, m)
         gol = c.get_or_load
 
         def loader():
@@ -199,7 +228,7 @@ def _rows(size: int, c, lm_env, old, mod, seq_pool: List[bytes], off_of: Dict[by
     loop = asyncio.new_event_loop()  # one loop for every repetition (closed by the GC)
 
     def agol_ucm(lo, m):
-        seq = keys_at(lo, m)
+        seq = P.keys_at(lo, m)
         agol = c.aget_or_load
 
         def loader():
@@ -212,114 +241,126 @@ def _rows(size: int, c, lm_env, old, mod, seq_pool: List[bytes], off_of: Dict[by
             return pc() - t0
         return loop.run_until_complete(run())
 
-    R["read.ucm"] = ("key", read_ucm)
-    R["pin.ucm"] = ("key", pin_ucm)
-    R["gol.ucm"] = ("key", gol_ucm)
-    R["agol.ucm"] = ("key", agol_ucm)
+    return {"read.ucm": ("key", read_ucm), "pin.ucm": ("key", pin_ucm),
+            "gol.ucm": ("key", gol_ucm), "agol.ucm": ("key", agol_ucm)}
 
-    if lm_env is not None:
-        def read_lmdb(lo, m):
-            seq = keys_at(lo, m)
-            begin = lm_env.begin
-            t0 = pc()
-            for k in seq:
-                with begin(buffers=True) as t:
-                    t.get(k)[0]
-            return pc() - t0
 
-        def gol_lmdb(lo, m):
-            seq = keys_at(lo, m)
-            begin = lm_env.begin
-            t0 = pc()
-            for k in seq:
-                with begin() as t:
-                    t.get(k)
-            return pc() - t0
-        R["read.lmdb"] = ("key", read_lmdb)
-        R["gol.lmdb"] = ("key", gol_lmdb)
+def _lmdb_key_rows(lm_env, P: _Pools) -> Dict[str, Any]:
+    """py-lmdb per key: one byte through a buffers txn, and the value as bytes."""
+    pc = time.perf_counter_ns
 
-    if old is not None:
-        def read_old(lo, m):
-            seq = keys_at(lo, m)
-            get = old.get
-            t0 = pc()
-            for k in seq:
-                with get(k) as h:
-                    h.data[0]
-            return pc() - t0
+    def read_lmdb(lo, m):
+        seq = P.keys_at(lo, m)
+        begin = lm_env.begin
+        t0 = pc()
+        for k in seq:
+            with begin(buffers=True) as t:
+                t.get(k)[0]
+        return pc() - t0
 
-        def pin_old(lo, m):
-            seq = keys_at(lo, m)
-            get = old.get
-            t0 = pc()
-            for k in seq:
-                with get(k):
-                    pass
-            return pc() - t0
-        R["read.old"] = ("key", read_old)
-        R["pin.old"] = ("key", pin_old)
+    def gol_lmdb(lo, m):
+        seq = P.keys_at(lo, m)
+        begin = lm_env.begin
+        t0 = pc()
+        for k in seq:
+            with begin() as t:
+                t.get(k)
+        return pc() - t0
+    return {"read.lmdb": ("key", read_lmdb), "gol.lmdb": ("key", gol_lmdb)}
 
-    ro = c._ro  # the segment's read-only view (what ucmcache's read views are slices of)
-    if mod is not None:
-        ffi, lib = mod.ffi, mod.lib
-        NULL = ffi.NULL
-        _EmptyCM.release, _EmptyCM.null, _BatchCM.null = lib.bench_noop_release, NULL, NULL
-        noop_lookup, noop_release = lib.bench_noop_lookup, lib.bench_noop_release
-        many, rel_many = lib.bench_noop_many, lib.bench_noop_release_many
-        n = size
-        CM = _EmptyCM
 
-        def read_floor(lo, m):
-            seq = keys_at(lo, m)
-            t0 = pc()
-            for k in seq:
-                with CM(noop_lookup(NULL, k, 0, 64, 1)):
-                    pass
-            return pc() - t0
+def _old_key_rows(old, P: _Pools) -> Dict[str, Any]:
+    """The old design's Python wrapper per key, written exactly as ucmcache's rows."""
+    pc = time.perf_counter_ns
 
-        def read_floor_view(lo, m):
-            pairs = [(k, off_of[k]) for k in keys_at(lo, m)]
-            t0 = pc()
-            for k, o in pairs:
-                with CM(noop_lookup(NULL, k, 0, 64, 1)):
+    def read_old(lo, m):
+        seq = P.keys_at(lo, m)
+        get = old.get
+        t0 = pc()
+        for k in seq:
+            with get(k) as h:
+                h.data[0]
+        return pc() - t0
+
+    def pin_old(lo, m):
+        seq = P.keys_at(lo, m)
+        get = old.get
+        t0 = pc()
+        for k in seq:
+            with get(k):
+                pass
+        return pc() - t0
+    return {"read.old": ("key", read_old), "pin.old": ("key", pin_old)}
+
+
+def _floor_rows(mod, size: int, ro, off_of: Dict[bytes, int], req_offs: List[List[int]],
+                P: _Pools) -> Dict[str, Any]:
+    """The Python floors: ucmcache's steps made of no-op cffi calls, reading the same source
+    addresses as ucmcache does (what any Python API of this shape costs)."""
+    pc = time.perf_counter_ns
+    ffi, lib = mod.ffi, mod.lib
+    NULL = ffi.NULL
+    _EmptyCM.release, _EmptyCM.null, _BatchCM.null = lib.bench_noop_release, NULL, NULL
+    noop_lookup, noop_release = lib.bench_noop_lookup, lib.bench_noop_release
+    many, rel_many = lib.bench_noop_many, lib.bench_noop_release_many
+    n = size
+    B = len(P.reqs[0])
+    CM = _EmptyCM
+
+    def read_floor(lo, m):
+        seq = P.keys_at(lo, m)
+        t0 = pc()
+        for k in seq:
+            with CM(noop_lookup(NULL, k, 0, 64, 1)):
+                pass
+        return pc() - t0
+
+    def read_floor_view(lo, m):
+        pairs = [(k, off_of[k]) for k in P.keys_at(lo, m)]
+        t0 = pc()
+        for k, o in pairs:
+            with CM(noop_lookup(NULL, k, 0, 64, 1)):
+                ro[o:o + n][0]
+        return pc() - t0
+
+    def floor_gol(k, o):
+        noop_lookup(NULL, k, 0, 64, 2)
+        noop_release(NULL, 0)
+        return ro[o:o + n].tobytes()
+
+    def gol_floor(lo, m):
+        pairs = [(k, off_of[k]) for k in P.keys_at(lo, m)]
+        f = floor_gol
+        t0 = pc()
+        for k, o in pairs:
+            f(k, o)
+        return pc() - t0
+
+    offs = ffi.from_buffer("uint64_t[]", np.zeros(B, dtype=np.uint64))
+    outb = ffi.from_buffer("uint8_t[]", np.zeros(B, dtype=np.uint8))
+    slots_c = ffi.from_buffer("uint32_t[]", np.zeros(B, dtype=np.uint32))
+
+    def gmdata_floor(lo, m):
+        idx = P.idx_at(lo, m)
+        rq = [(P.reqs[i], req_offs[i]) for i in idx]
+        BCM = _BatchCM
+        t0 = pc()
+        for r, os_ in rq:
+            with BCM(many(NULL, b"".join(r), offs, B, outb), rel_many, slots_c, B):
+                for o in os_:
                     ro[o:o + n][0]
-            return pc() - t0
+        return pc() - t0
+    return {"read.floor": ("key", read_floor), "read.floor_view": ("key", read_floor_view),
+            "gol.floor": ("key", gol_floor), "gmdata.floor": ("batch", gmdata_floor)}
 
-        def floor_gol(k, o):
-            noop_lookup(NULL, k, 0, 64, 2)
-            noop_release(NULL, 0)
-            return ro[o:o + n].tobytes()
 
-        def gol_floor(lo, m):
-            pairs = [(k, off_of[k]) for k in keys_at(lo, m)]
-            f = floor_gol
-            t0 = pc()
-            for k, o in pairs:
-                f(k, o)
-            return pc() - t0
+def _gmdata_ucm(c, P: _Pools):
+    """ucmcache per batch: get_many, then every value's first byte."""
+    pc = time.perf_counter_ns
+    RB = range(len(P.reqs[0]))
 
-        offs = ffi.from_buffer("uint64_t[]", np.zeros(B, dtype=np.uint64))
-        outb = ffi.from_buffer("uint8_t[]", np.zeros(B, dtype=np.uint8))
-        slots_c = ffi.from_buffer("uint32_t[]", np.zeros(B, dtype=np.uint32))
-
-        def gmdata_floor(lo, m):
-            idx = idx_at(lo, m)
-            rq = [(reqs[i], req_offs[i]) for i in idx]
-            BCM = _BatchCM
-            t0 = pc()
-            for r, os_ in rq:
-                with BCM(many(NULL, b"".join(r), offs, B, outb), rel_many, slots_c, B):
-                    for o in os_:
-                        ro[o:o + n][0]
-            return pc() - t0
-        R["read.floor"] = ("key", read_floor)
-        R["read.floor_view"] = ("key", read_floor_view)
-        R["gol.floor"] = ("key", gol_floor)
-        R["gmdata.floor"] = ("batch", gmdata_floor)
-
-    # ---------------------------------------------------------------- per batch
     def gmdata_ucm(lo, m):
-        rq = reqs_at(lo, m)
+        rq = P.reqs_at(lo, m)
         gm = c.get_many
         t0 = pc()
         for r in rq:
@@ -328,106 +369,128 @@ def _rows(size: int, c, lm_env, old, mod, seq_pool: List[bytes], off_of: Dict[by
                 for i in RB:
                     data(i)[0]
         return pc() - t0
-    R["gmdata.ucm"] = ("batch", gmdata_ucm)
+    return gmdata_ucm
 
+
+def _data_region(c, size: int) -> np.ndarray:
+    """The segment's data region as a (slots, stride) uint8 array: the memcpy floor's source."""
     L = c.layout
-    region = np.frombuffer(ro, dtype=np.uint8, count=L.n_slots * L.slot_stride,
+    region = np.frombuffer(c._ro, dtype=np.uint8, count=L.n_slots * L.slot_stride,
                            offset=L.data_off).reshape(L.n_slots, L.slot_stride)
     if L.slot_stride != size:  # np.take would first copy a non-contiguous source
         raise RuntimeError(f"slot stride {L.slot_stride} != value size {size}: the memcpy floor "
                            "assumes whole-slot rows")
+    return region
 
-    def copy_rows(dst, tag):
-        """The copying rows into dst (out as numpy allocates it, or page-aligned: '@al')."""
-        def gather_ucm(lo, m):
-            rq = reqs_at(lo, m)
-            gm = c.get_many
-            t0 = pc()
-            for r in rq:
-                with gm(r) as hb:
-                    hb.gather(dst)
-            return pc() - t0
 
-        def read_many_ucm(lo, m):
-            rq = reqs_at(lo, m)
-            rm = c.read_many
-            t0 = pc()
-            for r in rq:
-                rm(r, dst)
-            return pc() - t0
+def _copy_rows(size: int, c, lm_env, mod, ro, region: np.ndarray, req_slots: List[np.ndarray],
+               req_offs: List[List[int]], P: _Pools, dst: np.ndarray, tag: str,
+               keep: list) -> Dict[str, Any]:
+    """The copying rows into dst (out as numpy allocates it, or page-aligned: tag '@al')."""
+    pc = time.perf_counter_ns
 
-        def copy_floor(lo, m):
-            sl = [req_slots[i] for i in idx_at(lo, m)]
-            take = np.take
-            t0 = pc()
-            for s in sl:
-                take(region, s, axis=0, out=dst, mode="clip")  # "raise" would buffer out
-            return pc() - t0
-        R["gather.ucm" + tag] = ("batch", gather_ucm)
-        R["read_many.ucm" + tag] = ("batch", read_many_ucm)
-        R["copy.floor" + tag] = ("batch", copy_floor)
-        if mod is not None:
-            ffi_, copy = mod.ffi, mod.lib.bench_copy_rows
-            base = ffi_.from_buffer("char[]", ro)
-            dst_p = ffi_.from_buffer("char[]", dst, require_writable=True)
-            offs_p = [ffi_.from_buffer("uint64_t[]", np.asarray(o, dtype=np.uint64))
-                      for o in req_offs]
-            keep.append((base, dst_p, offs_p))
+    def gather_ucm(lo, m):
+        rq = P.reqs_at(lo, m)
+        gm = c.get_many
+        t0 = pc()
+        for r in rq:
+            with gm(r) as hb:
+                hb.gather(dst)
+        return pc() - t0
 
-            def copy_cfloor(lo, m):
-                op = [offs_p[i] for i in idx_at(lo, m)]
-                t0 = pc()
-                for o in op:
-                    copy(base, o, B, dst_p, size)
-                return pc() - t0
-            R["copy.cfloor" + tag] = ("batch", copy_cfloor)
-        if lm_env is None:
-            return
-        dst_rows = [memoryview(dst[i]) for i in range(B)]  # made once, like dst itself
+    def read_many_ucm(lo, m):
+        rq = P.reqs_at(lo, m)
+        rm = c.read_many
+        t0 = pc()
+        for r in rq:
+            rm(r, dst)
+        return pc() - t0
 
-        def copy_lmdb(lo, m):
-            rq = reqs_at(lo, m)
-            begin = lm_env.begin
-            rows = dst_rows
-            t0 = pc()
-            for r in rq:
-                with begin(buffers=True) as t:
-                    get = t.get
-                    for row, k in zip(rows, r):
-                        row[:] = get(k)
-            return pc() - t0
-        R["copy.lmdb" + tag] = ("batch", copy_lmdb)
-
-    keep: list = []  # cffi views of the segment and the arrays, alive as long as the rows
-    copy_rows(out, "")
-    copy_rows(out_al, "@al")
-
+    def copy_floor(lo, m):
+        sl = [req_slots[i] for i in P.idx_at(lo, m)]
+        take = np.take
+        t0 = pc()
+        for s in sl:
+            take(region, s, axis=0, out=dst, mode="clip")  # "raise" would buffer out
+        return pc() - t0
+    R = {"gather.ucm" + tag: ("batch", gather_ucm),
+         "read_many.ucm" + tag: ("batch", read_many_ucm),
+         "copy.floor" + tag: ("batch", copy_floor)}
+    if mod is not None:
+        R["copy.cfloor" + tag] = ("batch", _copy_cfloor(mod, size, ro, req_offs, P, dst, keep))
     if lm_env is not None:
-        def gmdata_lmdb(lo, m):
-            rq = reqs_at(lo, m)
-            begin = lm_env.begin
-            t0 = pc()
-            for r in rq:
-                with begin(buffers=True) as t:
-                    get = t.get
-                    for k in r:
-                        get(k)[0]
-            return pc() - t0
-
-        def copy_lmdb_np(lo, m):
-            rq = reqs_at(lo, m)
-            begin = lm_env.begin
-            fb, u8 = np.frombuffer, np.uint8
-            t0 = pc()
-            for r in rq:
-                with begin(buffers=True) as t:
-                    get = t.get
-                    for i, k in enumerate(r):
-                        out[i] = fb(get(k), u8)
-            return pc() - t0
-        R["gmdata.lmdb"] = ("batch", gmdata_lmdb)
-        R["copy.lmdb_np"] = ("batch", copy_lmdb_np)
+        R["copy.lmdb" + tag] = ("batch", _copy_lmdb(lm_env, P, dst))
     return R
+
+
+def _copy_cfloor(mod, size: int, ro, req_offs: List[List[int]], P: _Pools, dst: np.ndarray,
+                 keep: list):
+    """The C memcpy floor: one cffi call making the batch's 64 memcpy of the same slots."""
+    pc = time.perf_counter_ns
+    B = len(P.reqs[0])
+    ffi_, copy = mod.ffi, mod.lib.bench_copy_rows
+    base = ffi_.from_buffer("char[]", ro)
+    dst_p = ffi_.from_buffer("char[]", dst, require_writable=True)
+    offs_p = [ffi_.from_buffer("uint64_t[]", np.asarray(o, dtype=np.uint64))
+              for o in req_offs]
+    keep.append((base, dst_p, offs_p))
+
+    def copy_cfloor(lo, m):
+        op = [offs_p[i] for i in P.idx_at(lo, m)]
+        t0 = pc()
+        for o in op:
+            copy(base, o, B, dst_p, size)
+        return pc() - t0
+    return copy_cfloor
+
+
+def _copy_lmdb(lm_env, P: _Pools, dst: np.ndarray):
+    """py-lmdb's copy into dst: one txn, 64 buffers copied into dst's rows."""
+    pc = time.perf_counter_ns
+    B = len(P.reqs[0])
+    dst_rows = [memoryview(dst[i]) for i in range(B)]  # made once, like dst itself
+
+    def copy_lmdb(lo, m):
+        rq = P.reqs_at(lo, m)
+        begin = lm_env.begin
+        rows = dst_rows
+        t0 = pc()
+        for r in rq:
+            with begin(buffers=True) as t:
+                get = t.get
+                for row, k in zip(rows, r):
+                    row[:] = get(k)
+        return pc() - t0
+    return copy_lmdb
+
+
+def _lmdb_batch_rows(lm_env, P: _Pools, out: np.ndarray) -> Dict[str, Any]:
+    """py-lmdb per batch: every value's first byte, and the copy written the numpy way."""
+    pc = time.perf_counter_ns
+
+    def gmdata_lmdb(lo, m):
+        rq = P.reqs_at(lo, m)
+        begin = lm_env.begin
+        t0 = pc()
+        for r in rq:
+            with begin(buffers=True) as t:
+                get = t.get
+                for k in r:
+                    get(k)[0]
+        return pc() - t0
+
+    def copy_lmdb_np(lo, m):
+        rq = P.reqs_at(lo, m)
+        begin = lm_env.begin
+        fb, u8 = np.frombuffer, np.uint8
+        t0 = pc()
+        for r in rq:
+            with begin(buffers=True) as t:
+                get = t.get
+                for i, k in enumerate(r):
+                    out[i] = fb(get(k), u8)
+        return pc() - t0
+    return {"gmdata.lmdb": ("batch", gmdata_lmdb), "copy.lmdb_np": ("batch", copy_lmdb_np)}
 
 
 # ====================================================================== checks
@@ -502,110 +565,31 @@ def _one_size(env, ucm_sys, lm_sys, old_sys, size, nk, B, reps, rounds, slice_s,
             for _ in range(cfg["s7_distinct_batches"])]
     made = []  # (system, spec, client), destroyed in reverse order
     rows: Dict[str, Any] = {}
-    # out as a user makes it (numpy's allocation: on Linux a large array starts 16 bytes into a
-    # page, so its rows sit 16 bytes past the segment's page-aligned slots), and a page-aligned
-    # one: memcpy speed on some CPUs depends on that offset (the "@al" rows).
-    outarr = np.zeros((B, size), dtype=np.uint8)
-    raw = np.zeros(B * size + 4096, dtype=np.uint8)
-    a0 = (-raw.ctypes.data) % 4096
-    out_al = raw[a0:a0 + B * size].reshape(B, size)
+    outarr, out_al = _out_arrays(B, size)
     try:
-        spec, ucl = ucm_sys.create(slot_size=size, slots_per_rank=nk + 64, max_ranks=1, n_keys=nk)
-        made.append((ucm_sys, spec, ucl))
-        ucl.populate(ks, pay)
-        c = ucl.c
-        lm_env = old = None
-        if lm_sys is not None:
-            spec, lcl = lm_sys.create(slot_size=size, n_keys=nk)
-            made.append((lm_sys, spec, lcl))
-            lcl.populate(ks, pay)
-            lm_env = lcl.env
-        if old_sys is not None:
-            spec, ocl = old_sys.create(slot_size=size, slots_per_rank=nk + 64, max_ranks=1)
-            made.append((old_sys, spec, ocl))
-            ocl.populate(ks, pay)
-            old = ocl.c
-        # where each key lives (for the floors: the same source addresses as ucmcache reads)
-        L = c.layout
-        off_of: Dict[bytes, int] = {}
-        for k in ks:
-            with c.get(k) as h:
-                off_of[k] = L.data_off + h.slot * L.slot_stride
-        req_slots, req_offs = [], []
-        for r in reqs:
-            with c.get_many(r) as hb:
-                s = hb.slots.astype(np.intp)
-            req_slots.append(s)
-            req_offs.append((s * L.slot_stride + L.data_off).tolist())
+        c, lm_env, old = _populate(ucm_sys, lm_sys, old_sys, size, nk, ks, pay, made)
+        off_of, req_slots, req_offs = _slot_addresses(c, ks, reqs)
         rows = _rows(size, c, lm_env, old, env.old_mod, seq_pool, off_of, reqs, req_slots,
                      req_offs, outarr, out_al)
         checks = _check(c, reqs, outarr, out_al, pay, rows)
         if not all(checks.values()):
             raise RuntimeError(f"a read row does not return the payload: {checks}")
         ids = [r for r in LABELS if r in rows]
-        # calibrate: ops per slice so each slice lasts about slice_s
-        per_op: Dict[str, float] = {}
-        counts: Dict[str, int] = {}
-        for rid in ids:
-            kind, fn = rows[rid]
-            probe = 300 if kind == "key" else 6
-            fn(0, probe)  # warm-up
-            per_op[rid] = fn(probe, probe) / probe
-            lo, hi = (cfg["s7_min_keys"], cfg["s7_max_keys"]) if kind == "key" else \
-                (cfg["s7_min_batches"], cfg["s7_max_batches"])
-            counts[rid] = int(max(lo, min(hi, slice_s * 1e9 / max(per_op[rid], 1.0))))
-        ns = {rid: [0] * reps for rid in ids}
-        ops = {rid: [0] * reps for rid in ids}
-        prng = np.random.default_rng(700 + size)
-        loads = []
-        for rep in range(reps):
-            for rnd in range(rounds):
-                # a fresh random order every round: no row always follows the same one (a
-                # 4 MiB copy before a per-key row would always leave it cold caches)
-                order = [ids[i] for i in prng.permutation(len(ids))]
-                start = int(prng.integers(0, 1 << 30))  # this round's keys / batches
-                for rid in order:
-                    kind, fn = rows[rid]
-                    m = counts[rid]
-                    ns[rid][rep] += fn(start, m)
-                    ops[rid][rep] += m
-            loads.append(common.loadavg()[:1])
-        result_rows: Dict[str, Any] = {}
-        for rid in ids:
-            kind = rows[rid][0]
-            per = [ns[rid][r] / ops[rid][r] for r in range(reps)]
-            st = _stats(per)
-            st.update(kind=kind, label=LABELS[rid], ops_per_slice=counts[rid],
-                      slices=reps * rounds)
-            if kind == "batch":
-                st["per_key_median"] = round(st["median"] / B, 1)
-            result_rows[rid] = st
-        ratios: Dict[str, Any] = {}
-        for name, num, den, what in RATIOS:
-            if num in ns and den in ns:
-                v = [(ns[num][r] / ops[num][r]) / (ns[den][r] / ops[den][r]) for r in range(reps)]
-                st = _stats(v)
-                st.update(num=num, den=den, what=what)
-                ratios[name] = st
-        mb = B * size / 2**20
+        counts = _calibrate(rows, ids, cfg, slice_s)
+        ns, ops, loads = _interleave(rows, ids, counts, reps, rounds, size)
+        result_rows = _row_stats(rows, ids, ns, ops, counts, reps, rounds, B)
+        ratios = _ratio_stats(ns, ops, reps)
         fl = result_rows["copy.floor"]["median"]
         blk = {"keys": nk, "value_bytes": size, "batch_bytes": B * size, "checks": checks,
                "out_page_offset": int(outarr.ctypes.data % 4096),
                "rows": result_rows, "ratios": ratios, "load_1min_per_rep": loads,
                "memcpy_floor_gb_s": round(B * size / fl, 2) if fl else None,
                "loop_overhead_ns": round(common.loop_overhead(seq_pool[:20000]), 1)}
-        for rid in ids:
-            r = result_rows[rid]
-            log(f"[7 reads] {size:>5} B {rid:<16} {r['median']:>10.0f} ns/{r['kind']} "
-                f"[{r['min']:.0f}-{r['max']:.0f}]")
-        for name, r in ratios.items():
-            log(f"[7 reads] {size:>5} B {name:<22} {r['median']:.2f}x [{r['min']:.2f}-{r['max']:.2f}]")
-        log(f"[7 reads] {size:>5} B memcpy floor {blk['memcpy_floor_gb_s']} GB/s "
-            f"({mb:.2f} MiB per batch)")
+        _log_size(size, B, ids, result_rows, ratios, blk, log)
         return blk
     finally:
         rows = {}
-        outarr = out_al = raw = None
+        outarr = out_al = None
         import gc
 
         gc.collect()  # the rows' closures hold views of the segment
@@ -614,3 +598,132 @@ def _one_size(env, ucm_sys, lm_sys, old_sys, size, nk, B, reps, rounds, slice_s,
                 cl.close()
             finally:
                 system.destroy(spec)
+
+
+def _out_arrays(B: int, size: int):
+    """(out, out_al): out as a user makes it (numpy's allocation: on Linux a
+    large array starts 16 bytes into a page, so its rows sit 16 bytes past the segment's
+    page-aligned slots), and a page-aligned one: memcpy speed on some CPUs depends on that
+    offset (the "@al" rows)."""
+    outarr = np.zeros((B, size), dtype=np.uint8)
+    raw = np.zeros(B * size + 4096, dtype=np.uint8)
+    a0 = (-raw.ctypes.data) % 4096
+    out_al = raw[a0:a0 + B * size].reshape(B, size)
+    return outarr, out_al
+
+
+def _populate(ucm_sys, lm_sys, old_sys, size, nk, ks, pay, made):
+    """Every selected system filled with the same keys and payload: (ucmcache's cache, py-lmdb's
+    env or None, the old design's cache or None).  Each is appended to made as soon as it
+    exists, so the caller destroys it even if a later one fails."""
+    spec, ucl = ucm_sys.create(slot_size=size, slots_per_rank=nk + 64, max_ranks=1, n_keys=nk)
+    made.append((ucm_sys, spec, ucl))
+    ucl.populate(ks, pay)
+    lm_env = old = None
+    if lm_sys is not None:
+        spec, lcl = lm_sys.create(slot_size=size, n_keys=nk)
+        made.append((lm_sys, spec, lcl))
+        lcl.populate(ks, pay)
+        lm_env = lcl.env
+    if old_sys is not None:
+        spec, ocl = old_sys.create(slot_size=size, slots_per_rank=nk + 64, max_ranks=1)
+        made.append((old_sys, spec, ocl))
+        ocl.populate(ks, pay)
+        old = ocl.c
+    return ucl.c, lm_env, old
+
+
+def _slot_addresses(c, ks, reqs):
+    """Where each key and each batch's keys live in the segment, so the floors read the same
+    source addresses as ucmcache: (key -> byte offset, per batch its slots, per batch its
+    byte offsets)."""
+    L = c.layout
+    off_of: Dict[bytes, int] = {}
+    for k in ks:
+        with c.get(k) as h:
+            off_of[k] = L.data_off + h.slot * L.slot_stride
+    req_slots, req_offs = [], []
+    for r in reqs:
+        with c.get_many(r) as hb:
+            s = hb.slots.astype(np.intp)
+        req_slots.append(s)
+        req_offs.append((s * L.slot_stride + L.data_off).tolist())
+    return off_of, req_slots, req_offs
+
+
+def _calibrate(rows, ids, cfg, slice_s) -> Dict[str, int]:
+    """Ops per slice for each row, so each slice lasts about slice_s (within the config's
+    bounds): a short probe after a warm-up."""
+    counts: Dict[str, int] = {}
+    for rid in ids:
+        kind, fn = rows[rid]
+        probe = 300 if kind == "key" else 6
+        fn(0, probe)  # warm-up
+        per_op = fn(probe, probe) / probe
+        lo, hi = (cfg["s7_min_keys"], cfg["s7_max_keys"]) if kind == "key" else \
+            (cfg["s7_min_batches"], cfg["s7_max_batches"])
+        counts[rid] = int(max(lo, min(hi, slice_s * 1e9 / max(per_op, 1.0))))
+    return counts
+
+
+def _interleave(rows, ids, counts, reps, rounds, size):
+    """The measurement: reps x rounds, every row one slice per round.  Returns per row the ns
+    and ops summed per repetition, and the 1-minute load after each repetition."""
+    ns = {rid: [0] * reps for rid in ids}
+    ops = {rid: [0] * reps for rid in ids}
+    prng = np.random.default_rng(700 + size)
+    loads = []
+    for rep in range(reps):
+        for rnd in range(rounds):
+            # a fresh random order every round: no row always follows the same one (a
+            # 4 MiB copy before a per-key row would always leave it cold caches)
+            order = [ids[i] for i in prng.permutation(len(ids))]
+            start = int(prng.integers(0, 1 << 30))  # this round's keys / batches
+            for rid in order:
+                kind, fn = rows[rid]
+                m = counts[rid]
+                ns[rid][rep] += fn(start, m)
+                ops[rid][rep] += m
+        loads.append(common.loadavg()[:1])
+    return ns, ops, loads
+
+
+def _row_stats(rows, ids, ns, ops, counts, reps, rounds, B) -> Dict[str, Any]:
+    """Each row's time per op (per key or per batch), median [min-max] over the repetitions."""
+    result_rows: Dict[str, Any] = {}
+    for rid in ids:
+        kind = rows[rid][0]
+        per = [ns[rid][r] / ops[rid][r] for r in range(reps)]
+        st = _stats(per)
+        st.update(kind=kind, label=LABELS[rid], ops_per_slice=counts[rid],
+                  slices=reps * rounds)
+        if kind == "batch":
+            st["per_key_median"] = round(st["median"] / B, 1)
+        result_rows[rid] = st
+    return result_rows
+
+
+def _ratio_stats(ns, ops, reps) -> Dict[str, Any]:
+    """The RATIOS whose two rows both ran, computed within each repetition (so a change of the
+    machine's load cancels out) and reported as median [min-max]."""
+    ratios: Dict[str, Any] = {}
+    for name, num, den, what in RATIOS:
+        if num in ns and den in ns:
+            v = [(ns[num][r] / ops[num][r]) / (ns[den][r] / ops[den][r]) for r in range(reps)]
+            st = _stats(v)
+            st.update(num=num, den=den, what=what)
+            ratios[name] = st
+    return ratios
+
+
+def _log_size(size, B, ids, result_rows, ratios, blk, log) -> None:
+    """One value size's figures, as the run goes."""
+    mb = B * size / 2**20
+    for rid in ids:
+        r = result_rows[rid]
+        log(f"[7 reads] {size:>5} B {rid:<16} {r['median']:>10.0f} ns/{r['kind']} "
+            f"[{r['min']:.0f}-{r['max']:.0f}]")
+    for name, r in ratios.items():
+        log(f"[7 reads] {size:>5} B {name:<22} {r['median']:.2f}x [{r['min']:.2f}-{r['max']:.2f}]")
+    log(f"[7 reads] {size:>5} B memcpy floor {blk['memcpy_floor_gb_s']} GB/s "
+        f"({mb:.2f} MiB per batch)")

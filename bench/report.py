@@ -328,6 +328,9 @@ def _systems_in(*dicts) -> List[str]:
     return [s for s in ORDER if s in seen]
 
 
+# how a target's "met" (True, False, or None: not measured) reads in a markdown table
+_MET_CELL = {True: "yes", False: "**no**", None: "n/a"}
+
 _READ_GROUPS = [
     ("per key: read one byte of the value", ["read.ucm", "read.lmdb", "read.old", "read.floor",
                                              "read.floor_view"]),
@@ -411,8 +414,7 @@ def _md_reads(out: Dict[str, Any]) -> List[str]:
         L.append("| target | goal | measured median [min-max] | met |")
         L.append("|---|---|---|---|")
         for t in T:
-            L.append(f"| {t['target']} | {t['goal']} | {t['detail']} | "
-                     f"{ {True: 'yes', False: '**no**', None: 'n/a'}[t['met']] } |")
+            L.append(f"| {t['target']} | {t['goal']} | {t['detail']} | {_MET_CELL[t['met']]} |")
         L.append("")
     return L
 
@@ -474,14 +476,21 @@ def _md_arenas(out: Dict[str, Any]) -> List[str]:
 
 
 def markdown(out: Dict[str, Any]) -> str:
-    m = out["meta"]
-    R = out.get("ratios", {})
-
-    def X(*path):
-        return fmt_xr(out, *path)
+    """latest.md: the run's header, then one section per scenario present in out, then how it
+    is measured.  Each section is its own function below (issue 18: short functions)."""
     L: List[str] = []
-    L.append("# ucmcache benchmark results")
-    L.append("")
+    for section in (_md_header, _md_baselines, _md_targets, _md_reads, _md_arenas, _md_hit,
+                    _md_batch, _md_mix, _md_flight, _md_churn, _md_tier2, _md_layout,
+                    _md_readme_tables):
+        L.extend(section(out))
+    L.extend(_md_method())
+    return "\n".join(L)
+
+
+def _md_header(out: Dict[str, Any]) -> List[str]:
+    """Title, how to rerun, what x means, and a warning when the machine was busy."""
+    m = out["meta"]
+    L = ["# ucmcache benchmark results", ""]
     L.append(f"Rerun: `{WRAPPER}` (= `.venv/bin/python -m bench.run` from the repository root; add `--quick` for a "
              "harness check with tiny sizes). This file was written by "
              f"`{m['command']}` on {m['started']}: {m['cores']} cores, load average "
@@ -499,6 +508,8 @@ def markdown(out: Dict[str, Any]) -> str:
              (" Scenario 8 (hit rate) runs once: one process, fixed seeds, deterministic hit "
               "counts." if out.get("s8_arenas") else ""))
     lb = m.get("load_before") or []
+    # A 1-minute load above half the cores means other work competed with the multi-process
+    # scenarios: say so where a reader of the figures cannot miss it.
     if lb and m.get("cores") and lb[0] > 0.5 * m["cores"]:
         L.append("")
         L.append(f"**The machine was busy during this run** (load average {lb[0]} on {m['cores']} "
@@ -507,280 +518,330 @@ def markdown(out: Dict[str, Any]) -> str:
                  "where a woken process waits for a free CPU) are depressed. Rerun on a quiet "
                  "machine before quoting them.")
     L.append("")
-    L.append("## Baselines")
-    L.append("")
-    L.append("| system | status |")
-    L.append("|---|---|")
+    return L
+
+
+def _md_baselines(out: Dict[str, Any]) -> List[str]:
+    """Which baselines ran, and why any was skipped."""
+    L = ["## Baselines", "", "| system | status |", "|---|---|"]
     for name, b in out.get("baselines", {}).items():
         st = "available" + (f" ({b['note']})" if b.get("note") else "") if b["available"] else \
             f"**skipped**: {b.get('skipped_why')}"
         L.append(f"| {b['label']} | {st} |")
     L.append("")
-    L.append("## Targets (issue 7)")
-    L.append("")
-    L.append("| target | goal | measured | met |")
-    L.append("|---|---|---|---|")
+    return L
+
+
+def _md_targets(out: Dict[str, Any]) -> List[str]:
+    """Issue 7's targets (the reads' and the arenas' have their own tables)."""
+    L = ["## Targets (issue 7)", "", "| target | goal | measured | met |", "|---|---|---|---|"]
     for t in out.get("targets", []):
-        L.append(f"| {t['target']} | {t['goal']} | {t['detail']} | "
-                 f"{ {True: 'yes', False: '**no**', None: 'n/a'}[t['met']] } |")
+        L.append(f"| {t['target']} | {t['goal']} | {t['detail']} | {_MET_CELL[t['met']]} |")
     L.append("")
-    L.extend(_md_reads(out))
-    L.extend(_md_arenas(out))
+    return L
 
-    # ---- scenario 1
+
+def _md_hit(out: Dict[str, Any]) -> List[str]:
+    """Scenario 1: single-process hit latency, one column group per value size."""
     s1 = _get(out, "s1_hit", "by_size", default={})
-    if s1:
-        sizes = list(s1)
-        L.append("## 1. Single-process hit, pin only: get + release, ns/op")
-        L.append("")
-        L.append(f"{_get(out, 's1_hit', 'resident_keys')} resident keys, random order; each op "
-                 f"timed alone, timer overhead ({_get(out, 's1_hit', 'timer_overhead_ns'):.0f} ns) "
-                 "subtracted; x from p50. ucmcache: `with cache.get(k): pass`. **Pin only**: no "
-                 "byte of the value is read (py-lmdb's `get` does locate it); scenario 7 measures "
-                 "reads.")
-        L.append("")
-        hdr = "| system |" + "".join(f" {int(s) // 1024} KiB p50 | p99 | mean | x |" for s in sizes)
-        L.append(hdr)
-        L.append("|---|" + "---|---|---|---|" * len(sizes))
-        for sysn in _systems_in(*s1.values()):
-            cells = []
-            for s in sizes:
-                r = s1[s].get(sysn, {})
-                if "error" in r:
-                    cells.append(f" error: {r['error'][:60]} | | | |")
-                    continue
-                x = "—" if sysn == "ucmcache" else X("s1_hit_p50", s, sysn)
-                cells.append(f" {fmt_ns(r.get('p50_ns'))} | {fmt_ns(r.get('p99_ns'))} | "
-                             f"{fmt_ns(r.get('bulk_mean_ns'))} | {x} |")
-            L.append(f"| {LABELS[sysn]} |" + "".join(cells))
-        for extra, label in (("get_close", "ucmcache `h = get(k); h.close()`"),
-                             ("get_data_close", "ucmcache `with get(k) as h: h.data`")):
-            cells = []
-            for s in sizes:
-                r = _get(s1, s, "ucmcache", extra, default={})
-                cells.append(f" {fmt_ns(r.get('p50_ns'))} | {fmt_ns(r.get('p99_ns'))} | "
-                             f"{fmt_ns(r.get('mean_ns'))} | |")
-            L.append(f"| {label} |" + "".join(cells))
-        pf = _get(out, "py_floor", "hit")
-        if pf:
-            L.append("| Python floor (empty context manager + 2 no-op C calls) |" +
-                     "".join(f" {fmt_ns(pf['p50_ns'])} | {fmt_ns(pf['p99_ns'])} | {fmt_ns(pf['mean_ns'])} | |"
-                             for _ in sizes))
-        cf = _get(out, "c_floor", "hit")
-        if cf:
-            for d, label in (("new", "C floor: ucm_lookup_pin + ucm_release"),
-                             ("old", "C floor: old design get + release")):
-                cells = []
-                for s in sizes:
-                    r = _get(cf, s, d, default={})
-                    x = X("c_floor", "hit_p50_new_vs_old", s) if d == "old" else ""
-                    cells.append(f" {r.get('p50_ns', '—')} ns | {r.get('p99_ns', '—')} ns | "
-                                 f"{r.get('mean_ns', '—')} ns | {x} |")
-                L.append(f"| {label} |" + "".join(cells))
-            L.append("")
-            L.append("C floor p50/p99 are of 32-op chunk averages; its x column is new vs old.")
-        L.append("")
-
-    # ---- scenario 2
-    s2 = _get(out, "s2_batch", "systems", default={})
-    if s2:
-        L.append(f"## 2. Batches of {_get(out, 's2_batch', 'batch')} keys over "
-                 f"{_get(out, 's2_batch', 'resident_keys'):,} resident keys (4 KiB), ns/key")
-        L.append("")
-        L.append("Per request, divided by its key count; x from the mean. ucmcache: one `exist(keys)`; "
-                 "`with get_many(keys): pass` (**pin only**: no payload is read; scenario 7 reads "
-                 "them). LMDB: one read transaction per request.")
-        L.append("")
-        L.append("| system | exist mean | p50 | p99 | x | get_many+release (pin only) mean | p50 | p99 | x |")
-        L.append("|---|---|---|---|---|---|---|---|---|")
-        for sysn in _systems_in(s2):
-            r = s2[sysn]
-            if "error" in r:
-                L.append(f"| {LABELS[sysn]} | error: {r['error'][:80]} | | | | | | | |")
-                continue
-            e, g = r["exist_per_key"], r["get_many_per_key"]
-            xe = "—" if sysn == "ucmcache" else X("s2_exist", sysn)
-            xg = "—" if sysn == "ucmcache" else X("s2_get_many", sysn)
-            L.append(f"| {LABELS[sysn]} | {fmt_ns(e['mean_ns'])} | {fmt_ns(e['p50_ns'])} | "
-                     f"{fmt_ns(e['p99_ns'])} | {xe} | {fmt_ns(g['mean_ns'])} | {fmt_ns(g['p50_ns'])} | "
-                     f"{fmt_ns(g['p99_ns'])} | {xg} |")
-        pf = out.get("py_floor", {})
-        if "exist_per_key" in pf:
-            e, g = pf["exist_per_key"], pf["get_many_per_key"]
-            L.append(f"| Python floor (join ids + no-op C calls) | {fmt_ns(e['mean_ns'])} | "
-                     f"{fmt_ns(e['p50_ns'])} | {fmt_ns(e['p99_ns'])} | | {fmt_ns(g['mean_ns'])} | "
-                     f"{fmt_ns(g['p50_ns'])} | {fmt_ns(g['p99_ns'])} | |")
-        cb = _get(out, "c_floor", "batch")
-        if cb:
-            for d, label in (("new", "C floor: ucm_exist_many / ucm_lookup_pin_many + ucm_release_many"),
-                             ("old", "C floor: old design")):
-                r = cb[d]
-                xe = X("c_floor", "exist_new_vs_old") if d == "old" else ""
-                xg = X("c_floor", "get_many_new_vs_old") if d == "old" else ""
-                L.append(f"| {label} | {r['exist_ns_per_key']} ns | {r['exist_p50_ns_per_key']} ns | "
-                         f"{r['exist_p99_ns_per_key']} ns | {xe} | {r['get_many_ns_per_key']} ns | "
-                         f"{r['get_many_p50_ns_per_key']} ns | {r['get_many_p99_ns_per_key']} ns | {xg} |")
-        L.append("")
-
-    # ---- scenario 3
-    s3 = _get(out, "s3_mix", "by_size", default={})
-    if s3:
-        sizes = list(s3)
-        L.append(f"## 3. Hit-heavy mix: {100 - _get(out, 's3_mix', 'miss_pct')}% hits / "
-                 f"{_get(out, 's3_mix', 'miss_pct')}% misses (load + evict), total ops/s")
-        L.append("")
-        L.append("Hot set = half of one rank's slots, preloaded; misses are fresh keys (loaded, "
-                 "evicting by CLOCK where the system evicts). " +
-                 "; ".join(f"{int(s) // 1024} KiB: {b['slots_per_rank']} slots/rank, {b['hot_keys']} hot keys"
-                           for s, b in s3.items()) + ". x compares 2-process throughput.")
-        L.append("")
-        L.append("| system |" + "".join(f" {int(s) // 1024} KiB 1 proc | 2 procs | 2p/1p | hit rate | x |"
-                                        for s in sizes))
-        L.append("|---|" + "---|---|---|---|---|" * len(sizes))
-        for sysn in _systems_in(*[b["systems"] for b in s3.values()]):
-            cells = []
-            for s in sizes:
-                v = s3[s]["systems"].get(sysn, {})
-                one, two = v.get("1p", {}), v.get("2p", {})
-                if "error" in two:
-                    cells.append(f" | error: {two['error'][:60]} | | | |")
-                    continue
-                sc = X("s3_scaling", s, sysn) if one else "—"
-                x = "—" if sysn == "ucmcache" else X("s3_mix_2p", s, sysn)
-                cells.append(f" {fmt_ops(one.get('ops_per_s')) if one else '—'} | "
-                             f"{fmt_ops(two.get('ops_per_s'))} | {sc} | {two.get('hit_rate', '—')} | {x} |")
-            L.append(f"| {LABELS[sysn]} |" + "".join(cells))
-        cm = _get(out, "c_floor", "mix")
-        if cm:
-            for d, label in (("new", "C floor: ucmcache protocol steps"), ("old", "C floor: old design")):
-                cells = []
-                for s in sizes:
-                    v = _get(cm, s, d, default={})
-                    one, two = v.get("1", {}), v.get("2", {})
-                    sc = X("c_floor", f"mix_scaling_{d}", s)
-                    x = X("c_floor", "mix_2p_new_vs_old", s) if d == "old" else ""
-                    hr = round(two.get("hits", 0) / max(two.get("ops", 1), 1), 4)
-                    cells.append(f" {fmt_ops(one.get('ops_per_s'))} | {fmt_ops(two.get('ops_per_s'))} | "
-                                 f"{sc} | {hr} | {x} |")
-                L.append(f"| {label} |" + "".join(cells))
-            L.append("")
-            L.append("C floor rows: x is new vs old at 2 processes (the issue's 3x target).")
-        L.append("")
-
-    # ---- scenario 4
-    s4 = _get(out, "s4_flight", "systems", default={})
-    if s4:
-        L.append(f"## 4. Cold single flight: {_get(out, 's4_flight', 'procs')} processes ask the same "
-                 f"{_get(out, 's4_flight', 'keys')} cold keys (loader ≈ {_get(out, 's4_flight', 'load_us')} µs)")
-        L.append("")
-        L.append("Wake latency: from the owner's timestamp taken just before it publishes (ucmcache: "
-                 "before `h.ready()`) to the waiter's return from its wait, across processes. "
-                 "Baselines without a wake-up poll every 50 µs; the old design polls its ready flag. "
-                 "4 processes share 2 cores, so a woken waiter often waits for a CPU while the "
-                 "owner runs on into the next load: the C floor row (no Python) shows how much of "
-                 "the latency is scheduling. Few waits and many 'already ready' mean the processes "
-                 "seldom ran at the same time.")
-        L.append("")
-        L.append("| system | loader runs | waits | already ready | wake p50 | wake p99 | x (p50) |")
-        L.append("|---|---|---|---|---|---|---|")
-        for sysn in _systems_in(s4):
-            r = s4[sysn]
-            if "error" in r:
-                L.append(f"| {LABELS[sysn]} | error: {r['error'][:80]} | | | | | |")
-                continue
-            x = "—" if sysn == "ucmcache" else X("s4_wake_p50", sysn)
-            ok = "" if r["loader_runs"] == _get(out, "s4_flight", "keys") else " **(!)**"
-            L.append(f"| {LABELS[sysn]} | {r['loader_runs']}{ok} | {r['waits']} | {r['hits']} | "
-                     f"{fmt_us(r['wake_p50_us'])} | {fmt_us(r['wake_p99_us'])} | {x} |")
-        fl = _get(out, "c_floor", "flight")
-        if fl:
-            for d, label in (("new", "C floor: ucmcache steps (futex wait)"),
-                             ("old", "C floor: old design (polls: yield, then 50 µs sleeps)")):
-                r = fl[d]
-                L.append(f"| {label} | {r['loader_runs']} | {r['waits']} | {r['hits']} | "
-                         f"{fmt_us(r['wake_p50_us'])} | {fmt_us(r['wake_p99_us'])} | |")
-        L.append("")
-
-    # ---- scenario 5
-    s5 = _get(out, "s5_churn", "by_size", default={})
-    if s5:
-        sizes = list(s5)
-        L.append("## 5. Eviction churn: working set 4x capacity, 2 processes, ops/s")
-        L.append("")
-        L.append("; ".join(f"{int(s) // 1024} KiB: capacity {b['capacity']} slots, working set "
-                           f"{b['working_set']} keys" for s, b in s5.items()) +
-                 ". Uniform keys, every miss loads. Redis runs with maxmemory = capacity x slot "
-                 "(allkeys-lru), diskcache with size_limit = the same bytes; LMDB and the Manager "
-                 "dict do not evict, so they keep the whole working set (see their hit rates).")
-        L.append("")
-        L.append("| system |" + "".join(f" {int(s) // 1024} KiB ops/s | hit rate | x |" for s in sizes))
-        L.append("|---|" + "---|---|---|" * len(sizes))
-        for sysn in _systems_in(*[b["systems"] for b in s5.values()]):
-            cells = []
-            for s in sizes:
-                r = s5[s]["systems"].get(sysn, {})
-                if "error" in r:
-                    cells.append(f" error: {r['error'][:60]} | | |")
-                    continue
-                x = "—" if sysn == "ucmcache" else X("s5_churn", s, sysn)
-                cells.append(f" {fmt_ops(r.get('ops_per_s'))} | {r.get('hit_rate')} | {x} |")
-            L.append(f"| {LABELS[sysn]} |" + "".join(cells))
-        ch = _get(out, "c_floor", "churn")
-        if ch:
-            for d, label in (("new", "C floor: ucmcache protocol steps (4 KiB)"), ("old", "C floor: old design (4 KiB)")):
-                r = ch[d]
-                x = X("c_floor", "churn_new_vs_old") if d == "old" else ""
-                hr = round(r["hits"] / max(r["ops"], 1), 4)
-                L.append(f"| {label} | {fmt_ops(r['ops_per_s'])} | {hr} | {x} |" +
-                         " | | |" * (len(sizes) - 1))
-        L.append("")
-
-    t2 = out.get("s6_tier2")
-    if t2:
-        L.append("## 6. Tier 2 (Redis over a unix socket): local hit vs tier-2 hit vs cold miss")
-        L.append("")
-        if t2.get("skipped_why"):
-            L.append(f"Skipped: {t2['skipped_why']}.")
-        else:
-            L.append(f"`get_or_load` of {t2['keys']} keys, {t2['slot_size']} B values, mean per "
-                     "key. Node A loads every key (cold miss, written through); node B, a second "
-                     "segment with the same namespace, then gets every key from Redis; then "
-                     "again, from its own segment.")
-            L.append("")
-            L.append("| path | per key | vs local hit |")
-            L.append("|---|---|---|")
-            base = t2["local_hit_ns"]
-            for label, key in (("local hit (node B, second pass)", "local_hit_ns"),
-                               ("tier-2 hit (node B, first pass)", "tier2_hit_ns"),
-                               ("cold miss: lease + loader + write-through (node A)",
-                                "miss_with_loader_ns"),
-                               ("the loader alone", "loader_alone_ns")):
-                rel = "" if key == "loader_alone_ns" else f"{t2[key] / base:.1f}x"
-                L.append(f"| {label} | {fmt_ns(t2[key])} | {rel} |")
-            L.append("")
-            L.append(f"Loader runs: node A {t2['node_a_loader_runs']}, node B "
-                     f"{t2['node_b_loader_runs']} (it counted {t2['node_b_t2_hits']} tier-2 "
-                     f"hits). {t2['note']}.")
-        L.append("")
-
-    lay = out.get("layout")
-    if lay:
-        L.append("## Control region vs data region (4 KiB slots)")
-        L.append("")
-        L.append("| config | control region | of which SlotMeta | prefetch rings | bucket heads | data region | control / data |")
-        L.append("|---|---|---|---|---|---|---|")
-        for k, v in lay.items():
-            L.append(f"| {k} | {v['control_bytes'] / 2**20:.2f} MiB | {v['meta_bytes'] / 2**20:.2f} MiB | "
-                     f"{v['ring_bytes'] / 2**20:.2f} MiB | {v['bucket_bytes'] / 2**20:.2f} MiB | "
-                     f"{v['data_bytes'] / 2**20:.0f} MiB | {v['pct']}% |")
-        L.append("")
-    rt = readme_tables(out)
-    if rt:
-        L.append("## The README's tables (generated from this run)")
-        L.append("")
-        L.extend(rt)
-    L.append("## How it is measured")
+    if not s1:
+        return []
+    sizes = list(s1)
+    L = ["## 1. Single-process hit, pin only: get + release, ns/op", ""]
+    L.append(f"{_get(out, 's1_hit', 'resident_keys')} resident keys, random order; each op "
+             f"timed alone, timer overhead ({_get(out, 's1_hit', 'timer_overhead_ns'):.0f} ns) "
+             "subtracted; x from p50. ucmcache: `with cache.get(k): pass`. **Pin only**: no "
+             "byte of the value is read (py-lmdb's `get` does locate it); scenario 7 measures "
+             "reads.")
     L.append("")
+    hdr = "| system |" + "".join(f" {int(s) // 1024} KiB p50 | p99 | mean | x |" for s in sizes)
+    L.append(hdr)
+    L.append("|---|" + "---|---|---|---|" * len(sizes))
+    for sysn in _systems_in(*s1.values()):
+        cells = []
+        for s in sizes:
+            r = s1[s].get(sysn, {})
+            if "error" in r:
+                cells.append(f" error: {r['error'][:60]} | | | |")
+                continue
+            x = "—" if sysn == "ucmcache" else fmt_xr(out, "s1_hit_p50", s, sysn)
+            cells.append(f" {fmt_ns(r.get('p50_ns'))} | {fmt_ns(r.get('p99_ns'))} | "
+                         f"{fmt_ns(r.get('bulk_mean_ns'))} | {x} |")
+        L.append(f"| {LABELS[sysn]} |" + "".join(cells))
+    L.extend(_md_hit_variants_and_floors(out, s1, sizes))
+    L.append("")
+    return L
+
+
+def _md_hit_variants_and_floors(out: Dict[str, Any], s1: Dict[str, Any],
+                                sizes: List[str]) -> List[str]:
+    """Scenario 1's extra rows: ucmcache's other spellings of a hit, then the Python and C
+    floors (what the same steps cost without ucmcache's Python layer)."""
+    L: List[str] = []
+    for extra, label in (("get_close", "ucmcache `h = get(k); h.close()`"),
+                         ("get_data_close", "ucmcache `with get(k) as h: h.data`")):
+        cells = []
+        for s in sizes:
+            r = _get(s1, s, "ucmcache", extra, default={})
+            cells.append(f" {fmt_ns(r.get('p50_ns'))} | {fmt_ns(r.get('p99_ns'))} | "
+                         f"{fmt_ns(r.get('mean_ns'))} | |")
+        L.append(f"| {label} |" + "".join(cells))
+    pf = _get(out, "py_floor", "hit")
+    if pf:  # measured at one size: the same figure in every size's columns
+        L.append("| Python floor (empty context manager + 2 no-op C calls) |" +
+                 "".join(f" {fmt_ns(pf['p50_ns'])} | {fmt_ns(pf['p99_ns'])} | {fmt_ns(pf['mean_ns'])} | |"
+                         for _ in sizes))
+    cf = _get(out, "c_floor", "hit")
+    if cf:
+        for d, label in (("new", "C floor: ucm_lookup_pin + ucm_release"),
+                         ("old", "C floor: old design get + release")):
+            cells = []
+            for s in sizes:
+                r = _get(cf, s, d, default={})
+                x = fmt_xr(out, "c_floor", "hit_p50_new_vs_old", s) if d == "old" else ""
+                cells.append(f" {r.get('p50_ns', '—')} ns | {r.get('p99_ns', '—')} ns | "
+                             f"{r.get('mean_ns', '—')} ns | {x} |")
+            L.append(f"| {label} |" + "".join(cells))
+        L.append("")
+        L.append("C floor p50/p99 are of 32-op chunk averages; its x column is new vs old.")
+    return L
+
+
+def _md_batch(out: Dict[str, Any]) -> List[str]:
+    """Scenario 2: 64-key exist and get_many, per key, with the Python and C floors."""
+    s2 = _get(out, "s2_batch", "systems", default={})
+    if not s2:
+        return []
+    L = [f"## 2. Batches of {_get(out, 's2_batch', 'batch')} keys over "
+         f"{_get(out, 's2_batch', 'resident_keys'):,} resident keys (4 KiB), ns/key", ""]
+    L.append("Per request, divided by its key count; x from the mean. ucmcache: one `exist(keys)`; "
+             "`with get_many(keys): pass` (**pin only**: no payload is read; scenario 7 reads "
+             "them). LMDB: one read transaction per request.")
+    L.append("")
+    L.append("| system | exist mean | p50 | p99 | x | get_many+release (pin only) mean | p50 | p99 | x |")
+    L.append("|---|---|---|---|---|---|---|---|---|")
+    for sysn in _systems_in(s2):
+        r = s2[sysn]
+        if "error" in r:
+            L.append(f"| {LABELS[sysn]} | error: {r['error'][:80]} | | | | | | | |")
+            continue
+        e, g = r["exist_per_key"], r["get_many_per_key"]
+        xe = "—" if sysn == "ucmcache" else fmt_xr(out, "s2_exist", sysn)
+        xg = "—" if sysn == "ucmcache" else fmt_xr(out, "s2_get_many", sysn)
+        L.append(f"| {LABELS[sysn]} | {fmt_ns(e['mean_ns'])} | {fmt_ns(e['p50_ns'])} | "
+                 f"{fmt_ns(e['p99_ns'])} | {xe} | {fmt_ns(g['mean_ns'])} | {fmt_ns(g['p50_ns'])} | "
+                 f"{fmt_ns(g['p99_ns'])} | {xg} |")
+    pf = out.get("py_floor", {})
+    if "exist_per_key" in pf:
+        e, g = pf["exist_per_key"], pf["get_many_per_key"]
+        L.append(f"| Python floor (join ids + no-op C calls) | {fmt_ns(e['mean_ns'])} | "
+                 f"{fmt_ns(e['p50_ns'])} | {fmt_ns(e['p99_ns'])} | | {fmt_ns(g['mean_ns'])} | "
+                 f"{fmt_ns(g['p50_ns'])} | {fmt_ns(g['p99_ns'])} | |")
+    cb = _get(out, "c_floor", "batch")
+    if cb:
+        for d, label in (("new", "C floor: ucm_exist_many / ucm_lookup_pin_many + ucm_release_many"),
+                         ("old", "C floor: old design")):
+            r = cb[d]
+            xe = fmt_xr(out, "c_floor", "exist_new_vs_old") if d == "old" else ""
+            xg = fmt_xr(out, "c_floor", "get_many_new_vs_old") if d == "old" else ""
+            L.append(f"| {label} | {r['exist_ns_per_key']} ns | {r['exist_p50_ns_per_key']} ns | "
+                     f"{r['exist_p99_ns_per_key']} ns | {xe} | {r['get_many_ns_per_key']} ns | "
+                     f"{r['get_many_p50_ns_per_key']} ns | {r['get_many_p99_ns_per_key']} ns | {xg} |")
+    L.append("")
+    return L
+
+
+def _md_mix(out: Dict[str, Any]) -> List[str]:
+    """Scenario 3: hit-heavy mix, 1 and 2 processes, one column group per value size."""
+    s3 = _get(out, "s3_mix", "by_size", default={})
+    if not s3:
+        return []
+    sizes = list(s3)
+    L = [f"## 3. Hit-heavy mix: {100 - _get(out, 's3_mix', 'miss_pct')}% hits / "
+         f"{_get(out, 's3_mix', 'miss_pct')}% misses (load + evict), total ops/s", ""]
+    L.append("Hot set = half of one rank's slots, preloaded; misses are fresh keys (loaded, "
+             "evicting by CLOCK where the system evicts). " +
+             "; ".join(f"{int(s) // 1024} KiB: {b['slots_per_rank']} slots/rank, {b['hot_keys']} hot keys"
+                       for s, b in s3.items()) + ". x compares 2-process throughput.")
+    L.append("")
+    L.append("| system |" + "".join(f" {int(s) // 1024} KiB 1 proc | 2 procs | 2p/1p | hit rate | x |"
+                                    for s in sizes))
+    L.append("|---|" + "---|---|---|---|---|" * len(sizes))
+    for sysn in _systems_in(*[b["systems"] for b in s3.values()]):
+        cells = []
+        for s in sizes:
+            v = s3[s]["systems"].get(sysn, {})
+            one, two = v.get("1p", {}), v.get("2p", {})
+            if "error" in two:
+                cells.append(f" | error: {two['error'][:60]} | | | |")
+                continue
+            sc = fmt_xr(out, "s3_scaling", s, sysn) if one else "—"
+            x = "—" if sysn == "ucmcache" else fmt_xr(out, "s3_mix_2p", s, sysn)
+            cells.append(f" {fmt_ops(one.get('ops_per_s')) if one else '—'} | "
+                         f"{fmt_ops(two.get('ops_per_s'))} | {sc} | {two.get('hit_rate', '—')} | {x} |")
+        L.append(f"| {LABELS[sysn]} |" + "".join(cells))
+    L.extend(_md_mix_c_floor(out, sizes))
+    L.append("")
+    return L
+
+
+def _md_mix_c_floor(out: Dict[str, Any], sizes: List[str]) -> List[str]:
+    """Scenario 3's C floor rows (the issue's 3x target is new vs old at 2 processes)."""
+    cm = _get(out, "c_floor", "mix")
+    if not cm:
+        return []
+    L: List[str] = []
+    for d, label in (("new", "C floor: ucmcache protocol steps"), ("old", "C floor: old design")):
+        cells = []
+        for s in sizes:
+            v = _get(cm, s, d, default={})
+            one, two = v.get("1", {}), v.get("2", {})
+            sc = fmt_xr(out, "c_floor", f"mix_scaling_{d}", s)
+            x = fmt_xr(out, "c_floor", "mix_2p_new_vs_old", s) if d == "old" else ""
+            hr = round(two.get("hits", 0) / max(two.get("ops", 1), 1), 4)
+            cells.append(f" {fmt_ops(one.get('ops_per_s'))} | {fmt_ops(two.get('ops_per_s'))} | "
+                         f"{sc} | {hr} | {x} |")
+        L.append(f"| {label} |" + "".join(cells))
+    L.append("")
+    L.append("C floor rows: x is new vs old at 2 processes (the issue's 3x target).")
+    return L
+
+
+def _md_flight(out: Dict[str, Any]) -> List[str]:
+    """Scenario 4: cold single flight across processes, loader runs and wake latency."""
+    s4 = _get(out, "s4_flight", "systems", default={})
+    if not s4:
+        return []
+    L = [f"## 4. Cold single flight: {_get(out, 's4_flight', 'procs')} processes ask the same "
+         f"{_get(out, 's4_flight', 'keys')} cold keys (loader ≈ {_get(out, 's4_flight', 'load_us')} µs)",
+         ""]
+    L.append("Wake latency: from the owner's timestamp taken just before it publishes (ucmcache: "
+             "before `h.ready()`) to the waiter's return from its wait, across processes. "
+             "Baselines without a wake-up poll every 50 µs; the old design polls its ready flag. "
+             "4 processes share 2 cores, so a woken waiter often waits for a CPU while the "
+             "owner runs on into the next load: the C floor row (no Python) shows how much of "
+             "the latency is scheduling. Few waits and many 'already ready' mean the processes "
+             "seldom ran at the same time.")
+    L.append("")
+    L.append("| system | loader runs | waits | already ready | wake p50 | wake p99 | x (p50) |")
+    L.append("|---|---|---|---|---|---|---|")
+    for sysn in _systems_in(s4):
+        r = s4[sysn]
+        if "error" in r:
+            L.append(f"| {LABELS[sysn]} | error: {r['error'][:80]} | | | | | |")
+            continue
+        x = "—" if sysn == "ucmcache" else fmt_xr(out, "s4_wake_p50", sysn)
+        # more loader runs than keys means single flight failed: flag it in the table itself
+        ok = "" if r["loader_runs"] == _get(out, "s4_flight", "keys") else " **(!)**"
+        L.append(f"| {LABELS[sysn]} | {r['loader_runs']}{ok} | {r['waits']} | {r['hits']} | "
+                 f"{fmt_us(r['wake_p50_us'])} | {fmt_us(r['wake_p99_us'])} | {x} |")
+    fl = _get(out, "c_floor", "flight")
+    if fl:
+        for d, label in (("new", "C floor: ucmcache steps (futex wait)"),
+                         ("old", "C floor: old design (polls: yield, then 50 µs sleeps)")):
+            r = fl[d]
+            L.append(f"| {label} | {r['loader_runs']} | {r['waits']} | {r['hits']} | "
+                     f"{fmt_us(r['wake_p50_us'])} | {fmt_us(r['wake_p99_us'])} | |")
+    L.append("")
+    return L
+
+
+def _md_churn(out: Dict[str, Any]) -> List[str]:
+    """Scenario 5: eviction churn, throughput and hit rate per value size."""
+    s5 = _get(out, "s5_churn", "by_size", default={})
+    if not s5:
+        return []
+    sizes = list(s5)
+    L = ["## 5. Eviction churn: working set 4x capacity, 2 processes, ops/s", ""]
+    L.append("; ".join(f"{int(s) // 1024} KiB: capacity {b['capacity']} slots, working set "
+                       f"{b['working_set']} keys" for s, b in s5.items()) +
+             ". Uniform keys, every miss loads. Redis runs with maxmemory = capacity x slot "
+             "(allkeys-lru), diskcache with size_limit = the same bytes; LMDB and the Manager "
+             "dict do not evict, so they keep the whole working set (see their hit rates).")
+    L.append("")
+    L.append("| system |" + "".join(f" {int(s) // 1024} KiB ops/s | hit rate | x |" for s in sizes))
+    L.append("|---|" + "---|---|---|" * len(sizes))
+    for sysn in _systems_in(*[b["systems"] for b in s5.values()]):
+        cells = []
+        for s in sizes:
+            r = s5[s]["systems"].get(sysn, {})
+            if "error" in r:
+                cells.append(f" error: {r['error'][:60]} | | |")
+                continue
+            x = "—" if sysn == "ucmcache" else fmt_xr(out, "s5_churn", s, sysn)
+            cells.append(f" {fmt_ops(r.get('ops_per_s'))} | {r.get('hit_rate')} | {x} |")
+        L.append(f"| {LABELS[sysn]} |" + "".join(cells))
+    ch = _get(out, "c_floor", "churn")
+    if ch:  # the C floor runs at 4 KiB only: its other size columns stay empty
+        for d, label in (("new", "C floor: ucmcache protocol steps (4 KiB)"), ("old", "C floor: old design (4 KiB)")):
+            r = ch[d]
+            x = fmt_xr(out, "c_floor", "churn_new_vs_old") if d == "old" else ""
+            hr = round(r["hits"] / max(r["ops"], 1), 4)
+            L.append(f"| {label} | {fmt_ops(r['ops_per_s'])} | {hr} | {x} |" +
+                     " | | |" * (len(sizes) - 1))
+    L.append("")
+    return L
+
+
+def _md_tier2(out: Dict[str, Any]) -> List[str]:
+    """Scenario 6: a local hit vs a hit served by Redis vs a cold miss."""
+    t2 = out.get("s6_tier2")
+    if not t2:
+        return []
+    L = ["## 6. Tier 2 (Redis over a unix socket): local hit vs tier-2 hit vs cold miss", ""]
+    if t2.get("skipped_why"):
+        L.append(f"Skipped: {t2['skipped_why']}.")
+    else:
+        L.append(f"`get_or_load` of {t2['keys']} keys, {t2['slot_size']} B values, mean per "
+                 "key. Node A loads every key (cold miss, written through); node B, a second "
+                 "segment with the same namespace, then gets every key from Redis; then "
+                 "again, from its own segment.")
+        L.append("")
+        L.append("| path | per key | vs local hit |")
+        L.append("|---|---|---|")
+        base = t2["local_hit_ns"]
+        for label, key in (("local hit (node B, second pass)", "local_hit_ns"),
+                           ("tier-2 hit (node B, first pass)", "tier2_hit_ns"),
+                           ("cold miss: lease + loader + write-through (node A)",
+                            "miss_with_loader_ns"),
+                           ("the loader alone", "loader_alone_ns")):
+            rel = "" if key == "loader_alone_ns" else f"{t2[key] / base:.1f}x"
+            L.append(f"| {label} | {fmt_ns(t2[key])} | {rel} |")
+        L.append("")
+        L.append(f"Loader runs: node A {t2['node_a_loader_runs']}, node B "
+                 f"{t2['node_b_loader_runs']} (it counted {t2['node_b_t2_hits']} tier-2 "
+                 f"hits). {t2['note']}.")
+    L.append("")
+    return L
+
+
+def _md_layout(out: Dict[str, Any]) -> List[str]:
+    """The segment's control region against its data region, for a few configurations."""
+    lay = out.get("layout")
+    if not lay:
+        return []
+    L = ["## Control region vs data region (4 KiB slots)", ""]
+    L.append("| config | control region | of which SlotMeta | prefetch rings | bucket heads | data region | control / data |")
+    L.append("|---|---|---|---|---|---|---|")
+    for k, v in lay.items():
+        L.append(f"| {k} | {v['control_bytes'] / 2**20:.2f} MiB | {v['meta_bytes'] / 2**20:.2f} MiB | "
+                 f"{v['ring_bytes'] / 2**20:.2f} MiB | {v['bucket_bytes'] / 2**20:.2f} MiB | "
+                 f"{v['data_bytes'] / 2**20:.0f} MiB | {v['pct']}% |")
+    L.append("")
+    return L
+
+
+def _md_readme_tables(out: Dict[str, Any]) -> List[str]:
+    """The README's tables, generated here so they can be copied from a real run."""
+    rt = readme_tables(out)
+    if not rt:
+        return []
+    return ["## The README's tables (generated from this run)", ""] + rt
+
+
+def _md_method() -> List[str]:
+    """How it is measured: fixed text, the same for every run."""
+    L = ["## How it is measured", ""]
     L.append("- Same payload bytes, key sets (16-byte ids, `bench/common.py`) and process counts for "
              "every system; processes are forked and start together at a barrier; multi-process "
              "throughput is the sum over processes of ops / own elapsed time.")
@@ -803,7 +864,7 @@ def markdown(out: Dict[str, Any]) -> str:
              "Python layer's cost.")
     L.append("- The machine is shared (2 cores; other work may run): load averages are recorded above.")
     L.append("")
-    return "\n".join(L)
+    return L
 
 
 # ====================================================================== the README's tables

@@ -768,84 +768,122 @@ def config_for(quick: bool, time_scale: float) -> Dict[str, Any]:
 def main(argv=None) -> int:
     args = parse(argv)
     repeat = args.repeat if args.repeat is not None else (1 if args.quick else 3)
-    if repeat < 1:
-        print("--repeat must be >= 1", file=sys.stderr)
-        return 2
-    if not args.time_scale > 0:  # also refuses nan
-        print("--time-scale must be > 0", file=sys.stderr)
-        return 2
-    cfg = config_for(args.quick, args.time_scale)
     want = [s.strip() for s in args.systems.split(",") if s.strip()]
     scen = [s.strip() for s in args.scenarios.split(",") if s.strip()]
-    unknown = [w for w in want if w not in {s.name for s in ALL_SYSTEMS}]
-    if unknown or "ucmcache" not in want:
-        print(f"--systems must include ucmcache and name only {[s.name for s in ALL_SYSTEMS]}",
-              file=sys.stderr)
+    bad = _bad_args(args, repeat, want)
+    if bad:
+        print(bad, file=sys.stderr)
         return 2
+    cfg = config_for(args.quick, args.time_scale)
     t_start = time.monotonic()
     started = time.strftime("%Y-%m-%d %H:%M:%S %z")
-    prog = "python -m bench.run" if _RUN_AS_MODULE else "python bench/run.py"
-    args_txt = " ".join(argv if argv is not None else sys.argv[1:])
-    cmd = prog + (" " + args_txt if args_txt else "")
     tmpdir = tempfile.mkdtemp(prefix="ucmbench-")
     env = Env(tmpdir, args.quick)
     out: Dict[str, Any] = {}
     passes: List[Dict[str, Any]] = []
     try:
         env.start(want)
-        systems, baselines = [], {}
-        for cls in ALL_SYSTEMS:
-            if cls.name not in want:
-                continue
-            ok, why = cls.available(env)
-            baselines[cls.name] = {"label": cls.label, "available": ok,
-                                   ("note" if ok else "skipped_why"): why}
-            if ok:
-                systems.append(cls(env))
-        baselines["c_floor"] = {"label": "C-only floor (bench/floor.c)",
-                                "available": env.floor_bin is not None,
-                                ("note" if env.floor_bin else "skipped_why"): env.floor_why}
-        log(f"ucmcache bench ({'quick' if args.quick else 'full'} run), {os.cpu_count()} cores, "
-            f"load {common.loadavg()}")
-        for name, b in baselines.items():
-            state = "available" if b["available"] else f"SKIPPED: {b.get('skipped_why')}"
-            extra = f" ({b['note']})" if b.get("note") else ""
-            log(f"  {b['label']:<32} {state}{extra}")
-        out["meta"] = {"command": cmd, "started": started, "quick": args.quick, "repeat": repeat,
-                       "time_scale": args.time_scale,
-                       "cores": os.cpu_count(), "load_before": common.loadavg(),
-                       "python": platform.python_version(), "platform": platform.platform(),
-                       "config": {k: (v if not isinstance(v, dict) else {str(a): b for a, b in v.items()})
-                                  for k, v in cfg.items()}}
+        systems, baselines = _systems_and_baselines(env, want)
+        _log_baselines(args.quick, baselines)
+        out["meta"] = _meta(args, argv, cfg, started, repeat)
         out["baselines"] = baselines
         out["layout"] = layout_figures(cfg)
-        steps = {"1": scenario1, "2": scenario2, "3": scenario3, "4": scenario4, "5": scenario5,
-                 "6": scenario6}
-        # Scenario 7 repeats inside itself (interleaved).  Scenarios 1-6 (and the floors, whose
-        # figures they are compared with) run `repeat` whole passes: every figure of theirs is
-        # reported as the median over the passes, every ratio with its min-max.
-        want_passes = [s for s in SCENARIOS if s in scen and s in steps]
-        floors = not args.no_floor and any(s in scen for s in "12345")
-        if "7" in scen:  # first: the reads are what issue 14 asks about (a quiet start)
-            reads.scenario7(env, systems, cfg, out, log)
-        if "8" in scen:  # one process, deterministic hit counts: needs no passes
-            arenas.scenario8(env, cfg, out, log)
-        if want_passes or floors:
-            for p in range(repeat):
-                if repeat > 1:
-                    log(f"--- pass {p + 1} of {repeat} (load {common.loadavg()})")
-                pout: Dict[str, Any] = {}
-                if floors:
-                    c_floor(env, cfg, pout)
-                    py_floor(env, cfg, pout)
-                for s in want_passes:
-                    steps[s](env, systems, cfg, pout)
-                passes.append(pout)
+        passes = _run_scenarios(env, systems, cfg, out, scen, repeat, args.no_floor)
     finally:
         env.cleanup()
     out["meta"]["load_after"] = common.loadavg()
     out["meta"]["wall_s"] = round(time.monotonic() - t_start, 1)
     report.finish(out, args.out, chart=not args.no_chart, passes=passes)
+    return _summarize(out, args)
+
+
+def _bad_args(args, repeat: int, want: List[str]) -> Optional[str]:
+    """Why the command line cannot run (the first reason found), or None."""
+    if repeat < 1:
+        return "--repeat must be >= 1"
+    if not args.time_scale > 0:  # also refuses nan
+        return "--time-scale must be > 0"
+    unknown = [w for w in want if w not in {s.name for s in ALL_SYSTEMS}]
+    if unknown or "ucmcache" not in want:  # every ratio is against ucmcache: it must run
+        return f"--systems must include ucmcache and name only {[s.name for s in ALL_SYSTEMS]}"
+    return None
+
+
+def _systems_and_baselines(env: Env, want: List[str]):
+    """The wanted systems that can run here, and for every wanted one (and the C floor) whether
+    it is available, with a note or why it was skipped: latest.json's "baselines"."""
+    systems, baselines = [], {}
+    for cls in ALL_SYSTEMS:
+        if cls.name not in want:
+            continue
+        ok, why = cls.available(env)
+        baselines[cls.name] = {"label": cls.label, "available": ok,
+                               ("note" if ok else "skipped_why"): why}
+        if ok:
+            systems.append(cls(env))
+    baselines["c_floor"] = {"label": "C-only floor (bench/floor.c)",
+                            "available": env.floor_bin is not None,
+                            ("note" if env.floor_bin else "skipped_why"): env.floor_why}
+    return systems, baselines
+
+
+def _log_baselines(quick: bool, baselines: Dict[str, Any]) -> None:
+    """Say at the start which baselines run and why any is skipped (the smoke test reads it)."""
+    log(f"ucmcache bench ({'quick' if quick else 'full'} run), {os.cpu_count()} cores, "
+        f"load {common.loadavg()}")
+    for name, b in baselines.items():
+        state = "available" if b["available"] else f"SKIPPED: {b.get('skipped_why')}"
+        extra = f" ({b['note']})" if b.get("note") else ""
+        log(f"  {b['label']:<32} {state}{extra}")
+
+
+def _meta(args, argv, cfg: Dict[str, Any], started: str, repeat: int) -> Dict[str, Any]:
+    """latest.json's "meta": the exact command, the machine, and the config it ran with (the
+    config's int-keyed dicts get str keys, as JSON would give them anyway)."""
+    prog = "python -m bench.run" if _RUN_AS_MODULE else "python bench/run.py"
+    args_txt = " ".join(argv if argv is not None else sys.argv[1:])
+    cmd = prog + (" " + args_txt if args_txt else "")
+    return {"command": cmd, "started": started, "quick": args.quick, "repeat": repeat,
+            "time_scale": args.time_scale,
+            "cores": os.cpu_count(), "load_before": common.loadavg(),
+            "python": platform.python_version(), "platform": platform.platform(),
+            "config": {k: (v if not isinstance(v, dict) else {str(a): b for a, b in v.items()})
+                       for k, v in cfg.items()}}
+
+
+def _run_scenarios(env: Env, systems, cfg, out: Dict[str, Any], scen: List[str], repeat: int,
+                   no_floor: bool) -> List[Dict[str, Any]]:
+    """Run the chosen scenarios: 7 and 8 once, into out; 1-6 and the floors `repeat` times.
+    Returns the passes' results (report.finish merges them)."""
+    steps = {"1": scenario1, "2": scenario2, "3": scenario3, "4": scenario4, "5": scenario5,
+             "6": scenario6}
+    # Scenario 7 repeats inside itself (interleaved).  Scenarios 1-6 (and the floors, whose
+    # figures they are compared with) run `repeat` whole passes: every figure of theirs is
+    # reported as the median over the passes, every ratio with its min-max.
+    want_passes = [s for s in SCENARIOS if s in scen and s in steps]
+    floors = not no_floor and any(s in scen for s in "12345")
+    if "7" in scen:  # first: the reads are what issue 14 asks about (a quiet start)
+        reads.scenario7(env, systems, cfg, out, log)
+    if "8" in scen:  # one process, deterministic hit counts: needs no passes
+        arenas.scenario8(env, cfg, out, log)
+    passes: List[Dict[str, Any]] = []
+    if want_passes or floors:
+        for p in range(repeat):
+            if repeat > 1:
+                log(f"--- pass {p + 1} of {repeat} (load {common.loadavg()})")
+            pout: Dict[str, Any] = {}
+            if floors:
+                c_floor(env, cfg, pout)
+                py_floor(env, cfg, pout)
+            for s in want_passes:
+                steps[s](env, systems, cfg, pout)
+            passes.append(pout)
+    return passes
+
+
+def _summarize(out: Dict[str, Any], args) -> int:
+    """Where the results went, the ratios and the targets; the exit status (1 when scenario 8
+    found a wrong value or a broken invariant: not a figure, a bug)."""
     log(f"wrote {os.path.join(args.out, 'latest.json')}, latest.md"
         f"{'' if args.no_chart else ', latest.png'} in {out['meta']['wall_s']} s")
     log("")
@@ -854,7 +892,7 @@ def main(argv=None) -> int:
     log("")
     for line in report.target_lines(out):
         log(line)
-    if _get_error(out, "s8_arenas"):  # a wrong value or a broken invariant: not a figure, a bug
+    if _get_error(out, "s8_arenas"):
         log(f"scenario 8 FAILED: {out['s8_arenas']['error']}")
         return 1
     return 0
