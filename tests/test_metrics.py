@@ -59,6 +59,8 @@ def check_against_stats(c, text):
     assert value("ucmcache_bytes") == c.size_bytes()
     assert value("ucmcache_capacity_bytes") == c.capacity * c.slot_size
     assert value("ucmcache_ranks", state="live") == 1
+    assert value("ucmcache_arenas", owner=str(c.rank)) == len(c.arenas())
+    assert value("ucmcache_arenas") == c.layout.n_arenas       # every arena: owned or free
     assert value("ucmcache_slots") == c.capacity
     for hist, count, sum_ns in (("load", "load_count", "load_sum_ns"),
                                 ("wait", "wait_count", "wait_sum_ns")):

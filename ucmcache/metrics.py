@@ -15,7 +15,8 @@ Names (all labelled ``segment``; per-rank ones also ``rank``):
   their sum over ranks is ``stats()``'s figure;
 * gauges ``ucmcache_entries``, ``ucmcache_bytes``, ``ucmcache_capacity_bytes``,
   ``ucmcache_slots{state}`` (empty, loading, ready, failed), ``ucmcache_ranks{state}`` (live,
-  dead, free);
+  dead, free), ``ucmcache_arenas{owner}`` (arenas owned by each rank that owns any, and
+  ``free``: where each rank may allocate, DESIGN 4.12);
 * histograms ``ucmcache_load_seconds`` (an owner's get to its publish) and
   ``ucmcache_wait_seconds`` (a join's wait), per rank, with fixed log-scale buckets (10 us
   times powers of 4) kept in the segment.
@@ -26,7 +27,7 @@ from typing import Dict, Iterator, List, Tuple
 
 from ._segment import Segment
 from ._stats import HIST_BOUNDS_NS, COUNTERS, histogram_buckets, rank_counters
-from ._table import accounting, rank_rows, slot_fields, slot_table, state_counts
+from ._table import accounting, arena_table, rank_rows, slot_fields, slot_table, state_counts
 
 try:
     from prometheus_client import CollectorRegistry, generate_latest, start_http_server
@@ -49,7 +50,8 @@ COUNTER_METRICS: Dict[str, Tuple[str, str]] = {
     "evictions": ("evictions", "Counted entries evicted by CLOCK"),
     "bypasses": ("bypasses", "Loads run uncached because the cache was full"),
     "clears": ("clears", "clear() calls"),
-    "recovered_ranks": ("recovered_ranks", "Dead ranks recovered by this rank"),
+    "recovered_ranks": ("recovered_ranks", "Dead ranks recovered by this rank (or before "
+                        "taking it, as this rank)"),
     "tier2_hits": ("t2_hits", "Local misses served from tier 2"),
     "tier2_misses": ("t2_misses", "Tier-2 lookups that found nothing"),
     "tier2_writes": ("t2_writes", "Tier-2 write-throughs"),
@@ -68,8 +70,13 @@ def _snapshot(seg: Segment) -> Dict[str, object]:
     rows = rank_rows(seg)
     ranks = {"live": sum(r["alive"] for r in rows), "dead": sum(r["dead"] for r in rows)}
     ranks["free"] = len(rows) - ranks["live"] - ranks["dead"]
+    owners = arena_table(seg)["owner"].tolist()
+    arenas = {"free": owners.count(0)}
+    for word in sorted(set(owners) - {0}):
+        arenas[str(word - 1)] = owners.count(word)
     return {"counters": counters, "entries": acc["entries"], "size": acc["size_bytes"],
-            "capacity": L.n_slots * L.slot_size, "slots": states, "ranks": ranks}
+            "capacity": L.n_slots * L.slot_size, "slots": states, "ranks": ranks,
+            "arenas": arenas}
 
 
 def _histogram(name: str, help_text: str, uuid: str, snap: Dict[str, object],
@@ -127,6 +134,11 @@ def families(uuid: str, snap: Dict[str, object]) -> List[object]:
     fam = GaugeMetricFamily(f"{PREFIX}_ranks", "Ranks by state", labels=["segment", "state"])
     for state, n in snap["ranks"].items():
         fam.add_metric([uuid, state], n)
+    out.append(fam)
+    fam = GaugeMetricFamily(f"{PREFIX}_arenas", "Arenas by owner (a rank, or free)",
+                            labels=["segment", "owner"])
+    for owner, n in snap["arenas"].items():
+        fam.add_metric([uuid, owner], n)
     out.append(fam)
     out.append(_histogram("load_seconds", "Time from an owner's get to its publish", uuid,
                           snap, "load"))
