@@ -177,7 +177,7 @@ def _rows(size: int, c, lm_env, old, mod, seq_pool: List[bytes], off_of: Dict[by
     if lm_env is not None:
         R.update(_lmdb_key_rows(lm_env, P))
     if old is not None:
-        R.update(_old_key_rows(old, P))
+        R.update(_read_and_pin_rows(old, P, "old"))  # written exactly as ucmcache's rows
     ro = c._ro  # the segment's read-only view (what ucmcache's read views are slices of)
     if mod is not None:
         R.update(_floor_rows(mod, size, ro, off_of, req_offs, P))
@@ -192,27 +192,34 @@ def _rows(size: int, c, lm_env, old, mod, seq_pool: List[bytes], off_of: Dict[by
     return R
 
 
-def _ucm_key_rows(c, P: _Pools) -> Dict[str, Any]:
-    """ucmcache per key: read one byte, pin only, get_or_load and await aget_or_load hits."""
+def _read_and_pin_rows(cache, P: _Pools, tag: str) -> Dict[str, Any]:
+    """Per key, through any object with ucmcache's `get` (ucmcache, the old design's wrapper):
+    read one byte, and the pin only; one loop for both, so the two systems run the same code."""
     pc = time.perf_counter_ns
 
-    def read_ucm(lo, m):
+    def read(lo, m):
         seq = P.keys_at(lo, m)
-        get = c.get
+        get = cache.get
         t0 = pc()
         for k in seq:
             with get(k) as h:
                 h.data[0]
         return pc() - t0
 
-    def pin_ucm(lo, m):
+    def pin(lo, m):
         seq = P.keys_at(lo, m)
-        get = c.get
+        get = cache.get
         t0 = pc()
         for k in seq:
             with get(k):
                 pass
         return pc() - t0
+    return {f"read.{tag}": ("key", read), f"pin.{tag}": ("key", pin)}
+
+
+def _ucm_key_rows(c, P: _Pools) -> Dict[str, Any]:
+    """ucmcache per key: read one byte, pin only, get_or_load and await aget_or_load hits."""
+    pc = time.perf_counter_ns
 
     def gol_ucm(lo, m):
         seq = P.keys_at(lo, m)
@@ -241,8 +248,8 @@ def _ucm_key_rows(c, P: _Pools) -> Dict[str, Any]:
             return pc() - t0
         return loop.run_until_complete(run())
 
-    return {"read.ucm": ("key", read_ucm), "pin.ucm": ("key", pin_ucm),
-            "gol.ucm": ("key", gol_ucm), "agol.ucm": ("key", agol_ucm)}
+    return {**_read_and_pin_rows(c, P, "ucm"), "gol.ucm": ("key", gol_ucm),
+            "agol.ucm": ("key", agol_ucm)}
 
 
 def _lmdb_key_rows(lm_env, P: _Pools) -> Dict[str, Any]:
@@ -267,30 +274,6 @@ def _lmdb_key_rows(lm_env, P: _Pools) -> Dict[str, Any]:
                 t.get(k)
         return pc() - t0
     return {"read.lmdb": ("key", read_lmdb), "gol.lmdb": ("key", gol_lmdb)}
-
-
-def _old_key_rows(old, P: _Pools) -> Dict[str, Any]:
-    """The old design's Python wrapper per key, written exactly as ucmcache's rows."""
-    pc = time.perf_counter_ns
-
-    def read_old(lo, m):
-        seq = P.keys_at(lo, m)
-        get = old.get
-        t0 = pc()
-        for k in seq:
-            with get(k) as h:
-                h.data[0]
-        return pc() - t0
-
-    def pin_old(lo, m):
-        seq = P.keys_at(lo, m)
-        get = old.get
-        t0 = pc()
-        for k in seq:
-            with get(k):
-                pass
-        return pc() - t0
-    return {"read.old": ("key", read_old), "pin.old": ("key", pin_old)}
 
 
 def _floor_rows(mod, size: int, ro, off_of: Dict[bytes, int], req_offs: List[List[int]],
