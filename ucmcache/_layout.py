@@ -100,9 +100,6 @@ class Layout:
     def rank(self, rank: int) -> int:
         return self.rank_off + rank * lib.UCM_RANK_SIZE
 
-    def arena(self, arena: int) -> int:
-        return self.arena_off + arena * lib.UCM_ARENA_SIZE
-
     def arena_range(self, arena: int) -> range:
         return range(arena * self.arena_slots, min((arena + 1) * self.arena_slots, self.n_slots))
 

@@ -134,10 +134,10 @@ def _check_accounting(seg: Segment, arenas: np.ndarray, f: Dict[str, np.ndarray]
     for a in range(L.n_arenas):
         e = acc_value(int(arenas[a]["acc_entries"]), generation)
         b = acc_value(int(arenas[a]["acc_bytes"]), generation)
-        lo, hi = a * L.arena_slots, min((a + 1) * L.arena_slots, L.n_slots)
-        mine = counted[lo:hi]
+        span = L.arena_range(a)
+        mine = counted[span.start:span.stop]
         se = int(mine.sum())
-        sb = int(f["length"][lo:hi][mine].astype(np.int64).sum())
+        sb = int(f["length"][span.start:span.stop][mine].astype(np.int64).sum())
         if (e, b) != (se, sb):
             p.append(f"accounting: arena {a}'s words say {e} entries / {b} bytes, its slots "
                      f"of generation {generation} add up to {se} / {sb}")

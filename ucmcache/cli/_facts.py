@@ -133,13 +133,13 @@ def _rank_facts(seg: Segment, rows: List[Dict[str, Any]], slots: Dict[str, Any],
     for row in rows:
         r = row["rank"]
         mine = owned.get(r, [])
-        used = sum(int(slots["used"][L.arena_range(a).start:L.arena_range(a).stop].sum())
-                   for a in mine)
+        spans = [L.arena_range(a) for a in mine]
+        used = sum(int(slots["used"][sp.start:sp.stop].sum()) for sp in spans)
         held = {"pin": np.flatnonzero((slots["pins"] & np.uint64(1 << r)) != 0),
                 "claim": np.flatnonzero(slots["claims"] & (slots["claimant"] == r)),
                 "loading": np.flatnonzero(slots["loading"] & (slots["loader"] == r))}
         ranks.append(dict(row, slots_used=used, arenas=mine,
-                          arena_slots=sum(len(L.arena_range(a)) for a in mine),
+                          arena_slots=sum(len(sp) for sp in spans),
                           pins=len(held["pin"]), claims=len(held["claim"]),
                           ring=ring_counters(seg, r), counters=named(counters[r])))
         if row["alive"]:
