@@ -354,3 +354,55 @@ def test_plan_takes_free_home_arenas_first_then_from_the_largest_surplus():
     assert plan([1, 1, 1, 2, 2, 2], 1, [0, 1], home, idle) == []
     assert plan([1, 1, 1, 2, 2, 2], 1, [0, 1], home, idle, want_one=True) == []
     assert plan([1, 1, 1, 1, 2, 2], 1, [0, 1], home, idle, want_one=True) == [(2, 1)]
+
+
+def test_a_thread_waits_for_another_thread_of_its_rank_taking_arenas(make_cache, monkeypatch):
+    """Threads of one rank take arenas one at a time.  T1 holds that turn (held inside its plan
+    by an event) while the main thread, its rank's arenas all pinned, needs an arena: it waits
+    for T1's turn (bounded) instead of reporting CacheFull while free arenas exist."""
+    import threading
+    import ucmcache._arenas as arenas_mod
+    c = make_cache(slots_per_rank=16, slot_size=64, max_ranks=2)
+    d = SlotCache.attach(c.uuid)
+    load(c, 0)
+    load(d, 1)                                   # shares: 8 arenas each
+    held = [c.get(key(100 + i)) for i in range(len(c.arenas()) * c.layout.arena_slots)]
+    for h in held:
+        if h.owner:
+            h.ready(0)
+    d.close()                                    # its 8 arenas are free now
+    inside, go, growing = threading.Event(), threading.Event(), threading.Event()
+    real_plan, real_grow = arenas_mod.plan, c._arenas.grow
+
+    def plan_held_in_t1(*args, **kw):
+        if threading.current_thread().name == "T1":
+            inside.set()
+            assert go.wait(30)
+        return real_plan(*args, **kw)
+
+    def grow_announced(*args, **kw):
+        growing.set()                            # the main thread reached its grow
+        return real_grow(*args, **kw)
+    monkeypatch.setattr(arenas_mod, "plan", plan_held_in_t1)
+    monkeypatch.setattr(c._arenas, "grow", grow_announced)
+    t1 = threading.Thread(target=lambda: load(c, 999), name="T1")
+    t1.start()
+    try:
+        assert inside.wait(30)                   # T1 holds its rank's turn to take arenas
+
+        def release_when_growing():
+            if growing.wait(30):
+                go.set()
+        releaser = threading.Thread(target=release_when_growing)
+        releaser.start()
+        with c.get(key(5000), timeout=30) as h:  # every slot of its arenas pinned
+            h.ready(0)
+        releaser.join(30)
+        assert growing.is_set()                  # it did need an arena, and got one
+    finally:
+        go.set()
+        t1.join(30)
+        for h in held:
+            h.close()
+    assert c.arenas() == list(range(c.layout.n_arenas))
+    assert_whole(c)
