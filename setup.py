@@ -1,3 +1,11 @@
+import os
+import sys
+
 from setuptools import setup
 
-setup(cffi_modules=["csrc/_build.py:ffibuilder"])
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc"))
+from _build import hit_extension  # noqa: E402
+
+# Two extensions: the C core through cffi (ucmcache._core), and the hit path as CPython types
+# (ucmcache._hit), which calls the core's steps through pointers taken from ucmcache._core.
+setup(cffi_modules=["csrc/_build.py:ffibuilder"], ext_modules=[hit_extension()])

@@ -1,4 +1,4 @@
-"""cffi build of the C core (API mode): ``ucmcache._core``.
+"""cffi build of the C core (API mode): ``ucmcache._core``; and the hit path's extension.
 
 The cdef is the CDEF block of ucm_core.h as it stands, plus every ``#define UCM_*`` of that
 header declared with ``...`` so the compiler, not this file, supplies the values.
@@ -25,6 +25,22 @@ def extra_compile_args() -> list:
     return args
 
 
+def extra_link_args() -> list:
+    sanitize = os.environ.get("UCMCACHE_SANITIZE")
+    return [f"-fsanitize={sanitize}"] if sanitize else []
+
+
+def hit_extension():
+    """ucmcache._hit (csrc/ucm_hit.c): the hit path as CPython types.  It compiles the core's
+    header, not the core: it calls the steps of ucmcache._core through pointers."""
+    from setuptools import Extension
+    return Extension("ucmcache._hit", sources=[os.path.relpath(os.path.join(HERE, "ucm_hit.c"))],
+                     include_dirs=[os.path.relpath(HERE)],
+                     extra_compile_args=extra_compile_args() + ["-Wno-missing-field-initializers",
+                                                                "-Wno-cast-function-type"],
+                     extra_link_args=extra_link_args())
+
+
 with open(os.path.join(HERE, "ucm_core.h")) as f:
     _header = f.read()
 
@@ -36,8 +52,7 @@ ffibuilder.set_source(
     sources=[os.path.relpath(os.path.join(HERE, "ucm_core.c"))],
     include_dirs=[os.path.relpath(HERE)],
     extra_compile_args=extra_compile_args(),
-    extra_link_args=(["-fsanitize=" + os.environ["UCMCACHE_SANITIZE"]]
-                     if os.environ.get("UCMCACHE_SANITIZE") else []),
+    extra_link_args=extra_link_args(),
     libraries=["pthread"],
 )
 

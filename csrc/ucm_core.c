@@ -76,6 +76,8 @@ struct ucm_ctx {
                               * may touch shared memory through this context any more */
     uint32_t epoch;          /* fork_epoch when made: a forked child's copy is another epoch */
     int32_t point_action[UCM_PT_COUNT];
+    int32_t points_set;      /* a point was ever set here: the hit path releases the GIL (its
+                              * gate would otherwise hold every thread of the process) */
     uint32_t *point_gate[UCM_PT_COUNT];
     int64_t point_timeout[UCM_PT_COUNT];
 };
@@ -312,7 +314,10 @@ void ucm_ctx_set_point(ucm_ctx *c, int32_t point, int32_t action, uint32_t *gate
     c->point_gate[point] = gate_word;
     c->point_timeout[point] = timeout_ns;
     c->point_action[point] = action;
+    c->points_set = 1;
 }
+
+int ucm_ctx_points_set(ucm_ctx *c) { return c->points_set; }
 
 /* ---------------------------------------------------------------- robust mutexes */
 
@@ -790,6 +795,12 @@ static inline uint64_t ready_len(ucm_ctx *c, uint32_t s)
 
 static inline char *slot_bytes(ucm_ctx *c, uint32_t s) { return c->base + c->l.data_off + (uint64_t)s * c->l.slot_stride; }
 
+char *ucm_slot_data(ucm_ctx *c, uint32_t s)
+{
+    /* For ucmcache/_hit's copies out of a slot it holds pinned; NULL for no slot. */
+    return s < c->l.n_slots ? slot_bytes(c, s) : NULL;
+}
+
 int64_t ucm_lookup_pin(ucm_ctx *c, const char *id, uint64_t offset, uint32_t spin_budget,
                        int32_t outer, uint64_t ticket)
 {
@@ -813,6 +824,31 @@ int64_t ucm_lookup_pin(ucm_ctx *c, const char *id, uint64_t offset, uint32_t spi
     if (r != UCM_OK) return -(int64_t)r;
     STAT(c, UCM_ST_JOINS, 1);
     return pin_answer(c, slot, state, 0);
+}
+
+int ucm_pin_all_ready(ucm_ctx *c, const char *ids, const uint64_t *offsets, uint32_t n,
+                      uint32_t spin_budget, uint32_t *slots_out, int64_t *lens_out)
+{
+    /* The batch hit path (ucmcache/_hit): every key pinned and Ready, or nothing pinned and
+     * nothing counted (UCM_MISS, or UCM_CORRUPT), so the caller can take the full path and be
+     * counted there.  offsets NULL: every offset 0. */
+    uint32_t gen = (uint32_t)ucm_generation(c);
+    for (uint32_t i = 0; i < n; i++) {
+        uint64_t key[3];
+        uint32_t state = 0;
+        load_key(ids + 16 * (uint64_t)i, offsets ? offsets[i] : 0, key);
+        int r = lookup_pin_one(c, key, gen, spin_budget, &slots_out[i], &state);
+        if (r == UCM_OK && state == UCM_READY) {
+            lens_out[i] = (int64_t)ready_len(c, slots_out[i]);
+            continue;
+        }
+        if (r == UCM_OK) unpin(c, slots_out[i]);
+        for (uint32_t j = 0; j < i; j++) unpin(c, slots_out[j]);
+        for (uint32_t j = 0; j < n; j++) slots_out[j] = UCM_NIL;
+        return r == UCM_CORRUPT ? UCM_CORRUPT : UCM_MISS;
+    }
+    STAT(c, UCM_ST_FAST_HITS, n);
+    return UCM_OK;
 }
 
 int ucm_lookup_pin_many(ucm_ctx *c, const char *ids, const uint64_t *offsets, uint32_t n,
@@ -923,14 +959,14 @@ int ucm_read_many(ucm_ctx *c, const char *ids, const uint64_t *offsets, uint32_t
 {
     /* Row i of out (row bytes) gets key i's payload; lens_out[i] is its length, or -1 when the
      * key is not Ready now (its row untouched).  A payload longer than row is not copied and
-     * its true length is reported (> row): the caller raises. */
+     * its true length is reported (> row): the caller raises.  offsets NULL: every offset 0. */
     uint32_t gen = (uint32_t)ucm_generation(c);
     uint64_t hits = 0;
     int worst = UCM_OK;
     for (uint32_t i = 0; i < n; i++) {
         uint64_t key[3];
         uint32_t slot = 0, state = 0;
-        load_key(ids + 16 * (uint64_t)i, offsets[i], key);
+        load_key(ids + 16 * (uint64_t)i, offsets ? offsets[i] : 0, key);
         int r = lookup_pin_one(c, key, gen, 64, &slot, &state);
         lens_out[i] = -1;
         if (r == UCM_CORRUPT) worst = UCM_CORRUPT;

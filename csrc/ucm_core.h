@@ -248,6 +248,7 @@ void ucm_ctx_close(ucm_ctx *c);
 void ucm_ctx_set_rank(ucm_ctx *c, int32_t rank);
 void ucm_ctx_set_point(ucm_ctx *c, int32_t point, int32_t action, uint32_t *gate_word,
                        int64_t timeout_ns);
+int ucm_ctx_points_set(ucm_ctx *c);
 
 uint32_t ucm_load32(char *base, uint64_t off);
 uint64_t ucm_load64(char *base, uint64_t off);
@@ -288,6 +289,9 @@ int64_t ucm_lookup_pin(ucm_ctx *c, const char *id, uint64_t offset, uint32_t spi
 int ucm_lookup_pin_many(ucm_ctx *c, const char *ids, const uint64_t *offsets, uint32_t n,
                         uint32_t spin_budget, uint32_t *slots_out, uint8_t *states_out,
                         uint8_t *codes_out, int64_t *lens_out);
+int ucm_pin_all_ready(ucm_ctx *c, const char *ids, const uint64_t *offsets, uint32_t n,
+                      uint32_t spin_budget, uint32_t *slots_out, int64_t *lens_out);
+char *ucm_slot_data(ucm_ctx *c, uint32_t slot);
 int ucm_exist1(ucm_ctx *c, const char *id, uint64_t offset);
 int ucm_exist_many(ucm_ctx *c, const char *ids, const uint64_t *offsets, uint32_t n, uint8_t *out);
 uint32_t ucm_exist_prefix(ucm_ctx *c, const char *ids, const uint64_t *offsets, uint32_t n);

@@ -236,11 +236,45 @@ def test_a_nested_get_in_a_signal_handler_does_not_steal_the_outer_pin(make_cach
 
     interrupt_after("ucm_lookup_pin", handler)
     with pytest.raises(_Interrupt):
-        c.get(k1)
+        c.get(k1, timeout=5)  # a timeout takes the Python path, whose window this is
     assert _ref(c, held.slot) == 1 << c.rank  # the live handle keeps its pin
     assert _ref(c, slot1) == 0                # the interrupted get's pin was dropped
     assert bytes(held.data) == b"x"
     held.close()
+
+
+def test_a_signal_during_a_c_hit_raises_after_get_and_the_dropped_handle_unpins(make_cache,
+                                                                                 gate):
+    """The hit path in C (ucmcache._hit) has no window between the pin and its handle: a
+    signal that arrives while the pin is taken (the thread held at after_pin) runs its handler
+    once get() has returned the handle, and the raise drops that handle, whose finalizer
+    drops the pin.  Fails if the C path kept a pin nobody owns."""
+    c = make_cache(slots_per_rank=8, slot_size=64, max_ranks=2)
+    c.get_or_load(K, lambda: b"x")
+    with c.get(K) as h:
+        slot = h.slot
+    g = gate()
+    c._arm("after_pin", "gate", g)
+    main = threading.get_ident()
+    old = signal.signal(signal.SIGUSR1, lambda *a: (_ for _ in ()).throw(_Interrupt()))
+
+    def interrupt():
+        g.wait_arrived()
+        signal.pthread_kill(main, signal.SIGUSR1)
+        g.release()
+
+    t = threading.Thread(target=interrupt)
+    t.start()
+    try:
+        with pytest.raises(_Interrupt):
+            h = c.get(K)
+            h.close()  # not reached: the handler raises first
+    finally:
+        g.release()
+        t.join(10)
+        signal.signal(signal.SIGUSR1, old)
+    assert not t.is_alive()
+    assert _ref(c, slot) == 0 and c._open_handles == 0
 
 
 def test_an_interrupted_slow_path_fails_its_load_at_once(make_cache, interrupt_after):

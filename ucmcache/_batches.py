@@ -137,11 +137,11 @@ class Batches:
             if p is not None:
                 batch._served(i, p)
 
-    def read_many(self, keys: Sequence[Key], out: Any) -> np.ndarray:
-        """Copy every key that is Ready now into row i of ``out`` and return the lengths
-        (int64; -1 for a key that is missing or not Ready, its row untouched), in one C call
-        that pins, copies and releases each key in turn (the GIL released).  Elects no owner
-        and creates nothing.  ``out`` as for HandleBatch.gather."""
+    # read_many(keys, out) -> numpy.ndarray is CacheBase's (csrc/ucm_hit.c): a list of plain
+    # ids into a buffer in C, anything else here.
+
+    def _read_many_full(self, keys: Sequence[Key], out: Any) -> np.ndarray:
+        """read_many() for other key forms and destinations (see CacheBase.read_many)."""
         ctx = self._ctx
         if ctx is None:
             self._check_usable()
@@ -153,11 +153,15 @@ class Batches:
             r = lib.ucm_read_many(ctx, ids, _ptr("uint64_t[]", offsets), n, ptr, row,
                                   _ptr("int64_t[]", lens))
             del keep
-            if r == lib.UCM_CORRUPT:
-                raise CorruptSegment(f"segment {self.uuid!r}: a chain points outside the slot "
-                                     "table")
-            check_rows(lens, row)
+            self._read_checked(r, lens, row)
         return lens
+
+    def _read_checked(self, code: int, lens: np.ndarray, row: int) -> None:
+        """A copying read's outcome: a corrupt chain, or a payload longer than out's rows."""
+        if code == lib.UCM_CORRUPT:
+            raise CorruptSegment(f"segment {self.uuid!r}: a chain points outside the slot "
+                                 "table")
+        check_rows(lens, row)
 
     def exist(self, keys: Iterable[Key]) -> List[bool]:
         """For each key, whether a Ready entry is there now (no pin, one C call)."""

@@ -33,6 +33,7 @@ from ._batches import Batches
 from ._errors import (CacheFull, CorruptSegment, IncompatibleSegment, LockTimeout,
                       NotAttached, SegmentExists, UcmError)
 from ._handle import Handle, _Pins
+from ._hit import CacheBase
 from ._single_flight import SingleFlight
 from ._slots import (ABANDONED, ABANDONED_LEN, FAST_SPIN, _PIN_LEN_SHIFT, _PIN_OWNER,
                      _PIN_OWNER_OR_READY, _PIN_READY, _PIN_SLOT_MASK, check_timeout)
@@ -69,11 +70,10 @@ def _after_fork_in_child() -> None:
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-_new = object.__new__  # an inert handle: every field is stored by get()
 _next_ticket = itertools.count(1).__next__  # a unique ticket per single-key read (see get)
 
 
-class SlotCache(SingleFlight, Batches, Prefetching):
+class SlotCache(CacheBase, SingleFlight, Batches, Prefetching):
     """A shared-memory slot cache attached to one segment as one rank.
 
     Create a segment with ``SlotCache.create`` (the creator is attached too), attach to it from
@@ -251,11 +251,11 @@ class SlotCache(SingleFlight, Batches, Prefetching):
 
     # ---------------------------------------------------------------- read path
 
-    def get(self, key: Key, *, timeout: Optional[float] = None) -> Handle:
-        """Pin the slot for key.  A hit returns at once; a cold key makes this caller the owner
-        (h.owner: fill h.data, then h.ready(n) or h.fail(msg)); a key another caller is loading
-        returns a handle to wait() on.  ``timeout`` bounds this call's wait for a bucket lock
-        and is the default for that wait."""
+    # get(key, *, timeout=None) -> Handle is CacheBase's (csrc/ucm_hit.c): a hit in C, anything
+    # else here.
+
+    def _get_full(self, key: Key, *, timeout: Optional[float] = None) -> Handle:
+        """get() for everything but a plain hit (see CacheBase.get)."""
         ctx = self._ctx
         if ctx is None:
             self._check_usable()
@@ -272,7 +272,7 @@ class SlotCache(SingleFlight, Batches, Prefetching):
         # records the pin under the ticket and the except path drops it; a slow-path pin (maybe
         # an owner's) goes to a token instead, dropped there or, failing that, from C when the
         # token is collected.
-        h = _new(Handle)
+        h = Handle.__new__(Handle)
         h._closed = True
         token = None
         ticket = _next_ticket()
@@ -404,7 +404,7 @@ class SlotCache(SingleFlight, Batches, Prefetching):
             f"{waited:.1f} s by {describe_stripe_holder(self._seg, stripe)}; a stripe is held "
             "for microseconds, so its holder is stopped, stuck, or the lock word is corrupt")
 
-    def _hit_bytes(self, key: Key) -> Optional[bytes]:
+    def _hit_bytes_full(self, key: Key) -> Optional[bytes]:
         """A Ready entry's bytes (pin, copy, release; no Handle), or None for anything else
         (which the caller takes through get()).  Counts only a hit."""
         ctx = self._ctx

@@ -8,6 +8,7 @@ that no waiter waits forever.  The rules about a slot itself live in ucmcache/_s
 """
 from __future__ import annotations
 
+import functools
 import time
 from typing import Any, Optional
 
@@ -15,8 +16,9 @@ import numpy as np
 
 from ._buffers import check_rows, rows_of
 from ._core import ffi, lib
+from ._hit import HandleBase, bind
 from ._errors import HandleClosed, LoadFailed, UcmError
-from ._slots import (STATE_NAMES, UNPUBLISHED, _now, _owned_slots, as_array, check_timeout,
+from ._slots import (FAST_SPIN, STATE_NAMES, UNPUBLISHED, _now, _owned_slots, as_array, check_timeout,
                      exit_message, failure_message, fill, observe_load, publish_failed,
                      publish_ready, ready_length, release_views, slot_length, slot_view,
                      wait_loaded_async, write_through)
@@ -25,18 +27,12 @@ SlotCache = Any  # see ucmcache/_slots.py: not imported
 
 
 class _Pins:
-    """What every holder of pins shares: it closes when collected, and is never copied (a copy
-    would release the same pins twice) or pickled (pins belong to this process)."""
+    """What every holder of pins shares: it closes when collected (Handle: in C, see
+    HandleBase; HandleBatch: __del__), and is never copied (a copy would release the same pins
+    twice) or pickled (pins belong to this process)."""
 
     __slots__ = ()
     _what = "pins"
-
-    def __del__(self) -> None:
-        if not getattr(self, "_closed", True):
-            try:
-                self.close()
-            except Exception:
-                pass
 
     def __copy__(self):
         raise TypeError(f"a {type(self).__name__} holds {self._what} and cannot be copied")
@@ -49,15 +45,16 @@ class _Pins:
                         "be pickled")
 
 
-class Handle(_Pins):
+class Handle(HandleBase, _Pins):
     """A pinned slot.  Use as a context manager; see SlotCache.get."""
 
-    __slots__ = ("_cache", "_slot", "_owner", "_timeout", "_views", "_closed", "_published",
-                 "_owned", "_token", "_nbytes", "_view", "_t0", "__weakref__")
+    __slots__ = ()
     _what = "one pin"
 
-    # SlotCache.get builds handles itself: an inert one (_closed True) before the pinning C
-    # call, its fields stored after it with no call in between (see SlotCache.get).  Fields:
+    # The fields live in HandleBase (csrc/ucm_hit.c), which also runs a hit's handle: made by
+    # SlotCache.get in C, entered, read (data) and exited with no Python frame.  The full path
+    # (SlotCache._get_full) builds handles itself: an inert one (_closed True) before the
+    # pinning C call, its fields stored after it with no call in between.  Fields:
     #   _published  an owner's ready()/fail() went through
     #   _owned      the owned set of the context that became owner (see own()): whichever
     #               thread publishes or closes, the slot leaves this set
@@ -106,10 +103,9 @@ class Handle(_Pins):
 
     # ---------------------------------------------------------------- data
 
-    @property
-    def data(self) -> memoryview:
-        """The slot's bytes.  The owner, while loading: the whole slot, writable.  Ready: the
-        published payload, read-only.  Released (unreadable) when the handle closes."""
+    def _data_slow(self) -> memoryview:
+        """data (HandleBase) for everything but an open hit's: closed, an owner's writable
+        slot, a slot that was not Ready when pinned."""
         v = self._view
         if v is not None and not self._closed:
             return v  # made once: a slice of the mapping's read-only view, no C call
@@ -252,30 +248,9 @@ class Handle(_Pins):
             else:  # a fast-path pin: a hit or a join, never an owner
                 lib.ucm_release(ctx, self._slot)
 
-    def __enter__(self) -> "Handle":
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if exc is None and self._token is None and not self._closed:
-            # The hit path (a reader from the fast path, never an owner): one C call drops the
-            # pin, after the view (if one was made) is released.
-            cache = self._cache
-            ctx = cache._ctx
-            if ctx is not None:
-                self._closed = True
-                cache._open_handles -= 1
-                v = self._view
-                if v is None:
-                    lib.ucm_release(ctx, self._slot)
-                    return
-                self._view = None
-                try:
-                    v.release()
-                except BufferError:
-                    pass  # a numpy array still exports it (documented: arrays must not outlive)
-                finally:
-                    lib.ucm_release(ctx, self._slot)
-                return
+    def _exit_slow(self, exc_type, exc, tb) -> None:
+        """__exit__ (HandleBase) for everything but a hit's plain exit: an owner's or a
+        slow-path pin's handle, or a with-block that raised."""
         self._close(UNPUBLISHED if exc is None else exit_message(exc_type, exc))
 
     def __repr__(self) -> str:
@@ -465,5 +440,22 @@ class HandleBatch(_Pins):
     def __enter__(self) -> "HandleBatch":
         return self
 
+    def __del__(self) -> None:
+        if not getattr(self, "_closed", True):
+            try:
+                self.close()
+            except Exception:
+                pass
+
     def __exit__(self, exc_type, exc, tb) -> None:
         self._close(UNPUBLISHED if exc is None else exit_message(exc_type, exc))
+
+
+# The hit path in C (csrc/ucm_hit.c) calls the core's steps at their addresses in ucmcache._core
+# (one copy of the core), and makes Handles of this class.
+bind(steps={name: int(ffi.cast("uintptr_t", ffi.addressof(lib, name)))
+            for name in ("ucm_lookup_pin", "ucm_release", "ucm_slot_data", "ucm_ctx_points_set",
+                         "ucm_read_many", "ucm_gather", "ucm_pin_all_ready",
+                         "ucm_release_many")},
+     addr_of=lambda p: int(ffi.cast("uintptr_t", p)), fast_spin=FAST_SPIN, handle_type=Handle,
+     new_lengths=functools.partial(np.empty, dtype=np.int64))

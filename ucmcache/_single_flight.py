@@ -25,13 +25,12 @@ class SingleFlight:
     """SlotCache's loading calls.  A mixin: it uses the cache's get, _hit_bytes, _recover and
     its attributes (_ctx, _rank, _seg, _layout), and adds no state of its own."""
 
-    def get_or_load(self, key: Key, loader: Callable[[], Any], *,
-                    timeout: Optional[float] = None) -> bytes:
-        """The value for key, computed by ``loader()`` exactly once across all processes.
+    # get_or_load(key, loader, *, timeout=None) -> bytes is CacheBase's (csrc/ucm_hit.c): a hit
+    # in C (pin, copy, release), anything else here.
 
-        loader returns a bytes-like of at most slot_size bytes.  Its exception reaches this
-        caller as itself and every concurrent waiter as LoadFailed.  When the cache is full the
-        loader runs uncached (counted as a bypass)."""
+    def _get_or_load_full(self, key: Key, loader: Callable[[], Any], *,
+                          timeout: Optional[float] = None) -> bytes:
+        """get_or_load() for everything but a plain hit (see CacheBase.get_or_load)."""
         if not callable(loader):
             raise TypeError(f"loader must be a callable returning bytes, got "
                             f"{type(loader).__name__}")

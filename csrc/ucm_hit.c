@@ -1,0 +1,599 @@
+/* ucmcache._hit: the hit path as CPython types, so a hit makes no cffi call and runs no
+ * Python frame.
+ *
+ * Why a second extension: a cffi call costs ~150 ns here (argument conversion, the GIL released
+ * and taken again) and a Handle made of Python code ~1 us more, while py-lmdb reads a value in
+ * ~1.2 us (issue 14).  This module holds no rule of the protocol.  It calls the C core's steps
+ * through pointers taken from ucmcache._core when ucmcache is imported (one copy of the core
+ * runs, with its test points), and it takes only the plain hit: a key of 16 bytes found Ready.
+ * Anything else (a miss, a join, another key form, a timeout, a closed or forked cache, an
+ * owner, a raised exception) goes to the Python methods named below, which are the full path.
+ *
+ * Signals: CPython runs a Python signal handler only between bytecodes, never inside this C
+ * code, so a pin taken here is stored into its handle with no window in which an exception
+ * can arrive (the Python path needs tickets and tokens for that; see SlotCache._get_full).
+ * Allocation happens before the pin: a collection it triggers runs finalizers while we hold
+ * nothing.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <structmember.h>
+#include <string.h>
+
+#include "ucm_core.h"
+
+/* The core's steps, bound by bind() from ucmcache._core's addresses; their types are the
+ * header's declarations, not a second copy of them. */
+static struct {
+    __typeof__(ucm_lookup_pin) *lookup_pin;
+    __typeof__(ucm_release) *release;
+    __typeof__(ucm_slot_data) *slot_data;
+    __typeof__(ucm_ctx_points_set) *ctx_points_set;
+    __typeof__(ucm_read_many) *read_many;
+    __typeof__(ucm_gather) *gather;
+    __typeof__(ucm_pin_all_ready) *pin_all_ready;
+    __typeof__(ucm_release_many) *release_many;
+} core;
+static int bound;
+static uint32_t fast_spin = 64;
+static PyObject *addr_of;        /* cffi pointer -> int (ffi.cast("uintptr_t", p)) */
+static PyTypeObject *handle_type; /* ucmcache.Handle, a subclass of HandleBase */
+static PyObject *new_lengths;    /* n -> numpy int64 array of n */
+
+static PyObject *s_get_full, *s_hit_bytes_full, *s_get_or_load_full, *s_read_many_full,
+    *s_read_checked, *s_data_slow, *s_exit_slow, *s_close, *s_release, *s_timeout;
+
+/* ---------------------------------------------------------------- CacheBase */
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *ctx_obj;        /* _ctx: the cffi context pointer, or None (closed, forked) */
+    ucm_ctx *ctx;             /* its address, NULL with None */
+    Py_ssize_t open_handles;  /* _open_handles */
+    PyObject *ro;             /* _ro: the mapping's read-only memoryview */
+    Py_ssize_t data_off;      /* _data_off, _stride: where slot s's bytes start in _ro */
+    Py_ssize_t stride;
+} CacheBase;
+
+static PyTypeObject CacheBase_Type;
+
+static PyObject *cache_get_ctx(CacheBase *c, void *closure)
+{
+    return Py_NewRef(c->ctx_obj ? c->ctx_obj : Py_None);
+}
+
+static int cache_set_ctx(CacheBase *c, PyObject *v, void *closure)
+{
+    ucm_ctx *p = NULL;
+    if (v == NULL) v = Py_None;
+    if (v != Py_None) {
+        if (!addr_of) {
+            PyErr_SetString(PyExc_RuntimeError, "ucmcache._hit is not bound to the C core");
+            return -1;
+        }
+        PyObject *a = PyObject_CallOneArg(addr_of, v);
+        if (!a) return -1;
+        p = (ucm_ctx *)PyLong_AsVoidPtr(a);
+        Py_DECREF(a);
+        if (!p && PyErr_Occurred()) return -1;
+    }
+    Py_XSETREF(c->ctx_obj, Py_NewRef(v));
+    c->ctx = p;
+    return 0;
+}
+
+/* One lookup-and-pin step of the fast path; `outer` as ucm_lookup_pin's (2: counts only a
+ * hit, so a caller that goes on to the full path is counted there).  The GIL is kept (a
+ * lookup is tens of ns) unless a test point was ever set on this context: a gate then holds
+ * this thread, and the other threads of the process must be able to run. */
+static inline int64_t lookup(CacheBase *c, const char *id)
+{
+    if (__builtin_expect(core.ctx_points_set(c->ctx), 0)) {
+        int64_t r;
+        ucm_ctx *ctx = c->ctx;
+        Py_BEGIN_ALLOW_THREADS
+        r = core.lookup_pin(ctx, id, 0, fast_spin, 2, 0);
+        Py_END_ALLOW_THREADS
+        return r;
+    }
+    return core.lookup_pin(c->ctx, id, 0, fast_spin, 2, 0);
+}
+
+static inline int plain_id(PyObject *key)
+{
+    return PyBytes_CheckExact(key) && PyBytes_GET_SIZE(key) == 16;
+}
+
+/* The call goes to the full path: self.<name>(*args, **kwargs) as it came. */
+static PyObject *forward(PyObject *self, PyObject *name, PyObject *const *args, size_t nargsf,
+                         PyObject *kwnames)
+{
+    PyObject *m = PyObject_GetAttr(self, name);
+    if (!m) return NULL;
+    PyObject *r = PyObject_Vectorcall(m, args, PyVectorcall_NARGS(nargsf), kwnames);
+    Py_DECREF(m);
+    return r;
+}
+
+/* Only `timeout=None` among keywords keeps the fast path (a hit waits for nothing). */
+static inline int no_timeout(PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
+{
+    if (!kwnames) return 1;
+    if (PyTuple_GET_SIZE(kwnames) != 1 || args[nargs] != Py_None) return 0;
+    PyObject *k = PyTuple_GET_ITEM(kwnames, 0);
+    return k == s_timeout || PyUnicode_Compare(k, s_timeout) == 0;
+}
+
+/* A field the Python code may have stored None in (T_OBJECT reads NULL as None too). */
+#define HAS(o) ((o) != NULL && (o) != Py_None)
+
+typedef struct HandleBase HandleBase;
+static PyTypeObject HandleBase_Type;
+
+struct HandleBase {
+    PyObject_HEAD
+    CacheBase *cache;   /* _cache */
+    PyObject *token;    /* _token: a slow-path pin's token (None: a fast-path pin) */
+    PyObject *timeout;  /* _timeout, _views, _owned, _view, _t0: see ucmcache/_handle.py */
+    PyObject *views;
+    PyObject *owned;
+    PyObject *view;
+    PyObject *t0;
+    PyObject *weakreflist;
+    long long nbytes;   /* _nbytes: a Ready slot's length when pinned, -1 until known */
+    unsigned int slot;  /* _slot */
+    char closed;        /* _closed, _owner, _published */
+    char owner;
+    char published;
+};
+
+/* A hit: a new open Handle over the pinned Ready slot, or NULL with no exception set for
+ * anything else (no pin kept, nothing counted), or NULL with an exception. */
+static PyObject *hit_handle(CacheBase *c, PyObject *key)
+{
+    HandleBase *h = (HandleBase *)handle_type->tp_alloc(handle_type, 0);
+    if (!h) return NULL;
+    h->closed = 1; /* inert until the pin is its own */
+    h->nbytes = -1;
+    int64_t r = lookup(c, PyBytes_AS_STRING(key));
+    if (r >= 0 && (r & UCM_PIN_READY)) {
+        /* The pin becomes the handle's in plain stores. */
+        h->cache = (CacheBase *)Py_NewRef(c);
+        h->slot = UCM_PIN_SLOT(r);
+        h->nbytes = UCM_PIN_LEN(r);
+        h->closed = 0;
+        c->open_handles++;
+        return (PyObject *)h;
+    }
+    if (r >= 0) core.release(c->ctx, UCM_PIN_SLOT(r)); /* a join: the full path pins it again */
+    Py_DECREF(h);
+    return NULL;
+}
+
+static PyObject *cache_get(CacheBase *self, PyObject *const *args, size_t nargsf,
+                           PyObject *kwnames)
+{
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    if (bound && self->ctx && nargs == 1 && plain_id(args[0]) && no_timeout(args, 1, kwnames)) {
+        PyObject *h = hit_handle(self, args[0]);
+        if (h || PyErr_Occurred()) return h;
+    }
+    return forward((PyObject *)self, s_get_full, args, nargsf, kwnames);
+}
+
+/* A Ready entry's bytes, copied under the pin, the pin dropped: NULL with no exception for
+ * anything but a hit (nothing counted). */
+static PyObject *hit_bytes(CacheBase *c, PyObject *key)
+{
+    int64_t r = lookup(c, PyBytes_AS_STRING(key));
+    if (r < 0) return NULL;
+    uint32_t slot = UCM_PIN_SLOT(r);
+    PyObject *v = NULL;
+    if (r & UCM_PIN_READY) {
+        v = PyBytes_FromStringAndSize(core.slot_data(c->ctx, slot), UCM_PIN_LEN(r));
+        if (!v) { /* MemoryError: the pin goes, the error stays */
+            core.release(c->ctx, slot);
+            return NULL;
+        }
+    }
+    core.release(c->ctx, slot);
+    return v;
+}
+
+static PyObject *cache_hit_bytes(CacheBase *self, PyObject *key)
+{
+    if (bound && self->ctx && plain_id(key)) {
+        PyObject *v = hit_bytes(self, key);
+        if (v || PyErr_Occurred()) return v;
+        Py_RETURN_NONE;
+    }
+    return PyObject_CallMethodOneArg((PyObject *)self, s_hit_bytes_full, key);
+}
+
+static PyObject *cache_get_or_load(CacheBase *self, PyObject *const *args, size_t nargsf,
+                                   PyObject *kwnames)
+{
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    if (bound && self->ctx && nargs == 2 && plain_id(args[0]) && PyCallable_Check(args[1]) &&
+        no_timeout(args, 2, kwnames)) {
+        PyObject *v = hit_bytes(self, args[0]);
+        if (v || PyErr_Occurred()) return v;
+    }
+    return forward((PyObject *)self, s_get_or_load_full, args, nargsf, kwnames);
+}
+
+/* read_many of a list of plain ids into a buffer-protocol `out`: one core call with the GIL
+ * released for the copies.  NULL with no exception: the full path takes the call (other key
+ * forms, a tensor or a buffer that is not writable and C-contiguous, rows that do not divide;
+ * it also owns every error message). */
+static PyObject *read_many_fast(CacheBase *c, PyObject *keys, PyObject *out)
+{
+    Py_ssize_t n = PyList_GET_SIZE(keys);
+    if (n == 0 || n > (Py_ssize_t)UINT32_MAX) return NULL;
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (!plain_id(PyList_GET_ITEM(keys, i))) return NULL;
+    Py_buffer ob, lb;
+    if (PyObject_GetBuffer(out, &ob, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
+        PyErr_Clear();
+        return NULL;
+    }
+    PyObject *lens = NULL;
+    char small[16 * 64], *ids = small;
+    if (ob.len % n) goto out;
+    PyObject *pn = PyLong_FromSsize_t(n);
+    if (!pn) goto out;
+    lens = PyObject_CallOneArg(new_lengths, pn);
+    Py_DECREF(pn);
+    if (!lens) goto out;
+    if (PyObject_GetBuffer(lens, &lb, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
+        Py_CLEAR(lens);
+        goto out;
+    }
+    if (n > 64 && !(ids = PyMem_Malloc(16 * (size_t)n))) {
+        PyBuffer_Release(&lb);
+        Py_CLEAR(lens);
+        PyErr_NoMemory();
+        goto out;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) memcpy(ids + 16 * i, PyBytes_AS_STRING(PyList_GET_ITEM(keys, i)), 16);
+    uint64_t row = (uint64_t)(ob.len / n);
+    int64_t *lp = lb.buf, worst = -1;
+    int rc;
+    ucm_ctx *ctx = c->ctx;
+    Py_BEGIN_ALLOW_THREADS
+    rc = core.read_many(ctx, ids, NULL, (uint32_t)n, ob.buf, row, lp);
+    Py_END_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (lp[i] > worst) worst = lp[i];
+    PyBuffer_Release(&lb);
+    if (ids != small) PyMem_Free(ids);
+    if (rc != UCM_OK || worst > (int64_t)row) {
+        /* Corrupt, or a payload longer than a row: the full path's checks say which. */
+        PyObject *rr = PyLong_FromLong(rc), *rw = PyLong_FromUnsignedLongLong(row);
+        PyObject *r = rr && rw ? PyObject_CallMethodObjArgs((PyObject *)c, s_read_checked, rr,
+                                                            lens, rw, NULL) : NULL;
+        Py_XDECREF(rr);
+        Py_XDECREF(rw);
+        if (!r) Py_CLEAR(lens);
+        Py_XDECREF(r);
+    }
+out:
+    PyBuffer_Release(&ob);
+    return lens;
+}
+
+static PyObject *cache_read_many(CacheBase *self, PyObject *const *args, size_t nargsf,
+                                 PyObject *kwnames)
+{
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    if (bound && self->ctx && nargs == 2 && !kwnames && PyList_CheckExact(args[0])) {
+        PyObject *r = read_many_fast(self, args[0], args[1]);
+        if (r || PyErr_Occurred()) return r;
+    }
+    return forward((PyObject *)self, s_read_many_full, args, nargsf, kwnames);
+}
+
+static void cache_dealloc(CacheBase *c)
+{
+    Py_CLEAR(c->ctx_obj);
+    Py_CLEAR(c->ro);
+    Py_TYPE(c)->tp_free((PyObject *)c);
+}
+
+static PyMethodDef cache_methods[] = {
+    {"get", (PyCFunction)(void (*)(void))cache_get, METH_FASTCALL | METH_KEYWORDS,
+     "get(key, *, timeout=None) -> Handle\n--\n\n"
+     "Pin the slot for key.  A hit returns at once; a cold key makes this caller the owner\n"
+     "(h.owner: fill h.data, then h.ready(n) or h.fail(msg)); a key another caller is loading\n"
+     "returns a handle to wait() on.  ``timeout`` bounds this call's wait for a bucket lock\n"
+     "and is the default for that wait."},
+    {"get_or_load", (PyCFunction)(void (*)(void))cache_get_or_load,
+     METH_FASTCALL | METH_KEYWORDS,
+     "get_or_load(key, loader, *, timeout=None) -> bytes\n--\n\n"
+     "The value for key, computed by ``loader()`` exactly once across all processes.\n\n"
+     "loader returns a bytes-like of at most slot_size bytes.  Its exception reaches this\n"
+     "caller as itself and every concurrent waiter as LoadFailed.  When the cache is full the\n"
+     "loader runs uncached (counted as a bypass).  A hit is one step: pin, copy, release."},
+    {"read_many", (PyCFunction)(void (*)(void))cache_read_many, METH_FASTCALL | METH_KEYWORDS,
+     "read_many(keys, out) -> numpy.ndarray\n--\n\n"
+     "Copy every key that is Ready now into row i of ``out`` and return the lengths\n"
+     "(int64; -1 for a key that is missing or not Ready, its row untouched), in one C call\n"
+     "that pins, copies and releases each key in turn (the GIL released).  Elects no owner\n"
+     "and creates nothing.  ``out`` as for HandleBatch.gather."},
+    {"_hit_bytes", (PyCFunction)cache_hit_bytes, METH_O,
+     "A Ready entry's bytes (pin, copy, release; no Handle), or None for anything else.\n"
+     "Counts only a hit."},
+    {NULL},
+};
+
+static PyMemberDef cache_members[] = {
+    {"_open_handles", T_PYSSIZET, offsetof(CacheBase, open_handles), 0, NULL},
+    {"_ro", T_OBJECT, offsetof(CacheBase, ro), 0, NULL},
+    {"_data_off", T_PYSSIZET, offsetof(CacheBase, data_off), 0, NULL},
+    {"_stride", T_PYSSIZET, offsetof(CacheBase, stride), 0, NULL},
+    {NULL},
+};
+
+static PyGetSetDef cache_getset[] = {
+    {"_ctx", (getter)cache_get_ctx, (setter)cache_set_ctx, NULL, NULL},
+    {NULL},
+};
+
+static PyTypeObject CacheBase_Type = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "ucmcache._hit.CacheBase",
+    .tp_basicsize = sizeof(CacheBase),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE,
+    .tp_doc = "SlotCache's hit path (get, get_or_load, read_many) in C.",
+    .tp_new = PyType_GenericNew,
+    .tp_dealloc = (destructor)cache_dealloc,
+    .tp_methods = cache_methods,
+    .tp_members = cache_members,
+    .tp_getset = cache_getset,
+};
+
+/* ---------------------------------------------------------------- HandleBase */
+
+static PyObject *handle_new(PyTypeObject *type, PyObject *args, PyObject *kw)
+{
+    HandleBase *h = (HandleBase *)type->tp_alloc(type, 0);
+    if (h) {
+        h->closed = 1; /* inert: SlotCache._get_full stores the fields */
+        h->nbytes = -1;
+    }
+    return (PyObject *)h;
+}
+
+static void release_view(PyObject *v)
+{
+    /* memoryview.release(): a numpy array still exporting it keeps it (BufferError: the
+     * documented limit, arrays must not outlive the handle). */
+    PyObject *r = PyObject_CallMethodNoArgs(v, s_release);
+    if (r) Py_DECREF(r);
+    else PyErr_Clear();
+}
+
+/* The hit path's close: a reader pinned by the fast path (no token, never an owner, no
+ * writable views) drops its view, then its pin.  0: this handle needs the full close. */
+static int hit_close(HandleBase *h)
+{
+    CacheBase *c = h->cache;
+    if (HAS(h->token) || h->owner || HAS(h->views) || !c || !c->ctx)
+        return 0;
+    h->closed = 1;
+    c->open_handles--;
+    PyObject *v = h->view;
+    h->view = NULL;
+    if (HAS(v)) release_view(v);
+    Py_XDECREF(v);
+    core.release(c->ctx, h->slot);
+    return 1;
+}
+
+static PyObject *handle_enter(PyObject *self, PyObject *unused) { return Py_NewRef(self); }
+
+static PyObject *handle_exit(HandleBase *h, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs == 3 && args[1] == Py_None && !h->closed && hit_close(h)) Py_RETURN_NONE;
+    return PyObject_VectorcallMethod(s_exit_slow, (PyObject *[]){(PyObject *)h,
+                                     nargs > 0 ? args[0] : Py_None, nargs > 1 ? args[1] : Py_None,
+                                     nargs > 2 ? args[2] : Py_None},
+                                     4 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+}
+
+static PyObject *handle_data(HandleBase *h, void *closure)
+{
+    CacheBase *c = h->cache;
+    if (!h->closed && c && c->ctx) {
+        if (HAS(h->view)) return Py_NewRef(h->view); /* made once */
+        if (h->nbytes >= 0 && c->ro) {
+            /* Ready when pinned (the hit path): a slice of the mapping's read-only view */
+            Py_ssize_t off = c->data_off + (Py_ssize_t)h->slot * c->stride;
+            PyObject *v = PySequence_GetSlice(c->ro, off, off + (Py_ssize_t)h->nbytes);
+            if (!v) return NULL;
+            h->view = v;
+            return Py_NewRef(v);
+        }
+    }
+    return PyObject_CallMethodNoArgs((PyObject *)h, s_data_slow);
+}
+
+static void handle_finalize(PyObject *self)
+{
+    HandleBase *h = (HandleBase *)self;
+    if (h->closed) return;
+    PyObject *et, *ev, *tb;
+    PyErr_Fetch(&et, &ev, &tb);
+    if (!hit_close(h)) {
+        PyObject *r = PyObject_CallMethodNoArgs(self, s_close);
+        if (r) Py_DECREF(r);
+        else if (PyErr_ExceptionMatches(PyExc_Exception)) PyErr_Clear(); /* as a __del__ */
+        else PyErr_WriteUnraisable(self);
+    }
+    PyErr_Restore(et, ev, tb);
+}
+
+static int handle_traverse(HandleBase *h, visitproc visit, void *arg)
+{
+    Py_VISIT(h->cache);
+    Py_VISIT(h->token);
+    Py_VISIT(h->timeout);
+    Py_VISIT(h->views);
+    Py_VISIT(h->owned);
+    Py_VISIT(h->view);
+    Py_VISIT(h->t0);
+    return 0;
+}
+
+static int handle_clear(HandleBase *h)
+{
+    Py_CLEAR(h->cache);
+    Py_CLEAR(h->token);
+    Py_CLEAR(h->timeout);
+    Py_CLEAR(h->views);
+    Py_CLEAR(h->owned);
+    Py_CLEAR(h->view);
+    Py_CLEAR(h->t0);
+    return 0;
+}
+
+static void handle_dealloc(HandleBase *h)
+{
+    PyObject_GC_UnTrack(h);
+    if (h->weakreflist) PyObject_ClearWeakRefs((PyObject *)h);
+    handle_clear(h);
+    Py_TYPE(h)->tp_free((PyObject *)h);
+}
+
+static PyObject *handle_get_cache(HandleBase *h, void *closure)
+{
+    return Py_NewRef(h->cache ? (PyObject *)h->cache : Py_None);
+}
+
+static int handle_set_cache(HandleBase *h, PyObject *v, void *closure)
+{
+    /* Only a cache (or None): the C paths read its fields. */
+    if (v && v != Py_None && !PyObject_TypeCheck(v, &CacheBase_Type)) {
+        PyErr_Format(PyExc_TypeError, "_cache must be a SlotCache, got %.100s",
+                     Py_TYPE(v)->tp_name);
+        return -1;
+    }
+    Py_XSETREF(h->cache, v && v != Py_None ? (CacheBase *)Py_NewRef(v) : NULL);
+    return 0;
+}
+
+static PyMethodDef handle_methods[] = {
+    {"__enter__", handle_enter, METH_NOARGS, NULL},
+    {"__exit__", (PyCFunction)(void (*)(void))handle_exit, METH_FASTCALL, NULL},
+    {NULL},
+};
+
+static PyMemberDef handle_members[] = {
+    {"_token", T_OBJECT, offsetof(HandleBase, token), 0, NULL},
+    {"_timeout", T_OBJECT, offsetof(HandleBase, timeout), 0, NULL},
+    {"_views", T_OBJECT, offsetof(HandleBase, views), 0, NULL},
+    {"_owned", T_OBJECT, offsetof(HandleBase, owned), 0, NULL},
+    {"_view", T_OBJECT, offsetof(HandleBase, view), 0, NULL},
+    {"_t0", T_OBJECT, offsetof(HandleBase, t0), 0, NULL},
+    {"_nbytes", T_LONGLONG, offsetof(HandleBase, nbytes), 0, NULL},
+    {"_slot", T_UINT, offsetof(HandleBase, slot), 0, NULL},
+    {"_closed", T_BOOL, offsetof(HandleBase, closed), 0, NULL},
+    {"_owner", T_BOOL, offsetof(HandleBase, owner), 0, NULL},
+    {"_published", T_BOOL, offsetof(HandleBase, published), 0, NULL},
+    {NULL},
+};
+
+static PyGetSetDef handle_getset[] = {
+    {"_cache", (getter)handle_get_cache, (setter)handle_set_cache, NULL, NULL},
+    {"data", (getter)handle_data, NULL,
+     "The slot's bytes.  The owner, while loading: the whole slot, writable.  Ready: the\n"
+     "published payload, read-only.  Released (unreadable) when the handle closes.", NULL},
+    {NULL},
+};
+
+static PyTypeObject HandleBase_Type = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "ucmcache._hit.HandleBase",
+    .tp_basicsize = sizeof(HandleBase),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "Handle's fields and its hit path (enter, data, exit) in C.",
+    .tp_new = handle_new,
+    .tp_dealloc = (destructor)handle_dealloc,
+    .tp_traverse = (traverseproc)handle_traverse,
+    .tp_clear = (inquiry)handle_clear,
+    .tp_finalize = handle_finalize,
+    .tp_weaklistoffset = offsetof(HandleBase, weakreflist),
+    .tp_methods = handle_methods,
+    .tp_members = handle_members,
+    .tp_getset = handle_getset,
+};
+
+/* ---------------------------------------------------------------- module */
+
+static int bind_step(PyObject *steps, const char *name, void **slot)
+{
+    PyObject *a = PyDict_GetItemString(steps, name);
+    if (!a) {
+        PyErr_Format(PyExc_KeyError, "bind(): no address for the core step %s", name);
+        return -1;
+    }
+    *slot = PyLong_AsVoidPtr(a);
+    return *slot ? 0 : -1;
+}
+
+static PyObject *mod_bind(PyObject *m, PyObject *args, PyObject *kw)
+{
+    static char *names[] = {"steps", "addr_of", "fast_spin", "handle_type", "new_lengths",
+                            NULL};
+    PyObject *steps, *a, *ht, *nl;
+    unsigned int spin;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O!OIO!O", names, &PyDict_Type, &steps, &a,
+                                     &spin, &PyType_Type, &ht, &nl))
+        return NULL;
+    if (!PyType_IsSubtype((PyTypeObject *)ht, &HandleBase_Type)) {
+        PyErr_SetString(PyExc_TypeError, "handle_type must subclass HandleBase");
+        return NULL;
+    }
+#define STEP(f) if (bind_step(steps, "ucm_" #f, (void **)&core.f) < 0) return NULL
+    STEP(lookup_pin); STEP(release); STEP(slot_data); STEP(ctx_points_set);
+    STEP(read_many); STEP(gather); STEP(pin_all_ready); STEP(release_many);
+#undef STEP
+    Py_XSETREF(addr_of, Py_NewRef(a));
+    Py_XSETREF(handle_type, (PyTypeObject *)Py_NewRef(ht));
+    Py_XSETREF(new_lengths, Py_NewRef(nl));
+    fast_spin = spin;
+    bound = 1;
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef mod_methods[] = {
+    {"bind", (PyCFunction)(void (*)(void))mod_bind, METH_VARARGS | METH_KEYWORDS,
+     "bind(steps, addr_of, fast_spin, handle_type, new_lengths): the core's step addresses\n"
+     "and the Python pieces the hit path needs (ucmcache/_hitpath.py calls it once)."},
+    {NULL},
+};
+
+static struct PyModuleDef hit_module = {
+    PyModuleDef_HEAD_INIT, "ucmcache._hit",
+    "The hit path as CPython types (see csrc/ucm_hit.c).", -1, mod_methods,
+};
+
+PyMODINIT_FUNC PyInit__hit(void)
+{
+    if (PyType_Ready(&CacheBase_Type) < 0 || PyType_Ready(&HandleBase_Type) < 0) return NULL;
+#define INTERN(v, s) if (!(v = PyUnicode_InternFromString(s))) return NULL
+    INTERN(s_get_full, "_get_full"); INTERN(s_hit_bytes_full, "_hit_bytes_full");
+    INTERN(s_get_or_load_full, "_get_or_load_full"); INTERN(s_read_many_full, "_read_many_full");
+    INTERN(s_read_checked, "_read_checked"); INTERN(s_data_slow, "_data_slow");
+    INTERN(s_exit_slow, "_exit_slow"); INTERN(s_close, "close"); INTERN(s_release, "release");
+    INTERN(s_timeout, "timeout");
+#undef INTERN
+    PyObject *m = PyModule_Create(&hit_module);
+    if (!m) return NULL;
+    if (PyModule_AddObjectRef(m, "CacheBase", (PyObject *)&CacheBase_Type) < 0 ||
+        PyModule_AddObjectRef(m, "HandleBase", (PyObject *)&HandleBase_Type) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}
