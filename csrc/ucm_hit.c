@@ -39,9 +39,15 @@ static uint32_t fast_spin = 64;
 static PyObject *addr_of;        /* cffi pointer -> int (ffi.cast("uintptr_t", p)) */
 static PyTypeObject *handle_type; /* ucmcache.Handle, a subclass of HandleBase */
 static PyObject *new_lengths;    /* n -> numpy int64 array of n */
+static PyTypeObject *batch_type;  /* ucmcache.HandleBatch, a subclass of BatchBase */
+static PyObject *new_slots;      /* n -> numpy uint32 array of n */
+static PyObject *new_owner;      /* n -> numpy bool array of n zeros */
+static PyObject *no_owned;       /* an all-hit batch's owned set (ucmcache._batches) */
+static PyObject *mv_release;     /* memoryview.release, unbound: no lookup per view */
 
 static PyObject *s_get_full, *s_hit_bytes_full, *s_get_or_load_full, *s_read_many_full,
-    *s_read_checked, *s_data_slow, *s_exit_slow, *s_close, *s_release, *s_timeout;
+    *s_read_checked, *s_data_slow, *s_exit_slow, *s_close, *s_release, *s_timeout,
+    *s_get_many_full, *s_gather_full, *s_close_full;
 
 /* ---------------------------------------------------------------- CacheBase */
 
@@ -122,6 +128,27 @@ static inline int no_timeout(PyObject *const *args, Py_ssize_t nargs, PyObject *
     if (PyTuple_GET_SIZE(kwnames) != 1 || args[nargs] != Py_None) return 0;
     PyObject *k = PyTuple_GET_ITEM(kwnames, 0);
     return k == s_timeout || PyUnicode_Compare(k, s_timeout) == 0;
+}
+
+/* The read-only view of n payload bytes at offset off of the mapping: a view of `_ro`
+ * (CacheBase checks it is 1-D, bytes, read-only and contiguous when it is set), so the mapping
+ * stays exported while the view lives, exactly as the slice ro[off:off + n] would.  Made as
+ * memoryview slicing makes its result (mbuf_add_view, then the buffer narrowed), without the
+ * slice object and its two ints: a third of a hit's view cost. */
+static PyObject *payload_view(PyObject *ro, Py_ssize_t off, Py_ssize_t n)
+{
+    PyObject *v = PyMemoryView_FromObject(ro);
+    if (!v) return NULL;
+    Py_buffer *b = PyMemoryView_GET_BUFFER(v);
+    if (off < 0 || n < 0 || off + n > b->len) {
+        Py_DECREF(v);
+        PyErr_SetString(PyExc_ValueError, "a slot's payload lies outside the mapping");
+        return NULL;
+    }
+    b->buf = (char *)b->buf + off;
+    b->len = n;
+    b->shape[0] = n; /* 1-D bytes: strides[0] stays 1, the view stays contiguous */
+    return v;
 }
 
 /* A field the Python code may have stored None in (T_OBJECT reads NULL as None too). */
@@ -300,7 +327,15 @@ static void cache_dealloc(CacheBase *c)
     Py_TYPE(c)->tp_free((PyObject *)c);
 }
 
+static PyObject *cache_get_many(CacheBase *self, PyObject *const *args, size_t nargsf,
+                                PyObject *kwnames);
+
 static PyMethodDef cache_methods[] = {
+    {"get_many", (PyCFunction)(void (*)(void))cache_get_many, METH_FASTCALL | METH_KEYWORDS,
+     "get_many(keys, *, timeout=None) -> HandleBatch\n--\n\n"
+     "Pin every key of a request with one C call (misses take the slow path one by one).\n"
+     "Positions that come back owned must be filled and published by the caller.  All or\n"
+     "nothing: if any key cannot be pinned, nothing stays pinned or owned."},
     {"get", (PyCFunction)(void (*)(void))cache_get, METH_FASTCALL | METH_KEYWORDS,
      "get(key, *, timeout=None) -> Handle\n--\n\n"
      "Pin the slot for key.  A hit returns at once; a cold key makes this caller the owner\n"
@@ -328,14 +363,35 @@ static PyMethodDef cache_methods[] = {
 
 static PyMemberDef cache_members[] = {
     {"_open_handles", T_PYSSIZET, offsetof(CacheBase, open_handles), 0, NULL},
-    {"_ro", T_OBJECT, offsetof(CacheBase, ro), 0, NULL},
     {"_data_off", T_PYSSIZET, offsetof(CacheBase, data_off), 0, NULL},
     {"_stride", T_PYSSIZET, offsetof(CacheBase, stride), 0, NULL},
     {NULL},
 };
 
+static PyObject *cache_get_ro(CacheBase *c, void *closure)
+{
+    return Py_NewRef(c->ro ? c->ro : Py_None);
+}
+
+static int cache_set_ro(CacheBase *c, PyObject *v, void *closure)
+{
+    /* The mapping's view that payload_view narrows: it must be what that assumes. */
+    if (v && v != Py_None) {
+        Py_buffer *b = PyMemoryView_Check(v) ? PyMemoryView_GET_BUFFER(v) : NULL;
+        if (!b || b->ndim != 1 || b->itemsize != 1 || !b->readonly ||
+            (b->strides && b->strides[0] != 1) || (b->format && strcmp(b->format, "B"))) {
+            PyErr_SetString(PyExc_TypeError, "_ro must be a 1-D read-only contiguous memoryview "
+                            "of bytes");
+            return -1;
+        }
+    }
+    Py_XSETREF(c->ro, v && v != Py_None ? Py_NewRef(v) : NULL);
+    return 0;
+}
+
 static PyGetSetDef cache_getset[] = {
     {"_ctx", (getter)cache_get_ctx, (setter)cache_set_ctx, NULL, NULL},
+    {"_ro", (getter)cache_get_ro, (setter)cache_set_ro, NULL, NULL},
     {NULL},
 };
 
@@ -368,7 +424,8 @@ static void release_view(PyObject *v)
 {
     /* memoryview.release(): a numpy array still exporting it keeps it (BufferError: the
      * documented limit, arrays must not outlive the handle). */
-    PyObject *r = PyObject_CallMethodNoArgs(v, s_release);
+    PyObject *r = PyMemoryView_Check(v) ? PyObject_CallOneArg(mv_release, v)
+                                        : PyObject_CallMethodNoArgs(v, s_release);
     if (r) Py_DECREF(r);
     else PyErr_Clear();
 }
@@ -394,7 +451,9 @@ static PyObject *handle_enter(PyObject *self, PyObject *unused) { return Py_NewR
 
 static PyObject *handle_exit(HandleBase *h, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs == 3 && args[1] == Py_None && !h->closed && hit_close(h)) Py_RETURN_NONE;
+    /* A reader's pin: the same close whether the block raised or not (the exception's
+     * message only matters to an owner's waiters). */
+    if (nargs == 3 && (h->closed || hit_close(h))) Py_RETURN_NONE;
     return PyObject_VectorcallMethod(s_exit_slow, (PyObject *[]){(PyObject *)h,
                                      nargs > 0 ? args[0] : Py_None, nargs > 1 ? args[1] : Py_None,
                                      nargs > 2 ? args[2] : Py_None},
@@ -409,7 +468,7 @@ static PyObject *handle_data(HandleBase *h, void *closure)
         if (h->nbytes >= 0 && c->ro) {
             /* Ready when pinned (the hit path): a slice of the mapping's read-only view */
             Py_ssize_t off = c->data_off + (Py_ssize_t)h->slot * c->stride;
-            PyObject *v = PySequence_GetSlice(c->ro, off, off + (Py_ssize_t)h->nbytes);
+            PyObject *v = payload_view(c->ro, off, (Py_ssize_t)h->nbytes);
             if (!v) return NULL;
             h->view = v;
             return Py_NewRef(v);
@@ -528,6 +587,396 @@ static PyTypeObject HandleBase_Type = {
     .tp_getset = handle_getset,
 };
 
+/* ---------------------------------------------------------------- BatchBase */
+
+typedef struct {
+    PyObject_HEAD
+    CacheBase *cache;     /* _cache */
+    PyObject *slots;      /* _slots: numpy uint32 (slot per position, UCM_NIL: no pin) */
+    PyObject *lens;       /* _lens: numpy int64 (a Ready position's length, -1 unknown) */
+    PyObject *owner;      /* owner: numpy bool */
+    PyObject *token;      /* _token: the full path's batch token (None: an all-hit batch) */
+    PyObject *timeout;    /* _timeout, _views, _owner_views, _owned: see ucmcache/_handle.py */
+    PyObject *views;
+    PyObject *owner_views;
+    PyObject *owned;
+    PyObject *weakreflist;
+    uint32_t *slot_at;    /* _slots' and _lens' items, and how many each holds */
+    int64_t *len_at;
+    Py_ssize_t n_slot_at, n_len_at;
+    Py_ssize_t n;         /* _n */
+    char closed;          /* _closed, _any_owner */
+    char any_owner;
+} BatchBase;
+
+static PyTypeObject BatchBase_Type;
+
+/* The items of a numpy array (or any C-contiguous buffer) of `itemsize`-byte items; the array
+ * stays referenced by the batch, so its memory does not move. */
+static int items_of(PyObject *v, Py_ssize_t itemsize, int writable, void **at, Py_ssize_t *n)
+{
+    Py_buffer b;
+    if (PyObject_GetBuffer(v, &b, PyBUF_C_CONTIGUOUS | (writable ? PyBUF_WRITABLE : 0)) < 0)
+        return -1;
+    if (b.itemsize != itemsize) {
+        PyBuffer_Release(&b);
+        PyErr_Format(PyExc_TypeError, "expected an array of %zd-byte items", itemsize);
+        return -1;
+    }
+    *at = b.buf;
+    *n = b.len / itemsize;
+    PyBuffer_Release(&b);
+    return 0;
+}
+
+static int batch_set_slots(BatchBase *b, PyObject *v, void *closure)
+{
+    void *at = NULL;
+    Py_ssize_t n = 0;
+    if (v && v != Py_None && items_of(v, 4, 0, &at, &n) < 0) return -1;
+    Py_XSETREF(b->slots, v && v != Py_None ? Py_NewRef(v) : NULL);
+    b->slot_at = at;
+    b->n_slot_at = n;
+    return 0;
+}
+
+static int batch_set_lens(BatchBase *b, PyObject *v, void *closure)
+{
+    void *at = NULL;
+    Py_ssize_t n = 0;
+    if (v && v != Py_None && items_of(v, 8, 1, &at, &n) < 0) return -1;
+    Py_XSETREF(b->lens, v && v != Py_None ? Py_NewRef(v) : NULL);
+    b->len_at = at;
+    b->n_len_at = n;
+    return 0;
+}
+
+static PyObject *batch_get_slots(BatchBase *b, void *c) { return Py_NewRef(b->slots ? b->slots : Py_None); }
+static PyObject *batch_get_lens(BatchBase *b, void *c) { return Py_NewRef(b->lens ? b->lens : Py_None); }
+
+static PyObject *batch_get_cache(BatchBase *b, void *closure)
+{
+    return Py_NewRef(b->cache ? (PyObject *)b->cache : Py_None);
+}
+
+static int batch_set_cache(BatchBase *b, PyObject *v, void *closure)
+{
+    if (v && v != Py_None && !PyObject_TypeCheck(v, &CacheBase_Type)) {
+        PyErr_Format(PyExc_TypeError, "_cache must be a SlotCache, got %.100s",
+                     Py_TYPE(v)->tp_name);
+        return -1;
+    }
+    Py_XSETREF(b->cache, v && v != Py_None ? (CacheBase *)Py_NewRef(v) : NULL);
+    return 0;
+}
+
+/* The batch's positions are all readable from C: its arrays cover n positions. */
+static inline int batch_usable(BatchBase *b)
+{
+    return !b->closed && b->cache && b->cache->ctx && b->slot_at && b->len_at &&
+           b->n_slot_at >= b->n && b->n_len_at >= b->n;
+}
+
+static PyObject *call_n(PyObject *f, Py_ssize_t n)
+{
+    PyObject *pn = PyLong_FromSsize_t(n);
+    if (!pn) return NULL;
+    PyObject *r = PyObject_CallOneArg(f, pn);
+    Py_DECREF(pn);
+    return r;
+}
+
+/* An all-hit batch: every key a plain id, every one pinned Ready by one core step.  NULL with
+ * no exception: the full path takes the call (nothing pinned, nothing counted). */
+static PyObject *batch_hit(CacheBase *c, PyObject *keys)
+{
+    Py_ssize_t n = PyList_GET_SIZE(keys);
+    if (n == 0 || n > (Py_ssize_t)UCM_PIN_SLOT_MASK) return NULL;
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (!plain_id(PyList_GET_ITEM(keys, i))) return NULL;
+    /* Everything is allocated before the pins (see the top of this file). */
+    BatchBase *b = (BatchBase *)batch_type->tp_alloc(batch_type, 0);
+    if (!b) return NULL;
+    b->closed = 1;
+    PyObject *slots = NULL, *lens = NULL, *owner = NULL, *views = NULL;
+    char small[16 * 64], *ids = small;
+    if (!(slots = call_n(new_slots, n)) || !(lens = call_n(new_lengths, n)) ||
+        !(owner = call_n(new_owner, n)) || !(views = PyList_New(0)) ||
+        batch_set_slots(b, slots, NULL) < 0 || batch_set_lens(b, lens, NULL) < 0 ||
+        b->n_slot_at < n || b->n_len_at < n)
+        goto fail;
+    if (n > 64 && !(ids = PyMem_Malloc(16 * (size_t)n))) {
+        PyErr_NoMemory();
+        goto fail;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) memcpy(ids + 16 * i, PyBytes_AS_STRING(PyList_GET_ITEM(keys, i)), 16);
+    int rc;
+    ucm_ctx *ctx = c->ctx;
+    if (__builtin_expect(core.ctx_points_set(ctx), 0)) {
+        Py_BEGIN_ALLOW_THREADS
+        rc = core.pin_all_ready(ctx, ids, NULL, (uint32_t)n, fast_spin, b->slot_at, b->len_at);
+        Py_END_ALLOW_THREADS
+    } else {
+        rc = core.pin_all_ready(ctx, ids, NULL, (uint32_t)n, fast_spin, b->slot_at, b->len_at);
+    }
+    if (ids != small) PyMem_Free(ids);
+    if (rc != UCM_OK) goto fail; /* nothing pinned: the full path */
+    /* The pins become the batch's in plain stores. */
+    b->owner = owner;
+    b->views = views;
+    b->owned = Py_NewRef(no_owned);
+    b->cache = (CacheBase *)Py_NewRef(c);
+    b->n = n;
+    b->any_owner = 0;
+    b->closed = 0;
+    c->open_handles++;
+    Py_DECREF(slots);
+    Py_DECREF(lens);
+    return (PyObject *)b;
+fail:
+    Py_XDECREF(slots);
+    Py_XDECREF(lens);
+    Py_XDECREF(owner);
+    Py_XDECREF(views);
+    Py_DECREF(b);
+    return NULL;
+}
+
+static PyObject *cache_get_many(CacheBase *self, PyObject *const *args, size_t nargsf,
+                                PyObject *kwnames)
+{
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    if (bound && batch_type && self->ctx && nargs == 1 && PyList_CheckExact(args[0]) &&
+        no_timeout(args, 1, kwnames)) {
+        PyObject *b = batch_hit(self, args[0]);
+        if (b || PyErr_Occurred()) return b;
+    }
+    return forward((PyObject *)self, s_get_many_full, args, nargsf, kwnames);
+}
+
+/* An all-hit batch's close: its views released, then every pin in one core call.  0: the
+ * batch needs the full close (a token: owned positions, slow-path pins). */
+static int hit_close_batch(BatchBase *b)
+{
+    CacheBase *c = b->cache;
+    if (HAS(b->token) || b->any_owner || !c || !c->ctx || !b->slot_at || b->n_slot_at < b->n)
+        return 0;
+    b->closed = 1;
+    c->open_handles--;
+    PyObject *views = b->views;
+    b->views = NULL;
+    if (views && PyList_CheckExact(views)) {
+        for (Py_ssize_t i = 0; i < PyList_GET_SIZE(views); i++)
+            release_view(PyList_GET_ITEM(views, i));
+    }
+    Py_XDECREF(views);
+    core.release_many(c->ctx, b->slot_at, (uint32_t)b->n);
+    return 1;
+}
+
+static PyObject *batch_enter(PyObject *self, PyObject *unused) { return Py_NewRef(self); }
+
+static PyObject *batch_exit(BatchBase *b, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs == 3 && (b->closed || hit_close_batch(b))) Py_RETURN_NONE; /* as handle_exit */
+    return PyObject_VectorcallMethod(s_exit_slow, (PyObject *[]){(PyObject *)b,
+                                     nargs > 0 ? args[0] : Py_None, nargs > 1 ? args[1] : Py_None,
+                                     nargs > 2 ? args[2] : Py_None},
+                                     4 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+}
+
+static PyObject *batch_close(BatchBase *b, PyObject *unused)
+{
+    if (b->closed || hit_close_batch(b)) Py_RETURN_NONE;
+    return PyObject_CallMethodNoArgs((PyObject *)b, s_close_full);
+}
+
+static PyObject *batch_data(BatchBase *b, PyObject *pos)
+{
+    if (batch_usable(b) && PyLong_CheckExact(pos) && b->cache->ro) {
+        Py_ssize_t i = PyLong_AsSsize_t(pos);
+        if (i >= 0 && i < b->n && b->len_at[i] >= 0) {
+            /* Ready when pinned: a slice of the mapping's read-only view, kept to release */
+            CacheBase *c = b->cache;
+            Py_ssize_t off = c->data_off + (Py_ssize_t)b->slot_at[i] * c->stride;
+            if (!HAS(b->views) && !(b->views = (Py_XDECREF(b->views), PyList_New(0))))
+                return NULL;
+            if (!PyList_CheckExact(b->views)) goto slow;
+            PyObject *v = payload_view(c->ro, off, (Py_ssize_t)b->len_at[i]);
+            if (!v) return NULL;
+            if (PyList_Append(b->views, v) < 0) {
+                Py_DECREF(v);
+                return NULL;
+            }
+            return v;
+        }
+        PyErr_Clear(); /* an index out of range: the full path says so */
+    }
+slow:
+    return PyObject_CallMethodOneArg((PyObject *)b, s_data_slow, pos);
+}
+
+static PyObject *batch_gather(BatchBase *b, PyObject *out)
+{
+    if (!batch_usable(b) || b->n == 0) return PyObject_CallMethodOneArg((PyObject *)b, s_gather_full, out);
+    Py_buffer ob;
+    if (PyObject_GetBuffer(out, &ob, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
+        PyErr_Clear(); /* a tensor, or not writable/contiguous: the full path */
+        return PyObject_CallMethodOneArg((PyObject *)b, s_gather_full, out);
+    }
+    if (ob.len % b->n) {
+        PyBuffer_Release(&ob);
+        return PyObject_CallMethodOneArg((PyObject *)b, s_gather_full, out);
+    }
+    PyObject *lens = call_n(new_lengths, b->n);
+    Py_buffer lb;
+    if (!lens || PyObject_GetBuffer(lens, &lb, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
+        PyBuffer_Release(&ob);
+        Py_XDECREF(lens);
+        return NULL;
+    }
+    uint64_t row = (uint64_t)(ob.len / b->n);
+    int64_t *lp = lb.buf, worst = -1;
+    ucm_ctx *ctx = b->cache->ctx;
+    uint32_t *slots = b->slot_at, n = (uint32_t)b->n;
+    /* The batch's pins keep every slot as it is while the GIL is released for the copies. */
+    Py_BEGIN_ALLOW_THREADS
+    core.gather(ctx, slots, n, ob.buf, row, lp);
+    Py_END_ALLOW_THREADS
+    for (uint32_t i = 0; i < n; i++)
+        if (lp[i] > worst) worst = lp[i];
+    PyBuffer_Release(&lb);
+    PyBuffer_Release(&ob);
+    if (worst > (int64_t)row) {
+        PyObject *rw = PyLong_FromUnsignedLongLong(row), *zero = PyLong_FromLong(0);
+        PyObject *r = rw && zero ? PyObject_CallMethodObjArgs((PyObject *)b->cache, s_read_checked,
+                                                              zero, lens, rw, NULL) : NULL;
+        Py_XDECREF(rw);
+        Py_XDECREF(zero);
+        if (!r) Py_CLEAR(lens);
+        Py_XDECREF(r);
+    }
+    return lens;
+}
+
+static void batch_finalize(PyObject *self)
+{
+    BatchBase *b = (BatchBase *)self;
+    if (b->closed) return;
+    PyObject *et, *ev, *tb;
+    PyErr_Fetch(&et, &ev, &tb);
+    if (!hit_close_batch(b)) {
+        PyObject *r = PyObject_CallMethodNoArgs(self, s_close_full);
+        if (r) Py_DECREF(r);
+        else if (PyErr_ExceptionMatches(PyExc_Exception)) PyErr_Clear(); /* as a __del__ */
+        else PyErr_WriteUnraisable(self);
+    }
+    PyErr_Restore(et, ev, tb);
+}
+
+static int batch_traverse(BatchBase *b, visitproc visit, void *arg)
+{
+    Py_VISIT(b->cache);
+    Py_VISIT(b->slots);
+    Py_VISIT(b->lens);
+    Py_VISIT(b->owner);
+    Py_VISIT(b->token);
+    Py_VISIT(b->timeout);
+    Py_VISIT(b->views);
+    Py_VISIT(b->owner_views);
+    Py_VISIT(b->owned);
+    return 0;
+}
+
+static int batch_clear(BatchBase *b)
+{
+    b->slot_at = NULL;
+    b->len_at = NULL;
+    b->n_slot_at = b->n_len_at = 0;
+    Py_CLEAR(b->cache);
+    Py_CLEAR(b->slots);
+    Py_CLEAR(b->lens);
+    Py_CLEAR(b->owner);
+    Py_CLEAR(b->token);
+    Py_CLEAR(b->timeout);
+    Py_CLEAR(b->views);
+    Py_CLEAR(b->owner_views);
+    Py_CLEAR(b->owned);
+    return 0;
+}
+
+static void batch_dealloc(BatchBase *b)
+{
+    PyObject_GC_UnTrack(b);
+    if (b->weakreflist) PyObject_ClearWeakRefs((PyObject *)b);
+    batch_clear(b);
+    Py_TYPE(b)->tp_free((PyObject *)b);
+}
+
+static PyObject *batch_new(PyTypeObject *type, PyObject *args, PyObject *kw)
+{
+    BatchBase *b = (BatchBase *)type->tp_alloc(type, 0);
+    if (b) b->closed = 1; /* inert: SlotCache._get_many_full stores the fields */
+    return (PyObject *)b;
+}
+
+static PyMethodDef batch_methods[] = {
+    {"__enter__", batch_enter, METH_NOARGS, NULL},
+    {"__exit__", (PyCFunction)(void (*)(void))batch_exit, METH_FASTCALL, NULL},
+    {"close", (PyCFunction)batch_close, METH_NOARGS,
+     "Unpin every position (idempotent); owned positions not published publish Failed."},
+    {"data", (PyCFunction)batch_data, METH_O,
+     "data(i) -> memoryview\n--\n\n"
+     "Position i's bytes, as Handle.data: the owner's writable slot while it loads, else\n"
+     "the Ready payload, read-only (a slice of the mapping's read-only view: no C call for a\n"
+     "position that was Ready when pinned).  Released when the batch closes."},
+    {"gather", (PyCFunction)batch_gather, METH_O,
+     "gather(out) -> numpy.ndarray\n--\n\n"
+     "Copy every Ready position's payload into row i of ``out`` in one C call (the GIL is\n"
+     "released during the copies) and return the lengths (int64; -1 for a position that is\n"
+     "not Ready, its row untouched).  ``out``: any writable C-contiguous buffer of n rows of\n"
+     "equal size (a numpy array of shape (n, row), a flat array, bytearray or memoryview of\n"
+     "n*row bytes, a CPU torch tensor).  A payload longer than a row raises ValueError."},
+    {NULL},
+};
+
+static PyMemberDef batch_members[] = {
+    {"owner", T_OBJECT, offsetof(BatchBase, owner), 0, NULL},
+    {"_token", T_OBJECT, offsetof(BatchBase, token), 0, NULL},
+    {"_timeout", T_OBJECT, offsetof(BatchBase, timeout), 0, NULL},
+    {"_views", T_OBJECT, offsetof(BatchBase, views), 0, NULL},
+    {"_owner_views", T_OBJECT, offsetof(BatchBase, owner_views), 0, NULL},
+    {"_owned", T_OBJECT, offsetof(BatchBase, owned), 0, NULL},
+    {"_n", T_PYSSIZET, offsetof(BatchBase, n), 0, NULL},
+    {"_closed", T_BOOL, offsetof(BatchBase, closed), 0, NULL},
+    {"_any_owner", T_BOOL, offsetof(BatchBase, any_owner), 0, NULL},
+    {NULL},
+};
+
+static PyGetSetDef batch_getset[] = {
+    {"_cache", (getter)batch_get_cache, (setter)batch_set_cache, NULL, NULL},
+    {"_slots", (getter)batch_get_slots, (setter)batch_set_slots, NULL, NULL},
+    {"_lens", (getter)batch_get_lens, (setter)batch_set_lens, NULL, NULL},
+    {NULL},
+};
+
+static PyTypeObject BatchBase_Type = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "ucmcache._hit.BatchBase",
+    .tp_basicsize = sizeof(BatchBase),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "HandleBatch's fields and its hit path (data, gather, exit) in C.",
+    .tp_new = batch_new,
+    .tp_dealloc = (destructor)batch_dealloc,
+    .tp_traverse = (traverseproc)batch_traverse,
+    .tp_clear = (inquiry)batch_clear,
+    .tp_finalize = batch_finalize,
+    .tp_weaklistoffset = offsetof(BatchBase, weakreflist),
+    .tp_methods = batch_methods,
+    .tp_members = batch_members,
+    .tp_getset = batch_getset,
+};
+
 /* ---------------------------------------------------------------- module */
 
 static int bind_step(PyObject *steps, const char *name, void **slot)
@@ -543,15 +992,18 @@ static int bind_step(PyObject *steps, const char *name, void **slot)
 
 static PyObject *mod_bind(PyObject *m, PyObject *args, PyObject *kw)
 {
-    static char *names[] = {"steps", "addr_of", "fast_spin", "handle_type", "new_lengths",
-                            NULL};
-    PyObject *steps, *a, *ht, *nl;
+    static char *names[] = {"steps", "addr_of", "fast_spin", "handle_type", "batch_type",
+                            "new_lengths", "new_slots", "new_owner", "no_owned", NULL};
+    PyObject *steps, *a, *ht, *bt, *nl, *ns, *no, *nw;
     unsigned int spin;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "O!OIO!O", names, &PyDict_Type, &steps, &a,
-                                     &spin, &PyType_Type, &ht, &nl))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O!OIO!O!OOOO", names, &PyDict_Type, &steps, &a,
+                                     &spin, &PyType_Type, &ht, &PyType_Type, &bt, &nl, &ns, &no,
+                                     &nw))
         return NULL;
-    if (!PyType_IsSubtype((PyTypeObject *)ht, &HandleBase_Type)) {
-        PyErr_SetString(PyExc_TypeError, "handle_type must subclass HandleBase");
+    if (!PyType_IsSubtype((PyTypeObject *)ht, &HandleBase_Type) ||
+        !PyType_IsSubtype((PyTypeObject *)bt, &BatchBase_Type)) {
+        PyErr_SetString(PyExc_TypeError, "handle_type and batch_type must subclass HandleBase "
+                        "and BatchBase");
         return NULL;
     }
 #define STEP(f) if (bind_step(steps, "ucm_" #f, (void **)&core.f) < 0) return NULL
@@ -561,6 +1013,10 @@ static PyObject *mod_bind(PyObject *m, PyObject *args, PyObject *kw)
     Py_XSETREF(addr_of, Py_NewRef(a));
     Py_XSETREF(handle_type, (PyTypeObject *)Py_NewRef(ht));
     Py_XSETREF(new_lengths, Py_NewRef(nl));
+    Py_XSETREF(batch_type, (PyTypeObject *)Py_NewRef(bt));
+    Py_XSETREF(new_slots, Py_NewRef(ns));
+    Py_XSETREF(new_owner, Py_NewRef(no));
+    Py_XSETREF(no_owned, Py_NewRef(nw));
     fast_spin = spin;
     bound = 1;
     Py_RETURN_NONE;
@@ -568,8 +1024,9 @@ static PyObject *mod_bind(PyObject *m, PyObject *args, PyObject *kw)
 
 static PyMethodDef mod_methods[] = {
     {"bind", (PyCFunction)(void (*)(void))mod_bind, METH_VARARGS | METH_KEYWORDS,
-     "bind(steps, addr_of, fast_spin, handle_type, new_lengths): the core's step addresses\n"
-     "and the Python pieces the hit path needs (ucmcache/_hitpath.py calls it once)."},
+     "bind(steps, addr_of, fast_spin, handle_type, batch_type, new_lengths, new_slots,\n"
+     "new_owner, no_owned): the core's step addresses and the Python pieces the hit path\n"
+     "needs (ucmcache/_batches.py calls it once, when HandleBatch and SlotCache exist)."},
     {NULL},
 };
 
@@ -580,18 +1037,24 @@ static struct PyModuleDef hit_module = {
 
 PyMODINIT_FUNC PyInit__hit(void)
 {
-    if (PyType_Ready(&CacheBase_Type) < 0 || PyType_Ready(&HandleBase_Type) < 0) return NULL;
+    if (PyType_Ready(&CacheBase_Type) < 0 || PyType_Ready(&HandleBase_Type) < 0 ||
+        PyType_Ready(&BatchBase_Type) < 0)
+        return NULL;
 #define INTERN(v, s) if (!(v = PyUnicode_InternFromString(s))) return NULL
     INTERN(s_get_full, "_get_full"); INTERN(s_hit_bytes_full, "_hit_bytes_full");
     INTERN(s_get_or_load_full, "_get_or_load_full"); INTERN(s_read_many_full, "_read_many_full");
     INTERN(s_read_checked, "_read_checked"); INTERN(s_data_slow, "_data_slow");
     INTERN(s_exit_slow, "_exit_slow"); INTERN(s_close, "close"); INTERN(s_release, "release");
-    INTERN(s_timeout, "timeout");
+    INTERN(s_timeout, "timeout"); INTERN(s_get_many_full, "_get_many_full");
+    INTERN(s_gather_full, "_gather_full"); INTERN(s_close_full, "_close_full");
 #undef INTERN
+    if (!(mv_release = PyObject_GetAttrString((PyObject *)&PyMemoryView_Type, "release")))
+        return NULL;
     PyObject *m = PyModule_Create(&hit_module);
     if (!m) return NULL;
     if (PyModule_AddObjectRef(m, "CacheBase", (PyObject *)&CacheBase_Type) < 0 ||
-        PyModule_AddObjectRef(m, "HandleBase", (PyObject *)&HandleBase_Type) < 0) {
+        PyModule_AddObjectRef(m, "HandleBase", (PyObject *)&HandleBase_Type) < 0 ||
+        PyModule_AddObjectRef(m, "BatchBase", (PyObject *)&BatchBase_Type) < 0) {
         Py_DECREF(m);
         return NULL;
     }

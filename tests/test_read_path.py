@@ -146,3 +146,136 @@ def test_short_exist_and_prefix_match_the_batch_form(make_cache):
     assert c.exist_prefix(K[:6]) == 3
     with pytest.raises(TypeError):
         c.exist([array.array("I", range(4))])
+
+
+# ---- the hit path in C (ucmcache._hit): the same answers and counts as the full path
+
+def _refs(c):
+    from ucmcache._core import lib
+    return [lib.ucm_load64(c._seg.base, c.layout.meta(s)) for s in range(c.capacity)]
+
+
+def _counts(c):
+    s = c.stats()
+    return {k: s[k] for k in ("gets", "hits", "misses", "joins", "fast_hits", "loads_started")}
+
+
+def test_c_hits_and_the_full_path_answer_and_count_alike(make_cache):
+    """Each read form on plain ids (the C path) and on (id, 0) tuples (the Python path, the
+    same keys): the same bytes, lengths and counter deltas.  Fails if the C path counted a
+    hit twice, not at all, or as a get."""
+    c = make_cache(slot_size=64)
+    fill(c, K[:4])
+    plain, tuples = K[:4], [(k, 0) for k in K[:4]]
+    out = {}
+    for name, keys in (("c", plain), ("py", tuples)):
+        before = _counts(c)
+        got = []
+        with c.get(keys[0]) as h:
+            assert h._token is None and not h.owner
+            got.append(bytes(h.data))
+        got.append(c.get_or_load(keys[1], lambda: b"never"))
+        with c.get_many(keys) as hb:
+            got += [bytes(hb.data(i)) for i in range(4)]
+            rows = np.zeros((4, 64), np.uint8)
+            got.append(hb.gather(rows).tolist())
+            got.append(rows.tobytes())
+        rows = np.zeros((4, 64), np.uint8)
+        got.append(c.read_many(keys, rows).tolist())
+        got.append(rows.tobytes())
+        after = _counts(c)
+        out[name] = (got, {k: after[k] - before[k] for k in after})
+    assert out["c"] == out["py"]
+    counts = out["c"][1]
+    assert counts["fast_hits"] == counts["hits"] == counts["gets"] == 1 + 1 + 4 + 4
+    assert counts["misses"] == counts["joins"] == counts["loads_started"] == 0
+    assert set(_refs(c)) == {0} and c._open_handles == 0
+
+
+def test_a_batch_with_one_cold_key_pins_nothing_twice_and_counts_once(make_cache):
+    """The C step pins all Ready or nothing: a batch with a cold key in the middle goes to the
+    full path, which elects its owner once; the Ready keys' pins are the full path's only."""
+    c = make_cache(slot_size=64)
+    fill(c, [K[0], K[2]])
+    before = _counts(c)
+    with c.get_many([K[0], K[1], K[2]]) as hb:
+        assert hb.owner.tolist() == [False, True, False]
+        assert hb._token is not None  # the full path's batch
+        hb.data(1)[:2] = b"ok"
+        hb.ready(1, 2)
+        assert bytes(hb.data(1)) == b"ok" and bytes(hb.data(2)) == b"\x02" * 63
+    after = _counts(c)
+    assert after["misses"] - before["misses"] == 1
+    assert after["fast_hits"] - before["fast_hits"] == 2
+    assert after["loads_started"] - before["loads_started"] == 1
+    assert set(_refs(c)) == {0} and c._open_handles == 0
+    assert ucmcache.verify(c.uuid).ok
+
+
+def test_dropped_c_handles_and_batches_unpin_when_collected(make_cache):
+    import gc
+    c = make_cache(slot_size=64)
+    fill(c, K[:3])
+    h = c.get(K[0])
+    hb = c.get_many(K[:3])
+    v, w = h.data, hb.data(1)
+    assert h._token is None and hb._token is None  # both from the C path
+    assert any(_refs(c)) and c._open_handles == 2
+    cycle = [hb]
+    cycle.append(cycle)  # a batch in a reference cycle: its finalizer runs in the collector
+    del h, hb, cycle
+    gc.collect()
+    assert set(_refs(c)) == {0} and c._open_handles == 0
+    for view in (v, w):
+        with pytest.raises(ValueError, match="released"):
+            view[0]
+
+
+def test_a_raise_inside_a_c_hit_with_block_unpins_and_propagates(make_cache):
+    c = make_cache(slot_size=64)
+    fill(c, K[:2])
+    with pytest.raises(KeyError):
+        with c.get(K[0]):
+            raise KeyError("x")
+    with pytest.raises(KeyError):
+        with c.get_many(K[:2]):
+            raise KeyError("y")
+    assert set(_refs(c)) == {0} and c._open_handles == 0
+
+
+def test_batch_positions_of_every_form_and_closed_batches(make_cache):
+    c = make_cache(slot_size=64)
+    fill(c, K[:3])
+    with c.get_many(K[:3]) as hb:
+        assert bytes(hb.data(-1)) == bytes(hb.data(np.int64(2))) == b"\x03" * 62
+        for bad in (3, -4, True, 1.0, "0"):
+            with pytest.raises(IndexError, match=r"\[0, 3\)"):
+                hb.data(bad)
+    hb.close()  # idempotent, in C
+    with pytest.raises(HandleClosed):
+        hb.data(0)
+    with pytest.raises(HandleClosed):
+        hb.gather(np.zeros((3, 64), np.uint8))
+
+
+def test_c_paths_on_a_closed_cache_raise_not_attached(make_cache):
+    c = make_cache(slot_size=64)
+    fill(c, K[:1])
+    c.close()
+    for call in (lambda: c.get(K[0]), lambda: c.get_many([K[0]]),
+                 lambda: c.get_or_load(K[0], lambda: b"x"),
+                 lambda: c.read_many([K[0]], bytearray(64))):
+        with pytest.raises(ucmcache.NotAttached):
+            call()
+
+
+def test_the_fields_the_c_paths_trust_refuse_other_objects(make_cache):
+    c = make_cache(slot_size=64)
+    fill(c, K[:1])
+    with c.get(K[0]) as h, c.get_many([K[0]]) as hb:
+        for o in (h, hb):
+            with pytest.raises(TypeError, match="SlotCache"):
+                o._cache = object()
+        with pytest.raises(TypeError):
+            hb._slots = np.zeros(1, np.int64)  # 8-byte items where slots are 4
+    assert set(_refs(c)) == {0}

@@ -13,7 +13,7 @@ import numpy as np
 from ._core import ffi, lib
 from ._errors import CorruptSegment
 from ._buffers import check_rows, rows_of
-from ._handle import HandleBatch
+from ._handle import _NO_OWNED, HandleBatch
 from ._keys import Key, pack_keys
 from ._slots import (ABANDONED, ABANDONED_LEN, FAST_SPIN, _PIN_LEN_SHIFT, _PIN_READY,
                      _PIN_SLOT_MASK, check_timeout)
@@ -33,27 +33,18 @@ def _plain_ids(keys: list) -> bool:
     return True
 
 
-_new = object.__new__  # an inert batch: every field is stored by get_many()
-
-
-class _NoOwned(frozenset):
-    """An all-hit batch's owned set (HandleBatch.own replaces it): nothing to discard."""
-
-    def discard(self, _slot) -> None:
-        pass
-
-
-_NO_OWNED = _NoOwned()
 
 
 class Batches:
     """SlotCache's calls over many keys.  A mixin: it uses the cache's _pin_slow, _tier and
     attributes (_ctx, _keep, _open_handles), and adds no state of its own."""
 
-    def get_many(self, keys: Sequence[Key], *, timeout: Optional[float] = None) -> HandleBatch:
-        """Pin every key of a request with one C call (misses take the slow path one by one).
-        Positions that come back owned must be filled and published by the caller.  All or
-        nothing: if any key cannot be pinned, nothing stays pinned or owned."""
+    # get_many(keys, *, timeout=None) -> HandleBatch is CacheBase's (csrc/ucm_hit.c): a list of
+    # plain ids all Ready in C, anything else here.
+
+    def _get_many_full(self, keys: Sequence[Key], *,
+                       timeout: Optional[float] = None) -> HandleBatch:
+        """get_many() for everything but an all-hit list of plain ids (see CacheBase)."""
         ctx = self._ctx
         if ctx is None:
             self._check_usable()
@@ -76,7 +67,7 @@ class Batches:
                        functools.partial(lib.ucm_batch_token_release, self._keep, slots_p,
                                          owner_p))
         lib.ucm_batch_token_arm(ctx, token, n)
-        batch = _new(HandleBatch)
+        batch = HandleBatch.__new__(HandleBatch)
         batch._closed = True
         try:
             if n:
@@ -97,8 +88,6 @@ class Batches:
             batch._token = token
             batch._n = n
             batch._lens = lens
-            batch._lens_l = None  # lens and data offsets as lists, made by the first data(i)
-            batch._offs_l = None
             batch._timeout = timeout
             batch._owner_views = {}
             batch._views = []

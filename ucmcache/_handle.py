@@ -16,7 +16,7 @@ import numpy as np
 
 from ._buffers import check_rows, rows_of
 from ._core import ffi, lib
-from ._hit import HandleBase, bind
+from ._hit import BatchBase, HandleBase, bind
 from ._errors import HandleClosed, LoadFailed, UcmError
 from ._slots import (FAST_SPIN, STATE_NAMES, UNPUBLISHED, _now, _owned_slots, as_array, check_timeout,
                      exit_message, failure_message, fill, observe_load, publish_failed,
@@ -260,15 +260,28 @@ class Handle(HandleBase, _Pins):
                 f"state={STATE_NAMES[lib.ucm_slot_state(self._cache._ctx, self._slot)]}>")
 
 
-class HandleBatch(_Pins):
+class _NoOwned(frozenset):
+    """An all-hit batch's owned set (HandleBatch.own replaces it): nothing to discard."""
+
+    def discard(self, _slot) -> None:
+        pass
+
+
+_NO_OWNED = _NoOwned()
+
+
+class HandleBatch(BatchBase, _Pins):
     """The pins of one request's keys: one C call pins them all, one releases them all.
 
     ``owner`` and ``state`` are numpy arrays over the positions; a key that appears twice is
     pinned twice and owned (if it was cold) by its first position only.
     """
 
-    # SlotCache.get_many builds batches as get builds handles: inert first, the C calls pin
-    # straight into _slots/owner (through _slots_p/_owner_p), the fields are stored after.
+    # The fields the C paths read live in BatchBase (csrc/ucm_hit.c), which also runs an
+    # all-hit batch: made by SlotCache.get_many in C (one core step pins every key Ready, or
+    # none), read (data, gather) and closed with no Python frame.  The full path
+    # (SlotCache._get_many_full) builds batches as get builds handles: inert first, the C calls
+    # pin straight into _slots/owner (through _slots_p/_owner_p), the fields are stored after.
     # _owner_views: position -> the owner's writable views; _any_owner False: an all-hit batch
     # skips the owner bookkeeping.
 
@@ -305,40 +318,31 @@ class HandleBatch(_Pins):
         ctx = self._cache._ctx
         return np.array([STATE_NAMES[lib.ucm_slot_state(ctx, int(s))] for s in self._slots])
 
-    def data(self, i: int) -> memoryview:
-        """Position i's bytes, as Handle.data: the owner's writable slot while it loads, else
-        the Ready payload, read-only (a slice of the mapping's read-only view: no C call for a
-        position that was Ready when pinned).  Released when the batch closes."""
+    def _data_slow(self, i: int) -> memoryview:
+        """data(i) (BatchBase) for everything but a position Ready when pinned, read from an
+        open batch: closed, an index that is not a plain int in range, an owned position, a
+        position joined while Loading."""
         if self._closed:
             self._check_open()
-        if type(i) is not int or not 0 <= i < self._n:
-            i = self._index(i)
-        lens = self._lens_l
+        i = self._index(i)
         cache = self._cache
-        if lens is None:
-            lens = self._lens_l = self._lens.tolist()
-            self._offs_l = (self._slots.astype(np.int64) * cache._stride
-                            + cache._data_off).tolist()
-        n = lens[i]
+        if cache._ctx is None:
+            cache._check_usable()
+        slot = int(self._slots[i])
+        n = int(self._lens[i])
         if n < 0:
-            if cache._ctx is None:
-                cache._check_usable()
-            slot = int(self._slots[i])
             if self.owner[i] and lib.ucm_slot_state(cache._ctx, slot) == lib.UCM_LOADING:
                 return slot_view(cache, slot, cache._layout.slot_size, True,
                                  self._owner_views.setdefault(i, []))
-            n = lens[i] = ready_length(cache, slot)
-        off = self._offs_l[i]
+            n = self._lens[i] = ready_length(cache, slot)
+        off = cache._data_off + slot * cache._stride
         v = cache._ro[off:off + n]
         self._views.append(v)
         return v
 
-    def gather(self, out) -> np.ndarray:
-        """Copy every Ready position's payload into row i of ``out`` in one C call (the GIL is
-        released during the copies) and return the lengths (int64; -1 for a position that is
-        not Ready, its row untouched).  ``out``: any writable C-contiguous buffer of n rows of
-        equal size (a numpy array of shape (n, row), a flat array, bytearray or memoryview of
-        n*row bytes, a CPU torch tensor).  A payload longer than a row raises ValueError."""
+    def _gather_full(self, out) -> np.ndarray:
+        """gather(out) (BatchBase) for a closed batch, an empty one, or an out that is not a
+        writable C-contiguous buffer (a CPU tensor, or an error to name)."""
         self._check_open()
         n = self._n
         lens = np.empty(n, dtype=np.int64)
@@ -360,8 +364,6 @@ class HandleBatch(_Pins):
         n = publish_ready(self._cache, slot, bool(self.owner[i]), nbytes)
         observe_load(self._cache, self._t0)
         self._lens[i] = -1  # looked up again by data(i), now Ready
-        if self._lens_l is not None:
-            self._lens_l[i] = -1
         self._owned.discard(slot)
         release_views(self._owner_views.pop(i, []))  # the owner's writable view ends with the load
         if self._cache._tier is not None:
@@ -405,8 +407,8 @@ class HandleBatch(_Pins):
                 raise LoadFailed(failure_message(cache, s))
         return self
 
-    def close(self) -> None:
-        """Unpin every position (idempotent); owned positions not published publish Failed."""
+    def _close_full(self) -> None:
+        """close() (BatchBase) for a batch with a token (the full path's)."""
         self._close(UNPUBLISHED)
 
     def _close(self, message: bytes) -> None:
@@ -437,25 +439,18 @@ class HandleBatch(_Pins):
         finally:
             lib.ucm_batch_token_drop(self._slots_p, self._owner_p, self._token, message, length)
 
-    def __enter__(self) -> "HandleBatch":
-        return self
-
-    def __del__(self) -> None:
-        if not getattr(self, "_closed", True):
-            try:
-                self.close()
-            except Exception:
-                pass
-
-    def __exit__(self, exc_type, exc, tb) -> None:
+    def _exit_slow(self, exc_type, exc, tb) -> None:
+        """__exit__ (BatchBase) for a batch with a token, or a with-block that raised."""
         self._close(UNPUBLISHED if exc is None else exit_message(exc_type, exc))
 
 
 # The hit path in C (csrc/ucm_hit.c) calls the core's steps at their addresses in ucmcache._core
-# (one copy of the core), and makes Handles of this class.
+# (one copy of the core), and makes Handles and HandleBatches of these classes.
 bind(steps={name: int(ffi.cast("uintptr_t", ffi.addressof(lib, name)))
             for name in ("ucm_lookup_pin", "ucm_release", "ucm_slot_data", "ucm_ctx_points_set",
                          "ucm_read_many", "ucm_gather", "ucm_pin_all_ready",
                          "ucm_release_many")},
      addr_of=lambda p: int(ffi.cast("uintptr_t", p)), fast_spin=FAST_SPIN, handle_type=Handle,
-     new_lengths=functools.partial(np.empty, dtype=np.int64))
+     batch_type=HandleBatch, new_lengths=functools.partial(np.empty, dtype=np.int64),
+     new_slots=functools.partial(np.empty, dtype=np.uint32),
+     new_owner=functools.partial(np.zeros, dtype=bool), no_owned=_NO_OWNED)
