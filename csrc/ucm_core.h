@@ -292,6 +292,7 @@ int ucm_lookup_pin_many(ucm_ctx *c, const char *ids, const uint64_t *offsets, ui
 int ucm_pin_all_ready(ucm_ctx *c, const char *ids, const uint64_t *offsets, uint32_t n,
                       uint32_t spin_budget, uint32_t *slots_out, int64_t *lens_out);
 char *ucm_slot_data(ucm_ctx *c, uint32_t slot);
+void ucm_copy_payload(char *dst, const char *src, uint64_t n);
 int ucm_exist1(ucm_ctx *c, const char *id, uint64_t offset);
 int ucm_exist_many(ucm_ctx *c, const char *ids, const uint64_t *offsets, uint32_t n, uint8_t *out);
 uint32_t ucm_exist_prefix(ucm_ctx *c, const char *ids, const uint64_t *offsets, uint32_t n);

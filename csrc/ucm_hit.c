@@ -28,6 +28,7 @@ static struct {
     __typeof__(ucm_lookup_pin) *lookup_pin;
     __typeof__(ucm_release) *release;
     __typeof__(ucm_slot_data) *slot_data;
+    __typeof__(ucm_copy_payload) *copy_payload;
     __typeof__(ucm_ctx_points_set) *ctx_points_set;
     __typeof__(ucm_read_many) *read_many;
     __typeof__(ucm_gather) *gather;
@@ -35,7 +36,10 @@ static struct {
     __typeof__(ucm_release_many) *release_many;
 } core;
 static int bound;
-static uint32_t fast_spin = 64;
+/* No spinning here: a claimed slot answers BUSY at once and the full path (which spins with
+ * the GIL released) takes the key, so a claim held by a stopped or dead process never holds
+ * every thread of this one. */
+#define C_SPIN 0
 static PyObject *addr_of;        /* cffi pointer -> int (ffi.cast("uintptr_t", p)) */
 static PyTypeObject *handle_type; /* ucmcache.Handle, a subclass of HandleBase */
 static PyObject *new_lengths;    /* n -> numpy int64 array of n */
@@ -83,26 +87,40 @@ static int cache_set_ctx(CacheBase *c, PyObject *v, void *closure)
         Py_DECREF(a);
         if (!p && PyErr_Occurred()) return -1;
     }
+    c->ctx = p; /* first: dropping the old object may run a finalizer that reads it */
     Py_XSETREF(c->ctx_obj, Py_NewRef(v));
-    c->ctx = p;
     return 0;
 }
 
-/* One lookup-and-pin step of the fast path; `outer` as ucm_lookup_pin's (2: counts only a
- * hit, so a caller that goes on to the full path is counted there).  The GIL is kept (a
- * lookup is tens of ns) unless a test point was ever set on this context: a gate then holds
- * this thread, and the other threads of the process must be able to run. */
-static inline int64_t lookup(CacheBase *c, const char *id)
+/* One lookup-and-pin step of the fast path on ctx (the caller read it from c with nothing
+ * able to run Python after); `outer` as ucm_lookup_pin's (2: counts only a hit, so a caller
+ * that goes on to the full path is counted there).  The GIL is kept (a lookup is tens of ns)
+ * unless a test point was ever set on this context: a gate then holds this thread, and the
+ * other threads of the process must be able to run.  If one of them closed the cache
+ * meanwhile, its close recovered our rank's holds: the answer is "not held". */
+static inline int64_t lookup(CacheBase *c, ucm_ctx *ctx, const char *id)
 {
-    if (__builtin_expect(core.ctx_points_set(c->ctx), 0)) {
+    if (__builtin_expect(core.ctx_points_set(ctx), 0)) {
         int64_t r;
-        ucm_ctx *ctx = c->ctx;
         Py_BEGIN_ALLOW_THREADS
-        r = core.lookup_pin(ctx, id, 0, fast_spin, 2, 0);
+        r = core.lookup_pin(ctx, id, 0, C_SPIN, 2, 0);
         Py_END_ALLOW_THREADS
-        return r;
+        return c->ctx == ctx ? r : -(int64_t)UCM_NOT_HELD;
     }
-    return core.lookup_pin(c->ctx, id, 0, fast_spin, 2, 0);
+    return core.lookup_pin(ctx, id, 0, C_SPIN, 2, 0);
+}
+
+/* Drop one pin; with test points set, the GIL released (a thread held at a gate may hold the
+ * process-local lock of this slot's group). */
+static inline void release_pin(ucm_ctx *ctx, uint32_t slot)
+{
+    if (__builtin_expect(core.ctx_points_set(ctx), 0)) {
+        Py_BEGIN_ALLOW_THREADS
+        core.release(ctx, slot);
+        Py_END_ALLOW_THREADS
+        return;
+    }
+    core.release(ctx, slot);
 }
 
 static inline int plain_id(PyObject *key)
@@ -111,12 +129,12 @@ static inline int plain_id(PyObject *key)
 }
 
 /* The call goes to the full path: self.<name>(*args, **kwargs) as it came. */
-static PyObject *forward(PyObject *self, PyObject *name, PyObject *const *args, size_t nargsf,
+static PyObject *forward(PyObject *self, PyObject *name, PyObject *const *args, Py_ssize_t nargs,
                          PyObject *kwnames)
 {
     PyObject *m = PyObject_GetAttr(self, name);
     if (!m) return NULL;
-    PyObject *r = PyObject_Vectorcall(m, args, PyVectorcall_NARGS(nargsf), kwnames);
+    PyObject *r = PyObject_Vectorcall(m, args, nargs, kwnames);
     Py_DECREF(m);
     return r;
 }
@@ -182,7 +200,12 @@ static PyObject *hit_handle(CacheBase *c, PyObject *key)
     if (!h) return NULL;
     h->closed = 1; /* inert until the pin is its own */
     h->nbytes = -1;
-    int64_t r = lookup(c, PyBytes_AS_STRING(key));
+    ucm_ctx *ctx = c->ctx; /* read after the allocation: a finalizer it ran may have closed c */
+    if (!ctx) {
+        Py_DECREF(h);
+        return NULL;
+    }
+    int64_t r = lookup(c, ctx, PyBytes_AS_STRING(key));
     if (r >= 0 && (r & UCM_PIN_READY)) {
         /* The pin becomes the handle's in plain stores. */
         h->cache = (CacheBase *)Py_NewRef(c);
@@ -192,38 +215,39 @@ static PyObject *hit_handle(CacheBase *c, PyObject *key)
         c->open_handles++;
         return (PyObject *)h;
     }
-    if (r >= 0) core.release(c->ctx, UCM_PIN_SLOT(r)); /* a join: the full path pins it again */
+    if (r >= 0) release_pin(ctx, UCM_PIN_SLOT(r)); /* a join: the full path pins it again */
     Py_DECREF(h);
     return NULL;
 }
 
-static PyObject *cache_get(CacheBase *self, PyObject *const *args, size_t nargsf,
+static PyObject *cache_get(CacheBase *self, PyObject *const *args, Py_ssize_t nargs,
                            PyObject *kwnames)
 {
-    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
     if (bound && self->ctx && nargs == 1 && plain_id(args[0]) && no_timeout(args, 1, kwnames)) {
         PyObject *h = hit_handle(self, args[0]);
         if (h || PyErr_Occurred()) return h;
     }
-    return forward((PyObject *)self, s_get_full, args, nargsf, kwnames);
+    return forward((PyObject *)self, s_get_full, args, nargs, kwnames);
 }
 
 /* A Ready entry's bytes, copied under the pin, the pin dropped: NULL with no exception for
  * anything but a hit (nothing counted). */
 static PyObject *hit_bytes(CacheBase *c, PyObject *key)
 {
-    int64_t r = lookup(c, PyBytes_AS_STRING(key));
+    ucm_ctx *ctx = c->ctx;
+    if (!ctx) return NULL;
+    int64_t r = lookup(c, ctx, PyBytes_AS_STRING(key));
     if (r < 0) return NULL;
     uint32_t slot = UCM_PIN_SLOT(r);
     PyObject *v = NULL;
     if (r & UCM_PIN_READY) {
-        v = PyBytes_FromStringAndSize(core.slot_data(c->ctx, slot), UCM_PIN_LEN(r));
-        if (!v) { /* MemoryError: the pin goes, the error stays */
-            core.release(c->ctx, slot);
-            return NULL;
-        }
+        /* A bytes object is not tracked by the collector: making it runs no Python code. */
+        v = PyBytes_FromStringAndSize(NULL, UCM_PIN_LEN(r));
+        char *src = core.slot_data(ctx, slot);
+        if (v && src) core.copy_payload(PyBytes_AS_STRING(v), src, UCM_PIN_LEN(r));
+        else Py_CLEAR(v); /* MemoryError (set), or no such slot: not a hit */
     }
-    core.release(c->ctx, slot);
+    release_pin(ctx, slot);
     return v;
 }
 
@@ -237,28 +261,46 @@ static PyObject *cache_hit_bytes(CacheBase *self, PyObject *key)
     return PyObject_CallMethodOneArg((PyObject *)self, s_hit_bytes_full, key);
 }
 
-static PyObject *cache_get_or_load(CacheBase *self, PyObject *const *args, size_t nargsf,
+static PyObject *cache_get_or_load(CacheBase *self, PyObject *const *args, Py_ssize_t nargs,
                                    PyObject *kwnames)
 {
-    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
     if (bound && self->ctx && nargs == 2 && plain_id(args[0]) && PyCallable_Check(args[1]) &&
         no_timeout(args, 2, kwnames)) {
         PyObject *v = hit_bytes(self, args[0]);
         if (v || PyErr_Occurred()) return v;
     }
-    return forward((PyObject *)self, s_get_or_load_full, args, nargsf, kwnames);
+    return forward((PyObject *)self, s_get_or_load_full, args, nargs, kwnames);
 }
 
 /* read_many of a list of plain ids into a buffer-protocol `out`: one core call with the GIL
  * released for the copies.  NULL with no exception: the full path takes the call (other key
  * forms, a tensor or a buffer that is not writable and C-contiguous, rows that do not divide;
  * it also owns every error message). */
+/* Copy the plain ids of `keys` (n of them) into ids.  Run with nothing able to run Python
+ * code after it until the ids are used: a finalizer could change the list.  0: the list is not
+ * n plain ids any more. */
+static int copy_ids(PyObject *keys, Py_ssize_t n, char *ids)
+{
+    if (PyList_GET_SIZE(keys) != n) return 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *k = PyList_GET_ITEM(keys, i);
+        if (!plain_id(k)) return 0;
+        memcpy(ids + 16 * i, PyBytes_AS_STRING(k), 16);
+    }
+    return 1;
+}
+
+static int all_plain(PyObject *keys)
+{
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(keys); i++)
+        if (!plain_id(PyList_GET_ITEM(keys, i))) return 0;
+    return 1;
+}
+
 static PyObject *read_many_fast(CacheBase *c, PyObject *keys, PyObject *out)
 {
     Py_ssize_t n = PyList_GET_SIZE(keys);
-    if (n == 0 || n > (Py_ssize_t)UINT32_MAX) return NULL;
-    for (Py_ssize_t i = 0; i < n; i++)
-        if (!plain_id(PyList_GET_ITEM(keys, i))) return NULL;
+    if (n == 0 || n > (Py_ssize_t)UINT32_MAX || !all_plain(keys)) return NULL;
     Py_buffer ob, lb;
     if (PyObject_GetBuffer(out, &ob, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
         PyErr_Clear();
@@ -266,7 +308,9 @@ static PyObject *read_many_fast(CacheBase *c, PyObject *keys, PyObject *out)
     }
     PyObject *lens = NULL;
     char small[16 * 64], *ids = small;
+    int got_lens = 0;
     if (ob.len % n) goto out;
+    /* Everything that can run Python code first (see copy_ids) */
     PyObject *pn = PyLong_FromSsize_t(n);
     if (!pn) goto out;
     lens = PyObject_CallOneArg(new_lengths, pn);
@@ -276,24 +320,25 @@ static PyObject *read_many_fast(CacheBase *c, PyObject *keys, PyObject *out)
         Py_CLEAR(lens);
         goto out;
     }
+    got_lens = 1;
     if (n > 64 && !(ids = PyMem_Malloc(16 * (size_t)n))) {
-        PyBuffer_Release(&lb);
         Py_CLEAR(lens);
         PyErr_NoMemory();
         goto out;
     }
-    for (Py_ssize_t i = 0; i < n; i++) memcpy(ids + 16 * i, PyBytes_AS_STRING(PyList_GET_ITEM(keys, i)), 16);
+    ucm_ctx *ctx = c->ctx;
+    if (!ctx || !copy_ids(keys, n, ids)) {
+        Py_CLEAR(lens); /* no exception: the full path */
+        goto out;
+    }
     uint64_t row = (uint64_t)(ob.len / n);
     int64_t *lp = lb.buf, worst = -1;
     int rc;
-    ucm_ctx *ctx = c->ctx;
     Py_BEGIN_ALLOW_THREADS
     rc = core.read_many(ctx, ids, NULL, (uint32_t)n, ob.buf, row, lp);
     Py_END_ALLOW_THREADS
     for (Py_ssize_t i = 0; i < n; i++)
         if (lp[i] > worst) worst = lp[i];
-    PyBuffer_Release(&lb);
-    if (ids != small) PyMem_Free(ids);
     if (rc != UCM_OK || worst > (int64_t)row) {
         /* Corrupt, or a payload longer than a row: the full path's checks say which. */
         PyObject *rr = PyLong_FromLong(rc), *rw = PyLong_FromUnsignedLongLong(row);
@@ -305,19 +350,20 @@ static PyObject *read_many_fast(CacheBase *c, PyObject *keys, PyObject *out)
         Py_XDECREF(r);
     }
 out:
+    if (ids != small) PyMem_Free(ids);
+    if (got_lens) PyBuffer_Release(&lb);
     PyBuffer_Release(&ob);
     return lens;
 }
 
-static PyObject *cache_read_many(CacheBase *self, PyObject *const *args, size_t nargsf,
+static PyObject *cache_read_many(CacheBase *self, PyObject *const *args, Py_ssize_t nargs,
                                  PyObject *kwnames)
 {
-    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
     if (bound && self->ctx && nargs == 2 && !kwnames && PyList_CheckExact(args[0])) {
         PyObject *r = read_many_fast(self, args[0], args[1]);
         if (r || PyErr_Occurred()) return r;
     }
-    return forward((PyObject *)self, s_read_many_full, args, nargsf, kwnames);
+    return forward((PyObject *)self, s_read_many_full, args, nargs, kwnames);
 }
 
 static void cache_dealloc(CacheBase *c)
@@ -327,30 +373,30 @@ static void cache_dealloc(CacheBase *c)
     Py_TYPE(c)->tp_free((PyObject *)c);
 }
 
-static PyObject *cache_get_many(CacheBase *self, PyObject *const *args, size_t nargsf,
+static PyObject *cache_get_many(CacheBase *self, PyObject *const *args, Py_ssize_t nargs,
                                 PyObject *kwnames);
 
 static PyMethodDef cache_methods[] = {
     {"get_many", (PyCFunction)(void (*)(void))cache_get_many, METH_FASTCALL | METH_KEYWORDS,
-     "get_many(keys, *, timeout=None) -> HandleBatch\n--\n\n"
+     "get_many($self, keys, /, *, timeout=None)\n--\n\n"
      "Pin every key of a request with one C call (misses take the slow path one by one).\n"
      "Positions that come back owned must be filled and published by the caller.  All or\n"
      "nothing: if any key cannot be pinned, nothing stays pinned or owned."},
     {"get", (PyCFunction)(void (*)(void))cache_get, METH_FASTCALL | METH_KEYWORDS,
-     "get(key, *, timeout=None) -> Handle\n--\n\n"
+     "get($self, key, /, *, timeout=None)\n--\n\n"
      "Pin the slot for key.  A hit returns at once; a cold key makes this caller the owner\n"
      "(h.owner: fill h.data, then h.ready(n) or h.fail(msg)); a key another caller is loading\n"
      "returns a handle to wait() on.  ``timeout`` bounds this call's wait for a bucket lock\n"
      "and is the default for that wait."},
     {"get_or_load", (PyCFunction)(void (*)(void))cache_get_or_load,
      METH_FASTCALL | METH_KEYWORDS,
-     "get_or_load(key, loader, *, timeout=None) -> bytes\n--\n\n"
+     "get_or_load($self, key, loader, /, *, timeout=None)\n--\n\n"
      "The value for key, computed by ``loader()`` exactly once across all processes.\n\n"
      "loader returns a bytes-like of at most slot_size bytes.  Its exception reaches this\n"
      "caller as itself and every concurrent waiter as LoadFailed.  When the cache is full the\n"
      "loader runs uncached (counted as a bypass).  A hit is one step: pin, copy, release."},
     {"read_many", (PyCFunction)(void (*)(void))cache_read_many, METH_FASTCALL | METH_KEYWORDS,
-     "read_many(keys, out) -> numpy.ndarray\n--\n\n"
+     "read_many($self, keys, out, /)\n--\n\n"
      "Copy every key that is Ready now into row i of ``out`` and return the lengths\n"
      "(int64; -1 for a key that is missing or not Ready, its row untouched), in one C call\n"
      "that pins, copies and releases each key in turn (the GIL released).  Elects no owner\n"
@@ -435,15 +481,16 @@ static void release_view(PyObject *v)
 static int hit_close(HandleBase *h)
 {
     CacheBase *c = h->cache;
-    if (HAS(h->token) || h->owner || HAS(h->views) || !c || !c->ctx)
+    ucm_ctx *ctx = c ? c->ctx : NULL;
+    if (HAS(h->token) || h->owner || HAS(h->views) || !ctx)
         return 0;
     h->closed = 1;
     c->open_handles--;
     PyObject *v = h->view;
     h->view = NULL;
-    if (HAS(v)) release_view(v);
+    if (HAS(v)) release_view(v); /* the view first: nothing readable over an unpinned slot */
     Py_XDECREF(v);
-    core.release(c->ctx, h->slot);
+    release_pin(ctx, h->slot);
     return 1;
 }
 
@@ -454,10 +501,7 @@ static PyObject *handle_exit(HandleBase *h, PyObject *const *args, Py_ssize_t na
     /* A reader's pin: the same close whether the block raised or not (the exception's
      * message only matters to an owner's waiters). */
     if (nargs == 3 && (h->closed || hit_close(h))) Py_RETURN_NONE;
-    return PyObject_VectorcallMethod(s_exit_slow, (PyObject *[]){(PyObject *)h,
-                                     nargs > 0 ? args[0] : Py_None, nargs > 1 ? args[1] : Py_None,
-                                     nargs > 2 ? args[2] : Py_None},
-                                     4 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+    return forward((PyObject *)h, s_exit_slow, args, nargs, NULL);
 }
 
 static PyObject *handle_data(HandleBase *h, void *closure)
@@ -470,8 +514,14 @@ static PyObject *handle_data(HandleBase *h, void *closure)
             Py_ssize_t off = c->data_off + (Py_ssize_t)h->slot * c->stride;
             PyObject *v = payload_view(c->ro, off, (Py_ssize_t)h->nbytes);
             if (!v) return NULL;
-            h->view = v;
-            return Py_NewRef(v);
+            if (h->closed || HAS(h->view)) {
+                /* making it ran a finalizer that closed h (or read data): not ours to give */
+                release_view(v);
+                Py_DECREF(v);
+                return PyObject_CallMethodNoArgs((PyObject *)h, s_data_slow);
+            }
+            Py_XSETREF(h->view, Py_NewRef(v));
+            return v;
         }
     }
     return PyObject_CallMethodNoArgs((PyObject *)h, s_data_slow);
@@ -691,10 +741,9 @@ static PyObject *call_n(PyObject *f, Py_ssize_t n)
 static PyObject *batch_hit(CacheBase *c, PyObject *keys)
 {
     Py_ssize_t n = PyList_GET_SIZE(keys);
-    if (n == 0 || n > (Py_ssize_t)UCM_PIN_SLOT_MASK) return NULL;
-    for (Py_ssize_t i = 0; i < n; i++)
-        if (!plain_id(PyList_GET_ITEM(keys, i))) return NULL;
-    /* Everything is allocated before the pins (see the top of this file). */
+    if (n == 0 || n > (Py_ssize_t)UCM_PIN_SLOT_MASK || !all_plain(keys)) return NULL;
+    /* Everything is allocated before the pins (see the top of this file), and before the ids
+     * are read (see copy_ids). */
     BatchBase *b = (BatchBase *)batch_type->tp_alloc(batch_type, 0);
     if (!b) return NULL;
     b->closed = 1;
@@ -709,15 +758,19 @@ static PyObject *batch_hit(CacheBase *c, PyObject *keys)
         PyErr_NoMemory();
         goto fail;
     }
-    for (Py_ssize_t i = 0; i < n; i++) memcpy(ids + 16 * i, PyBytes_AS_STRING(PyList_GET_ITEM(keys, i)), 16);
     int rc;
     ucm_ctx *ctx = c->ctx;
+    if (!ctx || !copy_ids(keys, n, ids)) {
+        if (ids != small) PyMem_Free(ids);
+        goto fail;
+    }
     if (__builtin_expect(core.ctx_points_set(ctx), 0)) {
         Py_BEGIN_ALLOW_THREADS
-        rc = core.pin_all_ready(ctx, ids, NULL, (uint32_t)n, fast_spin, b->slot_at, b->len_at);
+        rc = core.pin_all_ready(ctx, ids, NULL, (uint32_t)n, C_SPIN, b->slot_at, b->len_at);
         Py_END_ALLOW_THREADS
+        if (c->ctx != ctx) rc = UCM_NOT_HELD; /* closed meanwhile: its recovery dropped them */
     } else {
-        rc = core.pin_all_ready(ctx, ids, NULL, (uint32_t)n, fast_spin, b->slot_at, b->len_at);
+        rc = core.pin_all_ready(ctx, ids, NULL, (uint32_t)n, C_SPIN, b->slot_at, b->len_at);
     }
     if (ids != small) PyMem_Free(ids);
     if (rc != UCM_OK) goto fail; /* nothing pinned: the full path */
@@ -742,16 +795,15 @@ fail:
     return NULL;
 }
 
-static PyObject *cache_get_many(CacheBase *self, PyObject *const *args, size_t nargsf,
+static PyObject *cache_get_many(CacheBase *self, PyObject *const *args, Py_ssize_t nargs,
                                 PyObject *kwnames)
 {
-    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
     if (bound && batch_type && self->ctx && nargs == 1 && PyList_CheckExact(args[0]) &&
         no_timeout(args, 1, kwnames)) {
         PyObject *b = batch_hit(self, args[0]);
         if (b || PyErr_Occurred()) return b;
     }
-    return forward((PyObject *)self, s_get_many_full, args, nargsf, kwnames);
+    return forward((PyObject *)self, s_get_many_full, args, nargs, kwnames);
 }
 
 /* An all-hit batch's close: its views released, then every pin in one core call.  0: the
@@ -759,7 +811,8 @@ static PyObject *cache_get_many(CacheBase *self, PyObject *const *args, size_t n
 static int hit_close_batch(BatchBase *b)
 {
     CacheBase *c = b->cache;
-    if (HAS(b->token) || b->any_owner || !c || !c->ctx || !b->slot_at || b->n_slot_at < b->n)
+    ucm_ctx *ctx = c ? c->ctx : NULL;
+    if (HAS(b->token) || b->any_owner || !ctx || !b->slot_at || b->n_slot_at < b->n)
         return 0;
     b->closed = 1;
     c->open_handles--;
@@ -770,7 +823,14 @@ static int hit_close_batch(BatchBase *b)
             release_view(PyList_GET_ITEM(views, i));
     }
     Py_XDECREF(views);
-    core.release_many(c->ctx, b->slot_at, (uint32_t)b->n);
+    if (__builtin_expect(core.ctx_points_set(ctx), 0)) {
+        uint32_t *slots = b->slot_at, n = (uint32_t)b->n;
+        Py_BEGIN_ALLOW_THREADS /* as release_pin */
+        core.release_many(ctx, slots, n);
+        Py_END_ALLOW_THREADS
+    } else {
+        core.release_many(ctx, b->slot_at, (uint32_t)b->n);
+    }
     return 1;
 }
 
@@ -779,10 +839,7 @@ static PyObject *batch_enter(PyObject *self, PyObject *unused) { return Py_NewRe
 static PyObject *batch_exit(BatchBase *b, PyObject *const *args, Py_ssize_t nargs)
 {
     if (nargs == 3 && (b->closed || hit_close_batch(b))) Py_RETURN_NONE; /* as handle_exit */
-    return PyObject_VectorcallMethod(s_exit_slow, (PyObject *[]){(PyObject *)b,
-                                     nargs > 0 ? args[0] : Py_None, nargs > 1 ? args[1] : Py_None,
-                                     nargs > 2 ? args[2] : Py_None},
-                                     4 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+    return forward((PyObject *)b, s_exit_slow, args, nargs, NULL);
 }
 
 static PyObject *batch_close(BatchBase *b, PyObject *unused)
@@ -802,8 +859,16 @@ static PyObject *batch_data(BatchBase *b, PyObject *pos)
             if (!HAS(b->views) && !(b->views = (Py_XDECREF(b->views), PyList_New(0))))
                 return NULL;
             if (!PyList_CheckExact(b->views)) goto slow;
+            PyObject *views = Py_NewRef(b->views);
             PyObject *v = payload_view(c->ro, off, (Py_ssize_t)b->len_at[i]);
+            Py_DECREF(views);
             if (!v) return NULL;
+            if (b->closed || b->views != views) {
+                /* making it ran a finalizer that closed b: not ours to give */
+                release_view(v);
+                Py_DECREF(v);
+                goto slow;
+            }
             if (PyList_Append(b->views, v) < 0) {
                 Py_DECREF(v);
                 return NULL;
@@ -926,12 +991,12 @@ static PyMethodDef batch_methods[] = {
     {"close", (PyCFunction)batch_close, METH_NOARGS,
      "Unpin every position (idempotent); owned positions not published publish Failed."},
     {"data", (PyCFunction)batch_data, METH_O,
-     "data(i) -> memoryview\n--\n\n"
+     "data($self, i, /)\n--\n\n"
      "Position i's bytes, as Handle.data: the owner's writable slot while it loads, else\n"
      "the Ready payload, read-only (a slice of the mapping's read-only view: no C call for a\n"
      "position that was Ready when pinned).  Released when the batch closes."},
     {"gather", (PyCFunction)batch_gather, METH_O,
-     "gather(out) -> numpy.ndarray\n--\n\n"
+     "gather($self, out, /)\n--\n\n"
      "Copy every Ready position's payload into row i of ``out`` in one C call (the GIL is\n"
      "released during the copies) and return the lengths (int64; -1 for a position that is\n"
      "not Ready, its row untouched).  ``out``: any writable C-contiguous buffer of n rows of\n"
@@ -987,18 +1052,18 @@ static int bind_step(PyObject *steps, const char *name, void **slot)
         return -1;
     }
     *slot = PyLong_AsVoidPtr(a);
+    if (!*slot && !PyErr_Occurred())
+        PyErr_Format(PyExc_ValueError, "bind(): the core step %s is at address 0", name);
     return *slot ? 0 : -1;
 }
 
 static PyObject *mod_bind(PyObject *m, PyObject *args, PyObject *kw)
 {
-    static char *names[] = {"steps", "addr_of", "fast_spin", "handle_type", "batch_type",
+    static char *names[] = {"steps", "addr_of", "handle_type", "batch_type",
                             "new_lengths", "new_slots", "new_owner", "no_owned", NULL};
     PyObject *steps, *a, *ht, *bt, *nl, *ns, *no, *nw;
-    unsigned int spin;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "O!OIO!O!OOOO", names, &PyDict_Type, &steps, &a,
-                                     &spin, &PyType_Type, &ht, &PyType_Type, &bt, &nl, &ns, &no,
-                                     &nw))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O!OO!O!OOOO", names, &PyDict_Type, &steps, &a,
+                                     &PyType_Type, &ht, &PyType_Type, &bt, &nl, &ns, &no, &nw))
         return NULL;
     if (!PyType_IsSubtype((PyTypeObject *)ht, &HandleBase_Type) ||
         !PyType_IsSubtype((PyTypeObject *)bt, &BatchBase_Type)) {
@@ -1007,7 +1072,7 @@ static PyObject *mod_bind(PyObject *m, PyObject *args, PyObject *kw)
         return NULL;
     }
 #define STEP(f) if (bind_step(steps, "ucm_" #f, (void **)&core.f) < 0) return NULL
-    STEP(lookup_pin); STEP(release); STEP(slot_data); STEP(ctx_points_set);
+    STEP(lookup_pin); STEP(release); STEP(slot_data); STEP(copy_payload); STEP(ctx_points_set);
     STEP(read_many); STEP(gather); STEP(pin_all_ready); STEP(release_many);
 #undef STEP
     Py_XSETREF(addr_of, Py_NewRef(a));
@@ -1017,16 +1082,15 @@ static PyObject *mod_bind(PyObject *m, PyObject *args, PyObject *kw)
     Py_XSETREF(new_slots, Py_NewRef(ns));
     Py_XSETREF(new_owner, Py_NewRef(no));
     Py_XSETREF(no_owned, Py_NewRef(nw));
-    fast_spin = spin;
     bound = 1;
     Py_RETURN_NONE;
 }
 
 static PyMethodDef mod_methods[] = {
     {"bind", (PyCFunction)(void (*)(void))mod_bind, METH_VARARGS | METH_KEYWORDS,
-     "bind(steps, addr_of, fast_spin, handle_type, batch_type, new_lengths, new_slots,\n"
-     "new_owner, no_owned): the core's step addresses and the Python pieces the hit path\n"
-     "needs (ucmcache/_batches.py calls it once, when HandleBatch and SlotCache exist)."},
+     "bind(steps, addr_of, handle_type, batch_type, new_lengths, new_slots, new_owner,\n"
+     "no_owned): the core's step addresses and the Python pieces the hit path needs\n"
+     "(ucmcache/_handle.py calls it once, when Handle and HandleBatch exist)."},
     {NULL},
 };
 

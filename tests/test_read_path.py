@@ -279,3 +279,43 @@ def test_the_fields_the_c_paths_trust_refuse_other_objects(make_cache):
         with pytest.raises(TypeError):
             hb._slots = np.zeros(1, np.int64)  # 8-byte items where slots are 4
     assert set(_refs(c)) == {0}
+
+
+@pytest.mark.parametrize("call", ["get", "get_many", "read_many", "get_or_load", "data"])
+def test_a_finalizer_that_closes_the_cache_inside_a_c_hit_is_survived(make_cache, call):
+    """The C paths allocate before they read the cache's context (and, for data, re-check the
+    handle after making its view): a collection run by that allocation may close the cache.
+    With the collector's threshold at 1 the next tracked allocation collects a cycle whose
+    finalizer closes the cache.  Fails (segfault) if a C path read the context first."""
+    import gc
+    c = make_cache(slot_size=64)
+    fill(c, K[:2])
+    h = c.get(K[0]) if call == "data" else None
+
+    ran = []
+
+    class Closer:
+        def __init__(self):
+            self.me = self  # a cycle: only the collector frees it
+
+        def __del__(self):
+            ran.append(1)
+            if h is not None:
+                h.close()
+            c._open_handles = 0
+            c.close()
+
+    calls = {"get": lambda: c.get(K[1]), "get_many": lambda: c.get_many(K[:2]),
+             "read_many": lambda: c.read_many(K[:2], np.zeros((2, 64), np.uint8)),
+             "get_or_load": lambda: c.get_or_load(K[1], lambda: b"x"),
+             "data": lambda: h.data}
+    gc.collect()
+    old = gc.get_threshold()
+    Closer()
+    gc.set_threshold(1)
+    try:
+        with pytest.raises((ucmcache.NotAttached, HandleClosed)):
+            calls[call]()
+    finally:
+        gc.set_threshold(*old)
+    assert ran

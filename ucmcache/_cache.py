@@ -168,12 +168,14 @@ class SlotCache(CacheBase, SingleFlight, Batches, Prefetching):
         if self._tier is not None:
             self._tier.close()  # write-throughs queued by this process go out first (bounded)
         ctx = self._ctx
-        # Closed first: from here no pin drop or token through ctx touches the segment, before
-        # the rank is freed for another process (free_rank's recovery removes our holds).
+        # Unusable first: from here no call of this cache (the C hit path of another thread
+        # included) takes a pin through ctx; then closed: no pin drop or token through ctx
+        # touches the segment, before the rank is freed for another process (free_rank's
+        # recovery removes our holds).
+        self._why_unusable = "closed"
+        self._ctx = None
         lib.ucm_ctx_close(ctx)
         free_rank(self._seg, ctx, self._rank)
-        self._ctx = None
-        self._why_unusable = "closed"
         lib.ucm_ctx_free(ctx)
         _live_caches.discard(self)
         self._seg.detach()
@@ -274,6 +276,9 @@ class SlotCache(CacheBase, SingleFlight, Batches, Prefetching):
         # token is collected.
         h = Handle.__new__(Handle)
         h._closed = True
+        ctx = self._ctx  # again: a finalizer run by the allocation may have closed the cache
+        if ctx is None:
+            self._check_usable()
         token = None
         ticket = _next_ticket()
         try:

@@ -18,7 +18,7 @@ from ._buffers import check_rows, rows_of
 from ._core import ffi, lib
 from ._hit import BatchBase, HandleBase, bind
 from ._errors import HandleClosed, LoadFailed, UcmError
-from ._slots import (FAST_SPIN, STATE_NAMES, UNPUBLISHED, _now, _owned_slots, as_array, check_timeout,
+from ._slots import (STATE_NAMES, UNPUBLISHED, _now, _owned_slots, as_array, check_timeout,
                      exit_message, failure_message, fill, observe_load, publish_failed,
                      publish_ready, ready_length, release_views, slot_length, slot_view,
                      wait_loaded_async, write_through)
@@ -447,10 +447,11 @@ class HandleBatch(BatchBase, _Pins):
 # The hit path in C (csrc/ucm_hit.c) calls the core's steps at their addresses in ucmcache._core
 # (one copy of the core), and makes Handles and HandleBatches of these classes.
 bind(steps={name: int(ffi.cast("uintptr_t", ffi.addressof(lib, name)))
-            for name in ("ucm_lookup_pin", "ucm_release", "ucm_slot_data", "ucm_ctx_points_set",
+            for name in ("ucm_lookup_pin", "ucm_release", "ucm_slot_data", "ucm_copy_payload",
+                         "ucm_ctx_points_set",
                          "ucm_read_many", "ucm_gather", "ucm_pin_all_ready",
                          "ucm_release_many")},
-     addr_of=lambda p: int(ffi.cast("uintptr_t", p)), fast_spin=FAST_SPIN, handle_type=Handle,
+     addr_of=lambda p: int(ffi.cast("uintptr_t", p)), handle_type=Handle,
      batch_type=HandleBatch, new_lengths=functools.partial(np.empty, dtype=np.int64),
      new_slots=functools.partial(np.empty, dtype=np.uint32),
      new_owner=functools.partial(np.zeros, dtype=bool), no_owned=_NO_OWNED)
