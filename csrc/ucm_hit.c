@@ -51,7 +51,7 @@ static PyObject *mv_release;     /* memoryview.release, unbound: no lookup per v
 
 static PyObject *s_get_full, *s_hit_bytes_full, *s_get_or_load_full, *s_read_many_full,
     *s_read_checked, *s_data_slow, *s_exit_slow, *s_close, *s_release, *s_timeout,
-    *s_get_many_full, *s_gather_full, *s_close_full;
+    *s_get_many_full, *s_gather_full, *s_close_full, *s_get_or_load_missed;
 
 /* ---------------------------------------------------------------- CacheBase */
 
@@ -63,7 +63,18 @@ typedef struct {
     PyObject *ro;             /* _ro: the mapping's read-only memoryview */
     Py_ssize_t data_off;      /* _data_off, _stride: where slot s's bytes start in _ro */
     Py_ssize_t stride;
+    Py_ssize_t calls_out;     /* core calls running with the GIL released (see WITHOUT_GIL) */
 } CacheBase;
+
+/* A core call with the GIL released, counted in c->calls_out (changed only with the GIL held):
+ * close() does not take the context away while one runs (CacheBase._detach), so the call's
+ * context stays allocated and its segment mapped until it returns. */
+#define WITHOUT_GIL(c, stmt)                      \
+    do {                                          \
+        (c)->calls_out++;                         \
+        Py_BEGIN_ALLOW_THREADS stmt;              \
+        Py_END_ALLOW_THREADS (c)->calls_out--;    \
+    } while (0)
 
 static PyTypeObject CacheBase_Type;
 
@@ -102,22 +113,18 @@ static inline int64_t lookup(CacheBase *c, ucm_ctx *ctx, const char *id)
 {
     if (__builtin_expect(core.ctx_points_set(ctx), 0)) {
         int64_t r;
-        Py_BEGIN_ALLOW_THREADS
-        r = core.lookup_pin(ctx, id, 0, C_SPIN, 2, 0);
-        Py_END_ALLOW_THREADS
-        return c->ctx == ctx ? r : -(int64_t)UCM_NOT_HELD;
+        WITHOUT_GIL(c, r = core.lookup_pin(ctx, id, 0, C_SPIN, 2, 0));
+        return r;
     }
     return core.lookup_pin(ctx, id, 0, C_SPIN, 2, 0);
 }
 
 /* Drop one pin; with test points set, the GIL released (a thread held at a gate may hold the
  * process-local lock of this slot's group). */
-static inline void release_pin(ucm_ctx *ctx, uint32_t slot)
+static inline void release_pin(CacheBase *c, ucm_ctx *ctx, uint32_t slot)
 {
     if (__builtin_expect(core.ctx_points_set(ctx), 0)) {
-        Py_BEGIN_ALLOW_THREADS
-        core.release(ctx, slot);
-        Py_END_ALLOW_THREADS
+        WITHOUT_GIL(c, core.release(ctx, slot));
         return;
     }
     core.release(ctx, slot);
@@ -215,7 +222,7 @@ static PyObject *hit_handle(CacheBase *c, PyObject *key)
         c->open_handles++;
         return (PyObject *)h;
     }
-    if (r >= 0) release_pin(ctx, UCM_PIN_SLOT(r)); /* a join: the full path pins it again */
+    if (r >= 0) release_pin(c, ctx, UCM_PIN_SLOT(r)); /* a join: the full path pins it again */
     Py_DECREF(h);
     return NULL;
 }
@@ -247,7 +254,7 @@ static PyObject *hit_bytes(CacheBase *c, PyObject *key)
         if (v && src) core.copy_payload(PyBytes_AS_STRING(v), src, UCM_PIN_LEN(r));
         else Py_CLEAR(v); /* MemoryError (set), or no such slot: not a hit */
     }
-    release_pin(ctx, slot);
+    release_pin(c, ctx, slot);
     return v;
 }
 
@@ -268,6 +275,8 @@ static PyObject *cache_get_or_load(CacheBase *self, PyObject *const *args, Py_ss
         no_timeout(args, 2, kwnames)) {
         PyObject *v = hit_bytes(self, args[0]);
         if (v || PyErr_Occurred()) return v;
+        /* looked and missed: the full path without a second look */
+        return forward((PyObject *)self, s_get_or_load_missed, args, nargs, kwnames);
     }
     return forward((PyObject *)self, s_get_or_load_full, args, nargs, kwnames);
 }
@@ -334,9 +343,7 @@ static PyObject *read_many_fast(CacheBase *c, PyObject *keys, PyObject *out)
     uint64_t row = (uint64_t)(ob.len / n);
     int64_t *lp = lb.buf, worst = -1;
     int rc;
-    Py_BEGIN_ALLOW_THREADS
-    rc = core.read_many(ctx, ids, NULL, (uint32_t)n, ob.buf, row, lp);
-    Py_END_ALLOW_THREADS
+    WITHOUT_GIL(c, rc = core.read_many(ctx, ids, NULL, (uint32_t)n, ob.buf, row, lp));
     for (Py_ssize_t i = 0; i < n; i++)
         if (lp[i] > worst) worst = lp[i];
     if (rc != UCM_OK || worst > (int64_t)row) {
@@ -376,27 +383,41 @@ static void cache_dealloc(CacheBase *c)
 static PyObject *cache_get_many(CacheBase *self, PyObject *const *args, Py_ssize_t nargs,
                                 PyObject *kwnames);
 
+static PyObject *cache_detach(CacheBase *c, PyObject *unused)
+{
+    /* One step under the GIL: no C path can start a core call on the context after it, and
+     * none is running one (else None: close() waits and asks again). */
+    if (c->calls_out > 0 || !c->ctx_obj) Py_RETURN_NONE;
+    PyObject *ctx = c->ctx_obj;
+    c->ctx = NULL;
+    c->ctx_obj = NULL;
+    return ctx;
+}
+
 static PyMethodDef cache_methods[] = {
+    {"_detach", (PyCFunction)cache_detach, METH_NOARGS,
+     "The context, taken away from every path of this cache (_ctx becomes None), or None\n"
+     "while another thread's core call runs on it without the GIL (close() asks again)."},
     {"get_many", (PyCFunction)(void (*)(void))cache_get_many, METH_FASTCALL | METH_KEYWORDS,
-     "get_many($self, keys, /, *, timeout=None)\n--\n\n"
+     "get_many($self, keys, *, timeout=None)\n--\n\n"
      "Pin every key of a request with one C call (misses take the slow path one by one).\n"
      "Positions that come back owned must be filled and published by the caller.  All or\n"
      "nothing: if any key cannot be pinned, nothing stays pinned or owned."},
     {"get", (PyCFunction)(void (*)(void))cache_get, METH_FASTCALL | METH_KEYWORDS,
-     "get($self, key, /, *, timeout=None)\n--\n\n"
+     "get($self, key, *, timeout=None)\n--\n\n"
      "Pin the slot for key.  A hit returns at once; a cold key makes this caller the owner\n"
      "(h.owner: fill h.data, then h.ready(n) or h.fail(msg)); a key another caller is loading\n"
      "returns a handle to wait() on.  ``timeout`` bounds this call's wait for a bucket lock\n"
      "and is the default for that wait."},
     {"get_or_load", (PyCFunction)(void (*)(void))cache_get_or_load,
      METH_FASTCALL | METH_KEYWORDS,
-     "get_or_load($self, key, loader, /, *, timeout=None)\n--\n\n"
+     "get_or_load($self, key, loader, *, timeout=None)\n--\n\n"
      "The value for key, computed by ``loader()`` exactly once across all processes.\n\n"
      "loader returns a bytes-like of at most slot_size bytes.  Its exception reaches this\n"
      "caller as itself and every concurrent waiter as LoadFailed.  When the cache is full the\n"
      "loader runs uncached (counted as a bypass).  A hit is one step: pin, copy, release."},
     {"read_many", (PyCFunction)(void (*)(void))cache_read_many, METH_FASTCALL | METH_KEYWORDS,
-     "read_many($self, keys, out, /)\n--\n\n"
+     "read_many($self, keys, out)\n--\n\n"
      "Copy every key that is Ready now into row i of ``out`` and return the lengths\n"
      "(int64; -1 for a key that is missing or not Ready, its row untouched), in one C call\n"
      "that pins, copies and releases each key in turn (the GIL released).  Elects no owner\n"
@@ -490,7 +511,7 @@ static int hit_close(HandleBase *h)
     h->view = NULL;
     if (HAS(v)) release_view(v); /* the view first: nothing readable over an unpinned slot */
     Py_XDECREF(v);
-    release_pin(ctx, h->slot);
+    release_pin(c, ctx, h->slot);
     return 1;
 }
 
@@ -765,10 +786,10 @@ static PyObject *batch_hit(CacheBase *c, PyObject *keys)
         goto fail;
     }
     if (__builtin_expect(core.ctx_points_set(ctx), 0)) {
-        Py_BEGIN_ALLOW_THREADS
-        rc = core.pin_all_ready(ctx, ids, NULL, (uint32_t)n, C_SPIN, b->slot_at, b->len_at);
-        Py_END_ALLOW_THREADS
-        if (c->ctx != ctx) rc = UCM_NOT_HELD; /* closed meanwhile: its recovery dropped them */
+        uint32_t *slots = b->slot_at;
+        int64_t *lens_at = b->len_at;
+        WITHOUT_GIL(c, rc = core.pin_all_ready(ctx, ids, NULL, (uint32_t)n, C_SPIN, slots,
+                                               lens_at));
     } else {
         rc = core.pin_all_ready(ctx, ids, NULL, (uint32_t)n, C_SPIN, b->slot_at, b->len_at);
     }
@@ -825,9 +846,7 @@ static int hit_close_batch(BatchBase *b)
     Py_XDECREF(views);
     if (__builtin_expect(core.ctx_points_set(ctx), 0)) {
         uint32_t *slots = b->slot_at, n = (uint32_t)b->n;
-        Py_BEGIN_ALLOW_THREADS /* as release_pin */
-        core.release_many(ctx, slots, n);
-        Py_END_ALLOW_THREADS
+        WITHOUT_GIL(c, core.release_many(ctx, slots, n)); /* as release_pin */
     } else {
         core.release_many(ctx, b->slot_at, (uint32_t)b->n);
     }
@@ -902,12 +921,11 @@ static PyObject *batch_gather(BatchBase *b, PyObject *out)
     }
     uint64_t row = (uint64_t)(ob.len / b->n);
     int64_t *lp = lb.buf, worst = -1;
-    ucm_ctx *ctx = b->cache->ctx;
+    CacheBase *c = b->cache;
+    ucm_ctx *ctx = c->ctx;
     uint32_t *slots = b->slot_at, n = (uint32_t)b->n;
     /* The batch's pins keep every slot as it is while the GIL is released for the copies. */
-    Py_BEGIN_ALLOW_THREADS
-    core.gather(ctx, slots, n, ob.buf, row, lp);
-    Py_END_ALLOW_THREADS
+    WITHOUT_GIL(c, core.gather(ctx, slots, n, ob.buf, row, lp));
     for (uint32_t i = 0; i < n; i++)
         if (lp[i] > worst) worst = lp[i];
     PyBuffer_Release(&lb);
@@ -1111,6 +1129,7 @@ PyMODINIT_FUNC PyInit__hit(void)
     INTERN(s_exit_slow, "_exit_slow"); INTERN(s_close, "close"); INTERN(s_release, "release");
     INTERN(s_timeout, "timeout"); INTERN(s_get_many_full, "_get_many_full");
     INTERN(s_gather_full, "_gather_full"); INTERN(s_close_full, "_close_full");
+    INTERN(s_get_or_load_missed, "_get_or_load_missed");
 #undef INTERN
     if (!(mv_release = PyObject_GetAttrString((PyObject *)&PyMemoryView_Type, "release")))
         return NULL;

@@ -319,3 +319,32 @@ def test_a_finalizer_that_closes_the_cache_inside_a_c_hit_is_survived(make_cache
     finally:
         gc.set_threshold(*old)
     assert ran
+
+
+def test_close_waits_for_another_threads_copy_out_of_the_segment(make_cache, gate, monkeypatch):
+    """read_many copies with the GIL released; a close() in another thread meanwhile must not
+    free the context or unmap the segment under it.  The reader is held inside the core call
+    (gate at after_pin); close() gives up after its (shortened) wait with UcmError, and works
+    once the copy returned.  Fails if close() went ahead (a use after free)."""
+    import threading
+    import ucmcache._cache as cache_mod
+    c = make_cache(slot_size=64)
+    fill(c, K[:1])
+    g = gate()
+    c._arm("after_pin", "gate", g)
+    out = np.zeros((1, 64), np.uint8)
+    got = []
+    t = threading.Thread(target=lambda: got.append(c.read_many([K[0]], out)))
+    t.start()
+    try:
+        g.wait_arrived()
+        monkeypatch.setattr(cache_mod, "DETACH_WAIT", 0.05)
+        with pytest.raises(UcmError, match="still copying"):
+            c.close()
+        assert c._ctx is not None
+    finally:
+        g.release()
+        t.join(10)
+    assert not t.is_alive() and got[0].tolist() == [64] and bytes(out[0]) == b"\x01" * 64
+    c.close()
+    assert c._ctx is None

@@ -56,6 +56,7 @@ MAX_MOVED = 4           # looks at the arena shares in one allocation (ranks kee
 CLAIM_WAIT = 10.0       # the longest a get waits for another process to recover a dead claim
 STRIPE_WAIT = 10.0      # the longest a get with no timeout waits for a bucket's stripe; held
                         # for microseconds normally, so past this its holder is stopped or stuck
+DETACH_WAIT = 5.0       # the longest close() waits for other threads' copies out of the segment
 MIN_LOCK_WAIT = 0.05    # a get's timeout below this still waits this long for a lock: a
                         # stripe or a claim held that long is not contention any more
 
@@ -167,18 +168,30 @@ class SlotCache(CacheBase, SingleFlight, Batches, Prefetching):
             self._prefetcher.stop()  # its thread works on this mapping: it goes first
         if self._tier is not None:
             self._tier.close()  # write-throughs queued by this process go out first (bounded)
-        ctx = self._ctx
         # Unusable first: from here no call of this cache (the C hit path of another thread
-        # included) takes a pin through ctx; then closed: no pin drop or token through ctx
-        # touches the segment, before the rank is freed for another process (free_rank's
-        # recovery removes our holds).
+        # included) takes a pin through ctx, and no copy of another thread still runs on it;
+        # then closed: no pin drop or token through ctx touches the segment, before the rank
+        # is freed for another process (free_rank's recovery removes our holds).
+        ctx = self._detach_ctx()
         self._why_unusable = "closed"
-        self._ctx = None
         lib.ucm_ctx_close(ctx)
         free_rank(self._seg, ctx, self._rank)
         lib.ucm_ctx_free(ctx)
         _live_caches.discard(self)
         self._seg.detach()
+
+    def _detach_ctx(self):
+        """Take the context away (see CacheBase._detach), waiting for another thread's copy
+        (read_many, gather: milliseconds at most) for up to DETACH_WAIT."""
+        deadline = time.monotonic() + DETACH_WAIT
+        while True:
+            ctx = self._detach()
+            if ctx is not None:
+                return ctx
+            if time.monotonic() > deadline:
+                raise UcmError(f"cannot close: another thread's read was still copying from the "
+                               f"segment after {DETACH_WAIT} s")
+            time.sleep(0.0005)
 
     def __enter__(self) -> "SlotCache":
         return self

@@ -37,8 +37,13 @@ class SingleFlight:
         value = self._hit_bytes(key)
         if value is not None:
             return value
+        return self._get_or_load_missed(key, loader, timeout=timeout)
+
+    def _get_or_load_missed(self, key: Key, loader: Callable[[], Any], *,
+                            timeout: Optional[float] = None) -> bytes:
+        """get_or_load() once a hit was looked for (here, or in C) and not found."""
         try:
-            h = self.get(key, timeout=timeout)
+            h = self._get_full(key, timeout=timeout)  # (get() would look for the hit again)
         except CacheFull:
             lib.ucm_stat_add(self._ctx, lib.UCM_ST_BYPASSES, 1)
             return as_value_view(loader(), self._layout.slot_size).tobytes()
@@ -74,7 +79,7 @@ class SingleFlight:
             return value
         isolate_owned()  # this task's own loads only (sibling tasks share the parent's set)
         try:
-            h = self.get(key, timeout=timeout)
+            h = self._get_full(key, timeout=timeout)  # (get() would look for the hit again)
         except CacheFull:
             lib.ucm_stat_add(self._ctx, lib.UCM_ST_BYPASSES, 1)
             value = loader()
