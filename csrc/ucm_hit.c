@@ -51,7 +51,8 @@ static PyObject *mv_release;     /* memoryview.release, unbound: no lookup per v
 
 static PyObject *s_get_full, *s_hit_bytes_full, *s_get_or_load_full, *s_read_many_full,
     *s_read_checked, *s_data_slow, *s_exit_slow, *s_close, *s_release, *s_timeout,
-    *s_get_many_full, *s_gather_full, *s_close_full, *s_get_or_load_missed;
+    *s_get_many_full, *s_gather_full, *s_close_full, *s_get_or_load_missed,
+    *s_aget_or_load_full, *s_aget_or_load_missed;
 
 /* ---------------------------------------------------------------- CacheBase */
 
@@ -285,6 +286,109 @@ static PyObject *cache_get_or_load(CacheBase *self, PyObject *const *args, Py_ss
  * released for the copies.  NULL with no exception: the full path takes the call (other key
  * forms, a tensor or a buffer that is not writable and C-contiguous, rows that do not divide;
  * it also owns every error message). */
+/* ---------------------------------------------------------------- Ready (aget_or_load) */
+
+/* What `aget_or_load` returns on a hit: a coroutine that is finished in its first step (send
+ * raises StopIteration(value)), so `await cache.aget_or_load(k, f)` costs a hit and an await,
+ * no frame.  Registered as a collections.abc.Coroutine (ucmcache/_handle.py): asyncio's
+ * create_task, gather and wait_for take it as they take a native coroutine. */
+typedef struct {
+    PyObject_HEAD
+    PyObject *value; /* NULL once awaited, thrown into or closed */
+} Ready;
+
+static PyTypeObject Ready_Type;
+
+static PyObject *ready_new_value(PyObject *value) /* steals value */
+{
+    Ready *r = PyObject_New(Ready, &Ready_Type);
+    if (!r) {
+        Py_DECREF(value);
+        return NULL;
+    }
+    r->value = value;
+    return (PyObject *)r;
+}
+
+static PyObject *ready_next(Ready *r)
+{
+    if (!r->value) {
+        PyErr_SetString(PyExc_RuntimeError, "cannot reuse already awaited coroutine");
+        return NULL;
+    }
+    PyObject *v = r->value;
+    r->value = NULL;
+    PyErr_SetObject(PyExc_StopIteration, v); /* v is bytes: never a tuple or an exception */
+    Py_DECREF(v);
+    return NULL;
+}
+
+static PyObject *ready_send(Ready *r, PyObject *arg) { return ready_next(r); }
+
+static PyObject *ready_throw(Ready *r, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs < 1 || nargs > 3) {
+        PyErr_SetString(PyExc_TypeError, "throw expected 1 to 3 arguments");
+        return NULL;
+    }
+    Py_CLEAR(r->value); /* a coroutine thrown into before its first step never runs */
+    PyObject *typ = args[0], *val = nargs > 1 ? args[1] : NULL;
+    if (PyExceptionInstance_Check(typ)) PyErr_SetObject((PyObject *)Py_TYPE(typ), typ);
+    else if (PyExceptionClass_Check(typ)) PyErr_SetObject(typ, val == Py_None ? NULL : val);
+    else PyErr_SetString(PyExc_TypeError, "exceptions must be classes or instances deriving "
+                         "from BaseException");
+    return NULL;
+}
+
+static PyObject *ready_close(Ready *r, PyObject *unused)
+{
+    Py_CLEAR(r->value);
+    Py_RETURN_NONE;
+}
+
+static PyObject *ready_await(PyObject *self) { return Py_NewRef(self); }
+
+static void ready_dealloc(Ready *r)
+{
+    Py_CLEAR(r->value);
+    PyObject_Free(r);
+}
+
+static PyMethodDef ready_methods[] = {
+    {"send", (PyCFunction)ready_send, METH_O, NULL},
+    {"throw", (PyCFunction)(void (*)(void))ready_throw, METH_FASTCALL, NULL},
+    {"close", (PyCFunction)ready_close, METH_NOARGS, NULL},
+    {NULL},
+};
+
+static PyAsyncMethods ready_async = {.am_await = ready_await};
+
+static PyTypeObject Ready_Type = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "ucmcache._hit.Ready",
+    .tp_basicsize = sizeof(Ready),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "aget_or_load's answer on a hit: a coroutine finished in its first step.",
+    .tp_dealloc = (destructor)ready_dealloc,
+    .tp_as_async = &ready_async,
+    .tp_iter = PyObject_SelfIter,
+    .tp_iternext = (iternextfunc)ready_next,
+    .tp_methods = ready_methods,
+};
+
+static PyObject *cache_aget_or_load(CacheBase *self, PyObject *const *args, Py_ssize_t nargs,
+                                    PyObject *kwnames)
+{
+    if (bound && self->ctx && nargs == 2 && plain_id(args[0]) && PyCallable_Check(args[1]) &&
+        no_timeout(args, 2, kwnames)) {
+        PyObject *v = hit_bytes(self, args[0]);
+        if (v) return ready_new_value(v);
+        if (PyErr_Occurred()) return NULL;
+        return forward((PyObject *)self, s_aget_or_load_missed, args, nargs, kwnames);
+    }
+    return forward((PyObject *)self, s_aget_or_load_full, args, nargs, kwnames);
+}
+
 /* Copy the plain ids of `keys` (n of them) into ids.  Run with nothing able to run Python
  * code after it until the ids are used: a finalizer could change the list.  0: the list is not
  * n plain ids any more. */
@@ -422,6 +526,15 @@ static PyMethodDef cache_methods[] = {
      "(int64; -1 for a key that is missing or not Ready, its row untouched), in one C call\n"
      "that pins, copies and releases each key in turn (the GIL released).  Elects no owner\n"
      "and creates nothing.  ``out`` as for HandleBatch.gather."},
+    {"aget_or_load", (PyCFunction)(void (*)(void))cache_aget_or_load,
+     METH_FASTCALL | METH_KEYWORDS,
+     "aget_or_load($self, key, loader, *, timeout=None)\n--\n\n"
+     "get_or_load for asyncio (a coroutine: await it).  ``loader`` may be a plain callable or\n"
+     "a coroutine function.  A hit returns with no thread hop and no frame; a cold key makes\n"
+     "this task the owner and awaits its loader; waiting for another task's, thread's or\n"
+     "process's load never blocks the event loop (the futex wait runs in a thread) and honours\n"
+     "``timeout`` and cancellation: a cancelled owner publishes Failed, a cancelled waiter\n"
+     "abandons the wait, never the load.  Single flight across tasks, threads and processes."},
     {"_hit_bytes", (PyCFunction)cache_hit_bytes, METH_O,
      "A Ready entry's bytes (pin, copy, release; no Handle), or None for anything else.\n"
      "Counts only a hit."},
@@ -1120,7 +1233,7 @@ static struct PyModuleDef hit_module = {
 PyMODINIT_FUNC PyInit__hit(void)
 {
     if (PyType_Ready(&CacheBase_Type) < 0 || PyType_Ready(&HandleBase_Type) < 0 ||
-        PyType_Ready(&BatchBase_Type) < 0)
+        PyType_Ready(&BatchBase_Type) < 0 || PyType_Ready(&Ready_Type) < 0)
         return NULL;
 #define INTERN(v, s) if (!(v = PyUnicode_InternFromString(s))) return NULL
     INTERN(s_get_full, "_get_full"); INTERN(s_hit_bytes_full, "_hit_bytes_full");
@@ -1130,6 +1243,8 @@ PyMODINIT_FUNC PyInit__hit(void)
     INTERN(s_timeout, "timeout"); INTERN(s_get_many_full, "_get_many_full");
     INTERN(s_gather_full, "_gather_full"); INTERN(s_close_full, "_close_full");
     INTERN(s_get_or_load_missed, "_get_or_load_missed");
+    INTERN(s_aget_or_load_full, "_aget_or_load_full");
+    INTERN(s_aget_or_load_missed, "_aget_or_load_missed");
 #undef INTERN
     if (!(mv_release = PyObject_GetAttrString((PyObject *)&PyMemoryView_Type, "release")))
         return NULL;
@@ -1137,7 +1252,8 @@ PyMODINIT_FUNC PyInit__hit(void)
     if (!m) return NULL;
     if (PyModule_AddObjectRef(m, "CacheBase", (PyObject *)&CacheBase_Type) < 0 ||
         PyModule_AddObjectRef(m, "HandleBase", (PyObject *)&HandleBase_Type) < 0 ||
-        PyModule_AddObjectRef(m, "BatchBase", (PyObject *)&BatchBase_Type) < 0) {
+        PyModule_AddObjectRef(m, "BatchBase", (PyObject *)&BatchBase_Type) < 0 ||
+        PyModule_AddObjectRef(m, "Ready", (PyObject *)&Ready_Type) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -143,3 +143,31 @@ def test_a_cancelled_waiter_abandons_the_wait_not_the_load(make_cache):
 
     assert asyncio.run(main()) == b"loaded"
     assert c._open_handles == 0 and ucmcache.verify(c.uuid).ok
+
+
+def test_a_hit_is_a_coroutine_asyncio_takes_as_any(make_cache):
+    """The hit's answer (made in C, finished in its first step) goes through create_task,
+    gather and wait_for like a native coroutine, and cannot be awaited twice."""
+    import collections.abc
+    c = make_cache(slot_size=64)
+    c.get_or_load(K, lambda: b"v" * 8)
+    coro = c.aget_or_load(K, lambda: b"never")
+    assert isinstance(coro, collections.abc.Coroutine) and asyncio.iscoroutine(coro)
+
+    async def main():
+        t = asyncio.create_task(c.aget_or_load(K, lambda: b"never"))
+        both = await asyncio.gather(c.aget_or_load(K, lambda: b"never"), t)
+        one = await asyncio.wait_for(c.aget_or_load(K, lambda: b"never"), 5)
+        return both, one, await coro
+
+    assert asyncio.run(main()) == ([b"v" * 8] * 2, b"v" * 8, b"v" * 8)
+    with pytest.raises(RuntimeError, match="reuse"):
+        coro.send(None)
+    thrown = c.aget_or_load(K, lambda: b"never")
+    with pytest.raises(KeyError):
+        thrown.throw(KeyError("k"))
+    closed = c.aget_or_load(K, lambda: b"never")
+    closed.close()
+    with pytest.raises(RuntimeError, match="reuse"):
+        closed.send(None)
+    assert c._open_handles == 0 and c.stats()["fast_hits"] >= 6

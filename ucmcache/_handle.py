@@ -8,6 +8,7 @@ that no waiter waits forever.  The rules about a slot itself live in ucmcache/_s
 """
 from __future__ import annotations
 
+import collections.abc
 import functools
 import time
 from typing import Any, Optional
@@ -16,7 +17,7 @@ import numpy as np
 
 from ._buffers import check_rows, rows_of
 from ._core import ffi, lib
-from ._hit import BatchBase, HandleBase, bind
+from ._hit import BatchBase, HandleBase, Ready, bind
 from ._errors import HandleClosed, LoadFailed, UcmError
 from ._slots import (STATE_NAMES, UNPUBLISHED, _now, _owned_slots, as_array, check_timeout,
                      exit_message, failure_message, fill, observe_load, publish_failed,
@@ -455,3 +456,4 @@ bind(steps={name: int(ffi.cast("uintptr_t", ffi.addressof(lib, name)))
      batch_type=HandleBatch, new_lengths=functools.partial(np.empty, dtype=np.int64),
      new_slots=functools.partial(np.empty, dtype=np.uint32),
      new_owner=functools.partial(np.zeros, dtype=bool), no_owned=_NO_OWNED)
+collections.abc.Coroutine.register(Ready)  # aget_or_load's hit: asyncio takes it as a coroutine

@@ -63,20 +63,23 @@ class SingleFlight:
             h.ready(mv.nbytes)
             return mv.tobytes()
 
-    async def aget_or_load(self, key: Key, loader: Callable[[], Any], *,
-                           timeout: Optional[float] = None) -> bytes:
-        """get_or_load for asyncio.  ``loader`` may be a plain callable or a coroutine
-        function.  A hit returns with no thread hop; a cold key makes this task the owner and
-        awaits its loader; waiting for another task's, thread's or process's load never blocks
-        the event loop (the futex wait runs in a thread) and honours ``timeout`` and
-        cancellation: a cancelled owner publishes Failed, a cancelled waiter abandons the wait,
-        never the load.  Single flight across tasks, threads and processes."""
+    # aget_or_load(key, loader, *, timeout=None) -> bytes (a coroutine) is CacheBase's
+    # (csrc/ucm_hit.c): a hit in C, a coroutine finished in its first step; anything else here.
+
+    async def _aget_or_load_full(self, key: Key, loader: Callable[[], Any], *,
+                                 timeout: Optional[float] = None) -> bytes:
+        """aget_or_load() for everything but a plain hit (see CacheBase.aget_or_load)."""
         if not callable(loader):
             raise TypeError(f"loader must be a callable or a coroutine function returning "
                             f"bytes, got {type(loader).__name__}")
         value = self._hit_bytes(key)
         if value is not None:
             return value
+        return await self._aget_or_load_missed(key, loader, timeout=timeout)
+
+    async def _aget_or_load_missed(self, key: Key, loader: Callable[[], Any], *,
+                                   timeout: Optional[float] = None) -> bytes:
+        """aget_or_load() once a hit was looked for (here, or in C) and not found."""
         isolate_owned()  # this task's own loads only (sibling tasks share the parent's set)
         try:
             h = self._get_full(key, timeout=timeout)  # (get() would look for the hit again)
