@@ -615,8 +615,7 @@ static void release_view(PyObject *v)
 static int hit_close(HandleBase *h)
 {
     CacheBase *c = h->cache;
-    ucm_ctx *ctx = c ? c->ctx : NULL;
-    if (HAS(h->token) || h->owner || HAS(h->views) || !ctx)
+    if (HAS(h->token) || h->owner || HAS(h->views) || !c || !c->ctx)
         return 0;
     h->closed = 1;
     c->open_handles--;
@@ -624,7 +623,10 @@ static int hit_close(HandleBase *h)
     h->view = NULL;
     if (HAS(v)) release_view(v); /* the view first: nothing readable over an unpinned slot */
     Py_XDECREF(v);
-    release_pin(c, ctx, h->slot);
+    /* Read now: if releasing the view ran code that closed the cache, its close's recovery
+     * removed our holds and ctx is NULL. */
+    ucm_ctx *ctx = c->ctx;
+    if (ctx) release_pin(c, ctx, h->slot);
     return 1;
 }
 
@@ -637,6 +639,14 @@ static PyObject *handle_exit(HandleBase *h, PyObject *const *args, Py_ssize_t na
     if (nargs == 3 && (h->closed || hit_close(h))) Py_RETURN_NONE;
     return forward((PyObject *)h, s_exit_slow, args, nargs, NULL);
 }
+
+static PyObject *handle_close(HandleBase *h, PyObject *unused)
+{
+    if (h->closed || hit_close(h)) Py_RETURN_NONE;
+    return PyObject_CallMethodNoArgs((PyObject *)h, s_close_full);
+}
+
+static PyObject *handle_owner(HandleBase *h, void *closure) { return PyBool_FromLong(h->owner); }
 
 static PyObject *handle_data(HandleBase *h, void *closure)
 {
@@ -728,6 +738,8 @@ static int handle_set_cache(HandleBase *h, PyObject *v, void *closure)
 static PyMethodDef handle_methods[] = {
     {"__enter__", handle_enter, METH_NOARGS, NULL},
     {"__exit__", (PyCFunction)(void (*)(void))handle_exit, METH_FASTCALL, NULL},
+    {"close", (PyCFunction)handle_close, METH_NOARGS,
+     "Unpin the slot (idempotent).  An owner that did not publish publishes Failed."},
     {NULL},
 };
 
@@ -748,6 +760,8 @@ static PyMemberDef handle_members[] = {
 
 static PyGetSetDef handle_getset[] = {
     {"_cache", (getter)handle_get_cache, (setter)handle_set_cache, NULL, NULL},
+    {"owner", (getter)handle_owner, NULL,
+     "True if this caller must fill the slot and publish ready() or fail().", NULL},
     {"data", (getter)handle_data, NULL,
      "The slot's bytes.  The owner, while loading: the whole slot, writable.  Ready: the\n"
      "published payload, read-only.  Released (unreadable) when the handle closes.", NULL},
@@ -945,8 +959,7 @@ static PyObject *cache_get_many(CacheBase *self, PyObject *const *args, Py_ssize
 static int hit_close_batch(BatchBase *b)
 {
     CacheBase *c = b->cache;
-    ucm_ctx *ctx = c ? c->ctx : NULL;
-    if (HAS(b->token) || b->any_owner || !ctx || !b->slot_at || b->n_slot_at < b->n)
+    if (HAS(b->token) || b->any_owner || !c || !c->ctx || !b->slot_at || b->n_slot_at < b->n)
         return 0;
     b->closed = 1;
     c->open_handles--;
@@ -957,6 +970,8 @@ static int hit_close_batch(BatchBase *b)
             release_view(PyList_GET_ITEM(views, i));
     }
     Py_XDECREF(views);
+    ucm_ctx *ctx = c->ctx; /* read now: as hit_close */
+    if (!ctx || !b->slot_at || b->n_slot_at < b->n) return 1;
     if (__builtin_expect(core.ctx_points_set(ctx), 0)) {
         uint32_t *slots = b->slot_at, n = (uint32_t)b->n;
         WITHOUT_GIL(c, core.release_many(ctx, slots, n)); /* as release_pin */
@@ -988,8 +1003,12 @@ static PyObject *batch_data(BatchBase *b, PyObject *pos)
             /* Ready when pinned: a slice of the mapping's read-only view, kept to release */
             CacheBase *c = b->cache;
             Py_ssize_t off = c->data_off + (Py_ssize_t)b->slot_at[i] * c->stride;
-            if (!HAS(b->views) && !(b->views = (Py_XDECREF(b->views), PyList_New(0))))
-                return NULL;
+            if (!HAS(b->views)) {
+                PyObject *fresh = PyList_New(0);
+                if (!fresh) return NULL;
+                Py_XSETREF(b->views, fresh);
+                if (!batch_usable(b)) goto slow; /* the allocation closed it */
+            }
             if (!PyList_CheckExact(b->views)) goto slow;
             PyObject *views = Py_NewRef(b->views);
             PyObject *v = payload_view(c->ro, off, (Py_ssize_t)b->len_at[i]);
@@ -1031,6 +1050,13 @@ static PyObject *batch_gather(BatchBase *b, PyObject *out)
         PyBuffer_Release(&ob);
         Py_XDECREF(lens);
         return NULL;
+    }
+    if (!batch_usable(b) || (uint64_t)ob.len % (uint64_t)b->n) {
+        /* making lens ran a finalizer that closed b (or its cache): the full path says so */
+        PyBuffer_Release(&lb);
+        PyBuffer_Release(&ob);
+        Py_DECREF(lens);
+        return PyObject_CallMethodOneArg((PyObject *)b, s_gather_full, out);
     }
     uint64_t row = (uint64_t)(ob.len / b->n);
     int64_t *lp = lb.buf, worst = -1;
@@ -1143,13 +1169,29 @@ static PyMemberDef batch_members[] = {
     {"_views", T_OBJECT, offsetof(BatchBase, views), 0, NULL},
     {"_owner_views", T_OBJECT, offsetof(BatchBase, owner_views), 0, NULL},
     {"_owned", T_OBJECT, offsetof(BatchBase, owned), 0, NULL},
-    {"_n", T_PYSSIZET, offsetof(BatchBase, n), 0, NULL},
     {"_closed", T_BOOL, offsetof(BatchBase, closed), 0, NULL},
     {"_any_owner", T_BOOL, offsetof(BatchBase, any_owner), 0, NULL},
     {NULL},
 };
 
+static PyObject *batch_get_n(BatchBase *b, void *c) { return PyLong_FromSsize_t(b->n); }
+
+static int batch_set_n(BatchBase *b, PyObject *v, void *closure)
+{
+    /* The positions the C paths walk: never more than _slots and _lens hold. */
+    Py_ssize_t n = v ? PyLong_AsSsize_t(v) : -1;
+    if (n == -1 && PyErr_Occurred()) return -1;
+    if (n < 0 || n > b->n_slot_at || n > b->n_len_at) {
+        PyErr_Format(PyExc_ValueError, "_n must be in [0, %zd] (set _slots and _lens first)",
+                     b->n_slot_at < b->n_len_at ? b->n_slot_at : b->n_len_at);
+        return -1;
+    }
+    b->n = n;
+    return 0;
+}
+
 static PyGetSetDef batch_getset[] = {
+    {"_n", (getter)batch_get_n, (setter)batch_set_n, NULL, NULL},
     {"_cache", (getter)batch_get_cache, (setter)batch_set_cache, NULL, NULL},
     {"_slots", (getter)batch_get_slots, (setter)batch_set_slots, NULL, NULL},
     {"_lens", (getter)batch_get_lens, (setter)batch_set_lens, NULL, NULL},

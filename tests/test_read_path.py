@@ -348,3 +348,47 @@ def test_close_waits_for_another_threads_copy_out_of_the_segment(make_cache, gat
     assert not t.is_alive() and got[0].tolist() == [64] and bytes(out[0]) == b"\x01" * 64
     c.close()
     assert c._ctx is None
+
+
+def test_an_all_hit_batch_gathers_into_a_tensor_and_guards_its_positions(make_cache):
+    """A batch made in C has no cffi arrays of its own: gather into a CPU tensor (not a
+    buffer: the full path) and close after a raise still work, and its position count cannot
+    be set past its arrays."""
+    torch = pytest.importorskip("torch")
+    c = make_cache(slot_size=64)
+    fill(c, K[:3])
+    with c.get_many(K[:3]) as hb:
+        assert hb._token is None
+        t = torch.zeros((3, 64), dtype=torch.uint8)
+        assert hb.gather(t).tolist() == [64, 63, 62]
+        assert bytes(t[1, :63].numpy()) == b"\x02" * 63
+        for bad in (-1, 4):
+            with pytest.raises(ValueError, match=r"_n must be in \[0, 3\]"):
+                hb._n = bad
+    assert set(_refs(c)) == {0} and c._open_handles == 0
+
+
+def test_a_close_that_raised_in_free_rank_goes_on_when_called_again(make_cache, monkeypatch):
+    import ucmcache._cache as cache_mod
+    c = make_cache(slot_size=64)
+    fill(c, K[:1])
+    real, calls = cache_mod.free_rank, []
+
+    def flaky(*a):
+        calls.append(1)
+        if len(calls) == 1:
+            raise UcmError("stripe held (test)")
+        return real(*a)
+
+    monkeypatch.setattr(cache_mod, "free_rank", flaky)
+    with pytest.raises(UcmError, match="test"):
+        c.close()
+    with pytest.raises(ucmcache.NotAttached):
+        c.get(K[0])
+    c.close()
+    assert len(calls) == 2
+    other = ucmcache.SlotCache.attach(c.uuid)
+    try:
+        assert other.rank == c.rank  # the rank was freed by the second close
+    finally:
+        other.close()

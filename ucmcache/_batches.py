@@ -66,14 +66,17 @@ class Batches:
         token = ffi.gc(ffi.new("ucm_token *"),
                        functools.partial(lib.ucm_batch_token_release, self._keep, slots_p,
                                          owner_p))
-        lib.ucm_batch_token_arm(ctx, token, n)
         batch = HandleBatch.__new__(HandleBatch)
         batch._closed = True
+        arrays = (_ptr("uint64_t[]", offsets), _ptr("uint8_t[]", states),
+                  _ptr("uint8_t[]", codes), _ptr("int64_t[]", lens))
+        ctx = self._ctx  # again, after every allocation: a finalizer may have closed the cache
+        if ctx is None:
+            self._check_usable()
+        lib.ucm_batch_token_arm(ctx, token, n)
         try:
             if n:
-                lib.ucm_lookup_pin_many(ctx, ids, _ptr("uint64_t[]", offsets), n, FAST_SPIN,
-                                        slots_p, _ptr("uint8_t[]", states),
-                                        _ptr("uint8_t[]", codes), _ptr("int64_t[]", lens))
+                lib.ucm_lookup_pin_many(ctx, ids, arrays[0], n, FAST_SPIN, slots_p, *arrays[1:])
             misses = np.flatnonzero(codes)
             for i in misses.tolist():
                 r = self._pin_slow(split[i][0], split[i][1], int(codes[i]), timeout, ffi.NULL,
@@ -86,8 +89,8 @@ class Batches:
             batch._slots_p = slots_p
             batch._owner_p = owner_p
             batch._token = token
-            batch._n = n
             batch._lens = lens
+            batch._n = n  # (after _slots and _lens: the positions they hold)
             batch._timeout = timeout
             batch._owner_views = {}
             batch._views = []
@@ -139,8 +142,11 @@ class Batches:
         lens = np.empty(n, dtype=np.int64)
         if n:
             ptr, row, keep = rows_of(out, n)
-            r = lib.ucm_read_many(ctx, ids, _ptr("uint64_t[]", offsets), n, ptr, row,
-                                  _ptr("int64_t[]", lens))
+            offsets_p, lens_p = _ptr("uint64_t[]", offsets), _ptr("int64_t[]", lens)
+            ctx = self._ctx  # again, after every allocation (a finalizer may have closed it)
+            if ctx is None:
+                self._check_usable()
+            r = lib.ucm_read_many(ctx, ids, offsets_p, n, ptr, row, lens_p)
             del keep
             self._read_checked(r, lens, row)
         return lens
@@ -152,27 +158,38 @@ class Batches:
                                  "table")
         check_rows(lens, row)
 
-    def exist(self, keys: Iterable[Key]) -> List[bool]:
-        """For each key, whether a Ready entry is there now (no pin, one C call)."""
+    def _ctx_now(self):
+        """The context, read after the caller's last allocation (a collection it starts may run
+        a finalizer that closes this cache): NotAttached if it is gone."""
         ctx = self._ctx
         if ctx is None:
             self._check_usable()
+        return ctx
+
+    def exist(self, keys: Iterable[Key]) -> List[bool]:
+        """For each key, whether a Ready entry is there now (no pin, one C call)."""
+        if self._ctx is None:
+            self._check_usable()
         if type(keys) is list and len(keys) <= _SHORT and _plain_ids(keys):
-            return [lib.ucm_exist1(ctx, k, 0) == 1 for k in keys]  # no arrays for a handful
+            found = [False] * len(keys)  # no arrays for a handful
+            ctx = self._ctx_now()
+            for i, k in enumerate(keys):
+                found[i] = lib.ucm_exist1(ctx, k, 0) == 1
+            return found
         ids, offsets, split = pack_keys(keys)
         out = np.zeros(len(split), dtype=np.uint8)
         if len(split):
-            lib.ucm_exist_many(ctx, ids, _ptr("uint64_t[]", offsets), len(split),
-                               _ptr("uint8_t[]", out))
+            offsets_p, out_p = _ptr("uint64_t[]", offsets), _ptr("uint8_t[]", out)
+            lib.ucm_exist_many(self._ctx_now(), ids, offsets_p, len(split), out_p)
         return out.astype(bool).tolist()
 
     def exist_prefix(self, keys: Sequence[Key]) -> int:
         """How many leading keys (a chained-hash prefix) are Ready, in one C call."""
-        ctx = self._ctx
-        if ctx is None:
+        if self._ctx is None:
             self._check_usable()
         if type(keys) is list and len(keys) <= _SHORT and _plain_ids(keys) and \
                 self._tier is None:
+            ctx = self._ctx_now()
             n = 0
             for k in keys:
                 if lib.ucm_exist1(ctx, k, 0) != 1:
@@ -182,16 +199,17 @@ class Batches:
         ids, offsets, split = pack_keys(keys)
         if not split:
             return 0
-        n = lib.ucm_exist_prefix(ctx, ids, _ptr("uint64_t[]", offsets), len(split))
+        offsets_p = _ptr("uint64_t[]", offsets)
+        n = lib.ucm_exist_prefix(self._ctx_now(), ids, offsets_p, len(split))
         if self._tier is not None and n < len(split):
             n += self._tier.exist_prefix(split[n:])  # the rest, from tier 2: one round trip
         return n
 
     def touch(self, keys: Iterable[Key]) -> None:
         """Mark entries recently used (CLOCK's bit) without pinning; best effort."""
-        ctx = self._ctx
-        if ctx is None:
+        if self._ctx is None:
             self._check_usable()
         ids, offsets, split = pack_keys(keys)
         if split:
-            lib.ucm_touch_many(ctx, ids, _ptr("uint64_t[]", offsets), len(split))
+            offsets_p = _ptr("uint64_t[]", offsets)
+            lib.ucm_touch_many(self._ctx_now(), ids, offsets_p, len(split))

@@ -94,6 +94,7 @@ class SlotCache(CacheBase, SingleFlight, Batches, Prefetching):
         self._ctx = ctx
         self._stripes = Stripes(ctx, seg.base, seg.layout)  # for tests and tools only
         self._open_handles = 0
+        self._closing_ctx = None  # a close that raised in free_rank: close() goes on from it
         self._prefetcher: Optional[Prefetcher] = None
         self._pid = os.getpid()
         self._why_unusable = ""
@@ -158,7 +159,12 @@ class SlotCache(CacheBase, SingleFlight, Batches, Prefetching):
         Segment.unlink(uuid)
 
     def close(self) -> None:
-        """Detach: the rank is freed (its Ready entries stay for others), the mapping dropped."""
+        """Detach: the rank is freed (its Ready entries stay for others), the mapping dropped.
+        A close that raised part-way (a stripe held too long, a corrupt segment) can be called
+        again: it goes on from where it stopped."""
+        if self._closing_ctx is not None:
+            self._finish_close(self._closing_ctx)
+            return
         if self._ctx is None:
             return  # closed already, or a forked child's copy (the parent's rank is not ours)
         if self._open_handles > 0 and self._live_handles() > 0:
@@ -172,10 +178,14 @@ class SlotCache(CacheBase, SingleFlight, Batches, Prefetching):
         # included) takes a pin through ctx, and no copy of another thread still runs on it;
         # then closed: no pin drop or token through ctx touches the segment, before the rank
         # is freed for another process (free_rank's recovery removes our holds).
-        ctx = self._detach_ctx()
+        ctx = self._closing_ctx = self._detach_ctx()
         self._why_unusable = "closed"
         lib.ucm_ctx_close(ctx)
-        free_rank(self._seg, ctx, self._rank)
+        self._finish_close(ctx)
+
+    def _finish_close(self, ctx) -> None:
+        free_rank(self._seg, ctx, self._rank)  # may raise: close() again comes back here
+        self._closing_ctx = None
         lib.ucm_ctx_free(ctx)
         _live_caches.discard(self)
         self._seg.detach()
@@ -213,6 +223,7 @@ class SlotCache(CacheBase, SingleFlight, Batches, Prefetching):
         return n
 
     def _forget_after_fork(self) -> None:
+        self._closing_ctx = None  # a parent's close in progress is not the child's to finish
         if self._ctx is None:
             return
         lib.ucm_ctx_forget(self._ctx)  # tokens copied into the child must drop nothing

@@ -74,11 +74,6 @@ class Handle(HandleBase, _Pins):
     # ---------------------------------------------------------------- state
 
     @property
-    def owner(self) -> bool:
-        """True if this caller must fill the slot and publish ready() or fail()."""
-        return self._owner
-
-    @property
     def slot(self) -> int:
         return self._slot
 
@@ -219,8 +214,8 @@ class Handle(HandleBase, _Pins):
             self._view = None
             release_views((v,))
 
-    def close(self) -> None:
-        """Unpin the slot (idempotent).  An owner that did not publish publishes Failed."""
+    def _close_full(self) -> None:
+        """close() (HandleBase) for an owner's or a slow-path pin's handle."""
         self._close(UNPUBLISHED)
 
     def _close(self, message: bytes) -> None:
@@ -349,8 +344,10 @@ class HandleBatch(BatchBase, _Pins):
         lens = np.empty(n, dtype=np.int64)
         if n:
             ptr, row, keep = rows_of(out, n)
-            lib.ucm_gather(self._cache._ctx, self._slots_p, n, ptr, row,
-                           ffi.from_buffer("int64_t[]", lens))
+            slots_p = ffi.from_buffer("uint32_t[]", self._slots)  # (a batch from C has no
+            lens_p = ffi.from_buffer("int64_t[]", lens)           #  _slots_p)
+            self._check_open()  # again: the allocations above may have closed it (finalizers)
+            lib.ucm_gather(self._cache._ctx, slots_p, n, ptr, row, lens_p)
             del keep
             check_rows(lens, row)
         return lens
@@ -438,7 +435,12 @@ class HandleBatch(BatchBase, _Pins):
                 release_views(self._views)
                 self._views = []
         finally:
-            lib.ucm_batch_token_drop(self._slots_p, self._owner_p, self._token, message, length)
+            if self._token is not None:
+                lib.ucm_batch_token_drop(self._slots_p, self._owner_p, self._token, message,
+                                         length)
+            elif cache._ctx is not None:  # an all-hit batch from C: pins only (read again:
+                lib.ucm_release_many(cache._ctx,  # the code above may have closed the cache)
+                                     ffi.from_buffer("uint32_t[]", self._slots), self._n)
 
     def _exit_slow(self, exc_type, exc, tb) -> None:
         """__exit__ (BatchBase) for a batch with a token, or a with-block that raised."""
