@@ -671,19 +671,22 @@ static PyObject *handle_data(HandleBase *h, void *closure)
     return PyObject_CallMethodNoArgs((PyObject *)h, s_data_slow);
 }
 
-static void handle_finalize(PyObject *self)
+/* Both bases' finalizer: close() (a hit's close in C, else the full close), its errors
+ * dropped as a __del__'s would be. */
+static void finalize_by_close(PyObject *self)
 {
-    HandleBase *h = (HandleBase *)self;
-    if (h->closed) return;
     PyObject *et, *ev, *tb;
     PyErr_Fetch(&et, &ev, &tb);
-    if (!hit_close(h)) {
-        PyObject *r = PyObject_CallMethodNoArgs(self, s_close);
-        if (r) Py_DECREF(r);
-        else if (PyErr_ExceptionMatches(PyExc_Exception)) PyErr_Clear(); /* as a __del__ */
-        else PyErr_WriteUnraisable(self);
-    }
+    PyObject *r = PyObject_CallMethodNoArgs(self, s_close);
+    if (r) Py_DECREF(r);
+    else if (PyErr_ExceptionMatches(PyExc_Exception)) PyErr_Clear();
+    else PyErr_WriteUnraisable(self);
     PyErr_Restore(et, ev, tb);
+}
+
+static void handle_finalize(PyObject *self)
+{
+    if (!((HandleBase *)self)->closed) finalize_by_close(self);
 }
 
 static int handle_traverse(HandleBase *h, visitproc visit, void *arg)
@@ -1083,17 +1086,7 @@ static PyObject *batch_gather(BatchBase *b, PyObject *out)
 
 static void batch_finalize(PyObject *self)
 {
-    BatchBase *b = (BatchBase *)self;
-    if (b->closed) return;
-    PyObject *et, *ev, *tb;
-    PyErr_Fetch(&et, &ev, &tb);
-    if (!hit_close_batch(b)) {
-        PyObject *r = PyObject_CallMethodNoArgs(self, s_close_full);
-        if (r) Py_DECREF(r);
-        else if (PyErr_ExceptionMatches(PyExc_Exception)) PyErr_Clear(); /* as a __del__ */
-        else PyErr_WriteUnraisable(self);
-    }
-    PyErr_Restore(et, ev, tb);
+    if (!((BatchBase *)self)->closed) finalize_by_close(self);
 }
 
 static int batch_traverse(BatchBase *b, visitproc visit, void *arg)
