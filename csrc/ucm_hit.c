@@ -47,11 +47,12 @@ static PyTypeObject *batch_type;  /* ucmcache.HandleBatch, a subclass of BatchBa
 static PyObject *new_slots;      /* n -> numpy uint32 array of n */
 static PyObject *new_owner;      /* n -> numpy bool array of n zeros */
 static PyObject *no_owned;       /* an all-hit batch's owned set (ucmcache._batches) */
+static PyObject *unpublished;    /* the Failed message of an owner closed without ready() */
 static PyObject *mv_release;     /* memoryview.release, unbound: no lookup per view */
 
 static PyObject *s_get_full, *s_hit_bytes_full, *s_get_or_load_full, *s_read_many_full,
     *s_read_checked, *s_data_slow, *s_exit_slow, *s_close, *s_release, *s_timeout,
-    *s_get_many_full, *s_gather_full, *s_close_full, *s_get_or_load_missed,
+    *s_get_many_full, *s_gather_full, *s_close_with, *s_get_or_load_missed,
     *s_aget_or_load_full, *s_aget_or_load_missed;
 
 /* ---------------------------------------------------------------- CacheBase */
@@ -201,31 +202,41 @@ struct HandleBase {
 };
 
 /* A hit: a new open Handle over the pinned Ready slot, or NULL with no exception set for
- * anything else (no pin kept, nothing counted), or NULL with an exception. */
+ * anything else (no pin kept, nothing counted), or NULL with an exception.
+ *
+ * The lookup comes first, so a miss (most of a churning workload) allocates nothing.  The
+ * handle is allocated while we hold the pin: no signal handler can raise there (it would run,
+ * if at all, inside a finalizer the allocation's collection runs, where its exception is
+ * reported and dropped), and a finalizer that closed the cache meanwhile shows as a changed
+ * context (that close's recovery removed our holds: not a hit, the full path says closed). */
 static PyObject *hit_handle(CacheBase *c, PyObject *key)
 {
-    HandleBase *h = (HandleBase *)handle_type->tp_alloc(handle_type, 0);
-    if (!h) return NULL;
-    h->closed = 1; /* inert until the pin is its own */
-    h->nbytes = -1;
-    ucm_ctx *ctx = c->ctx; /* read after the allocation: a finalizer it ran may have closed c */
-    if (!ctx) {
-        Py_DECREF(h);
+    ucm_ctx *ctx = c->ctx;
+    if (!ctx) return NULL;
+    int64_t r = lookup(c, ctx, PyBytes_AS_STRING(key));
+    if (r < 0) return NULL;
+    uint32_t slot = UCM_PIN_SLOT(r);
+    if (!(r & UCM_PIN_READY)) {
+        release_pin(c, ctx, slot); /* a join: the full path pins it again and counts it */
         return NULL;
     }
-    int64_t r = lookup(c, ctx, PyBytes_AS_STRING(key));
-    if (r >= 0 && (r & UCM_PIN_READY)) {
-        /* The pin becomes the handle's in plain stores. */
-        h->cache = (CacheBase *)Py_NewRef(c);
-        h->slot = UCM_PIN_SLOT(r);
-        h->nbytes = UCM_PIN_LEN(r);
-        h->closed = 0;
-        c->open_handles++;
-        return (PyObject *)h;
+    HandleBase *h = (HandleBase *)handle_type->tp_alloc(handle_type, 0);
+    if (h) h->closed = 1; /* inert until the pin is its own */
+    if (c->ctx != ctx) {
+        Py_XDECREF(h);
+        return NULL;
     }
-    if (r >= 0) release_pin(c, ctx, UCM_PIN_SLOT(r)); /* a join: the full path pins it again */
-    Py_DECREF(h);
-    return NULL;
+    if (!h) {
+        release_pin(c, ctx, slot);
+        return NULL;
+    }
+    /* The pin becomes the handle's in plain stores. */
+    h->cache = (CacheBase *)Py_NewRef(c);
+    h->slot = slot;
+    h->nbytes = UCM_PIN_LEN(r);
+    h->closed = 0;
+    c->open_handles++;
+    return (PyObject *)h;
 }
 
 static PyObject *cache_get(CacheBase *self, PyObject *const *args, Py_ssize_t nargs,
@@ -643,7 +654,7 @@ static PyObject *handle_exit(HandleBase *h, PyObject *const *args, Py_ssize_t na
 static PyObject *handle_close(HandleBase *h, PyObject *unused)
 {
     if (h->closed || hit_close(h)) Py_RETURN_NONE;
-    return PyObject_CallMethodNoArgs((PyObject *)h, s_close_full);
+    return PyObject_CallMethodOneArg((PyObject *)h, s_close_with, unpublished);
 }
 
 static PyObject *handle_owner(HandleBase *h, void *closure) { return PyBool_FromLong(h->owner); }
@@ -995,7 +1006,7 @@ static PyObject *batch_exit(BatchBase *b, PyObject *const *args, Py_ssize_t narg
 static PyObject *batch_close(BatchBase *b, PyObject *unused)
 {
     if (b->closed || hit_close_batch(b)) Py_RETURN_NONE;
-    return PyObject_CallMethodNoArgs((PyObject *)b, s_close_full);
+    return PyObject_CallMethodOneArg((PyObject *)b, s_close_with, unpublished);
 }
 
 static PyObject *batch_data(BatchBase *b, PyObject *pos)
@@ -1226,10 +1237,12 @@ static int bind_step(PyObject *steps, const char *name, void **slot)
 static PyObject *mod_bind(PyObject *m, PyObject *args, PyObject *kw)
 {
     static char *names[] = {"steps", "addr_of", "handle_type", "batch_type",
-                            "new_lengths", "new_slots", "new_owner", "no_owned", NULL};
-    PyObject *steps, *a, *ht, *bt, *nl, *ns, *no, *nw;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "O!OO!O!OOOO", names, &PyDict_Type, &steps, &a,
-                                     &PyType_Type, &ht, &PyType_Type, &bt, &nl, &ns, &no, &nw))
+                            "new_lengths", "new_slots", "new_owner", "no_owned", "unpublished",
+                            NULL};
+    PyObject *steps, *a, *ht, *bt, *nl, *ns, *no, *nw, *up;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O!OO!O!OOOOO", names, &PyDict_Type, &steps, &a,
+                                     &PyType_Type, &ht, &PyType_Type, &bt, &nl, &ns, &no, &nw,
+                                     &up))
         return NULL;
     if (!PyType_IsSubtype((PyTypeObject *)ht, &HandleBase_Type) ||
         !PyType_IsSubtype((PyTypeObject *)bt, &BatchBase_Type)) {
@@ -1248,6 +1261,7 @@ static PyObject *mod_bind(PyObject *m, PyObject *args, PyObject *kw)
     Py_XSETREF(new_slots, Py_NewRef(ns));
     Py_XSETREF(new_owner, Py_NewRef(no));
     Py_XSETREF(no_owned, Py_NewRef(nw));
+    Py_XSETREF(unpublished, Py_NewRef(up));
     bound = 1;
     Py_RETURN_NONE;
 }
@@ -1255,7 +1269,7 @@ static PyObject *mod_bind(PyObject *m, PyObject *args, PyObject *kw)
 static PyMethodDef mod_methods[] = {
     {"bind", (PyCFunction)(void (*)(void))mod_bind, METH_VARARGS | METH_KEYWORDS,
      "bind(steps, addr_of, handle_type, batch_type, new_lengths, new_slots, new_owner,\n"
-     "no_owned): the core's step addresses and the Python pieces the hit path needs\n"
+     "no_owned, unpublished): the core's step addresses and the Python pieces the hit path needs\n"
      "(ucmcache/_handle.py calls it once, when Handle and HandleBatch exist)."},
     {NULL},
 };
@@ -1276,7 +1290,7 @@ PyMODINIT_FUNC PyInit__hit(void)
     INTERN(s_read_checked, "_read_checked"); INTERN(s_data_slow, "_data_slow");
     INTERN(s_exit_slow, "_exit_slow"); INTERN(s_close, "close"); INTERN(s_release, "release");
     INTERN(s_timeout, "timeout"); INTERN(s_get_many_full, "_get_many_full");
-    INTERN(s_gather_full, "_gather_full"); INTERN(s_close_full, "_close_full");
+    INTERN(s_gather_full, "_gather_full"); INTERN(s_close_with, "_close");
     INTERN(s_get_or_load_missed, "_get_or_load_missed");
     INTERN(s_aget_or_load_full, "_aget_or_load_full");
     INTERN(s_aget_or_load_missed, "_aget_or_load_missed");

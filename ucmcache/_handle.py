@@ -214,10 +214,6 @@ class Handle(HandleBase, _Pins):
             self._view = None
             release_views((v,))
 
-    def _close_full(self) -> None:
-        """close() (HandleBase) for an owner's or a slow-path pin's handle."""
-        self._close(UNPUBLISHED)
-
     def _close(self, message: bytes) -> None:
         # Interruptible anywhere (a signal handler may raise at any call): the counter and the
         # closed flag change before any call, and the pin is dropped first thing in `finally`,
@@ -405,10 +401,6 @@ class HandleBatch(BatchBase, _Pins):
                 raise LoadFailed(failure_message(cache, s))
         return self
 
-    def _close_full(self) -> None:
-        """close() (BatchBase) for a batch with a token (the full path's)."""
-        self._close(UNPUBLISHED)
-
     def _close(self, message: bytes) -> None:
         # As Handle._close: flags first, every pin dropped first thing in `finally`, by one C
         # step over the whole batch that fails the owned positions still Loading.
@@ -457,5 +449,6 @@ bind(steps={name: int(ffi.cast("uintptr_t", ffi.addressof(lib, name)))
      addr_of=lambda p: int(ffi.cast("uintptr_t", p)), handle_type=Handle,
      batch_type=HandleBatch, new_lengths=functools.partial(np.empty, dtype=np.int64),
      new_slots=functools.partial(np.empty, dtype=np.uint32),
-     new_owner=functools.partial(np.zeros, dtype=bool), no_owned=_NO_OWNED)
+     new_owner=functools.partial(np.zeros, dtype=bool), no_owned=_NO_OWNED,
+     unpublished=UNPUBLISHED)
 collections.abc.Coroutine.register(Ready)  # aget_or_load's hit: asyncio takes it as a coroutine
