@@ -61,12 +61,27 @@ typedef struct {
     PyObject_HEAD
     PyObject *ctx_obj;        /* _ctx: the cffi context pointer, or None (closed, forked) */
     ucm_ctx *ctx;             /* its address, NULL with None */
-    Py_ssize_t open_handles;  /* _open_handles */
+    PyObject *open_handles;   /* _open_handles: an int (objects, not C fields, wherever Python
+                               * reads or writes a field: CPython 3.11 specializes attribute
+                               * access only for object members, 3x faster than the rest) */
     PyObject *ro;             /* _ro: the mapping's read-only memoryview */
     Py_ssize_t data_off;      /* _data_off, _stride: where slot s's bytes start in _ro */
     Py_ssize_t stride;
     Py_ssize_t calls_out;     /* core calls running with the GIL released (see WITHOUT_GIL) */
 } CacheBase;
+
+/* _open_handles += d from C (small ints are cached: no allocation in practice). */
+static void add_open(CacheBase *c, Py_ssize_t d)
+{
+    Py_ssize_t n = c->open_handles ? PyLong_AsSsize_t(c->open_handles) : 0;
+    if (n == -1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        n = 0;
+    }
+    PyObject *v = PyLong_FromSsize_t(n + d);
+    if (v) Py_XSETREF(c->open_handles, v);
+    else PyErr_Clear();
+}
 
 /* A core call with the GIL released, counted in c->calls_out (changed only with the GIL held):
  * close() does not take the context away while one runs (CacheBase._detach), so the call's
@@ -178,28 +193,57 @@ static PyObject *payload_view(PyObject *ro, Py_ssize_t off, Py_ssize_t n)
     return v;
 }
 
-/* A field the Python code may have stored None in (T_OBJECT reads NULL as None too). */
+/* A field the Python code may have stored None in. */
 #define HAS(o) ((o) != NULL && (o) != Py_None)
+/* A _closed field: open is exactly False (NULL, a deleted field, counts as closed). */
+#define IS_OPEN(o) ((o) == Py_False)
+#define SET_FLAG(field, v) Py_XSETREF(field, Py_NewRef((v) ? Py_True : Py_False))
+
+/* A handle's or batch's _cache as the C paths may use it: a SlotCache, else NULL. */
+static inline CacheBase *cache_of(PyObject *o)
+{
+    return o && PyObject_TypeCheck(o, &CacheBase_Type) ? (CacheBase *)o : NULL;
+}
 
 typedef struct HandleBase HandleBase;
 static PyTypeObject HandleBase_Type;
 
+/* Every field is an object (see CacheBase.open_handles): the full path in Python reads and
+ * writes them all. */
 struct HandleBase {
     PyObject_HEAD
-    CacheBase *cache;   /* _cache */
+    PyObject *cache;    /* _cache: its SlotCache (cache_of) */
     PyObject *token;    /* _token: a slow-path pin's token (None: a fast-path pin) */
     PyObject *timeout;  /* _timeout, _views, _owned, _view, _t0: see ucmcache/_handle.py */
     PyObject *views;
     PyObject *owned;
     PyObject *view;
     PyObject *t0;
+    PyObject *nbytes;   /* _nbytes: a Ready slot's length when pinned, -1 until known */
+    PyObject *slot;     /* _slot */
+    PyObject *closed;   /* _closed, _owner, _published: bools */
+    PyObject *owner;
+    PyObject *published;
     PyObject *weakreflist;
-    long long nbytes;   /* _nbytes: a Ready slot's length when pinned, -1 until known */
-    unsigned int slot;  /* _slot */
-    char closed;        /* _closed, _owner, _published */
-    char owner;
-    char published;
 };
+
+/* A new handle's fields: inert (closed), no cache, no owner.  No allocation (None, bools and
+ * small ints are shared). */
+static void handle_init(HandleBase *h)
+{
+    h->cache = Py_NewRef(Py_None);
+    h->token = Py_NewRef(Py_None);
+    h->timeout = Py_NewRef(Py_None);
+    h->views = Py_NewRef(Py_None);
+    h->owned = Py_NewRef(Py_None);
+    h->view = Py_NewRef(Py_None);
+    h->t0 = Py_NewRef(Py_None);
+    h->nbytes = PyLong_FromLong(-1);
+    h->slot = PyLong_FromLong(0);
+    h->closed = Py_NewRef(Py_True);
+    h->owner = Py_NewRef(Py_False);
+    h->published = Py_NewRef(Py_False);
+}
 
 /* A hit: a new open Handle over the pinned Ready slot, or NULL with no exception set for
  * anything else (no pin kept, nothing counted), or NULL with an exception.
@@ -221,21 +265,26 @@ static PyObject *hit_handle(CacheBase *c, PyObject *key)
         return NULL;
     }
     HandleBase *h = (HandleBase *)handle_type->tp_alloc(handle_type, 0);
-    if (h) h->closed = 1; /* inert until the pin is its own */
+    if (h) handle_init(h); /* inert until the pin is its own */
     if (c->ctx != ctx) {
         Py_XDECREF(h);
         return NULL;
     }
-    if (!h) {
+    /* Ints are not tracked by the collector: making them runs no Python code. */
+    PyObject *slot_o = h ? PyLong_FromUnsignedLong(slot) : NULL;
+    PyObject *len_o = slot_o ? PyLong_FromUnsignedLong(UCM_PIN_LEN(r)) : NULL;
+    if (!len_o) {
+        Py_XDECREF(slot_o);
+        Py_XDECREF(h);
         release_pin(c, ctx, slot);
         return NULL;
     }
     /* The pin becomes the handle's in plain stores. */
-    h->cache = (CacheBase *)Py_NewRef(c);
-    h->slot = slot;
-    h->nbytes = UCM_PIN_LEN(r);
-    h->closed = 0;
-    c->open_handles++;
+    Py_SETREF(h->cache, Py_NewRef(c));
+    Py_SETREF(h->slot, slot_o);
+    Py_SETREF(h->nbytes, len_o);
+    SET_FLAG(h->closed, 0);
+    add_open(c, 1);
     return (PyObject *)h;
 }
 
@@ -488,8 +537,16 @@ static PyObject *cache_read_many(CacheBase *self, PyObject *const *args, Py_ssiz
     return forward((PyObject *)self, s_read_many_full, args, nargs, kwnames);
 }
 
+static PyObject *cache_new(PyTypeObject *type, PyObject *args, PyObject *kw)
+{
+    CacheBase *c = (CacheBase *)type->tp_alloc(type, 0);
+    if (c && !(c->open_handles = PyLong_FromLong(0))) Py_CLEAR(c);
+    return (PyObject *)c;
+}
+
 static void cache_dealloc(CacheBase *c)
 {
+    Py_CLEAR(c->open_handles);
     Py_CLEAR(c->ctx_obj);
     Py_CLEAR(c->ro);
     Py_TYPE(c)->tp_free((PyObject *)c);
@@ -553,7 +610,7 @@ static PyMethodDef cache_methods[] = {
 };
 
 static PyMemberDef cache_members[] = {
-    {"_open_handles", T_PYSSIZET, offsetof(CacheBase, open_handles), 0, NULL},
+    {"_open_handles", T_OBJECT_EX, offsetof(CacheBase, open_handles), 0, NULL},
     {"_data_off", T_PYSSIZET, offsetof(CacheBase, data_off), 0, NULL},
     {"_stride", T_PYSSIZET, offsetof(CacheBase, stride), 0, NULL},
     {NULL},
@@ -592,7 +649,7 @@ static PyTypeObject CacheBase_Type = {
     .tp_basicsize = sizeof(CacheBase),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE,
     .tp_doc = "SlotCache's hit path (get, get_or_load, read_many) in C.",
-    .tp_new = PyType_GenericNew,
+    .tp_new = cache_new,
     .tp_dealloc = (destructor)cache_dealloc,
     .tp_methods = cache_methods,
     .tp_members = cache_members,
@@ -604,10 +661,7 @@ static PyTypeObject CacheBase_Type = {
 static PyObject *handle_new(PyTypeObject *type, PyObject *args, PyObject *kw)
 {
     HandleBase *h = (HandleBase *)type->tp_alloc(type, 0);
-    if (h) {
-        h->closed = 1; /* inert: SlotCache._get_full stores the fields */
-        h->nbytes = -1;
-    }
+    if (h) handle_init(h); /* inert: SlotCache._get_full stores the fields */
     return (PyObject *)h;
 }
 
@@ -625,19 +679,26 @@ static void release_view(PyObject *v)
  * writable views) drops its view, then its pin.  0: this handle needs the full close. */
 static int hit_close(HandleBase *h)
 {
-    CacheBase *c = h->cache;
-    if (HAS(h->token) || h->owner || HAS(h->views) || !c || !c->ctx)
+    CacheBase *c = cache_of(h->cache);
+    if (HAS(h->token) || h->owner != Py_False || HAS(h->views) || !c || !c->ctx || !h->slot)
         return 0;
-    h->closed = 1;
-    c->open_handles--;
+    unsigned long slot = PyLong_AsUnsignedLong(h->slot);
+    if (slot == (unsigned long)-1 && PyErr_Occurred()) {
+        PyErr_Clear(); /* not a slot: the full close says so */
+        return 0;
+    }
+    Py_INCREF(c);
+    SET_FLAG(h->closed, 1);
+    add_open(c, -1);
     PyObject *v = h->view;
-    h->view = NULL;
+    h->view = Py_NewRef(Py_None);
     if (HAS(v)) release_view(v); /* the view first: nothing readable over an unpinned slot */
     Py_XDECREF(v);
     /* Read now: if releasing the view ran code that closed the cache, its close's recovery
      * removed our holds and ctx is NULL. */
     ucm_ctx *ctx = c->ctx;
-    if (ctx) release_pin(c, ctx, h->slot);
+    if (ctx) release_pin(c, ctx, (uint32_t)slot);
+    Py_DECREF(c);
     return 1;
 }
 
@@ -647,29 +708,40 @@ static PyObject *handle_exit(HandleBase *h, PyObject *const *args, Py_ssize_t na
 {
     /* A reader's pin: the same close whether the block raised or not (the exception's
      * message only matters to an owner's waiters). */
-    if (nargs == 3 && (h->closed || hit_close(h))) Py_RETURN_NONE;
+    if (nargs == 3 && (!IS_OPEN(h->closed) || hit_close(h))) Py_RETURN_NONE;
     return forward((PyObject *)h, s_exit_slow, args, nargs, NULL);
 }
 
 static PyObject *handle_close(HandleBase *h, PyObject *unused)
 {
-    if (h->closed || hit_close(h)) Py_RETURN_NONE;
+    if (!IS_OPEN(h->closed) || hit_close(h)) Py_RETURN_NONE;
     return PyObject_CallMethodOneArg((PyObject *)h, s_close_with, unpublished);
 }
 
-static PyObject *handle_owner(HandleBase *h, void *closure) { return PyBool_FromLong(h->owner); }
+static PyObject *handle_owner(HandleBase *h, void *closure)
+{
+    return Py_NewRef(h->owner ? h->owner : Py_False);
+}
 
 static PyObject *handle_data(HandleBase *h, void *closure)
 {
-    CacheBase *c = h->cache;
-    if (!h->closed && c && c->ctx) {
+    CacheBase *c = cache_of(h->cache);
+    if (IS_OPEN(h->closed) && c && c->ctx) {
         if (HAS(h->view)) return Py_NewRef(h->view); /* made once */
-        if (h->nbytes >= 0 && c->ro) {
+        long long n = h->nbytes ? PyLong_AsLongLong(h->nbytes) : -1;
+        unsigned long slot = h->slot ? PyLong_AsUnsignedLong(h->slot) : (unsigned long)-1;
+        if (PyErr_Occurred()) {
+            PyErr_Clear(); /* not ints: the full path says so */
+            n = -1;
+        }
+        if (n >= 0 && c->ro) {
             /* Ready when pinned (the hit path): a slice of the mapping's read-only view */
-            Py_ssize_t off = c->data_off + (Py_ssize_t)h->slot * c->stride;
-            PyObject *v = payload_view(c->ro, off, (Py_ssize_t)h->nbytes);
+            Py_ssize_t off = c->data_off + (Py_ssize_t)slot * c->stride;
+            Py_INCREF(c);
+            PyObject *v = payload_view(c->ro, off, (Py_ssize_t)n);
+            Py_DECREF(c);
             if (!v) return NULL;
-            if (h->closed || HAS(h->view)) {
+            if (!IS_OPEN(h->closed) || HAS(h->view)) {
                 /* making it ran a finalizer that closed h (or read data): not ours to give */
                 release_view(v);
                 Py_DECREF(v);
@@ -697,7 +769,7 @@ static void finalize_by_close(PyObject *self)
 
 static void handle_finalize(PyObject *self)
 {
-    if (!((HandleBase *)self)->closed) finalize_by_close(self);
+    if (IS_OPEN(((HandleBase *)self)->closed)) finalize_by_close(self);
 }
 
 static int handle_traverse(HandleBase *h, visitproc visit, void *arg)
@@ -709,7 +781,7 @@ static int handle_traverse(HandleBase *h, visitproc visit, void *arg)
     Py_VISIT(h->owned);
     Py_VISIT(h->view);
     Py_VISIT(h->t0);
-    return 0;
+    return 0; /* (ints and bools refer to nothing) */
 }
 
 static int handle_clear(HandleBase *h)
@@ -721,6 +793,11 @@ static int handle_clear(HandleBase *h)
     Py_CLEAR(h->owned);
     Py_CLEAR(h->view);
     Py_CLEAR(h->t0);
+    Py_CLEAR(h->nbytes);
+    Py_CLEAR(h->slot);
+    Py_CLEAR(h->closed);
+    Py_CLEAR(h->owner);
+    Py_CLEAR(h->published);
     return 0;
 }
 
@@ -732,23 +809,6 @@ static void handle_dealloc(HandleBase *h)
     Py_TYPE(h)->tp_free((PyObject *)h);
 }
 
-static PyObject *handle_get_cache(HandleBase *h, void *closure)
-{
-    return Py_NewRef(h->cache ? (PyObject *)h->cache : Py_None);
-}
-
-static int handle_set_cache(HandleBase *h, PyObject *v, void *closure)
-{
-    /* Only a cache (or None): the C paths read its fields. */
-    if (v && v != Py_None && !PyObject_TypeCheck(v, &CacheBase_Type)) {
-        PyErr_Format(PyExc_TypeError, "_cache must be a SlotCache, got %.100s",
-                     Py_TYPE(v)->tp_name);
-        return -1;
-    }
-    Py_XSETREF(h->cache, v && v != Py_None ? (CacheBase *)Py_NewRef(v) : NULL);
-    return 0;
-}
-
 static PyMethodDef handle_methods[] = {
     {"__enter__", handle_enter, METH_NOARGS, NULL},
     {"__exit__", (PyCFunction)(void (*)(void))handle_exit, METH_FASTCALL, NULL},
@@ -758,22 +818,22 @@ static PyMethodDef handle_methods[] = {
 };
 
 static PyMemberDef handle_members[] = {
-    {"_token", T_OBJECT, offsetof(HandleBase, token), 0, NULL},
-    {"_timeout", T_OBJECT, offsetof(HandleBase, timeout), 0, NULL},
-    {"_views", T_OBJECT, offsetof(HandleBase, views), 0, NULL},
-    {"_owned", T_OBJECT, offsetof(HandleBase, owned), 0, NULL},
-    {"_view", T_OBJECT, offsetof(HandleBase, view), 0, NULL},
-    {"_t0", T_OBJECT, offsetof(HandleBase, t0), 0, NULL},
-    {"_nbytes", T_LONGLONG, offsetof(HandleBase, nbytes), 0, NULL},
-    {"_slot", T_UINT, offsetof(HandleBase, slot), 0, NULL},
-    {"_closed", T_BOOL, offsetof(HandleBase, closed), 0, NULL},
-    {"_owner", T_BOOL, offsetof(HandleBase, owner), 0, NULL},
-    {"_published", T_BOOL, offsetof(HandleBase, published), 0, NULL},
+    {"_cache", T_OBJECT_EX, offsetof(HandleBase, cache), 0, NULL},
+    {"_token", T_OBJECT_EX, offsetof(HandleBase, token), 0, NULL},
+    {"_timeout", T_OBJECT_EX, offsetof(HandleBase, timeout), 0, NULL},
+    {"_views", T_OBJECT_EX, offsetof(HandleBase, views), 0, NULL},
+    {"_owned", T_OBJECT_EX, offsetof(HandleBase, owned), 0, NULL},
+    {"_view", T_OBJECT_EX, offsetof(HandleBase, view), 0, NULL},
+    {"_t0", T_OBJECT_EX, offsetof(HandleBase, t0), 0, NULL},
+    {"_nbytes", T_OBJECT_EX, offsetof(HandleBase, nbytes), 0, NULL},
+    {"_slot", T_OBJECT_EX, offsetof(HandleBase, slot), 0, NULL},
+    {"_closed", T_OBJECT_EX, offsetof(HandleBase, closed), 0, NULL},
+    {"_owner", T_OBJECT_EX, offsetof(HandleBase, owner), 0, NULL},
+    {"_published", T_OBJECT_EX, offsetof(HandleBase, published), 0, NULL},
     {NULL},
 };
 
 static PyGetSetDef handle_getset[] = {
-    {"_cache", (getter)handle_get_cache, (setter)handle_set_cache, NULL, NULL},
     {"owner", (getter)handle_owner, NULL,
      "True if this caller must fill the slot and publish ready() or fail().", NULL},
     {"data", (getter)handle_data, NULL,
@@ -803,7 +863,7 @@ static PyTypeObject HandleBase_Type = {
 
 typedef struct {
     PyObject_HEAD
-    CacheBase *cache;     /* _cache */
+    PyObject *cache;      /* _cache: its SlotCache (cache_of) */
     PyObject *slots;      /* _slots: numpy uint32 (slot per position, UCM_NIL: no pin) */
     PyObject *lens;       /* _lens: numpy int64 (a Ready position's length, -1 unknown) */
     PyObject *owner;      /* owner: numpy bool */
@@ -817,9 +877,23 @@ typedef struct {
     int64_t *len_at;
     Py_ssize_t n_slot_at, n_len_at;
     Py_ssize_t n;         /* _n */
-    char closed;          /* _closed, _any_owner */
-    char any_owner;
+    PyObject *closed;     /* _closed, _any_owner: bools (objects: see HandleBase) */
+    PyObject *any_owner;
 } BatchBase;
+
+/* A new batch's fields: inert (closed), no cache, no owner (no allocation). */
+static void batch_init(BatchBase *b)
+{
+    b->cache = Py_NewRef(Py_None);
+    b->owner = Py_NewRef(Py_None);
+    b->token = Py_NewRef(Py_None);
+    b->timeout = Py_NewRef(Py_None);
+    b->views = Py_NewRef(Py_None);
+    b->owner_views = Py_NewRef(Py_None);
+    b->owned = Py_NewRef(Py_None);
+    b->closed = Py_NewRef(Py_True);
+    b->any_owner = Py_NewRef(Py_False);
+}
 
 static PyTypeObject BatchBase_Type;
 
@@ -866,27 +940,13 @@ static int batch_set_lens(BatchBase *b, PyObject *v, void *closure)
 static PyObject *batch_get_slots(BatchBase *b, void *c) { return Py_NewRef(b->slots ? b->slots : Py_None); }
 static PyObject *batch_get_lens(BatchBase *b, void *c) { return Py_NewRef(b->lens ? b->lens : Py_None); }
 
-static PyObject *batch_get_cache(BatchBase *b, void *closure)
+/* The batch's cache when its positions are all readable from C (open, its arrays cover n
+ * positions, its cache attached), else NULL. */
+static inline CacheBase *batch_usable(BatchBase *b)
 {
-    return Py_NewRef(b->cache ? (PyObject *)b->cache : Py_None);
-}
-
-static int batch_set_cache(BatchBase *b, PyObject *v, void *closure)
-{
-    if (v && v != Py_None && !PyObject_TypeCheck(v, &CacheBase_Type)) {
-        PyErr_Format(PyExc_TypeError, "_cache must be a SlotCache, got %.100s",
-                     Py_TYPE(v)->tp_name);
-        return -1;
-    }
-    Py_XSETREF(b->cache, v && v != Py_None ? (CacheBase *)Py_NewRef(v) : NULL);
-    return 0;
-}
-
-/* The batch's positions are all readable from C: its arrays cover n positions. */
-static inline int batch_usable(BatchBase *b)
-{
-    return !b->closed && b->cache && b->cache->ctx && b->slot_at && b->len_at &&
-           b->n_slot_at >= b->n && b->n_len_at >= b->n;
+    CacheBase *c = cache_of(b->cache);
+    return IS_OPEN(b->closed) && c && c->ctx && b->slot_at && b->len_at &&
+           b->n_slot_at >= b->n && b->n_len_at >= b->n ? c : NULL;
 }
 
 static PyObject *call_n(PyObject *f, Py_ssize_t n)
@@ -908,7 +968,7 @@ static PyObject *batch_hit(CacheBase *c, PyObject *keys)
      * are read (see copy_ids). */
     BatchBase *b = (BatchBase *)batch_type->tp_alloc(batch_type, 0);
     if (!b) return NULL;
-    b->closed = 1;
+    batch_init(b);
     PyObject *slots = NULL, *lens = NULL, *owner = NULL, *views = NULL;
     char small[16 * 64], *ids = small;
     if (!(slots = call_n(new_slots, n)) || !(lens = call_n(new_lengths, n)) ||
@@ -936,15 +996,14 @@ static PyObject *batch_hit(CacheBase *c, PyObject *keys)
     }
     if (ids != small) PyMem_Free(ids);
     if (rc != UCM_OK) goto fail; /* nothing pinned: the full path */
-    /* The pins become the batch's in plain stores. */
-    b->owner = owner;
-    b->views = views;
-    b->owned = Py_NewRef(no_owned);
-    b->cache = (CacheBase *)Py_NewRef(c);
+    /* The pins become the batch's in plain stores (the fields replaced are None). */
+    Py_SETREF(b->owner, owner);
+    Py_SETREF(b->views, views);
+    Py_SETREF(b->owned, Py_NewRef(no_owned));
+    Py_SETREF(b->cache, Py_NewRef(c));
     b->n = n;
-    b->any_owner = 0;
-    b->closed = 0;
-    c->open_handles++;
+    SET_FLAG(b->closed, 0);
+    add_open(c, 1);
     Py_DECREF(slots);
     Py_DECREF(lens);
     return (PyObject *)b;
@@ -972,19 +1031,20 @@ static PyObject *cache_get_many(CacheBase *self, PyObject *const *args, Py_ssize
  * batch needs the full close (a token: owned positions, slow-path pins). */
 static int hit_close_batch(BatchBase *b)
 {
-    CacheBase *c = b->cache;
-    if (HAS(b->token) || b->any_owner || !c || !c->ctx || !b->slot_at || b->n_slot_at < b->n)
+    CacheBase *c = cache_of(b->cache);
+    if (HAS(b->token) || b->any_owner != Py_False || !c || !c->ctx || !b->slot_at ||
+        b->n_slot_at < b->n)
         return 0;
-    b->closed = 1;
-    c->open_handles--;
+    SET_FLAG(b->closed, 1);
+    add_open(c, -1);
     PyObject *views = b->views;
-    b->views = NULL;
+    b->views = Py_NewRef(Py_None);
     if (views && PyList_CheckExact(views)) {
         for (Py_ssize_t i = 0; i < PyList_GET_SIZE(views); i++)
             release_view(PyList_GET_ITEM(views, i));
     }
     Py_XDECREF(views);
-    ucm_ctx *ctx = c->ctx; /* read now: as hit_close */
+    ucm_ctx *ctx = cache_of(b->cache) == c ? c->ctx : NULL; /* read now: as hit_close */
     if (!ctx || !b->slot_at || b->n_slot_at < b->n) return 1;
     if (__builtin_expect(core.ctx_points_set(ctx), 0)) {
         uint32_t *slots = b->slot_at, n = (uint32_t)b->n;
@@ -999,23 +1059,23 @@ static PyObject *batch_enter(PyObject *self, PyObject *unused) { return Py_NewRe
 
 static PyObject *batch_exit(BatchBase *b, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs == 3 && (b->closed || hit_close_batch(b))) Py_RETURN_NONE; /* as handle_exit */
+    if (nargs == 3 && (!IS_OPEN(b->closed) || hit_close_batch(b))) Py_RETURN_NONE; /* as handle_exit */
     return forward((PyObject *)b, s_exit_slow, args, nargs, NULL);
 }
 
 static PyObject *batch_close(BatchBase *b, PyObject *unused)
 {
-    if (b->closed || hit_close_batch(b)) Py_RETURN_NONE;
+    if (!IS_OPEN(b->closed) || hit_close_batch(b)) Py_RETURN_NONE;
     return PyObject_CallMethodOneArg((PyObject *)b, s_close_with, unpublished);
 }
 
 static PyObject *batch_data(BatchBase *b, PyObject *pos)
 {
-    if (batch_usable(b) && PyLong_CheckExact(pos) && b->cache->ro) {
+    CacheBase *c = batch_usable(b);
+    if (c && PyLong_CheckExact(pos) && c->ro) {
         Py_ssize_t i = PyLong_AsSsize_t(pos);
         if (i >= 0 && i < b->n && b->len_at[i] >= 0) {
             /* Ready when pinned: a slice of the mapping's read-only view, kept to release */
-            CacheBase *c = b->cache;
             Py_ssize_t off = c->data_off + (Py_ssize_t)b->slot_at[i] * c->stride;
             if (!HAS(b->views)) {
                 PyObject *fresh = PyList_New(0);
@@ -1025,10 +1085,12 @@ static PyObject *batch_data(BatchBase *b, PyObject *pos)
             }
             if (!PyList_CheckExact(b->views)) goto slow;
             PyObject *views = Py_NewRef(b->views);
+            Py_INCREF(c);
             PyObject *v = payload_view(c->ro, off, (Py_ssize_t)b->len_at[i]);
+            Py_DECREF(c);
             Py_DECREF(views);
             if (!v) return NULL;
-            if (b->closed || b->views != views) {
+            if (!IS_OPEN(b->closed) || b->views != views) {
                 /* making it ran a finalizer that closed b: not ours to give */
                 release_view(v);
                 Py_DECREF(v);
@@ -1048,7 +1110,8 @@ slow:
 
 static PyObject *batch_gather(BatchBase *b, PyObject *out)
 {
-    if (!batch_usable(b) || b->n == 0) return PyObject_CallMethodOneArg((PyObject *)b, s_gather_full, out);
+    if (!batch_usable(b) || b->n == 0)
+        return PyObject_CallMethodOneArg((PyObject *)b, s_gather_full, out);
     Py_buffer ob;
     if (PyObject_GetBuffer(out, &ob, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
         PyErr_Clear(); /* a tensor, or not writable/contiguous: the full path */
@@ -1074,7 +1137,7 @@ static PyObject *batch_gather(BatchBase *b, PyObject *out)
     }
     uint64_t row = (uint64_t)(ob.len / b->n);
     int64_t *lp = lb.buf, worst = -1;
-    CacheBase *c = b->cache;
+    CacheBase *c = batch_usable(b); /* not NULL: checked just above, nothing ran since */
     ucm_ctx *ctx = c->ctx;
     uint32_t *slots = b->slot_at, n = (uint32_t)b->n;
     /* The batch's pins keep every slot as it is while the GIL is released for the copies. */
@@ -1085,7 +1148,7 @@ static PyObject *batch_gather(BatchBase *b, PyObject *out)
     PyBuffer_Release(&ob);
     if (worst > (int64_t)row) {
         PyObject *rw = PyLong_FromUnsignedLongLong(row), *zero = PyLong_FromLong(0);
-        PyObject *r = rw && zero ? PyObject_CallMethodObjArgs((PyObject *)b->cache, s_read_checked,
+        PyObject *r = rw && zero ? PyObject_CallMethodObjArgs((PyObject *)c, s_read_checked,
                                                               zero, lens, rw, NULL) : NULL;
         Py_XDECREF(rw);
         Py_XDECREF(zero);
@@ -1097,7 +1160,7 @@ static PyObject *batch_gather(BatchBase *b, PyObject *out)
 
 static void batch_finalize(PyObject *self)
 {
-    if (!((BatchBase *)self)->closed) finalize_by_close(self);
+    if (IS_OPEN(((BatchBase *)self)->closed)) finalize_by_close(self);
 }
 
 static int batch_traverse(BatchBase *b, visitproc visit, void *arg)
@@ -1128,6 +1191,8 @@ static int batch_clear(BatchBase *b)
     Py_CLEAR(b->views);
     Py_CLEAR(b->owner_views);
     Py_CLEAR(b->owned);
+    Py_CLEAR(b->closed);
+    Py_CLEAR(b->any_owner);
     return 0;
 }
 
@@ -1142,7 +1207,7 @@ static void batch_dealloc(BatchBase *b)
 static PyObject *batch_new(PyTypeObject *type, PyObject *args, PyObject *kw)
 {
     BatchBase *b = (BatchBase *)type->tp_alloc(type, 0);
-    if (b) b->closed = 1; /* inert: SlotCache._get_many_full stores the fields */
+    if (b) batch_init(b); /* inert: SlotCache._get_many_full stores the fields */
     return (PyObject *)b;
 }
 
@@ -1167,14 +1232,15 @@ static PyMethodDef batch_methods[] = {
 };
 
 static PyMemberDef batch_members[] = {
-    {"owner", T_OBJECT, offsetof(BatchBase, owner), 0, NULL},
-    {"_token", T_OBJECT, offsetof(BatchBase, token), 0, NULL},
-    {"_timeout", T_OBJECT, offsetof(BatchBase, timeout), 0, NULL},
-    {"_views", T_OBJECT, offsetof(BatchBase, views), 0, NULL},
-    {"_owner_views", T_OBJECT, offsetof(BatchBase, owner_views), 0, NULL},
-    {"_owned", T_OBJECT, offsetof(BatchBase, owned), 0, NULL},
-    {"_closed", T_BOOL, offsetof(BatchBase, closed), 0, NULL},
-    {"_any_owner", T_BOOL, offsetof(BatchBase, any_owner), 0, NULL},
+    {"_cache", T_OBJECT_EX, offsetof(BatchBase, cache), 0, NULL},
+    {"owner", T_OBJECT_EX, offsetof(BatchBase, owner), 0, NULL},
+    {"_token", T_OBJECT_EX, offsetof(BatchBase, token), 0, NULL},
+    {"_timeout", T_OBJECT_EX, offsetof(BatchBase, timeout), 0, NULL},
+    {"_views", T_OBJECT_EX, offsetof(BatchBase, views), 0, NULL},
+    {"_owner_views", T_OBJECT_EX, offsetof(BatchBase, owner_views), 0, NULL},
+    {"_owned", T_OBJECT_EX, offsetof(BatchBase, owned), 0, NULL},
+    {"_closed", T_OBJECT_EX, offsetof(BatchBase, closed), 0, NULL},
+    {"_any_owner", T_OBJECT_EX, offsetof(BatchBase, any_owner), 0, NULL},
     {NULL},
 };
 
@@ -1196,7 +1262,6 @@ static int batch_set_n(BatchBase *b, PyObject *v, void *closure)
 
 static PyGetSetDef batch_getset[] = {
     {"_n", (getter)batch_get_n, (setter)batch_set_n, NULL, NULL},
-    {"_cache", (getter)batch_get_cache, (setter)batch_set_cache, NULL, NULL},
     {"_slots", (getter)batch_get_slots, (setter)batch_set_slots, NULL, NULL},
     {"_lens", (getter)batch_get_lens, (setter)batch_set_lens, NULL, NULL},
     {NULL},
