@@ -812,7 +812,9 @@ int64_t ucm_lookup_pin(ucm_ctx *c, const char *id, uint64_t offset, uint32_t spi
     /* One call for the whole read step; the answer is a pin answer (UCM_PIN_*), or -code, so the
      * Python hit path allocates nothing.  `outer`: 1 counts it as an outer request (the fast
      * path does; the slow path's second look, 0, does not); 2 counts only a hit (a first try
-     * whose caller takes the full path, and counts it there, on anything else). */
+     * whose caller takes the full path, and counts it there, on anything else); 3 counts a hit,
+     * or a miss as an outer request (ucmcache/_hit: a miss goes to the slow path directly), and
+     * nothing else (a join or a claimed slot: the full path looks again and counts it). */
     uint64_t key[3];
     uint32_t slot = 0, state = 0;
     uint32_t rec = ticket ? inflight_open(c, ticket) : 0;
@@ -823,7 +825,8 @@ int64_t ucm_lookup_pin(ucm_ctx *c, const char *id, uint64_t offset, uint32_t spi
         STAT(c, outer ? UCM_ST_FAST_HITS : UCM_ST_HITS, 1); /* the hit path's one counter */
         return pin_answer(c, slot, state, 0);
     }
-    if (outer == 2) return r == UCM_OK ? pin_answer(c, slot, state, 0) : -(int64_t)r;
+    if (outer == 3 && r == UCM_MISS) STAT(c, UCM_ST_GETS, 1);
+    if (outer >= 2) return r == UCM_OK ? pin_answer(c, slot, state, 0) : -(int64_t)r;
     if (outer) STAT(c, UCM_ST_GETS, 1);
     if (r == UCM_BUSY) STAT(c, UCM_ST_SPINS_EXHAUSTED, 1);
     if (r != UCM_OK) return -(int64_t)r;

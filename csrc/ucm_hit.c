@@ -12,8 +12,10 @@
  * Signals: CPython runs a Python signal handler only between bytecodes, never inside this C
  * code, so a pin taken here is stored into its handle with no window in which an exception
  * can arrive (the Python path needs tickets and tokens for that; see SlotCache._get_full).
- * Allocation happens before the pin: a collection it triggers runs finalizers while we hold
- * nothing.
+ * Finalizers: an allocation may start a collection that runs them.  A batch allocates all
+ * it needs before it pins and reads its ids and the context after; a single get pins first
+ * (a miss allocates nothing) and checks the context after allocating its handle (see
+ * hit_handle).  An exception a finalizer raises is reported and dropped, never ours.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -53,7 +55,7 @@ static PyObject *mv_release;     /* memoryview.release, unbound: no lookup per v
 static PyObject *s_get_full, *s_hit_bytes_full, *s_get_or_load_full, *s_read_many_full,
     *s_read_checked, *s_data_slow, *s_exit_slow, *s_close, *s_release, *s_timeout,
     *s_get_many_full, *s_gather_full, *s_close_with, *s_get_or_load_missed,
-    *s_aget_or_load_full, *s_aget_or_load_missed;
+    *s_aget_or_load_full, *s_aget_or_load_missed, *s_get_missed;
 
 /* ---------------------------------------------------------------- CacheBase */
 
@@ -122,18 +124,19 @@ static int cache_set_ctx(CacheBase *c, PyObject *v, void *closure)
 
 /* One lookup-and-pin step of the fast path on ctx (the caller read it from c with nothing
  * able to run Python after); `outer` as ucm_lookup_pin's (2: counts only a hit, so a caller
- * that goes on to the full path is counted there).  The GIL is kept (a lookup is tens of ns)
+ * that goes on to the full path is counted there; 3: a miss too, for get, whose miss goes to
+ * the slow path without looking again).  The GIL is kept (a lookup is tens of ns)
  * unless a test point was ever set on this context: a gate then holds this thread, and the
  * other threads of the process must be able to run.  If one of them closed the cache
  * meanwhile, its close recovered our rank's holds: the answer is "not held". */
-static inline int64_t lookup(CacheBase *c, ucm_ctx *ctx, const char *id)
+static inline int64_t lookup(CacheBase *c, ucm_ctx *ctx, const char *id, int32_t outer)
 {
     if (__builtin_expect(core.ctx_points_set(ctx), 0)) {
         int64_t r;
-        WITHOUT_GIL(c, r = core.lookup_pin(ctx, id, 0, C_SPIN, 2, 0));
+        WITHOUT_GIL(c, r = core.lookup_pin(ctx, id, 0, C_SPIN, outer, 0));
         return r;
     }
-    return core.lookup_pin(ctx, id, 0, C_SPIN, 2, 0);
+    return core.lookup_pin(ctx, id, 0, C_SPIN, outer, 0);
 }
 
 /* Drop one pin; with test points set, the GIL released (a thread held at a gate may hold the
@@ -182,7 +185,7 @@ static PyObject *payload_view(PyObject *ro, Py_ssize_t off, Py_ssize_t n)
     PyObject *v = PyMemoryView_FromObject(ro);
     if (!v) return NULL;
     Py_buffer *b = PyMemoryView_GET_BUFFER(v);
-    if (off < 0 || n < 0 || off + n > b->len) {
+    if (off < 0 || n < 0 || off > b->len || n > b->len - off) {
         Py_DECREF(v);
         PyErr_SetString(PyExc_ValueError, "a slot's payload lies outside the mapping");
         return NULL;
@@ -196,7 +199,7 @@ static PyObject *payload_view(PyObject *ro, Py_ssize_t off, Py_ssize_t n)
 /* A field the Python code may have stored None in. */
 #define HAS(o) ((o) != NULL && (o) != Py_None)
 /* A _closed field: open is exactly False (NULL, a deleted field, counts as closed). */
-#define IS_OPEN(o) ((o) == Py_False)
+#define IS_OPEN(o) ((o) == Py_False) /* (Python stores only the literals True and False) */
 #define SET_FLAG(field, v) Py_XSETREF(field, Py_NewRef((v) ? Py_True : Py_False))
 
 /* A handle's or batch's _cache as the C paths may use it: a SlotCache, else NULL. */
@@ -253,12 +256,15 @@ static void handle_init(HandleBase *h)
  * if at all, inside a finalizer the allocation's collection runs, where its exception is
  * reported and dropped), and a finalizer that closed the cache meanwhile shows as a changed
  * context (that close's recovery removed our holds: not a hit, the full path says closed). */
-static PyObject *hit_handle(CacheBase *c, PyObject *key)
+static PyObject *hit_handle(CacheBase *c, PyObject *key, int *missed)
 {
     ucm_ctx *ctx = c->ctx;
     if (!ctx) return NULL;
-    int64_t r = lookup(c, ctx, PyBytes_AS_STRING(key));
-    if (r < 0) return NULL;
+    int64_t r = lookup(c, ctx, PyBytes_AS_STRING(key), 3);
+    if (r < 0) {
+        *missed = r == -(int64_t)UCM_MISS; /* counted: the slow path directly */
+        return NULL;
+    }
     uint32_t slot = UCM_PIN_SLOT(r);
     if (!(r & UCM_PIN_READY)) {
         release_pin(c, ctx, slot); /* a join: the full path pins it again and counts it */
@@ -292,8 +298,10 @@ static PyObject *cache_get(CacheBase *self, PyObject *const *args, Py_ssize_t na
                            PyObject *kwnames)
 {
     if (bound && self->ctx && nargs == 1 && plain_id(args[0]) && no_timeout(args, 1, kwnames)) {
-        PyObject *h = hit_handle(self, args[0]);
+        int missed = 0;
+        PyObject *h = hit_handle(self, args[0], &missed);
         if (h || PyErr_Occurred()) return h;
+        if (missed) return PyObject_CallMethodOneArg((PyObject *)self, s_get_missed, args[0]);
     }
     return forward((PyObject *)self, s_get_full, args, nargs, kwnames);
 }
@@ -304,7 +312,7 @@ static PyObject *hit_bytes(CacheBase *c, PyObject *key)
 {
     ucm_ctx *ctx = c->ctx;
     if (!ctx) return NULL;
-    int64_t r = lookup(c, ctx, PyBytes_AS_STRING(key));
+    int64_t r = lookup(c, ctx, PyBytes_AS_STRING(key), 2);
     if (r < 0) return NULL;
     uint32_t slot = UCM_PIN_SLOT(r);
     PyObject *v = NULL;
@@ -687,6 +695,7 @@ static int hit_close(HandleBase *h)
         PyErr_Clear(); /* not a slot: the full close says so */
         return 0;
     }
+    if (slot > UCM_PIN_SLOT_MASK) return 0; /* no slot index is that large */
     Py_INCREF(c);
     SET_FLAG(h->closed, 1);
     add_open(c, -1);
@@ -728,10 +737,12 @@ static PyObject *handle_data(HandleBase *h, void *closure)
     CacheBase *c = cache_of(h->cache);
     if (IS_OPEN(h->closed) && c && c->ctx) {
         if (HAS(h->view)) return Py_NewRef(h->view); /* made once */
-        long long n = h->nbytes ? PyLong_AsLongLong(h->nbytes) : -1;
-        unsigned long slot = h->slot ? PyLong_AsUnsignedLong(h->slot) : (unsigned long)-1;
-        if (PyErr_Occurred()) {
-            PyErr_Clear(); /* not ints: the full path says so */
+        long long n = h->nbytes && PyLong_CheckExact(h->nbytes) ? PyLong_AsLongLong(h->nbytes)
+                                                                 : -1;
+        unsigned long slot = h->slot && PyLong_CheckExact(h->slot)
+                                 ? PyLong_AsUnsignedLong(h->slot) : (unsigned long)-1;
+        if (PyErr_Occurred() || slot > UCM_PIN_SLOT_MASK) {
+            PyErr_Clear(); /* not a slot and a length: the full path says so */
             n = -1;
         }
         if (n >= 0 && c->ro) {
@@ -997,10 +1008,10 @@ static PyObject *batch_hit(CacheBase *c, PyObject *keys)
     if (ids != small) PyMem_Free(ids);
     if (rc != UCM_OK) goto fail; /* nothing pinned: the full path */
     /* The pins become the batch's in plain stores (the fields replaced are None). */
-    Py_SETREF(b->owner, owner);
-    Py_SETREF(b->views, views);
-    Py_SETREF(b->owned, Py_NewRef(no_owned));
-    Py_SETREF(b->cache, Py_NewRef(c));
+    Py_XSETREF(b->owner, owner);
+    Py_XSETREF(b->views, views);
+    Py_XSETREF(b->owned, Py_NewRef(no_owned));
+    Py_XSETREF(b->cache, Py_NewRef(c));
     b->n = n;
     SET_FLAG(b->closed, 0);
     add_open(c, 1);
@@ -1035,6 +1046,7 @@ static int hit_close_batch(BatchBase *b)
     if (HAS(b->token) || b->any_owner != Py_False || !c || !c->ctx || !b->slot_at ||
         b->n_slot_at < b->n)
         return 0;
+    Py_INCREF(c);
     SET_FLAG(b->closed, 1);
     add_open(c, -1);
     PyObject *views = b->views;
@@ -1044,14 +1056,16 @@ static int hit_close_batch(BatchBase *b)
             release_view(PyList_GET_ITEM(views, i));
     }
     Py_XDECREF(views);
-    ucm_ctx *ctx = cache_of(b->cache) == c ? c->ctx : NULL; /* read now: as hit_close */
-    if (!ctx || !b->slot_at || b->n_slot_at < b->n) return 1;
-    if (__builtin_expect(core.ctx_points_set(ctx), 0)) {
-        uint32_t *slots = b->slot_at, n = (uint32_t)b->n;
-        WITHOUT_GIL(c, core.release_many(ctx, slots, n)); /* as release_pin */
-    } else {
-        core.release_many(ctx, b->slot_at, (uint32_t)b->n);
+    ucm_ctx *ctx = c->ctx; /* read now: as hit_close */
+    if (ctx && b->slot_at && b->n_slot_at >= b->n) {
+        if (__builtin_expect(core.ctx_points_set(ctx), 0)) {
+            uint32_t *slots = b->slot_at, n = (uint32_t)b->n;
+            WITHOUT_GIL(c, core.release_many(ctx, slots, n)); /* as release_pin */
+        } else {
+            core.release_many(ctx, b->slot_at, (uint32_t)b->n);
+        }
     }
+    Py_DECREF(c);
     return 1;
 }
 
@@ -1081,7 +1095,7 @@ static PyObject *batch_data(BatchBase *b, PyObject *pos)
                 PyObject *fresh = PyList_New(0);
                 if (!fresh) return NULL;
                 Py_XSETREF(b->views, fresh);
-                if (!batch_usable(b)) goto slow; /* the allocation closed it */
+                if (batch_usable(b) != c) goto slow; /* the allocation closed it */
             }
             if (!PyList_CheckExact(b->views)) goto slow;
             PyObject *views = Py_NewRef(b->views);
@@ -1359,6 +1373,7 @@ PyMODINIT_FUNC PyInit__hit(void)
     INTERN(s_get_or_load_missed, "_get_or_load_missed");
     INTERN(s_aget_or_load_full, "_aget_or_load_full");
     INTERN(s_aget_or_load_missed, "_aget_or_load_missed");
+    INTERN(s_get_missed, "_get_missed");
 #undef INTERN
     if (!(mv_release = PyObject_GetAttrString((PyObject *)&PyMemoryView_Type, "release")))
         return NULL;

@@ -288,8 +288,9 @@ def test_the_fields_the_c_paths_read_are_checked_not_trusted(make_cache):
 
 @pytest.mark.parametrize("call", ["get", "get_many", "read_many", "get_or_load", "data"])
 def test_a_finalizer_that_closes_the_cache_inside_a_c_hit_is_survived(make_cache, call):
-    """The C paths allocate before they read the cache's context (and, for data, re-check the
-    handle after making its view): a collection run by that allocation may close the cache.
+    """The C paths read the cache's context after their allocations, or check it did not change
+    across them (and data re-checks the handle after making its view): a collection run by an
+    allocation may close the cache.
     With the collector's threshold at 1 the next tracked allocation collects a cycle whose
     finalizer closes the cache.  Fails (segfault) if a C path read the context first."""
     import gc
@@ -397,3 +398,23 @@ def test_a_close_that_raised_in_free_rank_goes_on_when_called_again(make_cache, 
         assert other.rank == c.rank  # the rank was freed by the second close
     finally:
         other.close()
+
+
+def test_a_cold_plain_key_is_counted_once_and_loaded_once_as_a_tuple_key_is(make_cache):
+    """A plain id's miss goes from the C look straight to the slow path (the C step counted
+    the request): the counters move as for the same miss through the Python path."""
+    c = make_cache(slot_size=64)
+    deltas = []
+    for key in (K[5], (K[6], 0)):
+        before = _counts(c)
+        with c.get(key) as h:
+            assert h.owner and h._token is not None
+            h.data[:1] = b"z"
+            h.ready(1)
+        with c.get(key) as h:
+            assert bytes(h.data) == b"z"
+        after = _counts(c)
+        deltas.append({k: after[k] - before[k] for k in after})
+    assert deltas[0] == deltas[1]
+    assert deltas[0]["gets"] == 2 and deltas[0]["misses"] == 1 and deltas[0]["loads_started"] == 1
+    assert set(_refs(c)) == {0} and c._open_handles == 0

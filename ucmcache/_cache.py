@@ -291,6 +291,16 @@ class SlotCache(CacheBase, SingleFlight, Batches, Prefetching):
             block_id, offset = key, 0
         else:
             block_id, offset = split_key(key)
+        return self._pin_handle(block_id, offset, timeout, True)
+
+    def _get_missed(self, key: bytes) -> Handle:
+        """get() of a plain id the C hit path looked for, missed and counted as a request:
+        the slow path at once (a look less for every cold key)."""
+        return self._pin_handle(key, 0, None, False)
+
+    def _pin_handle(self, block_id: bytes, offset: int, timeout: Optional[float],
+                    look: bool) -> Handle:
+        """A Handle holding key's pin: looked up first (``look``), else the slow path at once."""
         # No window without an owner object (a signal handler may raise at any call): the
         # handle exists, inert, before the pin, and so does the call's ticket; the pin becomes
         # the handle's in plain stores, with no call in between (CPython >= 3.10 runs signal
@@ -306,7 +316,8 @@ class SlotCache(CacheBase, SingleFlight, Batches, Prefetching):
         token = None
         ticket = _next_ticket()
         try:
-            r = lib.ucm_lookup_pin(ctx, block_id, offset, FAST_SPIN, 1, ticket)
+            r = lib.ucm_lookup_pin(ctx, block_id, offset, FAST_SPIN, 1, ticket) if look \
+                else -lib.UCM_MISS
             if r < 0:
                 token = ffi.gc(ffi.new("ucm_token *"), self._token_release)
                 r = self._pin_slow(block_id, offset, -r, timeout, token, ffi.NULL, ffi.NULL)
