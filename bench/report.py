@@ -850,11 +850,11 @@ def _md_method() -> List[str]:
              "every lookup, a process-shared spin lock per slot taken for each chain node inspected "
              "and around every reference change and ready read, one global allocation lock with a "
              "global CLOCK hand, lock arrays packed as in TransBuffer. Through Python (cffi API "
-             "mode, like ucmcache's core) a hit makes the same C calls as ucmcache's (get: one, "
-             "close: one; a batch: one or two); a miss allocates inside the old design's one get "
-             "call, whereas ucmcache's slow path is several C steps driven from Python (DESIGN 3). "
-             "The old design's Python handle is leaner than ucmcache's (no finalizer, no open-handle "
-             "count, no own-key tracking), which favours the baseline.")
+             "mode, as ucmcache's core) a hit makes two cffi calls (get, close; a batch: one or "
+             "two) from a lean Python handle; ucmcache's hit makes none (its hit path is CPython "
+             "types in C, `ucmcache._hit`, calling the same core); a miss allocates inside the old "
+             "design's one get call, whereas ucmcache's slow path is several C steps driven from "
+             "Python (DESIGN 3).")
     L.append("- LMDB: `sync=False, metasync=False` in a temporary directory; diskcache likewise in a "
              "temporary directory; Redis: a private `redis-server` on a unix socket with "
              "persistence off, client redis-py with hiredis.")
