@@ -28,9 +28,9 @@ SlotCache = Any  # see ucmcache/_slots.py: not imported
 
 
 class _Pins:
-    """What every holder of pins shares: it closes when collected (Handle: in C, see
-    HandleBase; HandleBatch: __del__), and is never copied (a copy would release the same pins
-    twice) or pickled (pins belong to this process)."""
+    """What every holder of pins shares: it closes when collected (the finalizers of HandleBase
+    and BatchBase, in C), and is never copied (a copy would release the same pins twice) or
+    pickled (pins belong to this process)."""
 
     __slots__ = ()
     _what = "pins"
