@@ -766,8 +766,11 @@ static PyObject *handle_data(HandleBase *h, void *closure)
 }
 
 /* Both bases' finalizer: close() (a hit's close in C, else the full close), its errors
- * dropped as a __del__'s would be. */
-static void finalize_by_close(PyObject *self)
+ * dropped as a __del__'s would be.  If the full close was cut short before it began (a
+ * signal handler raising at the entry of the Python _close), the object goes anyway: only a
+ * holder with a token takes that path, and its token drops the pins (and fails an owner's
+ * load) from C when the fields are cleared; the open count goes with it here. */
+static void finalize_by_close(PyObject *self, PyObject **closed, PyObject *cache)
 {
     PyObject *et, *ev, *tb;
     PyErr_Fetch(&et, &ev, &tb);
@@ -775,12 +778,18 @@ static void finalize_by_close(PyObject *self)
     if (r) Py_DECREF(r);
     else if (PyErr_ExceptionMatches(PyExc_Exception)) PyErr_Clear();
     else PyErr_WriteUnraisable(self);
+    if (IS_OPEN(*closed)) {
+        CacheBase *c = cache_of(cache);
+        SET_FLAG(*closed, 1);
+        if (c && c->ctx) add_open(c, -1);
+    }
     PyErr_Restore(et, ev, tb);
 }
 
 static void handle_finalize(PyObject *self)
 {
-    if (IS_OPEN(((HandleBase *)self)->closed)) finalize_by_close(self);
+    HandleBase *h = (HandleBase *)self;
+    if (IS_OPEN(h->closed)) finalize_by_close(self, &h->closed, h->cache);
 }
 
 static int handle_traverse(HandleBase *h, visitproc visit, void *arg)
@@ -1174,7 +1183,8 @@ static PyObject *batch_gather(BatchBase *b, PyObject *out)
 
 static void batch_finalize(PyObject *self)
 {
-    if (IS_OPEN(((BatchBase *)self)->closed)) finalize_by_close(self);
+    BatchBase *b = (BatchBase *)self;
+    if (IS_OPEN(b->closed)) finalize_by_close(self, &b->closed, b->cache);
 }
 
 static int batch_traverse(BatchBase *b, visitproc visit, void *arg)

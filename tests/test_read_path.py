@@ -418,3 +418,29 @@ def test_a_cold_plain_key_is_counted_once_and_loaded_once_as_a_tuple_key_is(make
     assert deltas[0] == deltas[1]
     assert deltas[0]["gets"] == 2 and deltas[0]["misses"] == 1 and deltas[0]["loads_started"] == 1
     assert set(_refs(c)) == {0} and c._open_handles == 0
+
+
+def test_a_finalizer_whose_full_close_is_cut_short_still_uncounts_its_holder(make_cache,
+                                                                             monkeypatch):
+    """A signal handler can raise at the entry of the Python _close a finalizer calls: the
+    holder goes anyway, its token drops the pin and fails the load, and the open count must not
+    keep it (close() would then search for it).  _close raising stands in for the handler.
+    Fails if the finalizer left the count at 1."""
+    import gc
+    import ucmcache._handle as handle_mod
+    c = make_cache(slot_size=64)
+    h = c.get(K[7])
+    assert h.owner and h._token is not None and c._open_handles == 1
+
+    def cut_short(self, message):
+        raise KeyError("interrupted at entry")
+
+    monkeypatch.setattr(handle_mod.Handle, "_close", cut_short)
+    del h
+    gc.collect()
+    monkeypatch.undo()
+    assert c._open_handles == 0
+    assert set(_refs(c)) == {0}  # the token dropped the owner's pin
+    with c.get(K[7]) as again:   # and failed its load: the next get owns the key
+        assert again.owner
+        again.ready(1)
