@@ -600,7 +600,7 @@ static PyMethodDef cache_methods[] = {
      "read_many($self, keys, out)\n--\n\n"
      "Copy every key that is Ready now into row i of ``out`` and return the lengths\n"
      "(int64; -1 for a key that is missing or not Ready, its row untouched), in one C call\n"
-     "that pins, copies and releases each key in turn (the GIL released).  Elects no owner\n"
+     "that pins, copies and releases the keys a chunk at a time (the GIL released).  Elects no owner\n"
      "and creates nothing.  ``out`` as for HandleBatch.gather."},
     {"aget_or_load", (PyCFunction)(void (*)(void))cache_aget_or_load,
      METH_FASTCALL | METH_KEYWORDS,

@@ -215,10 +215,8 @@ class SlotCache(CacheBase, SingleFlight, Batches, Prefetching):
         finalizer; such a handle is gone, and free_rank removes the pin it leaked."""
         n = 0
         for o in gc.get_referrers(self):
-            if isinstance(o, _Pins):
+            if isinstance(o, _Pins):  # (their _cache is a C member: found through them)
                 n += not getattr(o, "_closed", True)
-            elif type(o) is dict and o.get("_cache") is self:  # a batch's materialized dict
-                n += not o.get("_closed", True)
         self._open_handles = n
         return n
 

@@ -28,13 +28,17 @@ class SingleFlight:
     # get_or_load(key, loader, *, timeout=None) -> bytes is CacheBase's (csrc/ucm_hit.c): a hit
     # in C (pin, copy, release), anything else here.
 
+    def _loader_then_hit(self, key: Key, loader: Any, what: str) -> Optional[bytes]:
+        """The full path's first steps: the loader checked, then a hit's bytes (or None)."""
+        if not callable(loader):
+            raise TypeError(f"loader must be {what} returning bytes, got "
+                            f"{type(loader).__name__}")
+        return self._hit_bytes(key)
+
     def _get_or_load_full(self, key: Key, loader: Callable[[], Any], *,
                           timeout: Optional[float] = None) -> bytes:
         """get_or_load() for everything but a plain hit (see CacheBase.get_or_load)."""
-        if not callable(loader):
-            raise TypeError(f"loader must be a callable returning bytes, got "
-                            f"{type(loader).__name__}")
-        value = self._hit_bytes(key)
+        value = self._loader_then_hit(key, loader, "a callable")
         if value is not None:
             return value
         return self._get_or_load_missed(key, loader, timeout=timeout)
@@ -69,10 +73,7 @@ class SingleFlight:
     async def _aget_or_load_full(self, key: Key, loader: Callable[[], Any], *,
                                  timeout: Optional[float] = None) -> bytes:
         """aget_or_load() for everything but a plain hit (see CacheBase.aget_or_load)."""
-        if not callable(loader):
-            raise TypeError(f"loader must be a callable or a coroutine function returning "
-                            f"bytes, got {type(loader).__name__}")
-        value = self._hit_bytes(key)
+        value = self._loader_then_hit(key, loader, "a callable or a coroutine function")
         if value is not None:
             return value
         return await self._aget_or_load_missed(key, loader, timeout=timeout)
