@@ -47,6 +47,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
@@ -945,6 +946,102 @@ int ucm_release(ucm_ctx *c, uint32_t s)
     return unpin(c, s);
 }
 
+/* One more hold on a slot this process pins already, for whatever outlives the holder that
+ * pinned it (a buffer exported from a handle's data, a copy running without the GIL): the
+ * process-local count only, no shared word (our bit already keeps every writer out, I1).
+ * UCM_NOT_HELD when this process holds no pin on it (nothing counted), or when the context may
+ * not touch the segment any more (closed, a forked child's copy). */
+int ucm_pin_again(ucm_ctx *c, uint32_t s)
+{
+    if (s >= c->l.n_slots) return UCM_CORRUPT;
+    if (!ctx_live(c)) return UCM_NOT_HELD;
+    local_lock(c, s);
+    int held = c->local_pins[s] > 0;
+    if (held) c->local_pins[s]++;
+    local_unlock(c, s);
+    return held ? UCM_OK : UCM_NOT_HELD;
+}
+
+/* ucm_pin_again for a batch's positions (UCM_NIL: no pin, skipped): all of them, or none. */
+int ucm_pin_again_many(ucm_ctx *c, const uint32_t *slots, uint32_t n)
+{
+    for (uint32_t i = 0; i < n; i++) {
+        if (slots[i] == UCM_NIL) continue;
+        int r = ucm_pin_again(c, slots[i]);
+        if (r != UCM_OK) {
+            ucm_release_many(c, slots, i);
+            return r;
+        }
+    }
+    return UCM_OK;
+}
+
+/* One more hold (ucm_pin_again) on every slot this process pins now, their indices into
+ * slots_out (n_slots of room); returns how many.  A fork's parent takes them before the fork
+ * and drops them (ucm_release_many) once the child has made its copies (ucm_privatize_pins):
+ * no pin the child's views rely on can drop meanwhile, in any thread of the parent. */
+uint32_t ucm_hold_pins(ucm_ctx *c, uint32_t *slots_out)
+{
+    uint32_t k = 0;
+    if (!ctx_live(c)) return 0;
+    for (uint32_t s = 0; s < c->l.n_slots; s++) {
+        if (!__atomic_load_n(&c->local_pins[s], __ATOMIC_RELAXED)) continue; /* a hint: */
+        local_lock(c, s);                                /* decided under the lock below */
+        if (c->local_pins[s] > 0) {
+            c->local_pins[s]++;
+            slots_out[k++] = s;
+        }
+        local_unlock(c, s);
+    }
+    return k;
+}
+
+/* A forked child, before any of its Python runs (os.register_at_fork): every slot this
+ * process pinned gets a private copy of its pages in the child's mapping, so a view or array
+ * the child inherited keeps showing its key's bytes after the parent drops its pin and the
+ * slot is reused (the child's copy of the context writes nothing shared: ctx_live).  Pages
+ * shared with a neighbouring slot are copied too; the child never reads that mapping through
+ * the cache again (it must attach for itself).  Returns the bytes made private, or -errno. */
+int64_t ucm_privatize_pins(ucm_ctx *c)
+{
+    uint64_t page = (uint64_t)sysconf(_SC_PAGESIZE), done = 0;
+    uint64_t start = 0, end = 0; /* the run of pages being gathered: [start, end) */
+    for (uint32_t s = 0; s <= c->l.n_slots; s++) {
+        int last = s == c->l.n_slots;
+        uint64_t lo = 0, hi = 0;
+        if (!last) {
+            if (c->local_pins[s] == 0) continue; /* single-threaded here: no lock needed */
+            lo = (c->l.data_off + (uint64_t)s * c->l.slot_stride) / page * page;
+            hi = (c->l.data_off + (uint64_t)s * c->l.slot_stride + c->l.slot_size + page - 1) /
+                 page * page;
+            if (hi > c->map_size) hi = c->map_size;
+            if (end > start && lo <= end) { /* overlaps or touches the run: extend it */
+                if (hi > end) end = hi;
+                continue;
+            }
+        }
+        if (end > start) {
+            uint64_t len = end - start;
+            char *tmp = malloc(len);
+            if (!tmp) return -ENOMEM;
+            memcpy(tmp, c->base + start, len);
+            void *p = mmap(c->base + start, len, PROT_READ | PROT_WRITE,
+                           MAP_FIXED | MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+            if (p == MAP_FAILED) {
+                int e = errno;
+                free(tmp);
+                return -e;
+            }
+            memcpy(c->base + start, tmp, len);
+            free(tmp);
+            done += len;
+        }
+        start = lo;
+        end = hi;
+    }
+    return (int64_t)done;
+}
+
 int ucm_release_many(ucm_ctx *c, const uint32_t *slots, uint32_t n)
 {
     int worst = UCM_OK;
@@ -995,6 +1092,48 @@ void ucm_copy_payload(char *dst, const char *src, uint64_t n)
  * not serialized behind 4 KiB copies, and the copies run back to back. */
 #define READ_CHUNK 32
 
+/* ucm_read_many when a row may be too small for a payload (row < slot_size): every key pinned
+ * before anything is copied, so a payload that does not fit leaves out untouched (the caller
+ * raises).  lens_out holds each position's pin meanwhile: -1 none, -2 - slot pinned but not
+ * Ready, len << 32 | slot pinned Ready (slot < 2^31 and len <= 2^31 - 1: both fit, >= 0). */
+static int read_all_pinned(ucm_ctx *c, const char *ids, const uint64_t *offsets, uint32_t n,
+                           char *out, uint64_t row, int64_t *lens_out, uint32_t gen)
+{
+    uint64_t hits = 0;
+    int worst = UCM_OK, fits = 1;
+    for (uint32_t i = 0; i < n; i++) {
+        uint64_t key[3];
+        uint32_t slot = 0, state = 0;
+        load_key(ids + 16 * (uint64_t)i, offsets ? offsets[i] : 0, key);
+        int r = lookup_pin_one(c, key, gen, 64, &slot, &state);
+        lens_out[i] = -1;
+        if (r == UCM_CORRUPT) worst = UCM_CORRUPT;
+        if (r != UCM_OK) continue;
+        if (state != UCM_READY) {
+            lens_out[i] = -2 - (int64_t)slot;
+            continue;
+        }
+        uint64_t len = ready_len(c, slot);
+        if (len > row) fits = 0;
+        lens_out[i] = (int64_t)(len << 32 | slot);
+        hits++;
+    }
+    /* The pins keep every slot as matched (I1) while its bytes are copied (I3 held). */
+    for (uint32_t i = 0; i < n; i++) {
+        int64_t v = lens_out[i];
+        if (v == -1) continue;
+        uint32_t slot = v < 0 ? (uint32_t)(-2 - v) : (uint32_t)(v & 0xffffffffu);
+        int64_t len = v < 0 ? -1 : v >> 32;
+        if (fits && len >= 0)
+            ucm_copy_payload(out + (uint64_t)i * row, slot_bytes(c, slot), (uint64_t)len);
+        unpin(c, slot);
+        lens_out[i] = len;
+    }
+    STAT(c, UCM_ST_FAST_HITS, hits);
+    if (n - hits) STAT(c, UCM_ST_GETS, n - hits);
+    return worst;
+}
+
 int ucm_read_many(ucm_ctx *c, const char *ids, const uint64_t *offsets, uint32_t n, char *out,
                   uint64_t row, int64_t *lens_out)
 {
@@ -1004,6 +1143,7 @@ int ucm_read_many(ucm_ctx *c, const char *ids, const uint64_t *offsets, uint32_t
     uint32_t gen = (uint32_t)ucm_generation(c);
     uint64_t hits = 0;
     int worst = UCM_OK;
+    if (row < c->l.slot_size) return read_all_pinned(c, ids, offsets, n, out, row, lens_out, gen);
     for (uint32_t base = 0; base < n; base += READ_CHUNK) {
         uint32_t m = n - base < READ_CHUNK ? n - base : READ_CHUNK;
         uint64_t keys[READ_CHUNK][3];
@@ -1050,18 +1190,26 @@ int ucm_gather(ucm_ctx *c, const uint32_t *slots, uint32_t n, char *out, uint64_
 {
     /* A batch's pinned slots (UCM_NIL: no pin) into rows, as ucm_read_many; the caller's pins
      * keep every slot as it is during the copy. */
-    for (uint32_t i = 0; i < n; i++)
-        if (slots[i] < c->l.n_slots) prefetch_payload(slot_bytes(c, slots[i]), c->l.slot_size);
+    /* Every length first, then the copies only if every payload fits its row: a row too small
+     * for any payload is an error that leaves out untouched. */
+    int fits = 1;
     for (uint32_t i = 0; i < n; i++) {
         uint32_t s = slots[i];
         lens_out[i] = -1;
         if (s >= c->l.n_slots) continue;
-        /* Acquire: pairs with publish's release exchange (the payload is visible). */
+        prefetch_payload(slot_bytes(c, s), c->l.slot_size);
+        /* Acquire: pairs with publish's release exchange (the payload is visible).  A pinned
+         * Ready slot stays Ready with this length while the pin lasts (I1). */
         if ((ACQ(state_w(c, s)) & UCM_STATE_MASK) != UCM_READY) continue;
-        uint64_t len = ready_len(c, s);
-        if (len <= row) ucm_copy_payload(out + (uint64_t)i * row, slot_bytes(c, s), len);
-        lens_out[i] = (int64_t)len;
+        lens_out[i] = (int64_t)ready_len(c, s);
+        if ((uint64_t)lens_out[i] > row) fits = 0;
     }
+    if (!fits) return UCM_OK; /* the caller sees a length > row and raises */
+    POINT(c, UCM_PT_BEFORE_COPY);
+    for (uint32_t i = 0; i < n; i++)
+        if (lens_out[i] >= 0)
+            ucm_copy_payload(out + (uint64_t)i * row, slot_bytes(c, slots[i]),
+                             (uint64_t)lens_out[i]);
     return UCM_OK;
 }
 

@@ -197,7 +197,8 @@
 #define UCM_PT_HOLDING_STRIPE 8 /* slow path: the key's stripe is held, nothing looked up yet */
 #define UCM_PT_COUNTED_NOT_READY 9 /* owner's publish: counted (COUNTED set), still Loading */
 #define UCM_PT_CLAIM_UNCHECKED 10 /* writer: victim claimed, its arena's owner not yet checked */
-#define UCM_PT_COUNT         11
+#define UCM_PT_BEFORE_COPY   11 /* a batch's gather: lengths read under its pins, nothing copied */
+#define UCM_PT_COUNT         12
 #define UCM_ACT_NONE         0
 #define UCM_ACT_GATE         1
 #define UCM_ACT_KILL         2
@@ -303,6 +304,10 @@ int ucm_read_many(ucm_ctx *c, const char *ids, const uint64_t *offsets, uint32_t
 int ucm_gather(ucm_ctx *c, const uint32_t *slots, uint32_t n, char *out, uint64_t row,
                int64_t *lens_out);
 int ucm_release_many(ucm_ctx *c, const uint32_t *slots, uint32_t n);
+int ucm_pin_again(ucm_ctx *c, uint32_t slot);
+int ucm_pin_again_many(ucm_ctx *c, const uint32_t *slots, uint32_t n);
+int64_t ucm_privatize_pins(ucm_ctx *c);
+uint32_t ucm_hold_pins(ucm_ctx *c, uint32_t *slots_out);
 uint32_t ucm_slot_state(ucm_ctx *c, uint32_t slot);
 uint32_t ucm_slot_loader(ucm_ctx *c, uint32_t slot);
 

@@ -36,6 +36,8 @@ static struct {
     __typeof__(ucm_gather) *gather;
     __typeof__(ucm_pin_all_ready) *pin_all_ready;
     __typeof__(ucm_release_many) *release_many;
+    __typeof__(ucm_pin_again) *pin_again;
+    __typeof__(ucm_pin_again_many) *pin_again_many;
 } core;
 static int bound;
 /* No spinning here: a claimed slot answers BUSY at once and the full path (which spins with
@@ -50,12 +52,14 @@ static PyObject *new_slots;      /* n -> numpy uint32 array of n */
 static PyObject *new_owner;      /* n -> numpy bool array of n zeros */
 static PyObject *no_owned;       /* an all-hit batch's owned set (ucmcache._batches) */
 static PyObject *unpublished;    /* the Failed message of an owner closed without ready() */
-static PyObject *mv_release;     /* memoryview.release, unbound: no lookup per view */
+static PyObject *token_drop;     /* lib.ucm_token_drop, lib.ucm_batch_token_drop: cffi's C */
+static PyObject *batch_token_drop; /* functions (calling them runs no Python code) */
 
 static PyObject *s_get_full, *s_hit_bytes_full, *s_get_or_load_full, *s_read_many_full,
     *s_read_checked, *s_data_slow, *s_exit_slow, *s_close, *s_release, *s_timeout,
     *s_get_many_full, *s_gather_full, *s_close_with, *s_get_or_load_missed,
-    *s_aget_or_load_full, *s_aget_or_load_missed, *s_get_missed;
+    *s_aget_or_load_full, *s_aget_or_load_missed, *s_get_missed, *s_after_drop, *s_tier,
+    *s_copy;
 
 /* ---------------------------------------------------------------- CacheBase */
 
@@ -70,6 +74,8 @@ typedef struct {
     Py_ssize_t data_off;      /* _data_off, _stride: where slot s's bytes start in _ro */
     Py_ssize_t stride;
     Py_ssize_t calls_out;     /* core calls running with the GIL released (see WITHOUT_GIL) */
+    Py_ssize_t exports;       /* SlotBuffers holding a pin of this cache: close() refuses while
+                               * any lives (their pins must outlast the views made of them) */
 } CacheBase;
 
 /* _open_handles += d from C (small ints are cached: no allocation in practice). */
@@ -175,25 +181,171 @@ static inline int no_timeout(PyObject *const *args, Py_ssize_t nargs, PyObject *
     return k == s_timeout || PyUnicode_Compare(k, s_timeout) == 0;
 }
 
-/* The read-only view of n payload bytes at offset off of the mapping: a view of `_ro`
- * (CacheBase checks it is 1-D, bytes, read-only and contiguous when it is set), so the mapping
- * stays exported while the view lives, exactly as the slice ro[off:off + n] would.  Made as
- * memoryview slicing makes its result (mbuf_add_view, then the buffer narrowed), without the
- * slice object and its two ints: a third of a hit's view cost. */
-static PyObject *payload_view(PyObject *ro, Py_ssize_t off, Py_ssize_t n)
+/* ---------------------------------------------------------------- SlotBuffer
+ *
+ * Every view this module hands out over a slot's bytes (a handle's or a batch's data, and so
+ * every slice, cast, memoryview, numpy array or torch tensor made from one) is a memoryview
+ * whose exporter is a SlotBuffer.  A SlotBuffer takes one more hold on its slot's pin when it
+ * is made (ucm_pin_again: the process-local count, no shared word) and drops it when the last
+ * buffer made from it is released: a memoryview and every view derived from it share one
+ * managed buffer, which holds one export of the SlotBuffer until the last of them goes (numpy
+ * and torch keep the memoryview they were made from).  So whatever can read a slot's bytes
+ * keeps the slot pinned, and its key's bytes in it (I1), for as long as it lives; closing a
+ * handle or batch drops only its own hold.  close() of the cache refuses while a SlotBuffer
+ * holds a pin (CacheBase.exports): the pin, the context and the mapping outlive every view.
+ * In a forked child the views it inherited read a private copy of the pinned slots' pages
+ * (ucm_privatize_pins, run by the after-fork hook), and drop nothing shared. */
+typedef struct {
+    PyObject_HEAD
+    CacheBase *cache;    /* strong: exports counted there */
+    ucm_ctx *ctx;        /* the context the hold was taken on */
+    char *buf;
+    Py_ssize_t len;
+    uint32_t slot;
+    int readonly;
+    int held;            /* holds its pin (until its last export is released) */
+    Py_ssize_t exports;
+} SlotBuffer;
+
+static PyTypeObject SlotBuffer_Type;
+
+static void slot_buffer_drop(SlotBuffer *e)
 {
-    PyObject *v = PyMemoryView_FromObject(ro);
-    if (!v) return NULL;
-    Py_buffer *b = PyMemoryView_GET_BUFFER(v);
-    if (off < 0 || n < 0 || off > b->len || n > b->len - off) {
-        Py_DECREF(v);
-        PyErr_SetString(PyExc_ValueError, "a slot's payload lies outside the mapping");
+    if (!e->held) return;
+    e->held = 0;
+    CacheBase *c = e->cache;
+    c->exports--;
+    /* A cache whose context is gone (a forked child's: None) holds nothing through it. */
+    if (c->ctx && c->ctx == e->ctx) release_pin(c, e->ctx, e->slot);
+}
+
+static int slot_buffer_getbuf(SlotBuffer *e, Py_buffer *view, int flags)
+{
+    if (!e->held) {
+        PyErr_SetString(PyExc_BufferError, "this slot's bytes are no longer pinned");
+        return -1;
+    }
+    if (PyBuffer_FillInfo(view, (PyObject *)e, e->buf, e->len, e->readonly, flags) < 0)
+        return -1;
+    e->exports++;
+    return 0;
+}
+
+static void slot_buffer_releasebuf(SlotBuffer *e, Py_buffer *view)
+{
+    if (--e->exports == 0) slot_buffer_drop(e);
+}
+
+static void slot_buffer_dealloc(SlotBuffer *e)
+{
+    slot_buffer_drop(e);
+    Py_XDECREF(e->cache);
+    PyObject_Free(e);
+}
+
+static PyBufferProcs slot_buffer_as_buffer = {
+    .bf_getbuffer = (getbufferproc)slot_buffer_getbuf,
+    .bf_releasebuffer = (releasebufferproc)slot_buffer_releasebuf,
+};
+
+static PyTypeObject SlotBuffer_Type = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "ucmcache._hit.SlotBuffer",
+    .tp_basicsize = sizeof(SlotBuffer),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "The exporter behind a slot's views: it keeps the slot pinned while any view of\n"
+              "it lives (see csrc/ucm_hit.c).",
+    .tp_dealloc = (destructor)slot_buffer_dealloc,
+    .tp_as_buffer = &slot_buffer_as_buffer,
+};
+
+/* A memoryview of the first n bytes of slot, which this process pins (the caller holds a pin
+ * on ctx), writable or not, holding a hold of its own (SlotBuffer).  NULL with no exception
+ * when this process holds no pin on the slot any more (an allocation's finalizer closed the
+ * holder, or the cache): the caller's full path says why; NULL with one for anything else.
+ * The SlotBuffer holds its pin before the memoryview's allocations can run a finalizer. */
+static PyObject *slot_view(CacheBase *c, ucm_ctx *ctx, uint32_t slot, Py_ssize_t n, int writable)
+{
+    char *p = core.slot_data(ctx, slot);
+    if (!p || n < 0 || n > c->stride) {
+        PyErr_Format(PyExc_ValueError, "slot %u's payload of %zd bytes lies outside the mapping",
+                     slot, n);
         return NULL;
     }
-    b->buf = (char *)b->buf + off;
-    b->len = n;
-    b->shape[0] = n; /* 1-D bytes: strides[0] stays 1, the view stays contiguous */
+    SlotBuffer *e = PyObject_New(SlotBuffer, &SlotBuffer_Type); /* not tracked: no collection */
+    if (!e) return NULL;
+    e->cache = (CacheBase *)Py_NewRef(c);
+    e->ctx = ctx;
+    e->buf = p;
+    e->len = n;
+    e->slot = slot;
+    e->readonly = !writable;
+    e->exports = 0;
+    e->held = 0;
+    if (core.pin_again(ctx, slot) != UCM_OK) {
+        Py_DECREF(e);
+        return NULL;
+    }
+    e->held = 1;
+    c->exports++;
+    PyObject *v = PyMemoryView_FromObject((PyObject *)e);
+    Py_DECREF(e); /* the view's managed buffer holds it (or, on failure, it drops its hold) */
     return v;
+}
+
+/* A destination's items must take raw payload bytes: plain numbers or bytes, never objects
+ * or pointers (a payload written over an object array's PyObject* would crash the process).
+ * The struct-module/PEP 3118 codes of one plain item, with an optional byte-order prefix. */
+static int plain_format(const char *f)
+{
+    if (!f) return 1; /* "B" */
+    if (*f == '@' || *f == '=' || *f == '<' || *f == '>' || *f == '!') f++;
+    if (f[0] == 'Z') return (f[1] == 'e' || f[1] == 'f' || f[1] == 'd' || f[1] == 'g') && !f[2];
+    return f[0] && !f[1] && strchr("cbB?hHiIlLqQnNefdg", f[0]) != NULL;
+}
+
+/* The row size of out for n keys (DESIGN 4.7): a 2-D or higher out is rows by its first
+ * dimension (at least n of them; keys go to the first n); a 1-D out is cut into n equal rows.
+ * -1 with ValueError/TypeError naming what is wrong, before anything is copied. */
+static Py_ssize_t row_size(Py_ssize_t nbytes, int ndim, Py_ssize_t rows, Py_ssize_t n)
+{
+    if (n <= 0) return 0;
+    if (ndim >= 2) {
+        if (rows < n) {
+            PyErr_Format(PyExc_ValueError, "out has %zd rows (its first dimension), fewer than "
+                         "the %zd keys", rows, n);
+            return -1;
+        }
+        return nbytes / rows;
+    }
+    if (nbytes % n) {
+        PyErr_Format(PyExc_ValueError, "out has %zd bytes, not a whole number of rows for %zd "
+                     "keys (a 1-D out is cut into equal rows; give a 2-D out for rows of its "
+                     "own size)", nbytes, n);
+        return -1;
+    }
+    return nbytes / n;
+}
+
+/* out's writable C-contiguous buffer and its row size for n keys.  -1 with an exception: the
+ * buffer is not one that may take these rows (the message says why); -2 with none: out has no
+ * writable C-contiguous buffer (a torch tensor, or an error the full path words). */
+static Py_ssize_t out_rows(PyObject *out, Py_ssize_t n, Py_buffer *ob)
+{
+    if (PyObject_GetBuffer(out, ob, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+        PyErr_Clear();
+        return -2;
+    }
+    if (!plain_format(ob->format)) {
+        PyErr_Format(PyExc_TypeError, "out's items have format '%s': only plain numbers or "
+                     "bytes can receive payload bytes (not Python objects or pointers)",
+                     ob->format);
+        PyBuffer_Release(ob);
+        return -1;
+    }
+    Py_ssize_t row = row_size(ob->len, ob->ndim, ob->ndim >= 1 ? ob->shape[0] : 1, n);
+    if (row < 0) PyBuffer_Release(ob);
+    return row;
 }
 
 /* A field the Python code may have stored None in. */
@@ -483,14 +635,11 @@ static PyObject *read_many_fast(CacheBase *c, PyObject *keys, PyObject *out)
     Py_ssize_t n = PyList_GET_SIZE(keys);
     if (n == 0 || n > (Py_ssize_t)UINT32_MAX || !all_plain(keys)) return NULL;
     Py_buffer ob, lb;
-    if (PyObject_GetBuffer(out, &ob, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
-        PyErr_Clear();
-        return NULL;
-    }
+    Py_ssize_t row_n = out_rows(out, n, &ob);
+    if (row_n < 0) return NULL; /* -1: said; -2: the full path takes it (a tensor...) */
     PyObject *lens = NULL;
     char small[16 * 64], *ids = small;
     int got_lens = 0;
-    if (ob.len % n) goto out;
     /* Everything that can run Python code first (see copy_ids) */
     PyObject *pn = PyLong_FromSsize_t(n);
     if (!pn) goto out;
@@ -512,7 +661,7 @@ static PyObject *read_many_fast(CacheBase *c, PyObject *keys, PyObject *out)
         Py_CLEAR(lens); /* no exception: the full path */
         goto out;
     }
-    uint64_t row = (uint64_t)(ob.len / n);
+    uint64_t row = (uint64_t)row_n;
     int64_t *lp = lb.buf, worst = -1;
     int rc;
     WITHOUT_GIL(c, rc = core.read_many(ctx, ids, NULL, (uint32_t)n, ob.buf, row, lp));
@@ -574,7 +723,31 @@ static PyObject *cache_detach(CacheBase *c, PyObject *unused)
     return ctx;
 }
 
+static PyObject *cache_slot_view(CacheBase *c, PyObject *const *args, Py_ssize_t nargs)
+{
+    unsigned long slot;
+    Py_ssize_t n;
+    int writable;
+    if (nargs != 3 || (slot = PyLong_AsUnsignedLong(args[0])) == (unsigned long)-1 ||
+        (n = PyLong_AsSsize_t(args[1])) == -1 || (writable = PyObject_IsTrue(args[2])) < 0) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_TypeError, "_slot_view(slot, nbytes, writable)");
+        return NULL;
+    }
+    if (!c->ctx || slot > UCM_PIN_SLOT_MASK) {
+        PyErr_SetString(PyExc_ValueError, "_slot_view: no such slot, or the cache is detached");
+        return NULL;
+    }
+    PyObject *v = slot_view(c, c->ctx, (uint32_t)slot, n, writable);
+    if (!v && !PyErr_Occurred())
+        PyErr_Format(PyExc_BufferError, "slot %lu is not pinned by this process", slot);
+    return v;
+}
+
 static PyMethodDef cache_methods[] = {
+    {"_slot_view", (PyCFunction)(void (*)(void))cache_slot_view, METH_FASTCALL,
+     "_slot_view(slot, nbytes, writable): a view of a slot this process pins, holding a pin\n"
+     "of its own while it (or anything made from it) lives."},
     {"_detach", (PyCFunction)cache_detach, METH_NOARGS,
      "The context, taken away from every path of this cache (_ctx becomes None), or None\n"
      "while another thread's core call runs on it without the GIL (close() asks again)."},
@@ -621,6 +794,8 @@ static PyMemberDef cache_members[] = {
     {"_open_handles", T_OBJECT_EX, offsetof(CacheBase, open_handles), 0, NULL},
     {"_data_off", T_PYSSIZET, offsetof(CacheBase, data_off), 0, NULL},
     {"_stride", T_PYSSIZET, offsetof(CacheBase, stride), 0, NULL},
+    {"_exports", T_PYSSIZET, offsetof(CacheBase, exports), READONLY,
+     "Views of slot bytes alive now (each keeps its slot pinned); close() refuses while any is."},
     {NULL},
 };
 
@@ -631,7 +806,7 @@ static PyObject *cache_get_ro(CacheBase *c, void *closure)
 
 static int cache_set_ro(CacheBase *c, PyObject *v, void *closure)
 {
-    /* The mapping's view that payload_view narrows: it must be what that assumes. */
+    /* The mapping's read-only view (the Python layer's slices of it): what that assumes. */
     if (v && v != Py_None) {
         Py_buffer *b = PyMemoryView_Check(v) ? PyMemoryView_GET_BUFFER(v) : NULL;
         if (!b || b->ndim != 1 || b->itemsize != 1 || !b->readonly ||
@@ -673,58 +848,139 @@ static PyObject *handle_new(PyTypeObject *type, PyObject *args, PyObject *kw)
     return (PyObject *)h;
 }
 
-static void release_view(PyObject *v)
+/* The Failed message of an owner whose with-block raised, as _slots.exit_message makes it
+ * ("Type: message").  Formatting may run Python code (an exception's __str__) and so fail (a
+ * signal handler's exception): then the type's name alone, and the error in *err for the
+ * caller to raise once the pins are dropped.  Never NULL unless memory ran out. */
+static PyObject *exit_message_of(PyObject *typ, PyObject *exc, PyObject **err_t,
+                                 PyObject **err_v, PyObject **err_tb)
 {
-    /* memoryview.release(): a numpy array still exporting it keeps it (BufferError: the
-     * documented limit, arrays must not outlive the handle). */
-    PyObject *r = PyMemoryView_Check(v) ? PyObject_CallOneArg(mv_release, v)
-                                        : PyObject_CallMethodNoArgs(v, s_release);
-    if (r) Py_DECREF(r);
-    else PyErr_Clear();
+    PyObject *name = PyType_Check(typ) ? PyObject_GetAttrString(typ, "__name__") : NULL;
+    PyObject *text = name ? PyUnicode_FromFormat("%U: %S", name, exc) : NULL;
+    if (!text) {
+        PyErr_Fetch(err_t, err_v, err_tb);
+        text = name ? Py_NewRef(name) : NULL;
+    }
+    Py_XDECREF(name);
+    PyObject *msg = text ? PyUnicode_AsEncodedString(text, "utf-8", "replace") : NULL;
+    Py_XDECREF(text);
+    if (!msg) {
+        PyErr_Clear();
+        msg = Py_NewRef(unpublished);
+    }
+    return msg;
 }
 
-/* The hit path's close: a reader pinned by the fast path (no token, never an owner, no
- * writable views) drops its view, then its pin.  0: this handle needs the full close. */
-static int hit_close(HandleBase *h)
+/* The one drop of a handle's pin: closed and uncounted first, then the pin dropped by one core
+ * step (a slow-path pin through its token, which fails an owner's unpublished load; a
+ * fast-path pin by ucm_release), with no Python code before it (cffi's functions are C).
+ * 1: dropped, the Python bookkeeping (_after_drop) is due; 0: nothing to drop (closed
+ * already, or a forked or closed cache's handle, whose pin is not ours); -1: an error, the
+ * handle closed anyway. */
+static int handle_drop(HandleBase *h, PyObject *msg)
 {
+    if (!IS_OPEN(h->closed)) return 0;
     CacheBase *c = cache_of(h->cache);
-    if (HAS(h->token) || h->owner != Py_False || HAS(h->views) || !c || !c->ctx || !h->slot)
-        return 0;
-    unsigned long slot = PyLong_AsUnsignedLong(h->slot);
-    if (slot == (unsigned long)-1 && PyErr_Occurred()) {
-        PyErr_Clear(); /* not a slot: the full close says so */
+    SET_FLAG(h->closed, 1);
+    if (!c || !c->ctx) return 0;
+    Py_INCREF(c);
+    add_open(c, -1);
+    /* The handle's own view: one nobody else holds goes now with its hold; one still held
+     * keeps the slot pinned by its own (SlotBuffer). */
+    Py_SETREF(h->view, Py_NewRef(Py_None));
+    int rc = 1;
+    if (HAS(h->token)) {
+        PyObject *len = PyLong_FromSsize_t(PyBytes_GET_SIZE(msg));
+        PyObject *r = len ? PyObject_CallFunctionObjArgs(token_drop, h->token, msg, len, NULL)
+                          : NULL;
+        Py_XDECREF(len);
+        if (r) Py_DECREF(r);
+        else rc = -1;
+    } else {
+        unsigned long slot = h->slot && PyLong_CheckExact(h->slot)
+                                 ? PyLong_AsUnsignedLong(h->slot) : (unsigned long)-1;
+        if (slot == (unsigned long)-1 && PyErr_Occurred()) PyErr_Clear();
+        /* Read now: if dropping the view ran code that closed the cache, its close's recovery
+         * removed our holds and ctx is NULL. */
+        if (slot <= UCM_PIN_SLOT_MASK && c->ctx) release_pin(c, c->ctx, (uint32_t)slot);
+    }
+    Py_DECREF(c);
+    return rc;
+}
+
+/* An owner under a tier, which may hold a lease for its load (until ready() wrote it through;
+ * fail() leaves it): the tier's abandon (Python) must come before the pin drops, since once it
+ * drops another get may own the slot's next load and its lease (Handle._close keeps that
+ * order). */
+static int tier_owner(PyObject *owner, PyObject *cache)
+{
+    if (owner != Py_True || !cache_of(cache)) return 0;
+    PyObject *t = PyObject_GetAttr(cache, s_tier);
+    if (!t) {
+        PyErr_Clear();
         return 0;
     }
-    if (slot > UCM_PIN_SLOT_MASK) return 0; /* no slot index is that large */
-    Py_INCREF(c);
-    SET_FLAG(h->closed, 1);
-    add_open(c, -1);
-    PyObject *v = h->view;
-    h->view = Py_NewRef(Py_None);
-    if (HAS(v)) release_view(v); /* the view first: nothing readable over an unpinned slot */
-    Py_XDECREF(v);
-    /* Read now: if releasing the view ran code that closed the cache, its close's recovery
-     * removed our holds and ctx is NULL. */
-    ucm_ctx *ctx = c->ctx;
-    if (ctx) release_pin(c, ctx, (uint32_t)slot);
-    Py_DECREF(c);
-    return 1;
+    int has = t != Py_None;
+    Py_DECREF(t);
+    return has;
+}
+
+/* close() and __exit__ of any handle: the drop in C, then the bookkeeping an owner or a
+ * holder of writable views needs (_after_drop, Python), then an error the message's
+ * formatting kept, if any.  A plain hit runs no Python code at all. */
+static PyObject *handle_close_with(HandleBase *h, PyObject *msg, PyObject *et, PyObject *ev,
+                                   PyObject *tb)
+{
+    int after = h->owner != Py_False || HAS(h->views) || HAS(h->owned);
+    int r = handle_drop(h, msg);
+    if (r > 0 && after) {
+        PyObject *x = PyObject_CallMethodNoArgs((PyObject *)h, s_after_drop);
+        if (x) Py_DECREF(x);
+        else r = -1;
+    }
+    if (et) {
+        if (r < 0) PyErr_Clear(); /* the first error wins: the one that cut the exit short */
+        PyErr_Restore(et, ev, tb);
+        return NULL;
+    }
+    if (r < 0) return NULL;
+    Py_RETURN_NONE;
 }
 
 static PyObject *handle_enter(PyObject *self, PyObject *unused) { return Py_NewRef(self); }
 
 static PyObject *handle_exit(HandleBase *h, PyObject *const *args, Py_ssize_t nargs)
 {
-    /* A reader's pin: the same close whether the block raised or not (the exception's
-     * message only matters to an owner's waiters). */
-    if (nargs == 3 && (!IS_OPEN(h->closed) || hit_close(h))) Py_RETURN_NONE;
-    return forward((PyObject *)h, s_exit_slow, args, nargs, NULL);
+    if (nargs != 3 || tier_owner(h->owner, h->cache))
+        return forward((PyObject *)h, s_exit_slow, args, nargs, NULL);
+    if (!IS_OPEN(h->closed)) Py_RETURN_NONE;
+    PyObject *et = NULL, *ev = NULL, *tb = NULL;
+    /* A reader's message matters to nobody (only an owner's reaches waiters). */
+    PyObject *msg = args[1] == Py_None || h->owner == Py_False
+                        ? Py_NewRef(unpublished)
+                        : exit_message_of(args[0], args[1], &et, &ev, &tb);
+    PyObject *r = handle_close_with(h, msg, et, ev, tb);
+    Py_DECREF(msg);
+    return r;
 }
 
 static PyObject *handle_close(HandleBase *h, PyObject *unused)
 {
-    if (!IS_OPEN(h->closed) || hit_close(h)) Py_RETURN_NONE;
-    return PyObject_CallMethodOneArg((PyObject *)h, s_close_with, unpublished);
+    if (!IS_OPEN(h->closed)) Py_RETURN_NONE;
+    if (tier_owner(h->owner, h->cache))
+        return PyObject_CallMethodOneArg((PyObject *)h, s_close_with, unpublished);
+    return handle_close_with(h, unpublished, NULL, NULL, NULL);
+}
+
+static PyObject *handle_drop_pins(HandleBase *h, PyObject *msg)
+{
+    if (!PyBytes_Check(msg)) {
+        PyErr_SetString(PyExc_TypeError, "_drop_pins(message): message must be bytes");
+        return NULL;
+    }
+    int r = handle_drop(h, msg);
+    if (r < 0) return NULL;
+    return Py_NewRef(r ? Py_True : Py_False);
 }
 
 static PyObject *handle_owner(HandleBase *h, void *closure)
@@ -745,21 +1001,16 @@ static PyObject *handle_data(HandleBase *h, void *closure)
             PyErr_Clear(); /* not a slot and a length: the full path says so */
             n = -1;
         }
-        if (n >= 0 && c->ro) {
-            /* Ready when pinned (the hit path): a slice of the mapping's read-only view */
-            Py_ssize_t off = c->data_off + (Py_ssize_t)slot * c->stride;
-            Py_INCREF(c);
-            PyObject *v = payload_view(c->ro, off, (Py_ssize_t)n);
-            Py_DECREF(c);
-            if (!v) return NULL;
-            if (!IS_OPEN(h->closed) || HAS(h->view)) {
-                /* making it ran a finalizer that closed h (or read data): not ours to give */
-                release_view(v);
-                Py_DECREF(v);
-                return PyObject_CallMethodNoArgs((PyObject *)h, s_data_slow);
+        if (n >= 0) {
+            /* Ready when pinned (the hit path): the payload, read-only, pinned by itself */
+            PyObject *v = slot_view(c, c->ctx, (uint32_t)slot, (Py_ssize_t)n, 0);
+            if (!v && PyErr_Occurred()) return NULL;
+            if (v && IS_OPEN(h->closed) && !HAS(h->view)) {
+                Py_XSETREF(h->view, Py_NewRef(v));
+                return v;
             }
-            Py_XSETREF(h->view, Py_NewRef(v));
-            return v;
+            /* making it ran a finalizer that closed h (or read data): not ours to give */
+            Py_XDECREF(v);
         }
     }
     return PyObject_CallMethodNoArgs((PyObject *)h, s_data_slow);
@@ -834,6 +1085,9 @@ static PyMethodDef handle_methods[] = {
     {"__exit__", (PyCFunction)(void (*)(void))handle_exit, METH_FASTCALL, NULL},
     {"close", (PyCFunction)handle_close, METH_NOARGS,
      "Unpin the slot (idempotent).  An owner that did not publish publishes Failed."},
+    {"_drop_pins", (PyCFunction)handle_drop_pins, METH_O,
+     "Close and drop the pin in one C step (failing an owner's unpublished load with the\n"
+     "message); True if there is bookkeeping to do (_after_drop)."},
     {NULL},
 };
 
@@ -858,7 +1112,8 @@ static PyGetSetDef handle_getset[] = {
      "True if this caller must fill the slot and publish ready() or fail().", NULL},
     {"data", (getter)handle_data, NULL,
      "The slot's bytes.  The owner, while loading: the whole slot, writable.  Ready: the\n"
-     "published payload, read-only.  Released (unreadable) when the handle closes.", NULL},
+     "published payload, read-only.  The view, and everything made from it (slices, casts,\n"
+     "numpy arrays, tensors), keeps the slot pinned while it lives.", NULL},
     {NULL},
 };
 
@@ -886,10 +1141,13 @@ typedef struct {
     PyObject *cache;      /* _cache: its SlotCache (cache_of) */
     PyObject *slots;      /* _slots: numpy uint32 (slot per position, UCM_NIL: no pin) */
     PyObject *lens;       /* _lens: numpy int64 (a Ready position's length, -1 unknown) */
-    PyObject *owner;      /* owner: numpy bool */
+    PyObject *owner;      /* _owner: numpy bool (`owner` gives a copy) */
+    PyObject *slots_p;    /* _slots_p, _owner_p: the full path's cffi pointers to _slots and
+                           * _owner, which its token's drop takes */
+    PyObject *owner_p;
     PyObject *token;      /* _token: the full path's batch token (None: an all-hit batch) */
     PyObject *timeout;    /* _timeout, _views, _owner_views, _owned: see ucmcache/_handle.py */
-    PyObject *views;
+    PyObject *views;      /* None, or a list of n: position i's read-only view, made once */
     PyObject *owner_views;
     PyObject *owned;
     PyObject *weakreflist;
@@ -906,6 +1164,8 @@ static void batch_init(BatchBase *b)
 {
     b->cache = Py_NewRef(Py_None);
     b->owner = Py_NewRef(Py_None);
+    b->slots_p = Py_NewRef(Py_None);
+    b->owner_p = Py_NewRef(Py_None);
     b->token = Py_NewRef(Py_None);
     b->timeout = Py_NewRef(Py_None);
     b->views = Py_NewRef(Py_None);
@@ -989,10 +1249,10 @@ static PyObject *batch_hit(CacheBase *c, PyObject *keys)
     BatchBase *b = (BatchBase *)batch_type->tp_alloc(batch_type, 0);
     if (!b) return NULL;
     batch_init(b);
-    PyObject *slots = NULL, *lens = NULL, *owner = NULL, *views = NULL;
+    PyObject *slots = NULL, *lens = NULL, *owner = NULL;
     char small[16 * 64], *ids = small;
     if (!(slots = call_n(new_slots, n)) || !(lens = call_n(new_lengths, n)) ||
-        !(owner = call_n(new_owner, n)) || !(views = PyList_New(0)) ||
+        !(owner = call_n(new_owner, n)) ||
         batch_set_slots(b, slots, NULL) < 0 || batch_set_lens(b, lens, NULL) < 0 ||
         b->n_slot_at < n || b->n_len_at < n)
         goto fail;
@@ -1018,7 +1278,6 @@ static PyObject *batch_hit(CacheBase *c, PyObject *keys)
     if (rc != UCM_OK) goto fail; /* nothing pinned: the full path */
     /* The pins become the batch's in plain stores (the fields replaced are None). */
     Py_XSETREF(b->owner, owner);
-    Py_XSETREF(b->views, views);
     Py_XSETREF(b->owned, Py_NewRef(no_owned));
     Py_XSETREF(b->cache, Py_NewRef(c));
     b->n = n;
@@ -1031,7 +1290,6 @@ fail:
     Py_XDECREF(slots);
     Py_XDECREF(lens);
     Py_XDECREF(owner);
-    Py_XDECREF(views);
     Py_DECREF(b);
     return NULL;
 }
@@ -1047,82 +1305,129 @@ static PyObject *cache_get_many(CacheBase *self, PyObject *const *args, Py_ssize
     return forward((PyObject *)self, s_get_many_full, args, nargs, kwnames);
 }
 
-/* An all-hit batch's close: its views released, then every pin in one core call.  0: the
- * batch needs the full close (a token: owned positions, slow-path pins). */
-static int hit_close_batch(BatchBase *b)
+/* The one drop of a batch's pins, as handle_drop: closed and uncounted first, its views let
+ * go (each keeps its own hold while held elsewhere), then every pin by one core step: the
+ * token's (which fails the owned positions still Loading) or, for an all-hit batch, one
+ * release of them all.  1, 0, -1 as handle_drop. */
+static int batch_drop(BatchBase *b, PyObject *msg)
 {
+    if (!IS_OPEN(b->closed)) return 0;
     CacheBase *c = cache_of(b->cache);
-    if (HAS(b->token) || b->any_owner != Py_False || !c || !c->ctx || !b->slot_at ||
-        b->n_slot_at < b->n)
-        return 0;
-    Py_INCREF(c);
     SET_FLAG(b->closed, 1);
+    if (!c || !c->ctx) return 0;
+    Py_INCREF(c);
     add_open(c, -1);
-    PyObject *views = b->views;
-    b->views = Py_NewRef(Py_None);
-    if (views && PyList_CheckExact(views)) {
-        for (Py_ssize_t i = 0; i < PyList_GET_SIZE(views); i++)
-            release_view(PyList_GET_ITEM(views, i));
-    }
-    Py_XDECREF(views);
-    ucm_ctx *ctx = c->ctx; /* read now: as hit_close */
-    if (ctx && b->slot_at && b->n_slot_at >= b->n) {
-        if (__builtin_expect(core.ctx_points_set(ctx), 0)) {
-            uint32_t *slots = b->slot_at, n = (uint32_t)b->n;
-            WITHOUT_GIL(c, core.release_many(ctx, slots, n)); /* as release_pin */
-        } else {
-            core.release_many(ctx, b->slot_at, (uint32_t)b->n);
+    Py_SETREF(b->views, Py_NewRef(Py_None));
+    int rc = 1;
+    if (HAS(b->token)) {
+        PyObject *len = PyLong_FromSsize_t(PyBytes_GET_SIZE(msg));
+        PyObject *r = len ? PyObject_CallFunctionObjArgs(batch_token_drop, b->slots_p, b->owner_p,
+                                                         b->token, msg, len, NULL) : NULL;
+        Py_XDECREF(len);
+        if (r) Py_DECREF(r);
+        else rc = -1;
+    } else {
+        ucm_ctx *ctx = c->ctx; /* read now: as handle_drop */
+        if (ctx && b->slot_at && b->n_slot_at >= b->n) {
+            if (__builtin_expect(core.ctx_points_set(ctx), 0)) {
+                uint32_t *slots = b->slot_at, n = (uint32_t)b->n;
+                WITHOUT_GIL(c, core.release_many(ctx, slots, n)); /* as release_pin */
+            } else {
+                core.release_many(ctx, b->slot_at, (uint32_t)b->n);
+            }
         }
     }
     Py_DECREF(c);
-    return 1;
+    return rc;
+}
+
+/* close() and __exit__ of any batch, as handle_close_with. */
+static PyObject *batch_close_with(BatchBase *b, PyObject *msg, PyObject *et, PyObject *ev,
+                                  PyObject *tb)
+{
+    int after = b->any_owner != Py_False || HAS(b->owner_views);
+    int r = batch_drop(b, msg);
+    if (r > 0 && after) {
+        PyObject *x = PyObject_CallMethodNoArgs((PyObject *)b, s_after_drop);
+        if (x) Py_DECREF(x);
+        else r = -1;
+    }
+    if (et) {
+        if (r < 0) PyErr_Clear();
+        PyErr_Restore(et, ev, tb);
+        return NULL;
+    }
+    if (r < 0) return NULL;
+    Py_RETURN_NONE;
 }
 
 static PyObject *batch_enter(PyObject *self, PyObject *unused) { return Py_NewRef(self); }
 
 static PyObject *batch_exit(BatchBase *b, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs == 3 && (!IS_OPEN(b->closed) || hit_close_batch(b))) Py_RETURN_NONE; /* as handle_exit */
-    return forward((PyObject *)b, s_exit_slow, args, nargs, NULL);
+    /* With a tier, owned positions' leases go before the pins (see tier_owner). */
+    if (nargs != 3 || tier_owner(b->any_owner, b->cache))
+        return forward((PyObject *)b, s_exit_slow, args, nargs, NULL);
+    if (!IS_OPEN(b->closed)) Py_RETURN_NONE;
+    PyObject *et = NULL, *ev = NULL, *tb = NULL;
+    PyObject *msg = args[1] == Py_None || b->any_owner == Py_False
+                        ? Py_NewRef(unpublished)
+                        : exit_message_of(args[0], args[1], &et, &ev, &tb);
+    PyObject *r = batch_close_with(b, msg, et, ev, tb);
+    Py_DECREF(msg);
+    return r;
 }
 
 static PyObject *batch_close(BatchBase *b, PyObject *unused)
 {
-    if (!IS_OPEN(b->closed) || hit_close_batch(b)) Py_RETURN_NONE;
-    return PyObject_CallMethodOneArg((PyObject *)b, s_close_with, unpublished);
+    if (!IS_OPEN(b->closed)) Py_RETURN_NONE;
+    if (tier_owner(b->any_owner, b->cache))
+        return PyObject_CallMethodOneArg((PyObject *)b, s_close_with, unpublished);
+    return batch_close_with(b, unpublished, NULL, NULL, NULL);
+}
+
+static PyObject *batch_drop_pins(BatchBase *b, PyObject *msg)
+{
+    if (!PyBytes_Check(msg)) {
+        PyErr_SetString(PyExc_TypeError, "_drop_pins(message): message must be bytes");
+        return NULL;
+    }
+    int r = batch_drop(b, msg);
+    if (r < 0) return NULL;
+    return Py_NewRef(r ? Py_True : Py_False);
 }
 
 static PyObject *batch_data(BatchBase *b, PyObject *pos)
 {
     CacheBase *c = batch_usable(b);
-    if (c && PyLong_CheckExact(pos) && c->ro) {
+    if (c && PyLong_CheckExact(pos)) {
         Py_ssize_t i = PyLong_AsSsize_t(pos);
         if (i >= 0 && i < b->n && b->len_at[i] >= 0) {
-            /* Ready when pinned: a slice of the mapping's read-only view, kept to release */
-            Py_ssize_t off = c->data_off + (Py_ssize_t)b->slot_at[i] * c->stride;
-            if (!HAS(b->views)) {
-                PyObject *fresh = PyList_New(0);
+            /* Ready when pinned: the payload, read-only, pinned by itself; one per position */
+            if (HAS(b->views) && PyList_CheckExact(b->views) && PyList_GET_SIZE(b->views) == b->n) {
+                PyObject *had = PyList_GET_ITEM(b->views, i);
+                if (had != Py_None) return Py_NewRef(had);
+            } else {
+                PyObject *fresh = PyList_New(b->n);
                 if (!fresh) return NULL;
+                for (Py_ssize_t k = 0; k < b->n; k++) PyList_SET_ITEM(fresh, k, Py_NewRef(Py_None));
                 Py_XSETREF(b->views, fresh);
                 if (batch_usable(b) != c) goto slow; /* the allocation closed it */
             }
-            if (!PyList_CheckExact(b->views)) goto slow;
             PyObject *views = Py_NewRef(b->views);
-            Py_INCREF(c);
-            PyObject *v = payload_view(c->ro, off, (Py_ssize_t)b->len_at[i]);
-            Py_DECREF(c);
-            Py_DECREF(views);
-            if (!v) return NULL;
-            if (!IS_OPEN(b->closed) || b->views != views) {
-                /* making it ran a finalizer that closed b: not ours to give */
-                release_view(v);
-                Py_DECREF(v);
-                goto slow;
-            }
-            if (PyList_Append(b->views, v) < 0) {
-                Py_DECREF(v);
+            PyObject *v = slot_view(c, c->ctx, b->slot_at[i], (Py_ssize_t)b->len_at[i], 0);
+            if (!v && PyErr_Occurred()) {
+                Py_DECREF(views);
                 return NULL;
             }
+            if (!v || !IS_OPEN(b->closed) || b->views != views) {
+                /* making it ran a finalizer that closed b: not ours to give */
+                Py_XDECREF(v);
+                Py_DECREF(views);
+                goto slow;
+            }
+            Py_DECREF(views);
+            PyList_SetItem(b->views, i, Py_NewRef(v)); /* (steals; drops the None) */
             return v;
         }
         PyErr_Clear(); /* an index out of range: the full path says so */
@@ -1135,42 +1440,53 @@ static PyObject *batch_gather(BatchBase *b, PyObject *out)
 {
     if (!batch_usable(b) || b->n == 0)
         return PyObject_CallMethodOneArg((PyObject *)b, s_gather_full, out);
-    Py_buffer ob;
-    if (PyObject_GetBuffer(out, &ob, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
-        PyErr_Clear(); /* a tensor, or not writable/contiguous: the full path */
+    Py_buffer ob, lb;
+    Py_ssize_t row = out_rows(out, b->n, &ob);
+    if (row == -1) return NULL; /* rows that cannot take the payloads: said */
+    if (row < 0) /* a tensor, or not writable/contiguous: the full path says so */
         return PyObject_CallMethodOneArg((PyObject *)b, s_gather_full, out);
-    }
-    if (ob.len % b->n) {
-        PyBuffer_Release(&ob);
-        return PyObject_CallMethodOneArg((PyObject *)b, s_gather_full, out);
-    }
+    uint32_t small[64], *slots = small, n = (uint32_t)b->n;
     PyObject *lens = call_n(new_lengths, b->n);
-    Py_buffer lb;
+    if (n > 64 && lens && !(slots = PyMem_Malloc(sizeof(uint32_t) * n))) {
+        Py_CLEAR(lens);
+        PyErr_NoMemory();
+    }
     if (!lens || PyObject_GetBuffer(lens, &lb, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
+        if (slots != small) PyMem_Free(slots);
         PyBuffer_Release(&ob);
         Py_XDECREF(lens);
         return NULL;
     }
-    if (!batch_usable(b) || (uint64_t)ob.len % (uint64_t)b->n) {
-        /* making lens ran a finalizer that closed b (or its cache): the full path says so */
+    CacheBase *c = batch_usable(b);
+    ucm_ctx *ctx = c && b->n == n ? c->ctx : NULL;
+    /* The copy's own slots and holds on them (the process-local count), taken with the GIL
+     * held: a close of the batch by another thread while the GIL is released drops only the
+     * batch's pins (and sets its positions to NIL as it goes), so every row copied is its
+     * key's bytes and this call releases exactly what it took.  None taken: making lens ran
+     * a finalizer that closed b (or its cache): the full path says so. */
+    if (ctx) memcpy(slots, b->slot_at, sizeof(uint32_t) * n);
+    if (!ctx || core.pin_again_many(ctx, slots, n) != UCM_OK) {
+        if (slots != small) PyMem_Free(slots);
         PyBuffer_Release(&lb);
         PyBuffer_Release(&ob);
         Py_DECREF(lens);
         return PyObject_CallMethodOneArg((PyObject *)b, s_gather_full, out);
     }
-    uint64_t row = (uint64_t)(ob.len / b->n);
     int64_t *lp = lb.buf, worst = -1;
-    CacheBase *c = batch_usable(b); /* not NULL: checked just above, nothing ran since */
-    ucm_ctx *ctx = c->ctx;
-    uint32_t *slots = b->slot_at, n = (uint32_t)b->n;
-    /* The batch's pins keep every slot as it is while the GIL is released for the copies. */
-    WITHOUT_GIL(c, core.gather(ctx, slots, n, ob.buf, row, lp));
+    WITHOUT_GIL(c, core.gather(ctx, slots, n, ob.buf, (uint64_t)row, lp));
+    /* c->ctx is still ctx: close() does not take it while calls_out > 0 */
+    if (__builtin_expect(core.ctx_points_set(ctx), 0)) {
+        WITHOUT_GIL(c, core.release_many(ctx, slots, n));
+    } else {
+        core.release_many(ctx, slots, n);
+    }
+    if (slots != small) PyMem_Free(slots);
     for (uint32_t i = 0; i < n; i++)
         if (lp[i] > worst) worst = lp[i];
     PyBuffer_Release(&lb);
     PyBuffer_Release(&ob);
     if (worst > (int64_t)row) {
-        PyObject *rw = PyLong_FromUnsignedLongLong(row), *zero = PyLong_FromLong(0);
+        PyObject *rw = PyLong_FromSsize_t(row), *zero = PyLong_FromLong(0);
         PyObject *r = rw && zero ? PyObject_CallMethodObjArgs((PyObject *)c, s_read_checked,
                                                               zero, lens, rw, NULL) : NULL;
         Py_XDECREF(rw);
@@ -1193,6 +1509,8 @@ static int batch_traverse(BatchBase *b, visitproc visit, void *arg)
     Py_VISIT(b->slots);
     Py_VISIT(b->lens);
     Py_VISIT(b->owner);
+    Py_VISIT(b->slots_p);
+    Py_VISIT(b->owner_p);
     Py_VISIT(b->token);
     Py_VISIT(b->timeout);
     Py_VISIT(b->views);
@@ -1210,6 +1528,8 @@ static int batch_clear(BatchBase *b)
     Py_CLEAR(b->slots);
     Py_CLEAR(b->lens);
     Py_CLEAR(b->owner);
+    Py_CLEAR(b->slots_p);
+    Py_CLEAR(b->owner_p);
     Py_CLEAR(b->token);
     Py_CLEAR(b->timeout);
     Py_CLEAR(b->views);
@@ -1240,24 +1560,31 @@ static PyMethodDef batch_methods[] = {
     {"__exit__", (PyCFunction)(void (*)(void))batch_exit, METH_FASTCALL, NULL},
     {"close", (PyCFunction)batch_close, METH_NOARGS,
      "Unpin every position (idempotent); owned positions not published publish Failed."},
+    {"_drop_pins", (PyCFunction)batch_drop_pins, METH_O,
+     "Close and drop every pin in one C step (failing owned positions still Loading with the\n"
+     "message); True if there is bookkeeping to do (_after_drop)."},
     {"data", (PyCFunction)batch_data, METH_O,
      "data($self, i, /)\n--\n\n"
      "Position i's bytes, as Handle.data: the owner's writable slot while it loads, else\n"
-     "the Ready payload, read-only (a slice of the mapping's read-only view: no C call for a\n"
-     "position that was Ready when pinned).  Released when the batch closes."},
+     "the Ready payload, read-only (made once per position, with no core call for a position\n"
+     "that was Ready when pinned).  The view, and everything made from it, keeps the slot\n"
+     "pinned while it lives."},
     {"gather", (PyCFunction)batch_gather, METH_O,
      "gather($self, out, /)\n--\n\n"
      "Copy every Ready position's payload into row i of ``out`` in one C call (the GIL is\n"
      "released during the copies) and return the lengths (int64; -1 for a position that is\n"
-     "not Ready, its row untouched).  ``out``: any writable C-contiguous buffer of n rows of\n"
-     "equal size (a numpy array of shape (n, row), a flat array, bytearray or memoryview of\n"
-     "n*row bytes, a CPU torch tensor).  A payload longer than a row raises ValueError."},
+     "not Ready, its row untouched).  ``out``: a writable C-contiguous buffer of plain\n"
+     "numbers or bytes (numpy, bytearray, memoryview, a CPU torch tensor); 2-D or more: rows\n"
+     "by its first dimension (at least n; key i into out[i]); 1-D: n equal rows.  A payload\n"
+     "longer than a row raises ValueError and nothing is copied."},
     {NULL},
 };
 
 static PyMemberDef batch_members[] = {
     {"_cache", T_OBJECT_EX, offsetof(BatchBase, cache), 0, NULL},
-    {"owner", T_OBJECT_EX, offsetof(BatchBase, owner), 0, NULL},
+    {"_owner", T_OBJECT_EX, offsetof(BatchBase, owner), 0, NULL},
+    {"_slots_p", T_OBJECT_EX, offsetof(BatchBase, slots_p), 0, NULL},
+    {"_owner_p", T_OBJECT_EX, offsetof(BatchBase, owner_p), 0, NULL},
     {"_token", T_OBJECT_EX, offsetof(BatchBase, token), 0, NULL},
     {"_timeout", T_OBJECT_EX, offsetof(BatchBase, timeout), 0, NULL},
     {"_views", T_OBJECT_EX, offsetof(BatchBase, views), 0, NULL},
@@ -1284,7 +1611,16 @@ static int batch_set_n(BatchBase *b, PyObject *v, void *closure)
     return 0;
 }
 
+/* A copy: close() trusts the batch's own array, so no caller may change it. */
+static PyObject *batch_get_owner(BatchBase *b, void *closure)
+{
+    if (!HAS(b->owner)) Py_RETURN_NONE;
+    return PyObject_CallMethodNoArgs(b->owner, s_copy);
+}
+
 static PyGetSetDef batch_getset[] = {
+    {"owner", (getter)batch_get_owner, NULL,
+     "Which positions this caller must fill and publish (a copy: a numpy bool array).", NULL},
     {"_n", (getter)batch_get_n, (setter)batch_set_n, NULL, NULL},
     {"_slots", (getter)batch_get_slots, (setter)batch_set_slots, NULL, NULL},
     {"_lens", (getter)batch_get_lens, (setter)batch_set_lens, NULL, NULL},
@@ -1327,11 +1663,11 @@ static PyObject *mod_bind(PyObject *m, PyObject *args, PyObject *kw)
 {
     static char *names[] = {"steps", "addr_of", "handle_type", "batch_type",
                             "new_lengths", "new_slots", "new_owner", "no_owned", "unpublished",
-                            NULL};
-    PyObject *steps, *a, *ht, *bt, *nl, *ns, *no, *nw, *up;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "O!OO!O!OOOOO", names, &PyDict_Type, &steps, &a,
-                                     &PyType_Type, &ht, &PyType_Type, &bt, &nl, &ns, &no, &nw,
-                                     &up))
+                            "token_drop", "batch_token_drop", NULL};
+    PyObject *steps, *a, *ht, *bt, *nl, *ns, *no, *nw, *up, *td, *btd;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O!OO!O!OOOOOOO", names, &PyDict_Type, &steps,
+                                     &a, &PyType_Type, &ht, &PyType_Type, &bt, &nl, &ns, &no,
+                                     &nw, &up, &td, &btd))
         return NULL;
     if (!PyType_IsSubtype((PyTypeObject *)ht, &HandleBase_Type) ||
         !PyType_IsSubtype((PyTypeObject *)bt, &BatchBase_Type)) {
@@ -1341,7 +1677,8 @@ static PyObject *mod_bind(PyObject *m, PyObject *args, PyObject *kw)
     }
 #define STEP(f) if (bind_step(steps, "ucm_" #f, (void **)&core.f) < 0) return NULL
     STEP(lookup_pin); STEP(release); STEP(slot_data); STEP(copy_payload); STEP(ctx_points_set);
-    STEP(read_many); STEP(gather); STEP(pin_all_ready); STEP(release_many);
+    STEP(read_many); STEP(gather); STEP(pin_all_ready); STEP(release_many); STEP(pin_again);
+    STEP(pin_again_many);
 #undef STEP
     Py_XSETREF(addr_of, Py_NewRef(a));
     Py_XSETREF(handle_type, (PyTypeObject *)Py_NewRef(ht));
@@ -1351,14 +1688,53 @@ static PyObject *mod_bind(PyObject *m, PyObject *args, PyObject *kw)
     Py_XSETREF(new_owner, Py_NewRef(no));
     Py_XSETREF(no_owned, Py_NewRef(nw));
     Py_XSETREF(unpublished, Py_NewRef(up));
+    Py_XSETREF(token_drop, Py_NewRef(td));
+    Py_XSETREF(batch_token_drop, Py_NewRef(btd));
     bound = 1;
     Py_RETURN_NONE;
 }
 
+static PyObject *mod_row_size(PyObject *m, PyObject *const *args, Py_ssize_t nargs)
+{
+    Py_ssize_t v[4];
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "row_size(nbytes, ndim, rows, n)");
+        return NULL;
+    }
+    for (int i = 0; i < 4; i++)
+        if ((v[i] = PyLong_AsSsize_t(args[i])) == -1 && PyErr_Occurred()) return NULL;
+    Py_ssize_t row = row_size(v[0], (int)v[1], v[2], v[3]);
+    return row < 0 ? NULL : PyLong_FromSsize_t(row);
+}
+
+static PyObject *mod_buffer_row(PyObject *m, PyObject *const *args, Py_ssize_t nargs)
+{
+    Py_ssize_t n;
+    if (nargs != 2 || ((n = PyLong_AsSsize_t(args[1])) == -1 && PyErr_Occurred())) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "buffer_row(out, n)");
+        return NULL;
+    }
+    Py_buffer ob;
+    Py_ssize_t row = out_rows(args[0], n, &ob);
+    if (row == -2) {
+        PyErr_SetString(PyExc_TypeError, "out must be a writable C-contiguous buffer");
+        return NULL;
+    }
+    if (row < 0) return NULL;
+    PyBuffer_Release(&ob);
+    return PyLong_FromSsize_t(row);
+}
+
 static PyMethodDef mod_methods[] = {
+    {"row_size", (PyCFunction)(void (*)(void))mod_row_size, METH_FASTCALL,
+     "row_size(nbytes, ndim, rows, n): the row size of a destination of nbytes for n keys\n"
+     "(rows: its first dimension), or ValueError (the rule of gather and read_many)."},
+    {"buffer_row", (PyCFunction)(void (*)(void))mod_buffer_row, METH_FASTCALL,
+     "buffer_row(out, n): row_size of a buffer-protocol out, its item format checked."},
     {"bind", (PyCFunction)(void (*)(void))mod_bind, METH_VARARGS | METH_KEYWORDS,
      "bind(steps, addr_of, handle_type, batch_type, new_lengths, new_slots, new_owner,\n"
-     "no_owned, unpublished): the core's step addresses and the Python pieces the hit path needs\n"
+     "no_owned, unpublished, token_drop, batch_token_drop): the core's step addresses and the\n"
+     "Python pieces the hit path needs\n"
      "(ucmcache/_handle.py calls it once, when Handle and HandleBatch exist)."},
     {NULL},
 };
@@ -1371,7 +1747,8 @@ static struct PyModuleDef hit_module = {
 PyMODINIT_FUNC PyInit__hit(void)
 {
     if (PyType_Ready(&CacheBase_Type) < 0 || PyType_Ready(&HandleBase_Type) < 0 ||
-        PyType_Ready(&BatchBase_Type) < 0 || PyType_Ready(&Ready_Type) < 0)
+        PyType_Ready(&BatchBase_Type) < 0 || PyType_Ready(&Ready_Type) < 0 ||
+        PyType_Ready(&SlotBuffer_Type) < 0)
         return NULL;
 #define INTERN(v, s) if (!(v = PyUnicode_InternFromString(s))) return NULL
     INTERN(s_get_full, "_get_full"); INTERN(s_hit_bytes_full, "_hit_bytes_full");
@@ -1383,16 +1760,16 @@ PyMODINIT_FUNC PyInit__hit(void)
     INTERN(s_get_or_load_missed, "_get_or_load_missed");
     INTERN(s_aget_or_load_full, "_aget_or_load_full");
     INTERN(s_aget_or_load_missed, "_aget_or_load_missed");
-    INTERN(s_get_missed, "_get_missed");
+    INTERN(s_get_missed, "_get_missed"); INTERN(s_after_drop, "_after_drop");
+    INTERN(s_tier, "_tier"); INTERN(s_copy, "copy");
 #undef INTERN
-    if (!(mv_release = PyObject_GetAttrString((PyObject *)&PyMemoryView_Type, "release")))
-        return NULL;
     PyObject *m = PyModule_Create(&hit_module);
     if (!m) return NULL;
     if (PyModule_AddObjectRef(m, "CacheBase", (PyObject *)&CacheBase_Type) < 0 ||
         PyModule_AddObjectRef(m, "HandleBase", (PyObject *)&HandleBase_Type) < 0 ||
         PyModule_AddObjectRef(m, "BatchBase", (PyObject *)&BatchBase_Type) < 0 ||
-        PyModule_AddObjectRef(m, "Ready", (PyObject *)&Ready_Type) < 0) {
+        PyModule_AddObjectRef(m, "Ready", (PyObject *)&Ready_Type) < 0 ||
+        PyModule_AddObjectRef(m, "SlotBuffer", (PyObject *)&SlotBuffer_Type) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -10,8 +10,19 @@ sys.path.insert(0, os.path.dirname(__file__))  # workers.py for spawned children
 from ucmcache import SlotCache, SegmentNotFound  # noqa: E402
 
 
+# Every segment a test makes carries this run's pid between dashes ("t-<pid>-<hex>", made by
+# the fixtures below or the same pattern in a test): the hygiene check counts only those, so a
+# segment another process of this machine makes meanwhile is never blamed on the suite.
+RUN_TAG = f"-{os.getpid()}-"
+
+
+def run_uuid(prefix="t"):
+    """A fresh segment uuid of this run (see RUN_TAG)."""
+    return f"{prefix}{RUN_TAG}{uuidlib.uuid4().hex[:10]}"
+
+
 def _ours():
-    return {n for n in os.listdir("/dev/shm") if n.startswith("ucmcache-")}
+    return {n for n in os.listdir("/dev/shm") if n.startswith("ucmcache-") and RUN_TAG in n}
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -25,7 +36,7 @@ def shm_left_as_found():
 @pytest.fixture
 def uuid():
     """A fresh uuid; the segment (if any) is unlinked after the test, pass or fail."""
-    u = f"t-{os.getpid()}-{uuidlib.uuid4().hex[:10]}"
+    u = run_uuid()
     yield u
     try:
         SlotCache.unlink(u)

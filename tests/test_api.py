@@ -170,8 +170,8 @@ def test_handles_are_not_copyable_and_closed_handles_raise(make_cache):
     view = h2.data
     h2.close()
     h2.close()  # idempotent
-    with pytest.raises(ValueError, match="released"):
-        bytes(view)  # a released view raises
+    assert bytes(view) == b"abc"  # a view keeps its own pin, after its handle closed
+    del view
     with pytest.raises(HandleClosed):
         h2.data
     with pytest.raises(HandleClosed):

@@ -85,7 +85,7 @@ class Batches:
             any_owner = len(misses) > 0 and bool(owner.any())
             batch._cache = self
             batch._slots = slots
-            batch.owner = owner
+            batch._owner = owner
             batch._slots_p = slots_p
             batch._owner_p = owner_p
             batch._token = token
@@ -93,7 +93,7 @@ class Batches:
             batch._n = n  # (after _slots and _lens: the positions they hold)
             batch._timeout = timeout
             batch._owner_views = {}
-            batch._views = []
+            batch._views = None
             batch._any_owner = any_owner
             batch._owned = _NO_OWNED
             self._open_handles += 1
@@ -120,7 +120,7 @@ class Batches:
                        timeout: Optional[float]) -> None:
         """get_many(): the owned positions ask the tier together; those it serves are
         published and no longer owned."""
-        idx = np.flatnonzero(batch.owner).tolist()
+        idx = np.flatnonzero(batch._owner).tolist()
         slots = [int(batch._slots[i]) for i in idx]
         may_wait = not (batch._owned - set(slots))
         payloads = self._tier.lookup([(s, *split[i]) for s, i in zip(slots, idx)], may_wait,

@@ -7,12 +7,16 @@ from typing import Any, Tuple
 import numpy as np
 
 from ._core import ffi
+from ._hit import buffer_row, row_size
 
 
 def rows_of(out: Any, n: int) -> Tuple[Any, int, Any]:
     """(char pointer, row bytes, object to keep alive during the copy) for ``out`` cut into n
     rows.  Accepts the buffer protocol (numpy, bytearray, memoryview...) and CPU torch tensors
-    (anything with data_ptr(), numel(), element_size(), is_contiguous() and a cpu device)."""
+    (anything with data_ptr(), numel(), element_size(), is_contiguous() and a cpu device).
+    The rows follow one rule, written once in C (ucmcache._hit.row_size): a 2-D or higher out
+    is rows by its first dimension, a 1-D one n equal rows; items must be plain numbers or
+    bytes (checked by ucmcache._hit.buffer_row)."""
     if hasattr(out, "data_ptr") and hasattr(out, "element_size") and not isinstance(out, np.ndarray):
         device = getattr(getattr(out, "device", None), "type", "cpu")
         if device != "cpu":
@@ -21,7 +25,8 @@ def rows_of(out: Any, n: int) -> Tuple[Any, int, Any]:
             raise ValueError("out must be C-contiguous (call .contiguous() first)")
         nbytes = int(out.numel()) * int(out.element_size())
         ptr = ffi.cast("char *", int(out.data_ptr()))
-        keep = out
+        ndim = int(out.dim())
+        return ptr, row_size(nbytes, ndim, int(out.shape[0]) if ndim else 1, n), out
     else:
         try:
             keep = ffi.from_buffer("char[]", out, require_writable=True)
@@ -31,11 +36,7 @@ def rows_of(out: Any, n: int) -> Tuple[Any, int, Any]:
                             f"{e}") from None
         except (ValueError, BufferError) as e:
             raise ValueError(f"out must be a writable C-contiguous buffer: {e}") from None
-        nbytes = len(keep)
-        ptr = keep
-    if nbytes % n:
-        raise ValueError(f"out has {nbytes} bytes, not a whole number of rows for {n} keys")
-    return ptr, nbytes // n, keep
+        return keep, buffer_row(out, n), keep
 
 
 def check_rows(lens: np.ndarray, row: int) -> None:

@@ -21,6 +21,7 @@ import gc
 import itertools
 import os
 import time
+import warnings
 import weakref
 from typing import Any, Dict, List, Optional
 
@@ -63,12 +64,57 @@ MIN_LOCK_WAIT = 0.05    # a get's timeout below this still waits this long for a
 _live_caches: "weakref.WeakSet[SlotCache]" = weakref.WeakSet()
 
 
-def _after_fork_in_child() -> None:
+# A fork (DESIGN 5.6).  Views the child inherits must keep showing their key's bytes, so the
+# child gives the slots this process pins private pages (ucm_privatize_pins) before the parent
+# may drop any of those pins: the parent holds one more pin on each of them across the fork
+# (ucm_hold_pins, in every live cache) and waits, bounded, until the child says its copies are
+# made, then drops those holds.  The child must attach for itself.
+FORK_WAIT = 5.0         # the longest a parent waits for its child's private copies
+_fork_holds: list = []  # (ctx, slots array, count) per cache, and the child's pipe, across fork
+
+
+def _before_fork() -> None:
+    _fork_holds.clear()
     for cache in list(_live_caches):
-        cache._forget_after_fork()
+        ctx = cache._ctx
+        if ctx is not None:
+            slots = np.empty(cache.capacity, dtype=np.uint32)
+            n = lib.ucm_hold_pins(ctx, ffi.from_buffer("uint32_t[]", slots))
+            if n:
+                _fork_holds.append((ctx, slots, n))
+    if _fork_holds:
+        _fork_holds.append(os.pipe())
 
 
-os.register_at_fork(after_in_child=_after_fork_in_child)
+def _after_fork_in_parent() -> None:
+    if not _fork_holds:
+        return
+    r, w = _fork_holds.pop()
+    try:
+        os.close(w)
+        import select
+        select.select([r], [], [], FORK_WAIT)  # a byte, or EOF: the child's copies are made
+    finally:
+        os.close(r)
+        for ctx, slots, n in _fork_holds:
+            lib.ucm_release_many(ctx, ffi.from_buffer("uint32_t[]", slots), n)
+        _fork_holds.clear()
+
+
+def _after_fork_in_child() -> None:
+    pipe = _fork_holds.pop() if _fork_holds else None
+    _fork_holds.clear()  # the parent's holds: not the child's to drop
+    try:
+        for cache in list(_live_caches):
+            cache._forget_after_fork()
+    finally:
+        if pipe is not None:
+            os.close(pipe[0])
+            os.close(pipe[1])  # EOF for the parent: the copies are made
+
+
+os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent,
+                    after_in_child=_after_fork_in_child)
 
 
 _next_ticket = itertools.count(1).__next__  # a unique ticket per single-key read (see get)
@@ -95,6 +141,7 @@ class SlotCache(CacheBase, SingleFlight, Batches, Prefetching):
         self._stripes = Stripes(ctx, seg.base, seg.layout)  # for tests and tools only
         self._open_handles = 0
         self._closing_ctx = None  # a close that raised in free_rank: close() goes on from it
+        self._detach_pending = False  # a close whose unmapping raised: close() goes on from it
         self._prefetcher: Optional[Prefetcher] = None
         self._pid = os.getpid()
         self._why_unusable = ""
@@ -160,18 +207,20 @@ class SlotCache(CacheBase, SingleFlight, Batches, Prefetching):
 
     def close(self) -> None:
         """Detach: the rank is freed (its Ready entries stay for others), the mapping dropped.
-        A close that raised part-way (a stripe held too long, a corrupt segment) can be called
+        Refuses, before it frees anything, while handles or batches are open or views of slot
+        bytes are alive (each keeps its slot pinned); call it again once they are gone.  A
+        close that raised part-way (a stripe held too long, a corrupt segment) can be called
         again: it goes on from where it stopped."""
         if self._closing_ctx is not None:
             self._finish_close(self._closing_ctx)
             return
         if self._ctx is None:
+            if self._detach_pending:
+                self._finish_detach()
             return  # closed already, or a forked child's copy (the parent's rank is not ours)
-        if self._open_handles > 0 and self._live_handles() > 0:
-            raise UcmError(f"cannot close: {self._open_handles} handle(s) or batch(es) are still "
-                           "open; close them first")
         if self._prefetcher is not None:
-            self._prefetcher.stop()  # its thread works on this mapping: it goes first
+            self._prefetcher.stop()  # its thread's load holds a handle on this mapping: first
+        self._check_closable()
         if self._tier is not None:
             self._tier.close()  # write-throughs queued by this process go out first (bounded)
         # Unusable first: from here no call of this cache (the C hit path of another thread
@@ -183,12 +232,49 @@ class SlotCache(CacheBase, SingleFlight, Batches, Prefetching):
         lib.ucm_ctx_close(ctx)
         self._finish_close(ctx)
 
+    def _check_closable(self) -> None:
+        """Refuse to close while something of this process still reads through the cache."""
+        if self._open_handles > 0 and self._live_handles() > 0:
+            raise UcmError(f"cannot close: {self._open_handles} handle(s) or batch(es) are still "
+                           "open; close them first")
+        if self._exports > 0:
+            gc.collect()  # views that are garbage in a reference cycle only look alive
+        if self._exports > 0:
+            raise UcmError(f"cannot close: {self._exports} view(s) of slot bytes are still alive "
+                           "(memoryviews, numpy arrays or tensors made from data keep their "
+                           "slots pinned and the segment mapped); drop them first")
+
     def _finish_close(self, ctx) -> None:
         free_rank(self._seg, ctx, self._rank)  # may raise: close() again comes back here
         self._closing_ctx = None
         lib.ucm_ctx_free(ctx)
         _live_caches.discard(self)
-        self._seg.detach()
+        self._detach_pending = True
+        self._finish_detach()
+
+    def _finish_detach(self) -> None:
+        self._seg.detach()  # may raise (a view of the mapping alive): close() again retries it
+        self._detach_pending = False
+
+    def __del__(self) -> None:
+        # A cache collected without close(): its rank, arenas, mapping and fds are freed now,
+        # as files and sockets are, with a ResourceWarning.  Nothing can reach its handles any
+        # more (they would hold it), so their pins go with the rank (free_rank's recovery).
+        if getattr(self, "_ctx", None) is None or getattr(self, "_pid", None) != os.getpid():
+            return  # closed, never attached, or a forked child's copy of the parent's cache
+        try:
+            warnings.warn(f"SlotCache {self.uuid!r} (rank {self._rank}) was collected without "
+                          "close(); closing it now", ResourceWarning, source=self)
+            if self._prefetcher is not None:
+                self._prefetcher.stop()
+            if self._tier is not None:
+                self._tier.close()
+            ctx = self._closing_ctx = self._detach_ctx()
+            self._why_unusable = "closed"
+            lib.ucm_ctx_close(ctx)
+            self._finish_close(ctx)
+        except Exception:
+            pass  # a finalizer's errors have nowhere to go; the process's exit frees the rest
 
     def _detach_ctx(self):
         """Take the context away (see CacheBase._detach), waiting for another thread's copy
@@ -224,6 +310,9 @@ class SlotCache(CacheBase, SingleFlight, Batches, Prefetching):
         self._closing_ctx = None  # a parent's close in progress is not the child's to finish
         if self._ctx is None:
             return
+        # Views the child inherited keep their key's bytes: the slots this process pinned get
+        # private pages in the child, before the parent can drop a pin (DESIGN 5.6).
+        lib.ucm_privatize_pins(self._ctx)
         lib.ucm_ctx_forget(self._ctx)  # tokens copied into the child must drop nothing
         self._ctx = None
         self._why_unusable = f"forked: attached by pid {self._pid}, this is pid {os.getpid()}"

@@ -1,10 +1,12 @@
 """Handle: one pinned slot, held by a context manager; HandleBatch: a request's pins.
 
 A handle is the lifetime of one pin (DESIGN 4): the slot cannot be reclaimed while it is open,
-and nothing may be read through it after it is closed, so handles are not copyable and their
-memoryviews are released on close.  The owner of a Loading slot fills it and publishes it with
-ready() or fail(); closing an owner's handle (or dropping it) without either publishes Failed so
-that no waiter waits forever.  The rules about a slot itself live in ucmcache/_slots.py.
+so handles are not copyable.  The views it hands out hold pins of their own (a SlotBuffer,
+csrc/ucm_hit.c): a view, and every slice, cast, numpy array or tensor made from it, shows its
+key's bytes for as long as it lives, after the handle closed too.  The owner of a Loading slot
+fills it and publishes it with ready() or fail(); closing an owner's handle (or dropping it)
+without either publishes Failed so that no waiter waits forever.  The rules about a slot
+itself live in ucmcache/_slots.py.
 """
 from __future__ import annotations
 
@@ -61,8 +63,9 @@ class Handle(HandleBase, _Pins):
     #               thread publishes or closes, the slot leaves this set
     #   _nbytes     the payload length of a slot Ready when pinned (from the pin's answer;
     #               fixed while pinned), -1 until known
-    #   _view       the read-only view of the payload, made once; _views: an owner's
-    #               writable views.  All are released when the handle closes.
+    #   _view       the read-only view of the payload, made once (it and whatever is made
+    #               from it keep the slot pinned while they live); _views: an owner's
+    #               writable views, released when its load ends (ready, fail, close).
 
     def own(self) -> None:
         """Record an owner's slot in its context's owned set (a waiter in this context on the
@@ -100,18 +103,17 @@ class Handle(HandleBase, _Pins):
     # ---------------------------------------------------------------- data
 
     def _data_slow(self) -> memoryview:
-        """data (HandleBase) for everything but an open hit's: closed, an owner's writable
-        slot, a slot that was not Ready when pinned."""
-        v = self._view
-        if v is not None and not self._closed:
-            return v  # made once: a slice of the mapping's read-only view, no C call
+        """data (HandleBase) for everything but an open hit's: closed (or a forked child's
+        copy), an owner's writable slot, a slot that was not Ready when pinned."""
         cache = self._cache
         if self._closed or cache._ctx is None:
-            self._check_open()
+            self._check_open()  # first: a forked child's copy gets no view, not even a made one
+        v = self._view
+        if v is not None:
+            return v  # made once
         n = self._nbytes
         if n >= 0:  # Ready when pinned (the hit path): its length came with the pin
-            off = cache._data_off + self._slot * cache._stride
-            v = self._view = cache._ro[off:off + n]
+            v = self._view = cache._slot_view(self._slot, n, False)
             return v
         if self._owner and not self._published:  # ours and Loading until we publish it
             if self._views is None:
@@ -119,8 +121,7 @@ class Handle(HandleBase, _Pins):
             return slot_view(cache, self._slot, cache._layout.slot_size, True, self._views)
         # Not Ready when pinned (a join, or our own published load): look now.
         n = self._nbytes = ready_length(cache, self._slot)
-        off = cache._data_off + self._slot * cache._stride
-        v = self._view = cache._ro[off:off + n]
+        v = self._view = cache._slot_view(self._slot, n, False)
         return v
 
     def array(self, dtype, shape=None) -> np.ndarray:
@@ -205,40 +206,39 @@ class Handle(HandleBase, _Pins):
     # ---------------------------------------------------------------- close
 
     def _release_views(self) -> None:
+        """The owner's writable views end with its load (released: unreadable, unless a
+        numpy array or a slice of one still holds it, whose pin then keeps the slot).  The
+        read-only view is only let go: it keeps its own pin while anything holds it."""
         views = self._views
         if views:
             self._views = None
             release_views(views)
-        v = self._view
-        if v is not None:
-            self._view = None
-            release_views((v,))
+        self._view = None
 
     def _close(self, message: bytes) -> None:
-        # Interruptible anywhere (a signal handler may raise at any call): the counter and the
-        # closed flag change before any call, and the pin is dropped first thing in `finally`,
-        # by one C step that also fails an owner's unpublished load.  Only bookkeeping that
-        # cannot leak a hold (the owned set, view release) can be cut short.
+        # The pin is dropped by one C step (HandleBase._drop_pins: closed and uncounted first,
+        # then the token's drop, which fails an owner's unpublished load, or ucm_release) with
+        # no Python code before it; only bookkeeping that cannot leak a hold follows
+        # (_after_drop).  With a tier, an owner's lease goes first (see tier_owner in C):
+        # once the pin drops, another get may own the slot's next load and its lease.
         if self._closed:
             return
-        length = len(message)
         cache = self._cache
-        ctx = cache._ctx
-        self._closed = True
-        if ctx is None:
-            return  # forked child or closed cache: the pin is not ours to drop
-        cache._open_handles -= 1
-        try:
-            if self._owned is not None:
-                self._owned.discard(self._slot)
-            self._release_views()
-            if self._owner and cache._tier is not None:  # a lease left behind only expires
+        if self._owner and cache._ctx is not None and cache._tier is not None:
+            try:
                 cache._tier.abandon(self._slot)
-        finally:
-            if self._token is not None:  # a slow-path pin: its token drops it (and fails it)
-                lib.ucm_token_drop(self._token, message, length)
-            else:  # a fast-path pin: a hit or a join, never an owner
-                lib.ucm_release(ctx, self._slot)
+            finally:
+                if self._drop_pins(message):
+                    self._after_drop()
+            return
+        if self._drop_pins(message):
+            self._after_drop()
+
+    def _after_drop(self) -> None:
+        """What a close does after its pin is dropped (see _close)."""
+        if self._owned is not None:
+            self._owned.discard(self._slot)
+        self._release_views()
 
     def _exit_slow(self, exc_type, exc, tb) -> None:
         """__exit__ (HandleBase) for everything but a hit's plain exit: an owner's or a
@@ -265,23 +265,24 @@ _NO_OWNED = _NoOwned()
 class HandleBatch(BatchBase, _Pins):
     """The pins of one request's keys: one C call pins them all, one releases them all.
 
-    ``owner`` and ``state`` are numpy arrays over the positions; a key that appears twice is
-    pinned twice and owned (if it was cold) by its first position only.
+    ``owner`` and ``state`` are numpy arrays over the positions (copies); a key that appears
+    twice is pinned twice and owned (if it was cold) by its first position only.
     """
 
     # The fields the C paths read live in BatchBase (csrc/ucm_hit.c), which also runs an
     # all-hit batch: made by SlotCache.get_many in C (one core step pins every key Ready, or
     # none), read (data, gather) and closed with no Python frame.  The full path
     # (SlotCache._get_many_full) builds batches as get builds handles: inert first, the C calls
-    # pin straight into _slots/owner (through _slots_p/_owner_p), the fields are stored after.
-    # _owner_views: position -> the owner's writable views; _any_owner False: an all-hit batch
-    # skips the owner bookkeeping.
+    # pin straight into _slots/_owner (through _slots_p/_owner_p), the fields are stored after.
+    # _views: None, or one read-only view per position (made once); _owner_views: position ->
+    # the owner's writable views; _any_owner False: an all-hit batch skips the owner
+    # bookkeeping.  `owner` is a copy of _owner: close() trusts the batch's own array.
 
     def own(self) -> None:
         """Record the owned positions in the owning context's set (see Handle.own)."""
         self._t0 = time.monotonic_ns()
         self._owned = _owned_slots(self._cache)
-        for s in self._slots[self.owner]:
+        for s in self._slots[self._owner]:
             self._owned.add(int(s))
 
     def __len__(self) -> int:
@@ -323,13 +324,16 @@ class HandleBatch(BatchBase, _Pins):
         slot = int(self._slots[i])
         n = int(self._lens[i])
         if n < 0:
-            if self.owner[i] and lib.ucm_slot_state(cache._ctx, slot) == lib.UCM_LOADING:
+            if self._owner[i] and lib.ucm_slot_state(cache._ctx, slot) == lib.UCM_LOADING:
                 return slot_view(cache, slot, cache._layout.slot_size, True,
                                  self._owner_views.setdefault(i, []))
             n = self._lens[i] = ready_length(cache, slot)
-        off = cache._data_off + slot * cache._stride
-        v = cache._ro[off:off + n]
-        self._views.append(v)
+        views = self._views
+        if views is None or len(views) != self._n:
+            views = self._views = [None] * self._n
+        v = views[i]
+        if v is None:
+            v = views[i] = cache._slot_view(slot, n, False)
         return v
 
     def _gather_full(self, out) -> np.ndarray:
@@ -340,10 +344,17 @@ class HandleBatch(BatchBase, _Pins):
         lens = np.empty(n, dtype=np.int64)
         if n:
             ptr, row, keep = rows_of(out, n)
-            slots_p = ffi.from_buffer("uint32_t[]", self._slots)  # (a batch from C has no
-            lens_p = ffi.from_buffer("int64_t[]", lens)           #  _slots_p)
+            slots = self._slots.copy()  # the copy's own slots and holds (see gather in C)
+            slots_p = ffi.from_buffer("uint32_t[]", slots)
+            lens_p = ffi.from_buffer("int64_t[]", lens)
             self._check_open()  # again: the allocations above may have closed it (finalizers)
-            lib.ucm_gather(self._cache._ctx, slots_p, n, ptr, row, lens_p)
+            ctx = self._cache._ctx
+            if lib.ucm_pin_again_many(ctx, slots_p, n) != lib.UCM_OK:
+                raise HandleClosed("this batch is closed: its slots are no longer pinned")
+            try:
+                lib.ucm_gather(ctx, slots_p, n, ptr, row, lens_p)
+            finally:
+                lib.ucm_release_many(ctx, slots_p, n)
             del keep
             check_rows(lens, row)
         return lens
@@ -355,7 +366,7 @@ class HandleBatch(BatchBase, _Pins):
         self._check_open()
         i = self._index(i)
         slot = int(self._slots[i])
-        n = publish_ready(self._cache, slot, bool(self.owner[i]), nbytes)
+        n = publish_ready(self._cache, slot, bool(self._owner[i]), nbytes)
         observe_load(self._cache, self._t0)
         self._lens[i] = -1  # looked up again by data(i), now Ready
         self._owned.discard(slot)
@@ -367,13 +378,13 @@ class HandleBatch(BatchBase, _Pins):
         """As Handle._served, for owned position i (get_many, before the batch is returned)."""
         slot = int(self._slots[i])
         fill(self._cache, slot, payload)
-        self.owner[i] = False
+        self._owner[i] = False
         self._owned.discard(slot)
 
     def fail(self, i: int, message: str = "load failed") -> None:
         self._check_open()
         i = self._index(i)
-        publish_failed(self._cache, int(self._slots[i]), bool(self.owner[i]), message)
+        publish_failed(self._cache, int(self._slots[i]), bool(self._owner[i]), message)
         observe_load(self._cache, self._t0)
         self._owned.discard(int(self._slots[i]))
         release_views(self._owner_views.pop(i, []))
@@ -384,7 +395,7 @@ class HandleBatch(BatchBase, _Pins):
         self._check_open()
         timeout = self._timeout if timeout is None else check_timeout(timeout)
         cache = self._cache
-        mine = set(int(s) for s in self._slots[self.owner])
+        mine = set(int(s) for s in self._slots[self._owner])
         deadline = None if timeout is None else _now() + timeout
         for s in self._slots:
             s = int(s)
@@ -402,37 +413,32 @@ class HandleBatch(BatchBase, _Pins):
         return self
 
     def _close(self, message: bytes) -> None:
-        # As Handle._close: flags first, every pin dropped first thing in `finally`, by one C
-        # step over the whole batch that fails the owned positions still Loading.
+        # As Handle._close: every pin dropped by one C step over the whole batch (which fails
+        # the owned positions still Loading) before any Python bookkeeping; with a tier, the
+        # unpublished loads' leases first.
         if self._closed:
             return
-        length = len(message)
         cache = self._cache
-        ctx = cache._ctx
-        self._closed = True
-        if ctx is None:
+        if self._any_owner and cache._ctx is not None and cache._tier is not None:
+            try:
+                for s in self._slots[self._owner]:  # ready() took the published ones' leases
+                    cache._tier.abandon(int(s))
+            finally:
+                if self._drop_pins(message):
+                    self._after_drop()
             return
-        cache._open_handles -= 1
-        try:
-            if self._any_owner:
-                tier = cache._tier
-                for s in self._slots[self.owner]:
-                    self._owned.discard(int(s))
-                    if tier is not None:  # an unpublished load's lease; ready() took the rest
-                        tier.abandon(int(s))
-                for views in self._owner_views.values():
-                    release_views(views)
-                self._owner_views = {}
-            if self._views:
-                release_views(self._views)
-                self._views = []
-        finally:
-            if self._token is not None:
-                lib.ucm_batch_token_drop(self._slots_p, self._owner_p, self._token, message,
-                                         length)
-            elif cache._ctx is not None:  # an all-hit batch from C: pins only (read again:
-                lib.ucm_release_many(cache._ctx,  # the code above may have closed the cache)
-                                     ffi.from_buffer("uint32_t[]", self._slots), self._n)
+        if self._drop_pins(message):
+            self._after_drop()
+
+    def _after_drop(self) -> None:
+        """What a close does after its pins are dropped (see _close)."""
+        if self._any_owner:
+            for s in self._slots[self._owner]:
+                self._owned.discard(int(s))
+        if self._owner_views:
+            for views in self._owner_views.values():
+                release_views(views)
+            self._owner_views = {}
 
     def _exit_slow(self, exc_type, exc, tb) -> None:
         """__exit__ (BatchBase) for a batch with a token, or a with-block that raised."""
@@ -445,10 +451,11 @@ bind(steps={name: int(ffi.cast("uintptr_t", ffi.addressof(lib, name)))
             for name in ("ucm_lookup_pin", "ucm_release", "ucm_slot_data", "ucm_copy_payload",
                          "ucm_ctx_points_set",
                          "ucm_read_many", "ucm_gather", "ucm_pin_all_ready",
-                         "ucm_release_many")},
+                         "ucm_release_many", "ucm_pin_again", "ucm_pin_again_many")},
      addr_of=lambda p: int(ffi.cast("uintptr_t", p)), handle_type=Handle,
      batch_type=HandleBatch, new_lengths=functools.partial(np.empty, dtype=np.int64),
      new_slots=functools.partial(np.empty, dtype=np.uint32),
      new_owner=functools.partial(np.zeros, dtype=bool), no_owned=_NO_OWNED,
-     unpublished=UNPUBLISHED)
+     unpublished=UNPUBLISHED, token_drop=lib.ucm_token_drop,
+     batch_token_drop=lib.ucm_batch_token_drop)
 collections.abc.Coroutine.register(Ready)  # aget_or_load's hit: asyncio takes it as a coroutine

@@ -77,6 +77,11 @@ def pack_keys(keys: Iterable[object]) -> Tuple[bytes, np.ndarray, KeyView]:
     (the common case) is checked and joined at C speed and shares a read-only array of zero
     offsets; anything else is split key by key."""
     global _ZEROS
+    # Copied once, then checked, then used: another thread may change the caller's list
+    # between any two of these steps, and a key replaced after the check would shift every
+    # later id (a false hit).  The copy is ours alone; the joined length is checked too.
+    if type(keys) is list:
+        keys = keys.copy()
     # Both counts are needed: b"".join takes any buffer, so "every item has len 16" alone lets
     # a uint32[16] array in as 64 bytes and shifts every later key (a false hit).  list.count
     # over map() is the cheapest C-speed form of "all are exactly bytes, all of length 16".
@@ -91,6 +96,9 @@ def pack_keys(keys: Iterable[object]) -> Tuple[bytes, np.ndarray, KeyView]:
         split = _split_all(keys)
         ids = b"".join(k[0] for k in split)
         offsets = np.fromiter((k[1] for k in split), dtype=np.uint64, count=len(split))
+    if len(ids) != 16 * len(offsets):
+        raise ValueError(f"the keys changed while they were read: {len(ids)} bytes of ids for "
+                         f"{len(offsets)} keys (another thread is changing the key list)")
     return ids, offsets, KeyView(ids, offsets)
 
 

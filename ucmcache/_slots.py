@@ -57,10 +57,9 @@ def _owned_slots(cache: "SlotCache") -> set:
 # Shared by Handle and HandleBatch: one copy of each rule about a pinned slot.
 
 def slot_view(cache: "SlotCache", slot: int, n: int, writable: bool, views: list) -> memoryview:
-    off = cache._layout.data(slot)
-    mv = cache._seg.view[off:off + n]
-    if not writable:
-        mv = mv.toreadonly()
+    """A view of a slot this caller pins, holding a pin of its own (see SlotBuffer in
+    csrc/ucm_hit.c), kept in ``views`` for release when the owner's load ends."""
+    mv = cache._slot_view(slot, n, writable)
     views.append(mv)
     return mv
 
@@ -182,12 +181,13 @@ def _publish(cache: "SlotCache", slot: int, state: int, nbytes: int, what: str) 
 
 
 def release_views(views: list) -> None:
+    """An owner's writable views, made unreadable now that its load ended."""
     for mv in views:
         try:
             mv.release()
         except BufferError:
-            # A numpy array still exports this view: it stays readable, though the pin below
-            # it is dropped.  Arrays from a handle must not outlive it (documented).
+            # A numpy array (or another export) still holds this view: it stays usable, and
+            # its own pin (SlotBuffer) keeps the slot, and so the key's bytes, while it lives.
             pass
 
 
