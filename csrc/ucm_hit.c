@@ -198,12 +198,14 @@ static inline int no_timeout(PyObject *const *args, Py_ssize_t nargs, PyObject *
 typedef struct {
     PyObject_HEAD
     CacheBase *cache;    /* strong: exports counted there */
-    ucm_ctx *ctx;        /* the context the hold was taken on */
+    ucm_ctx *ctx;        /* the context the holds were taken on */
     char *buf;
     Py_ssize_t len;
-    uint32_t slot;
+    uint32_t slot;       /* one slot's view: its slot (slots points here) */
+    uint32_t *slots;     /* the slots held: &slot, or a batch's copy (PyMem, UCM_NIL skipped) */
+    uint32_t n;
     int readonly;
-    int held;            /* holds its pin (until its last export is released) */
+    int held;            /* holds its pins (until its last export is released) */
     Py_ssize_t exports;
 } SlotBuffer;
 
@@ -216,7 +218,17 @@ static void slot_buffer_drop(SlotBuffer *e)
     CacheBase *c = e->cache;
     c->exports--;
     /* A cache whose context is gone (a forked child's: None) holds nothing through it. */
-    if (c->ctx && c->ctx == e->ctx) release_pin(c, e->ctx, e->slot);
+    if (c->ctx && c->ctx == e->ctx) {
+        if (e->n == 1 && e->slots == &e->slot) {
+            release_pin(c, e->ctx, e->slot);
+        } else if (__builtin_expect(core.ctx_points_set(e->ctx), 0)) {
+            uint32_t *slots = e->slots, n = e->n;
+            ucm_ctx *ctx = e->ctx;
+            WITHOUT_GIL(c, core.release_many(ctx, slots, n)); /* as release_pin */
+        } else {
+            core.release_many(e->ctx, e->slots, e->n);
+        }
+    }
 }
 
 static int slot_buffer_getbuf(SlotBuffer *e, Py_buffer *view, int flags)
@@ -239,6 +251,7 @@ static void slot_buffer_releasebuf(SlotBuffer *e, Py_buffer *view)
 static void slot_buffer_dealloc(SlotBuffer *e)
 {
     slot_buffer_drop(e);
+    if (e->slots != &e->slot) PyMem_Free(e->slots);
     Py_XDECREF(e->cache);
     PyObject_Free(e);
 }
@@ -279,6 +292,8 @@ static PyObject *slot_view(CacheBase *c, ucm_ctx *ctx, uint32_t slot, Py_ssize_t
     e->buf = p;
     e->len = n;
     e->slot = slot;
+    e->slots = &e->slot;
+    e->n = 1;
     e->readonly = !writable;
     e->exports = 0;
     e->held = 0;
@@ -290,6 +305,69 @@ static PyObject *slot_view(CacheBase *c, ucm_ctx *ctx, uint32_t slot, Py_ssize_t
     c->exports++;
     PyObject *v = PyMemoryView_FromObject((PyObject *)e);
     Py_DECREF(e); /* the view's managed buffer holds it (or, on failure, it drops its hold) */
+    return v;
+}
+
+/* A batch's read-only views share one SlotBuffer (one allocation and one pin step per batch,
+ * not per position): it holds one more hold on every slot of the batch (ucm_pin_again_many on
+ * a copy of its slot list) and exports the data region whole; each position's view is that
+ * view narrowed to its payload (narrow_view).  Its holds outlast every view made of it, so a
+ * position's slot stays pinned at least as long as its view lives.  NULL with no exception:
+ * this process no longer pins the batch's slots (the caller's full path says why). */
+static PyObject *batch_region_view(CacheBase *c, ucm_ctx *ctx, const uint32_t *slots,
+                                   uint32_t n)
+{
+    Py_buffer *ro = c->ro ? PyMemoryView_GET_BUFFER(c->ro) : NULL;
+    char *p = core.slot_data(ctx, 0);
+    if (!ro || !p || ro->len < c->data_off) {
+        PyErr_SetString(PyExc_ValueError, "the cache's mapping has no data region");
+        return NULL;
+    }
+    uint32_t *copy = PyMem_Malloc(sizeof(uint32_t) * (n ? n : 1));
+    if (!copy) return PyErr_NoMemory();
+    memcpy(copy, slots, sizeof(uint32_t) * n);
+    SlotBuffer *e = PyObject_New(SlotBuffer, &SlotBuffer_Type); /* not tracked: no collection */
+    if (!e) {
+        PyMem_Free(copy);
+        return NULL;
+    }
+    e->cache = (CacheBase *)Py_NewRef(c);
+    e->ctx = ctx;
+    e->buf = p;
+    e->len = ro->len - c->data_off;
+    e->slot = UCM_NIL;
+    e->slots = copy;
+    e->n = n;
+    e->readonly = 1;
+    e->exports = 0;
+    e->held = 0;
+    if (core.pin_again_many(ctx, copy, n) != UCM_OK) {
+        Py_DECREF(e);
+        return NULL;
+    }
+    e->held = 1;
+    c->exports++;
+    PyObject *v = PyMemoryView_FromObject((PyObject *)e);
+    Py_DECREF(e);
+    return v;
+}
+
+/* A view of n bytes at offset off of base (a 1-D read-only byte view), registered on base's
+ * managed buffer, so it keeps base's exporter as base would: made as memoryview slicing makes
+ * its result (mbuf_add_view, then the buffer narrowed), without the slice object. */
+static PyObject *narrow_view(PyObject *base, Py_ssize_t off, Py_ssize_t n)
+{
+    PyObject *v = PyMemoryView_FromObject(base);
+    if (!v) return NULL;
+    Py_buffer *b = PyMemoryView_GET_BUFFER(v);
+    if (off < 0 || n < 0 || off > b->len || n > b->len - off || b->ndim != 1) {
+        Py_DECREF(v);
+        PyErr_SetString(PyExc_ValueError, "a slot's payload lies outside the mapping");
+        return NULL;
+    }
+    b->buf = (char *)b->buf + off;
+    b->len = n;
+    b->shape[0] = n; /* 1-D bytes: strides[0] stays 1, the view stays contiguous */
     return v;
 }
 
@@ -1148,6 +1226,8 @@ typedef struct {
     PyObject *token;      /* _token: the full path's batch token (None: an all-hit batch) */
     PyObject *timeout;    /* _timeout, _views, _owner_views, _owned: see ucmcache/_handle.py */
     PyObject *views;      /* None, or a list of n: position i's read-only view, made once */
+    PyObject *region;     /* None, or the view of the data region its views narrow (see
+                           * batch_region_view) */
     PyObject *owner_views;
     PyObject *owned;
     PyObject *weakreflist;
@@ -1169,6 +1249,7 @@ static void batch_init(BatchBase *b)
     b->token = Py_NewRef(Py_None);
     b->timeout = Py_NewRef(Py_None);
     b->views = Py_NewRef(Py_None);
+    b->region = Py_NewRef(Py_None);
     b->owner_views = Py_NewRef(Py_None);
     b->owned = Py_NewRef(Py_None);
     b->closed = Py_NewRef(Py_True);
@@ -1318,6 +1399,7 @@ static int batch_drop(BatchBase *b, PyObject *msg)
     Py_INCREF(c);
     add_open(c, -1);
     Py_SETREF(b->views, Py_NewRef(Py_None));
+    Py_SETREF(b->region, Py_NewRef(Py_None));
     int rc = 1;
     if (HAS(b->token)) {
         PyObject *len = PyLong_FromSsize_t(PyBytes_GET_SIZE(msg));
@@ -1415,8 +1497,20 @@ static PyObject *batch_data(BatchBase *b, PyObject *pos)
                 if (batch_usable(b) != c) goto slow; /* the allocation closed it */
             }
             PyObject *views = Py_NewRef(b->views);
-            PyObject *v = slot_view(c, c->ctx, b->slot_at[i], (Py_ssize_t)b->len_at[i], 0);
-            if (!v && PyErr_Occurred()) {
+            if (!HAS(b->region)) {
+                PyObject *region = batch_region_view(c, c->ctx, b->slot_at, (uint32_t)b->n);
+                if (!region) {
+                    Py_DECREF(views);
+                    if (PyErr_Occurred()) return NULL;
+                    goto slow;
+                }
+                Py_XSETREF(b->region, region);
+            }
+            PyObject *region = Py_NewRef(b->region);
+            PyObject *v = narrow_view(region, (Py_ssize_t)b->slot_at[i] * c->stride,
+                                      (Py_ssize_t)b->len_at[i]);
+            Py_DECREF(region);
+            if (!v) {
                 Py_DECREF(views);
                 return NULL;
             }
@@ -1514,6 +1608,7 @@ static int batch_traverse(BatchBase *b, visitproc visit, void *arg)
     Py_VISIT(b->token);
     Py_VISIT(b->timeout);
     Py_VISIT(b->views);
+    Py_VISIT(b->region);
     Py_VISIT(b->owner_views);
     Py_VISIT(b->owned);
     return 0;
@@ -1533,6 +1628,7 @@ static int batch_clear(BatchBase *b)
     Py_CLEAR(b->token);
     Py_CLEAR(b->timeout);
     Py_CLEAR(b->views);
+    Py_CLEAR(b->region);
     Py_CLEAR(b->owner_views);
     Py_CLEAR(b->owned);
     Py_CLEAR(b->closed);

@@ -321,7 +321,7 @@ def test_batch_data_makes_one_view_per_position(make_cache):
     put(c, K[0])
     with c.get_many([K[0], K[0]]) as hb:
         views = {id(hb.data(i % 2)) for i in range(1000)}
-        assert len(views) == 2 and c._exports == 2
+        assert len(views) == 2 and c._exports == 1  # one exporter holds the batch's slots
     assert c._exports == 0
 
 
