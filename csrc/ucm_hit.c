@@ -237,6 +237,11 @@ static int slot_buffer_getbuf(SlotBuffer *e, Py_buffer *view, int flags)
         PyErr_SetString(PyExc_BufferError, "this slot's bytes are no longer pinned");
         return -1;
     }
+    if (e->slots != &e->slot && e->exports > 0) {
+        /* a batch's region: only the view its positions narrow, never the whole region */
+        PyErr_SetString(PyExc_BufferError, "a batch's data region is not exported again");
+        return -1;
+    }
     if (PyBuffer_FillInfo(view, (PyObject *)e, e->buf, e->len, e->readonly, flags) < 0)
         return -1;
     e->exports++;
@@ -969,8 +974,12 @@ static int handle_drop(HandleBase *h, PyObject *msg)
     int rc = 1;
     if (HAS(h->token)) {
         PyObject *len = PyLong_FromSsize_t(PyBytes_GET_SIZE(msg));
+        /* cffi releases the GIL around the call: counted, so close() cannot take the context
+         * away under it (as WITHOUT_GIL). */
+        c->calls_out++;
         PyObject *r = len ? PyObject_CallFunctionObjArgs(token_drop, h->token, msg, len, NULL)
                           : NULL;
+        c->calls_out--;
         Py_XDECREF(len);
         if (r) Py_DECREF(r);
         else rc = -1;
@@ -1403,8 +1412,10 @@ static int batch_drop(BatchBase *b, PyObject *msg)
     int rc = 1;
     if (HAS(b->token)) {
         PyObject *len = PyLong_FromSsize_t(PyBytes_GET_SIZE(msg));
+        c->calls_out++; /* as in handle_drop */
         PyObject *r = len ? PyObject_CallFunctionObjArgs(batch_token_drop, b->slots_p, b->owner_p,
                                                          b->token, msg, len, NULL) : NULL;
+        c->calls_out--;
         Py_XDECREF(len);
         if (r) Py_DECREF(r);
         else rc = -1;

@@ -348,3 +348,38 @@ def test_close_stops_the_caches_own_prefetcher_mid_load_before_counting_handles(
     assert entered.wait(30)
     c.close()  # the prefetcher's load holds a handle: it stops first, then close goes on
     assert c._ctx is None
+
+
+def test_close_checks_again_after_it_took_the_context_away(make_cache, monkeypatch):
+    """A view made by another thread between close()'s first check and its detach (played by
+    a hook on _detach_ctx) makes close() give the context back and refuse: nothing freed."""
+    c = make_cache(slot_size=64)
+    put(c, K[0])
+    kept, done = [], []
+    detach = type(c)._detach_ctx
+
+    def view_then_detach(self):
+        if not done:
+            done.append(1)
+            with self.get(K[0]) as h:
+                kept.append(h.data[0:8])
+        return detach(self)
+
+    monkeypatch.setattr(type(c), "_detach_ctx", view_then_detach)
+    with pytest.raises(UcmError, match="1 view"):
+        c.close()
+    assert c._ctx is not None and bytes(kept[0]) == payload(K[0], 8)
+    assert c.get_or_load(K[0], lambda: b"x") == payload(K[0], 64)
+    kept.clear()
+    c.close()
+    assert c._ctx is None
+
+
+def test_a_batchs_data_region_is_not_exported_again(make_cache):
+    c = make_cache(slot_size=64)
+    put(c, K[0])
+    with c.get_many([K[0]]) as hb:
+        v = hb.data(0)
+        with pytest.raises(BufferError, match="not exported again"):
+            memoryview(v.obj)
+        assert bytes(v) == payload(K[0], 64)

@@ -76,10 +76,11 @@ _fork_holds: list = []  # (ctx, slots array, count) per cache, and the child's p
 def _before_fork() -> None:
     _fork_holds.clear()
     for cache in list(_live_caches):
-        ctx = cache._ctx
+        slots = np.empty(cache.capacity, dtype=np.uint32)
+        slots_p = ffi.from_buffer("uint32_t[]", slots)
+        ctx = cache._ctx  # after the allocations: a finalizer they run may close the cache
         if ctx is not None:
-            slots = np.empty(cache.capacity, dtype=np.uint32)
-            n = lib.ucm_hold_pins(ctx, ffi.from_buffer("uint32_t[]", slots))
+            n = lib.ucm_hold_pins(ctx, slots_p)
             if n:
                 _fork_holds.append((ctx, slots, n))
     if _fork_holds:
@@ -227,7 +228,14 @@ class SlotCache(CacheBase, SingleFlight, Batches, Prefetching):
         # included) takes a pin through ctx, and no copy of another thread still runs on it;
         # then closed: no pin drop or token through ctx touches the segment, before the rank
         # is freed for another process (free_rank's recovery removes our holds).
-        ctx = self._closing_ctx = self._detach_ctx()
+        ctx = self._detach_ctx()
+        # Checked again now that no path can take a pin through the cache: another thread may
+        # have made a handle or a view between the first check and the detach.
+        if self._exports > 0 or (self._open_handles > 0 and self._live_handles() > 0):
+            self._ctx = ctx  # given back whole: nothing was freed
+            self._check_closable()  # raises, unless what looked alive was garbage
+            ctx = self._detach_ctx()
+        self._closing_ctx = ctx
         self._why_unusable = "closed"
         lib.ucm_ctx_close(ctx)
         self._finish_close(ctx)
