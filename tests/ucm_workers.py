@@ -46,13 +46,16 @@ def same(kind, a, b):
     return all(np.array_equal(x, y) for ra, rb in zip(a, b) for x, y in zip(ra, rb))
 
 
-def store_config(uuid, n_tensors, tensor_bytes, **extra):
+def store_config(uuid, n_tensors, tensor_bytes, shards=1, **extra):
     """A worker store's config as UCM's connectors pass it (tensor sizes, shard and block size,
-    buffer size, sharing, device id), plus keys for other stores that must be ignored."""
+    buffer size, sharing, device id), plus keys for other stores that must be ignored.
+    ``shards`` > 1: UCM's layerwise layout, one shard per layer (block_size = shards x
+    shard_size)."""
     shard = n_tensors * tensor_bytes
     cfg = {"unique_id": uuid, "device_id": 0, "tensor_size": tensor_bytes,
            "tensor_size_list": [tensor_bytes] * n_tensors, "shard_size": shard,
-           "block_size": shard, "buffer_size": shard * 64 * 4, "share_buffer_enable": True,
+           "block_size": shard * shards, "buffer_size": shard * 64 * 4,
+           "share_buffer_enable": True,
            "local_rank_size": 1, "ucmcache_max_ranks": 4, "transfer_timeout_ms": 20000,
            "store_pipeline": "Cache|Posix", "storage_backends": ["/nonexistent"],
            "waiting_queue_depth": 16}
@@ -124,3 +127,32 @@ def dump_then_stop(q, kind, uuid, seed, n_blocks, n_tensors, tensor_bytes, point
         q.put(("ok", "finished"))
     except BaseException as e:
         q.put(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+
+
+def dump_layers_then(q, uuid, seed, n_blocks, n_tensors, tensor_bytes, shards, layers, action):
+    """Dump layers ``layers`` of a seed's blocks (layer l = shard l, one dump call each, as
+    UCM's layerwise connector does), report, then end as ``action`` says: "kill" SIGKILLs this
+    process (an engine killed between two layers' dumps); "exit" returns with the store still
+    open, never closed (UCM's connector never closes its store), so the process exits
+    normally with it attached."""
+    from ucmcache.ucm import UcmCacheStore
+    try:
+        store = UcmCacheStore(store_config(uuid, n_tensors, tensor_bytes, shards))
+        _KEPT.append(store)  # alive until the interpreter exits: never collected before
+        ids = block_ids(seed, n_blocks)
+        for layer in layers:
+            blocks = make_blocks("numpy", seed * 1000 + layer, n_blocks, n_tensors,
+                                 tensor_bytes)
+            store.wait(store.dump(ids, [layer] * n_blocks, blocks))
+        q.put(("ok", {"pid": os.getpid(), "rank": store.cache.rank,
+                      "found": store.lookup(ids)}))
+    except BaseException as e:
+        q.put(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+        return
+    if action == "kill":
+        q.close()
+        q.join_thread()  # the report is written to the pipe before the kill, not lost with it
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+_KEPT: list = []

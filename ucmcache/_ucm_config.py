@@ -1,20 +1,48 @@
-"""UcmCacheStore's config (``ucmcache.ucm``): the keys UCM's connectors pass, checked, and the
-segment name a UCM unique_id maps to.  Nothing here touches a segment.
+"""UcmCacheStore's config (``ucmcache.ucm``): the keys UCM's connectors pass, checked; the
+segment a config names; how many bytes of slots it asks for, and how many fit.  Nothing here
+touches a segment.
+
+What UCM's connectors pass (uc-manager 0.8.1, ``ucm/integration/vllm/ucm_connector.py``
+``_create_store``; ``ucm/integration/sglang/ucm_connector.py``):
+
+- vLLM, worker: the user's ``ucm_connector_config`` plus ``unique_id`` (a fresh uuid4 at each
+  engine start when share_buffer_enable, else the engine id), ``tensor_layout`` ("mla" or
+  "gqa"), ``device_id``, ``tensor_size_list``, ``shard_size`` and ``block_size`` (both padded
+  to 4 KiB; block_size / shard_size shards per block: one per layer with use_layerwise, else
+  one), ``local_rank_size``, ``gpu_kv_buffer_*``, ``posix_gc_enable``, and with
+  share_buffer_enable ``cache_buffer_capacity_gb`` (128 when the user gave none; the connector
+  itself refuses to start when /dev/shm's size is below it).
+- vLLM, scheduler: the user's config, ``unique_id``, ``tensor_layout``, ``posix_gc_enable``
+  and, on the data-parallel rank 0 scheduler only, ``block_size``.  No shard_size.
+- SGLang: the user's config, ``device_id``, ``tensor_size``, ``shard_size`` = ``block_size``,
+  ``stream_number``.  No unique_id.
 """
 from __future__ import annotations
 
 import hashlib
+import os
 import re
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
-DEFAULT_BUFFER_SIZE = 1 << 30   # segment data bytes when the config gives no buffer_size
+DEFAULT_BUFFER_SIZE = 1 << 30   # segment data bytes when the config gives no size at all
 DEFAULT_MAX_RANKS = 8           # stores attached at once (workers and scheduler-side stores)
 DEFAULT_TIMEOUT_S = 30.0        # UCM's transfer_timeout_ms default (30000)
 DEFAULT_THREADS = 2
+# A size /dev/shm cannot hold is clamped to this share of what is free, not all of it: vLLM's
+# own IPC buffers, other engines' segments and whatever else uses the tmpfs need room too, and
+# a full tmpfs fails their next allocation with SIGBUS rather than an error.
+SHM_CLAMP_SHARE = 0.5
+SHM_DIR = "/dev/shm"
 
 _SEGMENT_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+def shm_free_bytes() -> int:
+    """Bytes free in /dev/shm now (a module function so that tests can give a smaller one)."""
+    st = os.statvfs(SHM_DIR)
+    return st.f_bavail * st.f_frsize
 
 
 def _int(config: Dict[str, object], name: str, default: Optional[int] = None,
@@ -45,14 +73,37 @@ def _bool(config: Dict[str, object], name: str, default: bool) -> bool:
 
 
 def segment_name(unique_id: str) -> str:
-    """The segment uuid for a UCM unique_id: itself when it is a valid uuid ([A-Za-z0-9_-],
-    at most 64), else a readable prefix plus a hash of the whole id (deterministic, so every
-    process that passes the same id names the same segment)."""
+    """The segment uuid for a name: itself when it is a valid uuid ([A-Za-z0-9_-], at most
+    64), else a readable prefix plus a hash of the whole name (deterministic, so every process
+    that passes the same name names the same segment)."""
     s = str(unique_id)
     if _SEGMENT_RE.fullmatch(s):
         return s
     digest = hashlib.blake2b(s.encode("utf-8"), digest_size=8).hexdigest()
     return re.sub(r"[^A-Za-z0-9_-]", "_", s)[:40] + "-" + digest
+
+
+def default_segment(config: Dict[str, object]) -> Tuple[str, str]:
+    """(segment, why) for a config without ``ucmcache_segment``.
+
+    A config from UCM's vLLM connector (it always has ``tensor_layout``) or SGLang's (no
+    unique_id at all) has no name that survives an engine restart: vLLM's unique_id is a new
+    uuid4 at every start.  Named after it, each start would make a new segment, find nothing
+    and leave the old one in /dev/shm.  So the default is one segment per tensor layout and
+    user: ``ucm-<tensor_layout>-u<uid>``, the same for the scheduler (which is given no sizes)
+    and the workers of every engine on the host.  Sharing it across models is safe for keys,
+    as far as UCM's block ids go: UCM's RequestHasher puts the model's name, TP size, dtype
+    and rank in every id (ucm/integration/vllm/request_hasher.py).  Engines whose shards differ
+    in size cannot share a segment (its slots have one size): the second is told at start to
+    set ``ucmcache_segment``.  Any other config names the segment after its unique_id (or
+    engine_id), as a caller that picks its own stable id wants."""
+    layout = config.get("tensor_layout")
+    uid = config.get("unique_id") or config.get("engine_id")
+    if layout is not None or uid is None or uid == "":
+        kind = str(layout) if layout is not None else "kv"
+        return (segment_name(f"ucm-{kind}-u{os.getuid()}"),
+                "the default for UCM's connector (its unique_id changes at every start)")
+    return segment_name(str(uid)), "unique_id" if config.get("unique_id") else "engine_id"
 
 
 class _Config:
@@ -62,20 +113,29 @@ class _Config:
     def __init__(self, config: Dict[str, object]):
         if not isinstance(config, dict):
             raise TypeError(f"config must be a dict, got {type(config).__name__}")
-        missing = []
-        uid = config.get("ucmcache_segment") or config.get("unique_id") or config.get("engine_id")
-        if uid is None or uid == "":
-            missing.append("unique_id (or engine_id)")
-        slot = config.get("shard_size", config.get("block_size"))
-        if slot is None:
-            missing.append("shard_size (or block_size)")
-        if missing:
-            raise ValueError(f"UcmCacheStore config is missing {' and '.join(missing)}; got keys "
-                             f"{sorted(map(str, config))}")
-        self.unique_id = str(uid)
-        self.segment = segment_name(self.unique_id)
-        key = "shard_size" if "shard_size" in config else "block_size"
-        self.slot_size = _int(config, key, minimum=1)
+        self.device_id = _int(config, "device_id", -1, minimum=-(1 << 31))
+        named = config.get("ucmcache_segment")
+        if named is not None and named != "":
+            self.segment, self.segment_from = segment_name(str(named)), "ucmcache_segment"
+        else:
+            self.segment, self.segment_from = default_segment(config)
+        # Sizes: a worker needs them; a scheduler-side store attaches to what the workers made
+        # and takes the slot size from the segment (UCM gives its scheduler no shard_size, and
+        # block_size only on data-parallel rank 0).
+        shard = _int(config, "shard_size", minimum=1)
+        block = _int(config, "block_size", minimum=1)
+        if self.device_id >= 0 and shard is None and block is None:
+            raise ValueError(f"UcmCacheStore config is missing shard_size (or block_size); got "
+                             f"keys {sorted(map(str, config))}")
+        self.slot_size: Optional[int] = shard if shard is not None else block
+        # Shards per block: UCM's layerwise connector stores layer l of a block as shard l and
+        # passes block_size = n_layers x shard_size; the direct one, one shard per block.
+        self.shards = 1
+        if shard is not None and block is not None and self.device_id >= 0:
+            if block % shard:
+                raise ValueError(f"config block_size {block} is not a multiple of shard_size "
+                                 f"{shard}: a block is a whole number of shards")
+            self.shards = block // shard
         sizes = config.get("tensor_size_list")
         if sizes is not None:
             try:
@@ -88,10 +148,9 @@ class _Config:
                                  f"{sizes}")
         self.tensor_sizes: Optional[List[int]] = sizes
         self.tensor_size = _int(config, "tensor_size", minimum=1)
-        self.buffer_size = _int(config, "buffer_size", DEFAULT_BUFFER_SIZE, minimum=1)
+        self.buffer_size, self.buffer_key = self._buffer(config)
         self.share = _bool(config, "share_buffer_enable", True)
         self.local_rank_size = _int(config, "local_rank_size", 1, minimum=1)
-        self.device_id = _int(config, "device_id", -1, minimum=-(1 << 31))
         self.max_ranks = _int(config, "ucmcache_max_ranks", DEFAULT_MAX_RANKS, minimum=1)
         if self.max_ranks > 63:
             raise ValueError(f"config 'ucmcache_max_ranks' must be at most 63, got "
@@ -102,13 +161,64 @@ class _Config:
         nkey = "transfer_stream_number" if "transfer_stream_number" in config else "stream_number"
         threads = _int(config, nkey, minimum=1)
         self.threads = DEFAULT_THREADS if threads is None else min(16, threads)
-        stride = -(-self.slot_size // 64) * 64
-        self.slots_per_rank = self.buffer_size // (stride * self.max_ranks)
-        if self.device_id >= 0 and self.slots_per_rank < 1:
+        if self.device_id >= 0:
+            self.slots_per_rank_for(self.buffer_size)  # a size too small for a slot: say now
+
+    @staticmethod
+    def _buffer(config: Dict[str, object]) -> Tuple[int, str]:
+        """(bytes of slots asked for, the key that asked).  buffer_size (bytes, this store's
+        own key) wins over UCM's cache_buffer_capacity_gb (GiB, as UCM counts it: x 2**30)."""
+        if config.get("buffer_size") is not None:
+            return _int(config, "buffer_size", minimum=1), "buffer_size"
+        gb = config.get("cache_buffer_capacity_gb")
+        if gb is not None:
+            if isinstance(gb, bool) or not isinstance(gb, (int, float, np.integer, np.floating)) \
+                    or not gb > 0:
+                raise ValueError(f"config 'cache_buffer_capacity_gb' must be a number of GiB > 0, "
+                                 f"got {gb!r}")
+            return int(float(gb) * (1 << 30)), f"cache_buffer_capacity_gb={gb}"
+        return DEFAULT_BUFFER_SIZE, "the default size"
+
+    @property
+    def stride(self) -> int:
+        return -(-self.slot_size // 64) * 64
+
+    def slots_per_rank_for(self, nbytes: int) -> int:
+        """Slots each of max_ranks ranks gets from nbytes of slots (ValueError if none)."""
+        per = nbytes // (self.stride * self.max_ranks)
+        if per < 1:
             raise ValueError(
-                f"config buffer_size={self.buffer_size} holds no slot of {self.slot_size} bytes "
-                f"for each of {self.max_ranks} ranks (ucmcache_max_ranks); it needs at least "
-                f"{stride * self.max_ranks}")
+                f"config {self.buffer_key} ({nbytes} bytes) holds no slot of {self.slot_size} "
+                f"bytes for each of {self.max_ranks} ranks (ucmcache_max_ranks); it needs at "
+                f"least {self.stride * self.max_ranks}")
+        return per
+
+    def fitted_slots_per_rank(self, log) -> int:
+        """slots_per_rank for a segment made now: what the config asks for, or, when /dev/shm
+        cannot hold that, SHM_CLAMP_SHARE of what is free (with a log line), so that an engine
+        configured for a larger machine still starts.  SharedMemoryFull when not even one slot
+        per rank fits."""
+        from ._errors import SharedMemoryFull
+        free = shm_free_bytes()
+        want = self.buffer_size
+        # The control region (64-byte slot lines, buckets, ranks) comes on top of the slots:
+        # counted as one more line per slot, which it never exceeds for slots of >= 64 bytes.
+        need = want // self.stride * (self.stride + 64)
+        if need <= free:
+            return self.slots_per_rank_for(want)
+        # The other share of what is free holds the control region with room to spare.
+        fit = int(free * SHM_CLAMP_SHARE) // self.stride * self.stride
+        if fit // (self.stride * self.max_ranks) < 1:
+            raise SharedMemoryFull(
+                f"config {self.buffer_key}: /dev/shm has {free} bytes free, too little for one "
+                f"slot of {self.slot_size} bytes for each of {self.max_ranks} ranks "
+                f"(ucmcache_max_ranks); free some, raise its size (Docker: --shm-size), or lower "
+                f"ucmcache_max_ranks")
+        log.warning("UcmCacheStore: config %s asks for %d bytes of slots but %s has %d bytes "
+                    "free: using %d (%d%% of what is free); set cache_buffer_capacity_gb or "
+                    "buffer_size to choose", self.buffer_key, want, SHM_DIR, free, fit,
+                    int(SHM_CLAMP_SHARE * 100))
+        return self.slots_per_rank_for(fit)
 
     def column_sizes(self, m: int) -> List[int]:
         """Bytes behind each of a block's m raw addresses (load_data/dump_data)."""

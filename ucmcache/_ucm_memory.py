@@ -1,11 +1,18 @@
 """UcmCacheStore's blocks and their memory (``ucmcache.ucm``): block ids and shard keys, the
-tensors or raw addresses of a block (its pieces), and the copies between a piece and host memory
-at a slot or a staging buffer, each releasing the GIL.
+tensors or raw addresses of a block (its pieces), the copies between a piece and host memory
+at a slot or a staging buffer, each releasing the GIL, and the wait for a device event.
+
+Keys.  A block of one shard (UCM's direct connector: shard_size = block_size) is stored under
+(block id, 0), which is also what lookups ask for.  A block of n > 1 shards (the layerwise
+connector: shard l is layer l) stores shard s under (block id, 1 + s) and, once all n are
+stored, a small *complete mark* under (block id, 0): lookups keep asking one key per block,
+and only a whole block answers (see ucmcache/ucm.py, "Blocks of several shards").
 """
 from __future__ import annotations
 
 import hashlib
 import os
+import struct
 from typing import Any, List
 
 import cffi
@@ -42,19 +49,29 @@ def _block_id(b: object) -> bytes:
     raise TypeError(f"a block id must be bytes, got {type(b).__name__}")
 
 
-def _key(block_id: bytes, shard: int):
-    return block_id if shard == 0 else (block_id, shard)
+def _key(block_id: bytes, shard: int, shards: int):
+    """Where shard `shard` of a block of `shards` shards is stored (see the module's note)."""
+    return block_id if shards == 1 else (block_id, 1 + shard)
 
 
-def _shards(shard_index, n: int) -> List[int]:
+def _complete_mark(shards: int) -> bytes:
+    """A complete mark's payload: a tag and the block's shard count (for ucmcache inspect and
+    a reader's sanity; lookups only ask whether the mark is Ready)."""
+    return struct.pack("<8sQ", b"ucmblock", shards)
+
+
+def _shards(shard_index, n: int, shards: int, why: str) -> List[int]:
+    """The shard index of each of n blocks, each checked against the block's shard count
+    (`why` says where that count comes from)."""
     if shard_index is None:
         return [0] * n
     out = [int(s) for s in shard_index]
     if len(out) != n:
         raise ValueError(f"shard_index has {len(out)} entries for {n} block ids")
     for s in out:
-        if not 0 <= s < 1 << 64:
-            raise ValueError(f"a shard index must be in [0, 2**64), got {s}")
+        if not 0 <= s < shards:
+            raise ValueError(f"shard index {s} is out of range: blocks here have {shards} "
+                             f"shard{'s' if shards != 1 else ''} ({why})")
     return out
 
 
@@ -152,6 +169,23 @@ def _cuda_memcpy(dst: int, src: int, n: int) -> None:
         raise RuntimeError(f"cudaMemcpy of {n} bytes failed with CUDA error {r}")
 
 
+def wait_event(handle: int) -> None:
+    """Block this thread until the device event behind ``handle`` (a ``cudaEvent_t``, as UCM's
+    CudaDevice.get_event_handle returns ``int(torch.cuda.Event().cuda_event)``) has completed:
+    cudaEventSynchronize.  UCM's cache store makes its copy stream wait for the event
+    (cudaStreamWaitEvent, ucm/store/cache/cc/dump_queue.cc) before its device-to-host copies;
+    this store's copies are synchronous calls on a pool thread, so the thread waits instead
+    (ctypes releases the GIL).  Untested here (no GPU) but through a stand-in libcudart."""
+    global _cudart
+    import ctypes
+    if _cudart is None:
+        _cudart = _load_cudart(ctypes)
+    r = _cudart.cudaEventSynchronize(ctypes.c_void_p(handle))
+    if r != 0:
+        raise RuntimeError(f"cudaEventSynchronize of prerequisite_handle {handle:#x} failed with "
+                           f"CUDA error {r}")
+
+
 def _load_cudart(ctypes):
     import glob
     names = ["libcudart.so", "libcudart.so.12", "libcudart.so.11.0"]
@@ -166,8 +200,10 @@ def _load_cudart(ctypes):
         try:
             lib = ctypes.CDLL(name)
             lib.cudaMemcpy.restype = ctypes.c_int
+            lib.cudaEventSynchronize.restype = ctypes.c_int
             return lib
         except OSError:
             continue
-    raise RuntimeError("raw addresses on a CUDA machine need libcudart (cudaMemcpy), and none "
+    raise RuntimeError("raw addresses and device events on a CUDA machine need libcudart "
+                       "(cudaMemcpy, cudaEventSynchronize), and none "
                        f"could be loaded (tried {names})")

@@ -1,37 +1,48 @@
 """UcmCacheStore's task bodies (``ucmcache.ucm``): a load or dump task's plan (its keys and
 pieces) and the work it does on one of the store's pool threads.  A load copies only entries
-that are Ready; a dump fills each owned slot and publishes it after its last copy, waits for a
-block another worker is dumping, and takes over one whose dump failed.
+that are Ready and of the destination's size, and never writes a byte of a block it refuses; a
+dump waits for its prerequisite device event, fills each owned slot and publishes it after its
+last copy, waits for a block another worker is dumping, takes over one whose dump failed, and
+marks the blocks whose every shard is now stored complete.
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, List, Optional, Set, Tuple
 
 import numpy as np
 
 from ._core import ffi
 from ._errors import CacheFull, LoadFailed, UcmError
-from ._ucm_memory import _copy_in, _copy_out, _key, _torch
+from . import _ucm_memory
+from ._ucm_memory import _complete_mark, _copy_in, _copy_out, _key, _memcpy, _torch
 
 DUMP_CHUNK = 32                 # blocks pinned (and owned) at once by one dump step
-STAGING_BYTES = 4 << 20         # a scattered load's staging buffer per pool thread, at most
-                                # (one slot at least): kept, and small enough to stay in cache
+STAGING_BYTES = 4 << 20         # a load's staging buffer per pool thread, at most (one row at
+                                # least): kept, and small enough to stay in cache
 JOIN_ROUNDS = 3                 # a block another dump failed is taken over at most this often
+
+# A failure message of a block that is not there for this load (missing, or stored with
+# another size): wait() raises the "not found" error for these (UCM's StoreNotFoundError).
+MISSING = "missing (not stored, evicted, or still being dumped)"
 
 
 class _Plan:
     """A task's blocks: keys and, for each block, its pieces (tensors) in order."""
 
-    __slots__ = ("ids", "shards", "keys", "pieces", "totals", "keep", "any_device")
+    __slots__ = ("ids", "shards", "n_shards", "keys", "pieces", "totals", "keep", "any_device",
+                 "event", "not_found")
 
-    def __init__(self, ids, shards, pieces, keep):
+    def __init__(self, ids, shards, pieces, keep, n_shards: int = 1, event: int = 0):
         self.ids = ids
         self.shards = shards
-        self.keys = [_key(b, s) for b, s in zip(ids, shards)]
+        self.n_shards = n_shards
+        self.keys = [_key(b, s, n_shards) for b, s in zip(ids, shards)]
         self.pieces = pieces
         self.totals = [sum(p.nbytes for p in row) for row in pieces]
         self.keep = keep
         self.any_device = any(p.device is not None for row in pieces for p in row)
+        self.event = event              # a device event to wait for before copying (dumps)
+        self.not_found: Set[int] = set()  # blocks that failed as not there (loads)
 
     def contiguous_base(self) -> Optional[int]:
         """The start of the destination when every piece of every block lies in one run of
@@ -56,7 +67,7 @@ class TaskBodies:
     """UcmCacheStore's task bodies.  A mixin: it uses the store's _cache, _cfg, _local (each
     pool thread's staging buffer), _cuda and _test_points, and adds no state of its own."""
 
-    def _guard(self, run, plan: _Plan) -> Dict[int, str]:
+    def _guard(self, run, plan: _Plan) -> Tuple[Dict[int, str], Set[int]]:
         # failures[i]: None once block i is done, else why it failed; a block never reached
         # when something unexpected is raised fails with that exception.
         failures: Dict[int, Optional[str]] = {}
@@ -67,37 +78,93 @@ class TaskBodies:
                 failures.setdefault(i, f"{type(e).__name__}: {e}")
         finally:
             plan.keep = None
-        return {i: failures[i] for i in failures if failures[i] is not None}
+        failed = {i: failures[i] for i in failures if failures[i] is not None}
+        return failed, plan.not_found & set(failed)
 
     def _point(self, name: str, i: int) -> None:
         fn = self._test_points.get(name)
         if fn is not None:
             fn(i)
 
+    # ---------------------------------------------------------------- loads
+
     def _run_load(self, plan: _Plan, failures: Dict[int, str]) -> None:
+        """Every load goes through a staging buffer: read_many copies a payload shorter than
+        its row into the row (it reports the length after), so a read straight into the
+        caller's tensors would already have written a block it then refuses.  Into staging,
+        each block's length is checked first and only the blocks of the right size are copied
+        on: into one contiguous destination one memcpy per run of consecutive good blocks,
+        else one copy per tensor."""
         cache = self._cache
         n = len(plan.keys)
+        if not n:
+            return
+        slot = cache.slot_size
+        # Staging rows as long as the destination's blocks when they are all alike (so a run
+        # of good blocks is one copy), else slot-long rows.
+        same = min(plan.totals) == max(plan.totals)
+        row = plan.totals[0] if same and plan.totals[0] > 0 else slot
+        per = max(1, STAGING_BYTES // max(row, slot))
+        stage_addr, keep = self._staging(min(per, n) * max(row, slot), plan.any_device and
+                                         self._cuda)
         base = plan.contiguous_base()
-        if base is not None:
-            row = plan.totals[0]
-            out = ffi.buffer(ffi.cast("char *", base), n * row)
-            try:
-                lens = cache.read_many(plan.keys, out)  # one C call for the whole task
-            except ValueError:
-                lens = None  # a stored shard is larger than a row: sort it out via staging
-            if lens is not None:
-                for i in range(n):
-                    self._check_len(i, int(lens[i]), row, failures)
-                return
-        self._load_staged(plan, failures)
+        for start in range(0, n, per):
+            stop = min(n, start + per)
+            lens, at_row = self._read_chunk(plan.keys[start:stop], stage_addr, row, slot)
+            good: List[int] = []
+            for r in range(stop - start):
+                if self._check_len(start + r, int(lens[r]), plan, failures):
+                    good.append(r)
+            if base is not None and at_row == plan.totals[0]:
+                self._copy_runs(base + start * at_row, stage_addr, at_row, good)
+            else:
+                for r in good:
+                    at = stage_addr + r * at_row
+                    for p in plan.pieces[start + r]:
+                        _copy_out(p, at)
+                        at += p.nbytes
+        del keep
+        if plan.n_shards > 1:
+            # The blocks' complete marks are used with their shards: keep CLOCK from taking
+            # the marks of blocks in use first (nothing else touches them: lookups take no
+            # pin and set no bit).
+            cache.touch(list(dict.fromkeys(plan.ids[i] for i in range(n)
+                                           if failures.get(i, "") is None)))
+
+    def _read_chunk(self, keys, stage_addr: int, row: int, slot: int) -> Tuple[np.ndarray, int]:
+        """read_many of keys into staging rows of `row` bytes: (lengths, row).  A payload
+        longer than a short row is a ValueError with nothing copied: read the chunk again into
+        slot-long rows, where every payload fits, to learn each one's length."""
+        k = len(keys)
+        out = ffi.buffer(ffi.cast("char *", stage_addr), k * row)
+        try:
+            return self._cache.read_many(keys, out), row  # one C call, GIL released
+        except ValueError:
+            if row >= slot:
+                raise
+        out = ffi.buffer(ffi.cast("char *", stage_addr), k * slot)
+        return self._cache.read_many(keys, out), slot
 
     @staticmethod
-    def _check_len(i: int, got: int, want: int, failures: Dict[int, str]) -> bool:
+    def _copy_runs(dst_base: int, src_base: int, row: int, good: List[int]) -> None:
+        """Rows `good` (sorted) of staging into the same rows at dst: one memcpy a run."""
+        i = 0
+        while i < len(good):
+            j = i
+            while j + 1 < len(good) and good[j + 1] == good[j] + 1:
+                j += 1
+            _memcpy(dst_base + good[i] * row, src_base + good[i] * row, (j - i + 1) * row)
+            i = j + 1
+
+    @staticmethod
+    def _check_len(i: int, got: int, plan: _Plan, failures: Dict[int, str]) -> bool:
+        want = plan.totals[i]
         if got == want:
             failures[i] = None  # done
             return True
+        plan.not_found.add(i)
         if got < 0:
-            failures[i] = "missing (not stored, evicted, or still being dumped)"
+            failures[i] = MISSING
         else:
             failures[i] = (f"stored with {got} bytes, the destination tensors hold {want} "
                            "(another layout?)")
@@ -118,30 +185,11 @@ class TaskBodies:
             local.stage = have
         return have[0], have[1]
 
-    def _load_staged(self, plan: _Plan, failures: Dict[int, str]) -> None:
-        cache = self._cache
-        row = cache.slot_size
-        per = max(1, STAGING_BYTES // row)
-        n = len(plan.keys)
-        k_max = min(per, n)
-        stage_addr, keep = self._staging(k_max * row, plan.any_device and self._cuda)
-        for start in range(0, n, per):
-            stop = min(n, start + per)
-            k = stop - start
-            out = ffi.buffer(ffi.cast("char *", stage_addr), k * row)
-            lens = cache.read_many(plan.keys[start:stop], out)  # one C call per chunk
-            for r in range(k):
-                i = start + r
-                if not self._check_len(i, int(lens[r]), plan.totals[i], failures):
-                    continue
-                at = stage_addr + r * row
-                for p in plan.pieces[i]:
-                    _copy_out(p, at)
-                    at += p.nbytes
-            del out
-        del keep
+    # ---------------------------------------------------------------- dumps
 
     def _run_dump(self, plan: _Plan, failures: Dict[int, str]) -> None:
+        if plan.event:
+            self._wait_prerequisite(plan.event)  # raises: every block fails, none copied
         cache = self._cache
         n = len(plan.keys)
         for start in range(0, n, DUMP_CHUNK):
@@ -166,6 +214,56 @@ class TaskBodies:
                             joined.append(i)  # another dump has it (or our own duplicate)
             for i in joined:
                 self._dump_one(i, plan, failures)
+        if plan.n_shards > 1:
+            self._mark_complete(plan, failures)
+
+    def _wait_prerequisite(self, handle: int) -> None:
+        """Wait for the device event UCM's connector passes with a dump (prerequisite_handle:
+        its compute stream's event after the layer's KV was written), before any copy.  On a
+        store with CUDA: cudaEventSynchronize, on this pool thread (the caller never blocks).
+        Without CUDA there is no device work to wait for: every source is host memory the
+        engine wrote before calling (UCM's simulated stream ignores the event likewise)."""
+        if self._cuda:
+            _ucm_memory.wait_event(handle)
+
+    def _mark_complete(self, plan: _Plan, failures: Dict[int, str]) -> None:
+        """Publish the complete mark of each block of this task whose every shard is stored
+        now (ucm.py, "Blocks of several shards").  Whichever dump stores a block's last shard,
+        in any process, finds all of them Ready here; a block still missing shards is left to
+        the dump that brings them.  Looks at one shard of each candidate per round, starting
+        after the task's own shard, so the usual in-order layer dumps stop after one look."""
+        cache = self._cache
+        n = plan.n_shards
+        todo: Dict[bytes, int] = {}
+        for i, b in enumerate(plan.ids):
+            if failures.get(i, "") is None:
+                todo.setdefault(b, plan.shards[i])
+        if not todo:
+            return
+        ids = list(todo)
+        ids = [b for b, marked in zip(ids, cache.exist(ids)) if not marked]
+        for step in range(1, n):
+            if not ids:
+                return
+            found = cache.exist([_key(b, (todo[b] + step) % n, n) for b in ids])
+            ids = [b for b, ok in zip(ids, found) if ok]
+        if not ids:
+            return
+        payload = _complete_mark(n)
+        try:
+            batch = cache.get_many(ids, timeout=self._cfg.timeout)
+        except UcmError:
+            return  # CacheFull, LockTimeout: unmarked, the blocks stay misses (never wrong)
+        with batch:
+            for pos in np.flatnonzero(batch.owner).tolist():
+                try:
+                    view = batch.data(pos)
+                    view[:len(payload)] = payload
+                    del view
+                    batch.ready(pos, len(payload))
+                except UcmError:
+                    pass  # taken by a recovery meanwhile: unmarked, a miss
+            # Not owned: Ready (marked already) or Loading (another dump is marking it).
 
     def _dump_one(self, i: int, plan: _Plan, failures: Dict[int, str]) -> None:
         """A block another caller was dumping: wait for it; if that dump failed (or its worker
@@ -227,3 +325,4 @@ class TaskBodies:
             return
         failures[i] = None
         self._point("after_publish", i)
+
