@@ -875,15 +875,28 @@ def test_default_segment_is_stable_across_engine_starts(stores, default_segments
     assert named.segment == second.segment + "-own"
 
 
-def test_rank_is_freed_when_the_process_exits_without_closing_the_store(uuid, stores, procs):
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_rank_is_freed_when_the_process_exits_without_closing_the_store(uuid, stores, method):
     """UCM's connector never closes its store: a process that exits with it open frees its
-    rank (atexit), so the segment shows no dead rank and verify is clean without anyone
-    attaching to recover it (issue 24, 5)."""
+    rank, so the segment shows no dead rank and verify is clean without anyone attaching to
+    recover it (issue 24, 5).  Both start methods: a forked multiprocessing child (vLLM's
+    default for its workers) ends with os._exit, where atexit never runs."""
     n, m, size = 2, 2, 1024
-    p, q = procs.start(W.dump_layers_then, uuid, 99, n, m, size, 1, [0], "exit")
-    assert procs.result(q)["found"] == [True] * n
-    p.join(BOUND)
-    assert p.exitcode == 0
+    ctx = mp.get_context(method)
+    q = ctx.Queue()
+    p = ctx.Process(target=W.dump_layers_then, args=(q, uuid, 99, n, m, size, 1, [0], "exit"),
+                    daemon=True)
+    p.start()
+    try:
+        status, value = q.get(timeout=60)
+        assert status == "ok", value
+        assert value["found"] == [True] * n
+        p.join(BOUND)
+        assert p.exitcode == 0
+    finally:
+        if p.is_alive():
+            p.kill()
+            p.join(BOUND)
     report = ucmcache.verify(uuid)                            # attaches read-only, no rank
     assert report.ok, report.problems
     scheduler = stores({"unique_id": uuid, "device_id": -1})

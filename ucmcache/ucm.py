@@ -55,9 +55,9 @@ RankConsistencyManager marks blocks missing for.  Other failures raise ``UcmTask
 are UcmErrors and RuntimeErrors (what ``wait`` raised before).
 
 Lifetime.  UCM's connectors never close their store: a finalizer (run when the store is
-collected, or at interpreter exit through weakref.finalize's atexit hook) stops the pool and
-detaches, so the rank is freed, not left "ready, pid dead" until someone attaches.  A SIGKILL
-still leaves it for recovery.
+collected, or at process exit: multiprocessing's exit hook in a process it started, fork or
+spawn, atexit elsewhere) stops the pool and detaches, so the rank is freed, not left "ready,
+pid dead" until someone attaches.  A SIGKILL still leaves it for recovery.
 
 Copies: a dump first waits for its prerequisite device event (dump_data), then copies each
 tensor straight into the shard's owned slot and publishes it Ready only after its last copy
@@ -82,8 +82,8 @@ import concurrent.futures
 import itertools
 import logging
 import os
+import multiprocessing.util as _mp_util
 import threading
-import weakref
 from typing import Any, Callable, Dict, List, Optional
 
 import numpy as np
@@ -234,9 +234,12 @@ class UcmCacheStore(TaskBodies, _StoreBase):
         self._closed = False
         self._test_points: Dict[str, Callable[[int], None]] = {}
         self._cuda = False
-        # Runs once: at close(), when the store is collected, or at interpreter exit (UCM's
-        # connectors never call close()).
-        self._finalizer = weakref.finalize(self, parts.release)
+        # Runs once: at close(), when the store is collected, or when the process exits (UCM's
+        # connectors never call close()).  multiprocessing's Finalize, not weakref.finalize:
+        # a worker process that multiprocessing forked (vLLM's default start method) ends with
+        # os._exit after running multiprocessing's finalizers, so atexit never runs there;
+        # these run there, at atexit in any other process, and on collection.
+        self._finalizer = _mp_util.Finalize(self, parts.release, exitpriority=10)
         if cfg.device_id < 0:
             self._try_attach()  # the scheduler side: attach if the segment exists, never create
             return
