@@ -925,6 +925,21 @@ def test_refused_contiguous_load_leaves_the_destination_untouched(uuid, stores, 
     assert W.same("numpy", good, [list(flat[0])]) and W.same("numpy", good, [list(flat[2])])
 
 
+def test_a_block_gone_between_a_loads_look_and_its_pins_is_missing(uuid, stores):
+    """A contiguous load looks (exist) and then pins (get_many): a block evicted or cleared in
+    between makes the load its loader for an instant; it is failed at once, reported missing,
+    its rows untouched, and nothing is left in the segment (issue 24, 6's one-copy path)."""
+    store = stores(_cfg(uuid, 2, 1024))
+    ids = W.block_ids(103, 2)
+    store.wait(store.dump(ids, [0, 0], W.make_blocks("numpy", 103, 2, 2, 1024)))
+    store._test_points["after_exist"] = lambda n_stored: store.cache.clear()
+    flat = np.full((2, 2, 1024), 0xCD, dtype=np.uint8)
+    with pytest.raises(U.UcmBlockNotFound, match=r"2 of 2 block.*block 0 .*missing"):
+        store.wait(store.load(ids, [0, 0], [list(flat[i]) for i in range(2)]))
+    assert (flat == 0xCD).all() and store.cache.entry_count() == 0
+    assert store.lookup(ids) == [False, False] and ucmcache.verify(uuid).ok
+
+
 def _readme_ucm_config():
     """The ucm_connectors entry of the README's UCM section, read from the README itself.
     A YAML subset: `key: value  # comment` lines whose values are JSON scalars; anything else

@@ -89,47 +89,102 @@ class TaskBodies:
     # ---------------------------------------------------------------- loads
 
     def _run_load(self, plan: _Plan, failures: Dict[int, str]) -> None:
-        """Every load goes through a staging buffer: read_many copies a payload shorter than
-        its row into the row (it reports the length after), so a read straight into the
-        caller's tensors would already have written a block it then refuses.  Into staging,
-        each block's length is checked first and only the blocks of the right size are copied
-        on: into one contiguous destination one memcpy per run of consecutive good blocks,
-        else one copy per tensor."""
-        cache = self._cache
+        """Copy each Ready shard of the destination's size into its tensors; never write a
+        byte of a block it refuses.  read_many cannot be asked for that: it copies a payload
+        shorter than its row into the row and reports the length after, so read straight
+        into the caller's tensors it would already have written a shard stored with fewer
+        bytes.  So: into one contiguous destination, under pins (_load_pinned: lengths read
+        first, one copy); into scattered tensors (or when pins cannot be had), through a
+        staging buffer (_load_staged: a copy more)."""
         n = len(plan.keys)
         if not n:
             return
-        slot = cache.slot_size
-        # Staging rows as long as the destination's blocks when they are all alike (so a run
-        # of good blocks is one copy), else slot-long rows.
-        same = min(plan.totals) == max(plan.totals)
-        row = plan.totals[0] if same and plan.totals[0] > 0 else slot
-        per = max(1, STAGING_BYTES // max(row, slot))
-        stage_addr, keep = self._staging(min(per, n) * max(row, slot), plan.any_device and
-                                         self._cuda)
         base = plan.contiguous_base()
-        for start in range(0, n, per):
-            stop = min(n, start + per)
-            lens, at_row = self._read_chunk(plan.keys[start:stop], stage_addr, row, slot)
-            good: List[int] = []
-            for r in range(stop - start):
-                if self._check_len(start + r, int(lens[r]), plan, failures):
-                    good.append(r)
-            if base is not None and at_row == plan.totals[0]:
-                self._copy_runs(base + start * at_row, stage_addr, at_row, good)
-            else:
-                for r in good:
-                    at = stage_addr + r * at_row
-                    for p in plan.pieces[start + r]:
-                        _copy_out(p, at)
-                        at += p.nbytes
-        del keep
+        rest = list(range(n))
+        if base is not None:
+            rest = self._load_pinned(plan, base, failures)
+        if rest:
+            self._load_staged(plan, rest, failures)
         if plan.n_shards > 1:
             # The blocks' complete marks are used with their shards: keep CLOCK from taking
             # the marks of blocks in use first (nothing else touches them: lookups take no
             # pin and set no bit).
-            cache.touch(list(dict.fromkeys(plan.ids[i] for i in range(n)
-                                           if failures.get(i, "") is None)))
+            done = [plan.ids[i] for i in range(n) if failures.get(i, "") is None]
+            if done:
+                self._cache.touch(list(dict.fromkeys(done)))
+
+    def _load_pinned(self, plan: _Plan, base: int, failures: Dict[int, str]) -> List[int]:
+        """A contiguous destination (block i at base + i * row): the stored blocks (one exist
+        call) pinned a chunk at a time with get_many, their lengths checked under the pins,
+        then copied with one gather call when the whole chunk is good and consecutive, else a
+        memcpy per good block.  A block that went between the exist and the get_many (evicted:
+        get_many made us its loader) is failed at once, as missing: the one case where a load
+        installs an entry, for an instant.  Returns the blocks left for the staged path (a
+        chunk that met CacheFull)."""
+        cache = self._cache
+        row = plan.totals[0]
+        left: List[int] = []
+        stored = cache.exist(plan.keys)
+        idx = []
+        for i, there in enumerate(stored):
+            if there:
+                idx.append(i)
+            else:
+                self._check_len(i, -1, plan, failures)
+        self._point("after_exist", len(idx))
+        for start in range(0, len(idx), DUMP_CHUNK):
+            chunk = idx[start:start + DUMP_CHUNK]
+            try:
+                batch = cache.get_many([plan.keys[i] for i in chunk], timeout=self._cfg.timeout)
+            except CacheFull:
+                left.extend(chunk)  # no room even for the instant's entry: staged, no pins
+                continue
+            with batch:
+                owner = batch.owner
+                states = batch.state
+                good: List[Tuple[int, int]] = []  # (position, block)
+                for pos, i in enumerate(chunk):
+                    if owner[pos]:
+                        batch.fail(pos, "not stored (a load does not make entries)")
+                        self._check_len(i, -1, plan, failures)
+                    elif states[pos] != "ready":
+                        self._check_len(i, -1, plan, failures)  # being dumped: not yet
+                    elif self._check_len(i, len(batch.data(pos)), plan, failures):
+                        good.append((pos, i))
+                if len(good) == len(chunk) and chunk[-1] - chunk[0] == len(chunk) - 1:
+                    out = ffi.buffer(ffi.cast("char *", base + chunk[0] * row), len(chunk) * row)
+                    batch.gather(out)  # one C call, the GIL released, lengths already checked
+                    del out
+                else:
+                    for pos, i in good:
+                        mv = batch.data(pos)
+                        src = ffi.from_buffer(mv)
+                        _memcpy(base + i * row, int(ffi.cast("uintptr_t", src)), row)
+                        ffi.release(src)
+                        del mv
+        return left
+
+    def _load_staged(self, plan: _Plan, which: List[int], failures: Dict[int, str]) -> None:
+        """Blocks `which` through this thread's staging buffer: one read_many C call per chunk,
+        each block's length checked in staging, then one copy per tensor of the good ones (a
+        refused block's tensors are never written)."""
+        slot = self._cache.slot_size
+        totals = [plan.totals[i] for i in which]
+        # Staging rows as long as the blocks when they are all alike, else slot-long rows.
+        row = totals[0] if min(totals) == max(totals) and totals[0] > 0 else slot
+        per = max(1, STAGING_BYTES // max(row, slot))
+        stage_addr, keep = self._staging(min(per, len(which)) * max(row, slot),
+                                         plan.any_device and self._cuda)
+        for start in range(0, len(which), per):
+            chunk = which[start:start + per]
+            lens, at_row = self._read_chunk([plan.keys[i] for i in chunk], stage_addr, row, slot)
+            for r, i in enumerate(chunk):
+                if self._check_len(i, int(lens[r]), plan, failures):
+                    at = stage_addr + r * at_row
+                    for p in plan.pieces[i]:
+                        _copy_out(p, at)
+                        at += p.nbytes
+        del keep
 
     def _read_chunk(self, keys, stage_addr: int, row: int, slot: int) -> Tuple[np.ndarray, int]:
         """read_many of keys into staging rows of `row` bytes: (lengths, row).  A payload
@@ -144,17 +199,6 @@ class TaskBodies:
                 raise
         out = ffi.buffer(ffi.cast("char *", stage_addr), k * slot)
         return self._cache.read_many(keys, out), slot
-
-    @staticmethod
-    def _copy_runs(dst_base: int, src_base: int, row: int, good: List[int]) -> None:
-        """Rows `good` (sorted) of staging into the same rows at dst: one memcpy a run."""
-        i = 0
-        while i < len(good):
-            j = i
-            while j + 1 < len(good) and good[j + 1] == good[j] + 1:
-                j += 1
-            _memcpy(dst_base + good[i] * row, src_base + good[i] * row, (j - i + 1) * row)
-            i = j + 1
 
     @staticmethod
     def _check_len(i: int, got: int, plan: _Plan, failures: Dict[int, str]) -> bool:
