@@ -63,12 +63,12 @@ Copies: a dump first waits for its prerequisite device event (dump_data), then c
 tensor straight into the shard's owned slot and publishes it Ready only after its last copy
 completed (a shard another worker is dumping is waited for, never written twice; one already
 present is skipped; a failed copy publishes Failed).  Loads copy only entries that are Ready
-(a load never creates or waits for an entry), always through a per-thread staging buffer: one
-``read_many`` C call per 4 MiB of blocks, then one memcpy per run of good blocks into a
-contiguous destination, or one copy per tensor.  Reading straight into the caller's memory
-would be one copy less, but read_many writes a payload shorter than its row before reporting
-its length, so a shard stored with fewer bytes would already be half in the caller's tensor
-when the load refuses it; through staging, a refused block's destination is never written.
+and of the destination's size, and never write a byte of a block they refuse: read_many would
+(it copies a payload shorter than its row, then reports the length), so it never reads into the
+caller's memory.  Into one contiguous destination the stored blocks are pinned (get_many), their
+lengths checked under the pins, then copied with one gather C call per 32 blocks; into
+scattered tensors through a per-thread staging buffer (one read_many per 4 MiB), then one copy
+per tensor of the good blocks.
 Every copy releases the GIL (the C core's calls, and libc's memcpy called through cffi).
 Tasks run on a small pool of threads owned by the store.
 
