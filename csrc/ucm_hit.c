@@ -1012,16 +1012,14 @@ static int tier_owner(PyObject *owner, PyObject *cache)
     return has;
 }
 
-/* close() and __exit__ of any handle: the drop in C, then the bookkeeping an owner or a
- * holder of writable views needs (_after_drop, Python), then an error the message's
- * formatting kept, if any.  A plain hit runs no Python code at all. */
-static PyObject *handle_close_with(HandleBase *h, PyObject *msg, PyObject *et, PyObject *ev,
-                                   PyObject *tb)
+/* The rest of a close of a handle or batch, once its drop answered r (handle_drop,
+ * batch_drop): the bookkeeping an owner or a holder of writable views needs (`after`:
+ * _after_drop, Python), then an error the message's formatting kept, if any. */
+static PyObject *close_rest(PyObject *self, int r, int after, PyObject *et, PyObject *ev,
+                            PyObject *tb)
 {
-    int after = h->owner != Py_False || HAS(h->views) || HAS(h->owned);
-    int r = handle_drop(h, msg);
     if (r > 0 && after) {
-        PyObject *x = PyObject_CallMethodNoArgs((PyObject *)h, s_after_drop);
+        PyObject *x = PyObject_CallMethodNoArgs(self, s_after_drop);
         if (x) Py_DECREF(x);
         else r = -1;
     }
@@ -1032,6 +1030,15 @@ static PyObject *handle_close_with(HandleBase *h, PyObject *msg, PyObject *et, P
     }
     if (r < 0) return NULL;
     Py_RETURN_NONE;
+}
+
+/* close() and __exit__ of any handle: the drop in C, then close_rest.  A plain hit runs no
+ * Python code at all. */
+static PyObject *handle_close_with(HandleBase *h, PyObject *msg, PyObject *et, PyObject *ev,
+                                   PyObject *tb)
+{
+    int after = h->owner != Py_False || HAS(h->views) || HAS(h->owned);
+    return close_rest((PyObject *)h, handle_drop(h, msg), after, et, ev, tb);
 }
 
 static PyObject *handle_enter(PyObject *self, PyObject *unused) { return Py_NewRef(self); }
@@ -1439,19 +1446,7 @@ static PyObject *batch_close_with(BatchBase *b, PyObject *msg, PyObject *et, PyO
                                   PyObject *tb)
 {
     int after = b->any_owner != Py_False || HAS(b->owner_views);
-    int r = batch_drop(b, msg);
-    if (r > 0 && after) {
-        PyObject *x = PyObject_CallMethodNoArgs((PyObject *)b, s_after_drop);
-        if (x) Py_DECREF(x);
-        else r = -1;
-    }
-    if (et) {
-        if (r < 0) PyErr_Clear();
-        PyErr_Restore(et, ev, tb);
-        return NULL;
-    }
-    if (r < 0) return NULL;
-    Py_RETURN_NONE;
+    return close_rest((PyObject *)b, batch_drop(b, msg), after, et, ev, tb);
 }
 
 static PyObject *batch_enter(PyObject *self, PyObject *unused) { return Py_NewRef(self); }

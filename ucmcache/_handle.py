@@ -47,6 +47,28 @@ class _Pins:
         raise TypeError(f"a {type(self).__name__} holds {self._what} in this process and cannot "
                         "be pickled")
 
+    def _close(self, message: bytes) -> None:
+        # The pins are dropped by one C step (_drop_pins, HandleBase's or BatchBase's: closed
+        # and uncounted first, then the token's drop, which fails an owner's unpublished loads,
+        # or ucm_release) with no Python code before it; only bookkeeping that cannot leak a
+        # hold follows (_after_drop).  Under a tier, owned loads' leases go first (see
+        # tier_owner in C): once a pin drops, another get may own the slot's next load and its
+        # lease.
+        if self._closed:
+            return
+        cache = self._cache
+        leased = self._owned_loads() if cache._ctx is not None and cache._tier is not None else ()
+        if leased:
+            try:
+                for slot in leased:
+                    cache._tier.abandon(slot)
+            finally:
+                if self._drop_pins(message):
+                    self._after_drop()
+            return
+        if self._drop_pins(message):
+            self._after_drop()
+
 
 class Handle(HandleBase, _Pins):
     """A pinned slot.  Use as a context manager; see SlotCache.get."""
@@ -215,27 +237,12 @@ class Handle(HandleBase, _Pins):
             release_views(views)
         self._view = None
 
-    def _close(self, message: bytes) -> None:
-        # The pin is dropped by one C step (HandleBase._drop_pins: closed and uncounted first,
-        # then the token's drop, which fails an owner's unpublished load, or ucm_release) with
-        # no Python code before it; only bookkeeping that cannot leak a hold follows
-        # (_after_drop).  With a tier, an owner's lease goes first (see tier_owner in C):
-        # once the pin drops, another get may own the slot's next load and its lease.
-        if self._closed:
-            return
-        cache = self._cache
-        if self._owner and cache._ctx is not None and cache._tier is not None:
-            try:
-                cache._tier.abandon(self._slot)
-            finally:
-                if self._drop_pins(message):
-                    self._after_drop()
-            return
-        if self._drop_pins(message):
-            self._after_drop()
+    def _owned_loads(self) -> tuple:
+        """The slot whose load this handle owns (its tier lease goes before the pin)."""
+        return (self._slot,) if self._owner else ()
 
     def _after_drop(self) -> None:
-        """What a close does after its pin is dropped (see _close)."""
+        """What a close does after its pin is dropped (see _Pins._close)."""
         if self._owned is not None:
             self._owned.discard(self._slot)
         self._release_views()
@@ -412,26 +419,13 @@ class HandleBatch(BatchBase, _Pins):
                 raise LoadFailed(failure_message(cache, s))
         return self
 
-    def _close(self, message: bytes) -> None:
-        # As Handle._close: every pin dropped by one C step over the whole batch (which fails
-        # the owned positions still Loading) before any Python bookkeeping; with a tier, the
-        # unpublished loads' leases first.
-        if self._closed:
-            return
-        cache = self._cache
-        if self._any_owner and cache._ctx is not None and cache._tier is not None:
-            try:
-                for s in self._slots[self._owner]:  # ready() took the published ones' leases
-                    cache._tier.abandon(int(s))
-            finally:
-                if self._drop_pins(message):
-                    self._after_drop()
-            return
-        if self._drop_pins(message):
-            self._after_drop()
+    def _owned_loads(self) -> list:
+        """The slots of the owned positions (their tier leases go before the pins; ready()
+        took the published ones')."""
+        return [int(s) for s in self._slots[self._owner]] if self._any_owner else []
 
     def _after_drop(self) -> None:
-        """What a close does after its pins are dropped (see _close)."""
+        """What a close does after its pins are dropped (see _Pins._close)."""
         if self._any_owner:
             for s in self._slots[self._owner]:
                 self._owned.discard(int(s))

@@ -1,0 +1,47 @@
+"""Instruction counts of a reader's path, for valgrind's callgrind (repeatable where timings are
+not).  One process, one rank, 64 keys of 4 KiB loaded first; then N reads of the chosen form:
+
+    get    with c.get(k) as h: h.data[0]          (a hit's handle and its view, the byte read)
+    batch  with c.get_many(keys) as hb: hb.data(i)[0] for all 64   (per key: N // 64 batches)
+
+Per-read instructions are the slope between two runs, so the start-up and set-up cancel out:
+
+    for n in 6400 32000; do PYTHONHASHSEED=0 valgrind --tool=callgrind \\
+        --callgrind-out-file=/dev/null .venv/bin/python -m bench.instructions get $n 2>&1 \\
+        | grep Collected; done        # (b - a) / 25600 = instructions per read
+
+The slope still moves by up to ~25% from run to run here (under `setarch -R` too): take the
+median of at least 3 runs, each side of a comparison in the same session.
+"""
+import os
+import sys
+
+from ucmcache import SlotCache
+
+
+def main(argv) -> None:
+    what, n = argv[0], int(argv[1])
+    if what not in ("get", "batch"):
+        raise SystemExit("usage: python -m bench.instructions get|batch N")
+    uuid = f"bench-instr-{os.getpid()}"
+    c = SlotCache.create(uuid, max_ranks=1, slots_per_rank=256, slot_size=4096)
+    keys = [bytes([i % 251, i // 251]) * 8 for i in range(64)]
+    try:
+        for k in keys:
+            c.get_or_load(k, lambda: b"x" * 4096)
+        if what == "get":
+            for i in range(n):
+                with c.get(keys[i & 63]) as h:
+                    h.data[0]
+        else:
+            for _ in range(n // 64):
+                with c.get_many(keys) as hb:
+                    for j in range(64):
+                        hb.data(j)[0]
+    finally:
+        c.close()
+        SlotCache.unlink(uuid)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
