@@ -76,6 +76,9 @@ typedef struct {
     Py_ssize_t calls_out;     /* core calls running with the GIL released (see WITHOUT_GIL) */
     Py_ssize_t exports;       /* SlotBuffers holding a pin of this cache: close() refuses while
                                * any lives (their pins must outlast the views made of them) */
+    Py_ssize_t forks_out;     /* forks of this process whose parent side holds pins through ctx
+                               * until the child has copied them (_fork_hold): the context is
+                               * not taken away meanwhile (cache_detach) */
 } CacheBase;
 
 /* _open_handles += d from C (small ints are cached: no allocation in practice). */
@@ -253,12 +256,23 @@ static void slot_buffer_releasebuf(SlotBuffer *e, Py_buffer *view)
     if (--e->exports == 0) slot_buffer_drop(e);
 }
 
+/* Tracked by the collector: a view kept on its own cache (an attribute, a list the cache holds)
+ * makes a cycle cache -> view -> managed buffer -> SlotBuffer -> cache, collectable only if the
+ * collector sees this last edge.  No tp_clear: the cycle is broken at the memoryview and its
+ * managed buffer, whose clearing releases the export (and so the pin) before the cache goes. */
+static int slot_buffer_traverse(SlotBuffer *e, visitproc visit, void *arg)
+{
+    Py_VISIT(e->cache);
+    return 0;
+}
+
 static void slot_buffer_dealloc(SlotBuffer *e)
 {
+    PyObject_GC_UnTrack(e);
     slot_buffer_drop(e);
     if (e->slots != &e->slot) PyMem_Free(e->slots);
     Py_XDECREF(e->cache);
-    PyObject_Free(e);
+    PyObject_GC_Del(e);
 }
 
 static PyBufferProcs slot_buffer_as_buffer = {
@@ -270,10 +284,11 @@ static PyTypeObject SlotBuffer_Type = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "ucmcache._hit.SlotBuffer",
     .tp_basicsize = sizeof(SlotBuffer),
-    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
     .tp_doc = "The exporter behind a slot's views: it keeps the slot pinned while any view of\n"
               "it lives (see csrc/ucm_hit.c).",
     .tp_dealloc = (destructor)slot_buffer_dealloc,
+    .tp_traverse = (traverseproc)slot_buffer_traverse,
     .tp_as_buffer = &slot_buffer_as_buffer,
 };
 
@@ -290,7 +305,7 @@ static PyObject *slot_view(CacheBase *c, ucm_ctx *ctx, uint32_t slot, Py_ssize_t
                      slot, n);
         return NULL;
     }
-    SlotBuffer *e = PyObject_New(SlotBuffer, &SlotBuffer_Type); /* not tracked: no collection */
+    SlotBuffer *e = PyObject_GC_New(SlotBuffer, &SlotBuffer_Type);
     if (!e) return NULL;
     e->cache = (CacheBase *)Py_NewRef(c);
     e->ctx = ctx;
@@ -302,6 +317,7 @@ static PyObject *slot_view(CacheBase *c, ucm_ctx *ctx, uint32_t slot, Py_ssize_t
     e->readonly = !writable;
     e->exports = 0;
     e->held = 0;
+    PyObject_GC_Track(e); /* every field set: the collector may look at it from here */
     if (core.pin_again(ctx, slot) != UCM_OK) {
         Py_DECREF(e);
         return NULL;
@@ -331,7 +347,7 @@ static PyObject *batch_region_view(CacheBase *c, ucm_ctx *ctx, const uint32_t *s
     uint32_t *copy = PyMem_Malloc(sizeof(uint32_t) * (n ? n : 1));
     if (!copy) return PyErr_NoMemory();
     memcpy(copy, slots, sizeof(uint32_t) * n);
-    SlotBuffer *e = PyObject_New(SlotBuffer, &SlotBuffer_Type); /* not tracked: no collection */
+    SlotBuffer *e = PyObject_GC_New(SlotBuffer, &SlotBuffer_Type);
     if (!e) {
         PyMem_Free(copy);
         return NULL;
@@ -346,6 +362,7 @@ static PyObject *batch_region_view(CacheBase *c, ucm_ctx *ctx, const uint32_t *s
     e->readonly = 1;
     e->exports = 0;
     e->held = 0;
+    PyObject_GC_Track(e);
     if (core.pin_again_many(ctx, copy, n) != UCM_OK) {
         Py_DECREF(e);
         return NULL;
@@ -799,11 +816,28 @@ static PyObject *cache_detach(CacheBase *c, PyObject *unused)
 {
     /* One step under the GIL: no C path can start a core call on the context after it, and
      * none is running one (else None: close() waits and asks again). */
-    if (c->calls_out > 0 || !c->ctx_obj) Py_RETURN_NONE;
+    if (c->calls_out > 0 || c->forks_out > 0 || !c->ctx_obj) Py_RETURN_NONE;
     PyObject *ctx = c->ctx_obj;
     c->ctx = NULL;
     c->ctx_obj = NULL;
     return ctx;
+}
+
+/* A fork's parent side: the context, counted as held by a fork until _fork_release (close()
+ * waits for it: the parent drops the pins it holds across the fork through this context after
+ * the child's copies are made), or None if the cache has none.  One step under the GIL, as
+ * _detach: a close in another thread either took the context first or waits for the fork. */
+static PyObject *cache_fork_hold(CacheBase *c, PyObject *unused)
+{
+    if (!c->ctx_obj) Py_RETURN_NONE;
+    c->forks_out++;
+    return Py_NewRef(c->ctx_obj);
+}
+
+static PyObject *cache_fork_release(CacheBase *c, PyObject *unused)
+{
+    if (c->forks_out > 0) c->forks_out--;
+    Py_RETURN_NONE;
 }
 
 static PyObject *cache_slot_view(CacheBase *c, PyObject *const *args, Py_ssize_t nargs)
@@ -831,9 +865,15 @@ static PyMethodDef cache_methods[] = {
     {"_slot_view", (PyCFunction)(void (*)(void))cache_slot_view, METH_FASTCALL,
      "_slot_view(slot, nbytes, writable): a view of a slot this process pins, holding a pin\n"
      "of its own while it (or anything made from it) lives."},
+    {"_fork_hold", (PyCFunction)cache_fork_hold, METH_NOARGS,
+     "The context, held for a fork's parent side until _fork_release() (close() waits for\n"
+     "it), or None if the cache has no context."},
+    {"_fork_release", (PyCFunction)cache_fork_release, METH_NOARGS,
+     "Ends one _fork_hold()."},
     {"_detach", (PyCFunction)cache_detach, METH_NOARGS,
      "The context, taken away from every path of this cache (_ctx becomes None), or None\n"
-     "while another thread's core call runs on it without the GIL (close() asks again)."},
+     "while another thread's core call runs on it without the GIL, or a fork's parent side\n"
+     "holds it (close() asks again)."},
     {"get_many", (PyCFunction)(void (*)(void))cache_get_many, METH_FASTCALL | METH_KEYWORDS,
      "get_many($self, keys, *, timeout=None)\n--\n\n"
      "Pin every key of a request with one C call (misses take the slow path one by one).\n"
@@ -960,6 +1000,17 @@ static PyObject *exit_message_of(PyObject *typ, PyObject *exc, PyObject **err_t,
  * 1: dropped, the Python bookkeeping (_after_drop) is due; 0: nothing to drop (closed
  * already, or a forked or closed cache's handle, whose pin is not ours); -1: an error, the
  * handle closed anyway. */
+/* An owner's slot leaves its context's owned set inside the drop, with no Python code between
+ * the two: _after_drop is Python, and an exception a signal handler raises at its first line
+ * would leave the slot there for good, so that a later wait of this context on the slot,
+ * Loading then for another key or another owner, would refuse as waiting for itself.  Only a
+ * set's own entries are touched (the set of a batch with no owner is a frozen stand-in). */
+static void owned_discard(PyObject *owned, PyObject *slot)
+{
+    if (!HAS(owned) || !PySet_Check(owned) || !slot) return;
+    if (PySet_Discard(owned, slot) < 0) PyErr_Clear(); /* hashing a small int cannot fail */
+}
+
 static int handle_drop(HandleBase *h, PyObject *msg)
 {
     if (!IS_OPEN(h->closed)) return 0;
@@ -991,6 +1042,7 @@ static int handle_drop(HandleBase *h, PyObject *msg)
          * removed our holds and ctx is NULL. */
         if (slot <= UCM_PIN_SLOT_MASK && c->ctx) release_pin(c, c->ctx, (uint32_t)slot);
     }
+    if (h->owner == Py_True) owned_discard(h->owned, h->slot);
     Py_DECREF(c);
     return rc;
 }
@@ -1406,6 +1458,26 @@ static PyObject *cache_get_many(CacheBase *self, PyObject *const *args, Py_ssize
  * go (each keeps its own hold while held elsewhere), then every pin by one core step: the
  * token's (which fails the owned positions still Loading) or, for an all-hit batch, one
  * release of them all.  1, 0, -1 as handle_drop. */
+/* The owned positions' slots leave the owned set with the drop (as owned_discard). */
+static void batch_owned_discard(BatchBase *b)
+{
+    Py_buffer own;
+    if (!HAS(b->owned) || !PySet_Check(b->owned) || !b->slot_at || !HAS(b->owner)) return;
+    if (PyObject_GetBuffer(b->owner, &own, PyBUF_C_CONTIGUOUS) < 0) {
+        PyErr_Clear();
+        return;
+    }
+    const char *is_owner = own.buf;
+    for (Py_ssize_t i = 0; i < b->n && i < own.len && i < b->n_slot_at; i++) {
+        if (!is_owner[i]) continue;
+        PyObject *slot = PyLong_FromUnsignedLong(b->slot_at[i]);
+        if (slot) owned_discard(b->owned, slot);
+        else PyErr_Clear();
+        Py_XDECREF(slot);
+    }
+    PyBuffer_Release(&own);
+}
+
 static int batch_drop(BatchBase *b, PyObject *msg)
 {
     if (!IS_OPEN(b->closed)) return 0;
@@ -1416,6 +1488,8 @@ static int batch_drop(BatchBase *b, PyObject *msg)
     add_open(c, -1);
     Py_SETREF(b->views, Py_NewRef(Py_None));
     Py_SETREF(b->region, Py_NewRef(Py_None));
+    /* Before the token's drop, which clears the owner flags of the loads it fails. */
+    if (b->any_owner == Py_True) batch_owned_discard(b);
     int rc = 1;
     if (HAS(b->token)) {
         PyObject *len = PyLong_FromSsize_t(PyBytes_GET_SIZE(msg));

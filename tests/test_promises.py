@@ -383,3 +383,140 @@ def test_a_batchs_data_region_is_not_exported_again(make_cache):
         with pytest.raises(BufferError, match="not exported again"):
             memoryview(v.obj)
         assert bytes(v) == payload(K[0], 64)
+
+
+# ---------------------------------------------------------------- review holes: cycles, forks
+
+def _fds():
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.parametrize("holder", ["handle", "batch"])
+def test_a_view_kept_on_its_own_cache_is_collected_with_it_and_frees_its_rank(uuid, holder):
+    import weakref
+    c = SlotCache.create(uuid, max_ranks=1, slots_per_rank=4, slot_size=64)
+    fds = _fds()
+    try:
+        put(c, K[0])
+        if holder == "handle":
+            with c.get(K[0]) as h:
+                c.kept = h.data[2:10]  # a cycle: cache -> view -> its exporter -> cache
+        else:
+            with c.get_many([K[0]]) as h:
+                c.kept = [h.data(0)]
+        del h
+        alive = weakref.ref(c)
+        with pytest.warns(ResourceWarning, match="without close"):
+            del c
+            gc.collect()
+        assert alive() is None, "the cache and its view were never collected"
+        assert _fds() <= fds - 2, "the collected cache's lock and shm fds stayed open"
+        again = SlotCache.attach(uuid)  # the only rank is free again, the slot unpinned
+        assert set(_refs(again)) == {0}
+        assert again.get_or_load(K[0], lambda: b"x") == payload(K[0], 64)
+        again.close()
+    finally:
+        SlotCache.unlink(uuid)
+
+
+def test_two_threads_forking_at_once_each_drop_only_their_own_holds(make_cache):
+    """The fork hooks of two threads interleaved (A's before, B's before, B's after, A's
+    after), run without a child: each parent side finds no child and goes on at once."""
+    from ucmcache import _cache
+    c = make_cache(max_ranks=1, slots_per_rank=4, slot_size=64)
+    put(c, K[0])
+    h = c.get(K[0])
+    a_held, b_done = threading.Event(), threading.Event()
+    errors = []
+
+    def thread_a():
+        try:
+            _cache._before_fork()
+            a_held.set()
+            assert b_done.wait(10)
+            _cache._after_fork_in_parent()
+        except BaseException as e:
+            errors.append(e)
+
+    def thread_b():
+        try:
+            assert a_held.wait(10)
+            _cache._before_fork()
+            _cache._after_fork_in_parent()
+        except BaseException as e:
+            errors.append(e)
+        finally:
+            b_done.set()
+            a_held.set()
+
+    fds = _fds()
+    threads = [threading.Thread(target=thread_a), threading.Thread(target=thread_b)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    assert not errors and not any(t.is_alive() for t in threads)
+    h.close()
+    assert set(_refs(c)) == {0}, "a fork's holds were never dropped"
+    assert _fds() == fds, "a fork's pipe was left open"
+
+
+def test_close_waits_for_a_forks_parent_side_before_freeing_the_context(make_cache,
+                                                                          monkeypatch):
+    """A fork holds the pins of a view across the fork; the view goes and another thread
+    closes while the parent still waits for its child: close() must not free the context the
+    parent side will drop its holds through."""
+    from ucmcache import _cache
+    c = make_cache(max_ranks=1, slots_per_rank=4, slot_size=64)
+    put(c, K[0])
+    with c.get(K[0]) as h:
+        v = h.data
+    _cache._before_fork()  # the forking thread's before hook: holds the view's slot
+    try:
+        del v
+        monkeypatch.setattr(_cache, "DETACH_WAIT", 0.05)
+        with pytest.raises(UcmError, match="fork was still waiting"):
+            c.close()
+        assert c.get_or_load(K[0], lambda: b"x") == payload(K[0], 64)  # still whole
+    finally:
+        _cache._after_fork_in_parent()  # no child: it goes on at once, dropping its holds
+    assert set(_refs(c)) == {0}
+    c.close()
+
+
+@pytest.mark.parametrize("holder", ["handle", "batch"])
+def test_an_owners_close_cut_short_after_its_drop_leaves_no_stale_owned_slot(make_cache, holder,
+                                                                             monkeypatch):
+    """A signal handler's exception at the first line of _after_drop (the Python after a close's
+    C drop) must not leave the slot in this thread's owned set: a later wait here on the slot,
+    Loading then for another thread's load, would refuse as 'loading this key itself'."""
+    from ucmcache import _handle
+    c = make_cache(max_ranks=1, slots_per_rank=1, slot_size=64)  # one slot: reused
+    h = c.get(K[0]) if holder == "handle" else c.get_many([K[0]])
+    slot = h.slot if holder == "handle" else int(h._slots[0])
+    assert (h.owner if holder == "handle" else h.owner[0])
+
+    def interrupted(self):
+        raise KeyboardInterrupt("a signal handler, at the first line of _after_drop")
+
+    cls = _handle.Handle if holder == "handle" else _handle.HandleBatch
+    monkeypatch.setattr(cls, "_after_drop", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        h.close()
+    monkeypatch.undo()
+    got = []
+    t = threading.Thread(target=lambda: got.append(c.get(K[0])))  # its own owned set
+    t.start()
+    t.join(10)
+    theirs = got[0]
+    try:
+        assert theirs.owner and theirs.slot == slot  # the key's next load, in the same slot
+        with c.get(K[0], timeout=5) as mine:
+            assert not mine.owner
+            with pytest.raises(TimeoutError):  # a wait, not a refusal: nobody publishes
+                mine.wait(timeout=0.01)
+        theirs.data[:4] = b"abcd"
+        theirs.ready(4)
+    finally:
+        theirs.close()
+    assert c.get_or_load(K[0], lambda: b"x") == b"abcd"

@@ -20,6 +20,7 @@ import functools
 import gc
 import itertools
 import os
+import threading
 import time
 import warnings
 import weakref
@@ -57,7 +58,9 @@ MAX_MOVED = 4           # looks at the arena shares in one allocation (ranks kee
 CLAIM_WAIT = 10.0       # the longest a get waits for another process to recover a dead claim
 STRIPE_WAIT = 10.0      # the longest a get with no timeout waits for a bucket's stripe; held
                         # for microseconds normally, so past this its holder is stopped or stuck
-DETACH_WAIT = 5.0       # the longest close() waits for other threads' copies out of the segment
+FORK_WAIT = 5.0         # the longest a parent waits for its child's private copies (below)
+DETACH_WAIT = FORK_WAIT + 1.0  # the longest close() waits for other threads' copies out of the
+                        # segment, or for a fork's parent side that holds pins through it
 MIN_LOCK_WAIT = 0.05    # a get's timeout below this still waits this long for a lock: a
                         # stripe or a claim held that long is not contention any more
 
@@ -69,42 +72,53 @@ _live_caches: "weakref.WeakSet[SlotCache]" = weakref.WeakSet()
 # may drop any of those pins: the parent holds one more pin on each of them across the fork
 # (ucm_hold_pins, in every live cache) and waits, bounded, until the child says its copies are
 # made, then drops those holds.  The child must attach for itself.
-FORK_WAIT = 5.0         # the longest a parent waits for its child's private copies
-_fork_holds: list = []  # (ctx, slots array, count) per cache, and the child's pipe, across fork
+# What one fork holds lives in the forking thread's own state: two threads of a process may fork
+# at once (the hooks run Python, and the GIL can pass between them), and each parent side drops
+# exactly the holds its own fork took.  A thread's locals are the child's too (it is the child's
+# only thread), so the child finds its fork's pipe there.  Each cache held is counted
+# (_fork_hold): close() in another thread waits for the parent side instead of freeing the
+# context its holds are dropped through.
+_fork_state = threading.local()  # .holds: [(cache, ctx, slots array, count)], .pipe
 
 
 def _before_fork() -> None:
-    _fork_holds.clear()
+    holds: list = []
+    _fork_state.holds, _fork_state.pipe = holds, None
     for cache in list(_live_caches):
         slots = np.empty(cache.capacity, dtype=np.uint32)
         slots_p = ffi.from_buffer("uint32_t[]", slots)
-        ctx = cache._ctx  # after the allocations: a finalizer they run may close the cache
-        if ctx is not None:
-            n = lib.ucm_hold_pins(ctx, slots_p)
-            if n:
-                _fork_holds.append((ctx, slots, n))
-    if _fork_holds:
-        _fork_holds.append(os.pipe())
+        ctx = cache._fork_hold()  # after the allocations: a finalizer they run may close it
+        if ctx is None:
+            continue
+        n = lib.ucm_hold_pins(ctx, slots_p)
+        if n:
+            holds.append((cache, ctx, slots, n))
+        else:
+            cache._fork_release()
+    if holds:
+        _fork_state.pipe = os.pipe()
 
 
 def _after_fork_in_parent() -> None:
-    if not _fork_holds:
+    holds, pipe = getattr(_fork_state, "holds", None), getattr(_fork_state, "pipe", None)
+    _fork_state.holds, _fork_state.pipe = None, None
+    if not holds:
         return
-    r, w = _fork_holds.pop()
+    r, w = pipe
     try:
         os.close(w)
         import select
         select.select([r], [], [], FORK_WAIT)  # a byte, or EOF: the child's copies are made
     finally:
         os.close(r)
-        for ctx, slots, n in _fork_holds:
+        for cache, ctx, slots, n in holds:
             lib.ucm_release_many(ctx, ffi.from_buffer("uint32_t[]", slots), n)
-        _fork_holds.clear()
+            cache._fork_release()
 
 
 def _after_fork_in_child() -> None:
-    pipe = _fork_holds.pop() if _fork_holds else None
-    _fork_holds.clear()  # the parent's holds: not the child's to drop
+    pipe = getattr(_fork_state, "pipe", None)
+    _fork_state.holds, _fork_state.pipe = None, None  # the parent's holds: not ours to drop
     try:
         for cache in list(_live_caches):
             cache._forget_after_fork()
@@ -252,11 +266,14 @@ class SlotCache(CacheBase, SingleFlight, Batches, Prefetching):
                            "(memoryviews, numpy arrays or tensors made from data keep their "
                            "slots pinned and the segment mapped); drop them first")
 
-    def _finish_close(self, ctx) -> None:
+    def _finish_close(self, ctx, keep_mapping: bool = False) -> None:
         free_rank(self._seg, ctx, self._rank)  # may raise: close() again comes back here
         self._closing_ctx = None
         lib.ucm_ctx_free(ctx)
         _live_caches.discard(self)
+        if keep_mapping:
+            self._seg.close_fds()  # the mapping goes when the segment object does
+            return
         self._detach_pending = True
         self._finish_detach()
 
@@ -268,6 +285,9 @@ class SlotCache(CacheBase, SingleFlight, Batches, Prefetching):
         # A cache collected without close(): its rank, arenas, mapping and fds are freed now,
         # as files and sockets are, with a ResourceWarning.  Nothing can reach its handles any
         # more (they would hold it), so their pins go with the rank (free_rank's recovery).
+        # Nor its views: each holds the cache (SlotBuffer), so views still counted are garbage
+        # of the same cycle, released after this; the mapping is left to go with the segment
+        # object, so that even a view another finalizer brings back never reads unmapped memory.
         if getattr(self, "_ctx", None) is None or getattr(self, "_pid", None) != os.getpid():
             return  # closed, never attached, or a forked child's copy of the parent's cache
         try:
@@ -280,7 +300,7 @@ class SlotCache(CacheBase, SingleFlight, Batches, Prefetching):
             ctx = self._closing_ctx = self._detach_ctx()
             self._why_unusable = "closed"
             lib.ucm_ctx_close(ctx)
-            self._finish_close(ctx)
+            self._finish_close(ctx, keep_mapping=self._exports > 0)
         except Exception:
             pass  # a finalizer's errors have nowhere to go; the process's exit frees the rest
 
@@ -294,7 +314,8 @@ class SlotCache(CacheBase, SingleFlight, Batches, Prefetching):
                 return ctx
             if time.monotonic() > deadline:
                 raise UcmError(f"cannot close: another thread's read was still copying from the "
-                               f"segment after {DETACH_WAIT} s")
+                               f"segment, or a fork was still waiting for its child, after "
+                               f"{DETACH_WAIT} s")
             time.sleep(0.0005)
 
     def __enter__(self) -> "SlotCache":

@@ -446,7 +446,14 @@ class Segment:
                 f"segment {self.uuid!r} cannot be unmapped: data views (memoryviews or numpy "
                 "arrays from handles) are still alive; drop them first") from None
         self.mm = None
-        os.close(self.lock_fd)  # drops every OFD lock this attachment holds
+        self.close_fds()
+
+    def close_fds(self) -> None:
+        """Close the lock fd (which drops every OFD lock this attachment holds) and the shm fd,
+        leaving the mapping (if any) to go when this object does."""
+        if self.lock_fd >= 0:
+            os.close(self.lock_fd)
+            self.lock_fd = -1
         self.shm.close_fd()
 
     def forget_after_fork(self) -> None:
