@@ -535,7 +535,9 @@ def test_bench_passes_arguments_through(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(_commands, "bench_script", lambda: tmp_path / "missing" / "run.py")
     assert cli.main(["bench"]) == 2
     assert re.fullmatch(r"ucmcache: error: the benchmarks are not available: \S+ does not "
-                        r"exist[^\n]*\n", capsys.readouterr().err)
+                        r"exist \(they ship with the source tree, not with an installed package: "
+                        r"run \./scripts/bench in a checkout of the repository\)\n",
+                        capsys.readouterr().err)
 
 
 def test_demo_is_imported_late_and_gets_its_arguments(monkeypatch, capsys):
@@ -657,3 +659,12 @@ def test_non_file_entries_are_foreign_never_collected_and_refused(names, call):
                 os.rmdir(p)
             elif os.path.lexists(p):
                 os.unlink(p)
+
+
+def test_python_dash_m_ucmcache_is_the_command():
+    r = subprocess.run([sys.executable, "-m", "ucmcache", "--help"], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.startswith("usage: ucmcache "), r.stdout + r.stderr
+    r = subprocess.run([sys.executable, "-m", "ucmcache", "inspect", "../x"],
+                       capture_output=True, text=True, timeout=60)
+    assert_one_error_line(r, 2, r"uuid must match")

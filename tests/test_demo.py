@@ -141,7 +141,8 @@ def test_ucmcache_demo_without_a_source_tree_says_so_in_one_line(monkeypatch, ca
     err = capsys.readouterr().err
     assert re.fullmatch(r"ucmcache demo: the demo is not available: \S+/demos/kv_demo\.py does "
                         r"not exist \(it ships with the source tree, not with an installed "
-                        r"package\)\n", err), err
+                        r"package: run \./scripts/demo in a checkout of the repository\)\n",
+                        err), err
 
 
 def test_the_demos_functions_read_as_named_steps():

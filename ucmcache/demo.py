@@ -21,7 +21,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     script = DEMOS / "kv_demo.py"
     if not script.is_file():
         print(f"ucmcache demo: the demo is not available: {script} does not exist (it ships "
-              "with the source tree, not with an installed package)", file=sys.stderr)
+              "with the source tree, not with an installed package: run ./scripts/demo in a "
+              "checkout of the repository)", file=sys.stderr)
         return 2
     # The workers are spawned: they import the demo by name, with this sys.path.
     if str(DEMOS) not in sys.path:

@@ -255,7 +255,8 @@ def cmd_bench(argv: List[str]) -> int:
     script = bench_script()
     if not script.is_file():
         raise CliError(f"the benchmarks are not available: {script} does not exist (they ship "
-                       "with the source tree, not with an installed package)")
+                       "with the source tree, not with an installed package: run ./scripts/bench "
+                       "in a checkout of the repository)")
     try:
         return subprocess.call([sys.executable, str(script), *argv])
     except KeyboardInterrupt:
