@@ -2,6 +2,7 @@
 # tier-2 tests, which start their own servers (unix sockets and loopback ports in a temporary
 # folder) and stop them.  Idempotent: installs only when missing, with apt-get, as root or with
 # passwordless sudo; never starts the system service.  Without it the tier-2 tests skip.
+# Before installing it says so on stderr: which packages, with what, as whom.
 if ! command -v redis-server >/dev/null 2>&1 || ! command -v redis-cli >/dev/null 2>&1; then
     _ucm_sudo=""
     _ucm_can=""
@@ -12,7 +13,12 @@ if ! command -v redis-server >/dev/null 2>&1 || ! command -v redis-cli >/dev/nul
         _ucm_can=1
     fi
     if [ -n "$_ucm_can" ] && command -v apt-get >/dev/null 2>&1; then
-        echo "scripts/test: installing redis-server for the tier-2 tests (apt-get)" >&2
+        _ucm_as="as root"
+        [ -n "$_ucm_sudo" ] && _ucm_as="with sudo -n"
+        echo "scripts/test: redis-server is missing: installing the Debian packages" \
+             "redis-server and redis-tools for the tier-2 tests (apt-get update, then" \
+             "apt-get install --no-install-recommends, $_ucm_as; the system service is kept" \
+             "from starting)" >&2
         _ucm_policy=/usr/sbin/policy-rc.d
         _ucm_made_policy=""
         if [ ! -e "$_ucm_policy" ]; then  # keep the package from starting a system service
@@ -33,6 +39,6 @@ if ! command -v redis-server >/dev/null 2>&1 || ! command -v redis-cli >/dev/nul
         echo "scripts/test: redis-server is missing and apt-get cannot run here; the tier-2" \
              "tests will skip (install redis-server to run them)" >&2
     fi
-    unset _ucm_sudo _ucm_can _ucm_policy _ucm_made_policy
+    unset _ucm_sudo _ucm_can _ucm_as _ucm_policy _ucm_made_policy
 fi
 true

@@ -309,6 +309,37 @@ def test_ls_statuses(names, workers):
     assert " incompatible " in line[old]
 
 
+def test_ls_shows_no_sizes_from_a_header_it_cannot_trust(names):
+    # Issue 26: a garbage header's words were printed as sizes ("9363658.1T").  Three files:
+    # random bytes; ucmcache's magic and version over garbage params (attach's checks fail);
+    # another layout version (its words may mean other things).
+    noise, bad, old = names("noise"), names("badparams"), names("oldlayout")
+    rng = __import__("random").Random(26)
+    for u in (noise, bad):
+        fd = os.open(path_of(u), os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            os.write(fd, bytes(rng.getrandbits(8) for _ in range(4096)))
+            if u == bad:
+                os.pwrite(fd, struct.pack("<QI", lib.UCM_MAGIC, VERSION), lib.UCM_H_MAGIC)
+        finally:
+            os.close(fd)
+    make_incompatible(old)
+    rows = ls_json()
+    assert {u: rows[u]["status"] for u in (noise, bad, old)} == {
+        noise: "corrupt", bad: "corrupt", old: "incompatible"}
+    assert [rows[u]["params"] for u in (noise, bad, old)] == [None, None, None]
+    assert (rows[noise]["layout_version"], rows[bad]["layout_version"],
+            rows[old]["layout_version"]) == (None, VERSION, 99)
+    r = run("ls")
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    for u, status in ((noise, "corrupt"), (bad, "corrupt"), (old, "incompatible")):
+        i = next(i for i, x in enumerate(lines) if x == u or x.startswith(u + " "))
+        cells = lines[i][len(u):] if lines[i] != u else lines[i + 1]  # a long uuid: own line
+        # the file's own size (4.0 KiB, or the made segment's), then dashes only
+        assert re.match(rf" +{status} +\d+\.\d (KiB|MiB) +- +- +- +- +- +- +-$", cells), cells
+
+
 def test_ls_keeps_long_uuids_whole_within_100_columns(names):
     u = names("x" * (64 - len(names.prefix)))
     assert len(u) == 64

@@ -263,9 +263,13 @@ def ls_row(name: str) -> Optional[Dict[str, Any]]:
         row.update(status="foreign", error=str(e))
         return row
     h = info["header"]
-    row.update(size=info["size"], uid=info["uid"], layout_version=h.get("version"),
-               error=info.get("error"))
-    if h.get("max_ranks"):
+    # A header is read as ours only as far as it proved to be: its version word once the
+    # magic is ucmcache's, its params once attach's checks passed ("made").  A garbage file's,
+    # another layout's or a half-written header's words are not sizes to show.
+    ours = h.get("magic") == lib.UCM_MAGIC
+    row.update(size=info["size"], uid=info["uid"],
+               layout_version=h.get("version") if ours else None, error=info.get("error"))
+    if info["status"] == "made":
         row["params"] = {k: h[k] for k in ("max_ranks", "slots_per_rank", "slot_size",
                                            "n_buckets", "n_stripes")}
     if info["uid"] != os.getuid():
