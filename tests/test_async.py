@@ -171,3 +171,62 @@ def test_a_hit_is_a_coroutine_asyncio_takes_as_any(make_cache):
     with pytest.raises(RuntimeError, match="reuse"):
         closed.send(None)
     assert c._open_handles == 0 and c.stats()["fast_hits"] >= 6
+
+
+def test_a_thousand_tasks_on_one_cold_key_share_one_wait_and_the_loop_keeps_ticking(make_cache):
+    """N tasks awaiting a key another thread loads: one waiting thread for them all (not one
+    each), a ticker that goes on ticking while they wait (the owner publishes only after 20
+    ticks), one task's short timeout ends only that task's wait, and each task counts its own
+    wait."""
+    import threading
+    n = 1000
+    c = make_cache(slot_size=64)
+    owning, publish = threading.Event(), threading.Event()
+
+    def owner():
+        with c.get(K) as h:
+            assert h.owner
+            owning.set()
+            assert publish.wait(60)
+            h.data[:5] = b"value"
+            h.ready(5)
+
+    t = threading.Thread(target=owner)
+    t.start()
+    try:
+        assert owning.wait(10)
+        ticks, most_threads = [], [0]
+
+        async def ticker():
+            await until(waiting(c, n + 1))  # every task (and the impatient one) waits
+            while len(ticks) < 20:
+                await asyncio.sleep(0.01)
+                ticks.append(1)
+                most_threads[0] = max(most_threads[0], sum(
+                    th.name == "ucmcache-wait" for th in threading.enumerate()))
+            publish.set()  # only a loop that kept running gets here
+
+        async def impatient():
+            with pytest.raises(TimeoutError, match="still loading"):
+                await c.aget_or_load(K, lambda: b"never", timeout=0.01)
+            return "timed out"
+
+        async def main():
+            tick = asyncio.create_task(ticker())
+            early = asyncio.create_task(impatient())
+            values = await asyncio.gather(*(c.aget_or_load(K, lambda: b"never", timeout=60)
+                                            for _ in range(n)))
+            await tick
+            return values, await early
+
+        waits0 = c.stats()["waits"]
+        values, early = asyncio.run(main())
+    finally:
+        publish.set()
+        t.join(30)
+    assert values == [b"value"] * n and early == "timed out"
+    assert len(ticks) == 20
+    assert most_threads[0] == 1, f"{most_threads[0]} waiting threads for one key"
+    stats = c.stats()
+    assert stats["waits"] - waits0 == n + 1 and stats["wait_timeouts"] >= 1
+    assert c._open_handles == 0 and ucmcache.verify(c.uuid).ok

@@ -107,17 +107,19 @@ class SingleFlight:
             return mv.tobytes()
 
     def _wait_loaded(self, slot: int, timeout: Optional[float],
-                     cancel: Optional[threading.Event] = None) -> int:
+                     cancel: Optional[threading.Event] = None, counted: bool = True) -> int:
         """Block on the slot's state word until it leaves Loading, never past ``timeout`` and
         never spinning.  Every LIVENESS_SLICE the loader's life lock is checked, so a dead
         loader is recovered rather than waited for.  ``cancel`` (set, then the state word
-        woken): returns UCM_LOADING at once (an abandoned async wait)."""
+        woken): returns UCM_LOADING at once (an abandoned async wait).  ``counted`` False: the
+        shared wait of a loop's tasks, each of which counts its own (wait_loaded_async)."""
         ctx = self._ctx
         state = ffi.new("uint32_t *")
         start = time.monotonic()
         deadline = None if timeout is None else start + timeout
         slice_s = LIVENESS_SLICE if cancel is None else CANCEL_SLICE
-        lib.ucm_stat_add(ctx, lib.UCM_ST_WAITS, 1)
+        if counted:
+            lib.ucm_stat_add(ctx, lib.UCM_ST_WAITS, 1)
         try:
             while True:
                 if cancel is not None and cancel.is_set():
@@ -135,10 +137,12 @@ class SingleFlight:
                     if st != lib.UCM_LOADING:
                         return st
                 if deadline is not None and time.monotonic() >= deadline:
-                    lib.ucm_stat_add(ctx, lib.UCM_ST_WAIT_TIMEOUTS, 1)
+                    if counted:
+                        lib.ucm_stat_add(ctx, lib.UCM_ST_WAIT_TIMEOUTS, 1)
                     raise TimeoutError(f"key still loading after {timeout} s (the load goes on; "
                                        "get() again to wait more)")
         finally:
-            waited = int((time.monotonic() - start) * 1e9)
-            lib.ucm_stat_add(ctx, lib.UCM_ST_WAIT_NS, waited)
-            lib.ucm_observe(ctx, lib.UCM_HIST_WAIT, waited)
+            if counted:
+                waited = int((time.monotonic() - start) * 1e9)
+                lib.ucm_stat_add(ctx, lib.UCM_ST_WAIT_NS, waited)
+                lib.ucm_observe(ctx, lib.UCM_HIST_WAIT, waited)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextvars
 import threading
 import time
+import weakref
 from typing import Any, Optional
 
 import numpy as np
@@ -207,41 +208,96 @@ def exit_message(exc_type, exc) -> bytes:
         return exc_type.__name__.encode("utf-8", "replace")
 
 
+class _SharedWait:
+    """One wait for a slot, shared by every task of one event loop that awaits it: one thread
+    blocks on the slot's state word (cache._wait_loaded, uncounted, no deadline) and resolves
+    one future on the loop; each task awaits that future shielded, with its own deadline, and
+    counts its own wait (the counters and the wait histogram keep their per-waiter meaning).
+    The last task to stop awaiting tells the thread to stop and joins it before its pin can go:
+    while any task awaits, some task's pin keeps the slot and the cache's context in use."""
+
+    __slots__ = ("fut", "cancel", "thread", "awaiting", "__weakref__")
+
+    def __init__(self, loop: Any, cache: "SlotCache", slot: int, key: tuple, table: dict):
+        self.fut = loop.create_future()
+        self.cancel = threading.Event()
+        self.awaiting = 0
+        fut, cancel = self.fut, self.cancel
+
+        def settle(result: Any, error: Optional[BaseException]) -> None:
+            if table.get(key) is self:
+                del table[key]  # from here a new awaiter starts a wait of its own
+            if not fut.done():
+                if error is None:
+                    fut.set_result(result)
+                else:
+                    fut.set_exception(error)
+
+        def run() -> None:
+            try:
+                st = cache._wait_loaded(slot, None, cancel, counted=False)
+                loop.call_soon_threadsafe(settle, st, None)
+            except BaseException as e:  # recovery's errors reach every awaiter
+                try:
+                    loop.call_soon_threadsafe(settle, None, e)
+                except RuntimeError:
+                    pass  # the loop is closed: nobody waits any more
+
+        self.thread = threading.Thread(target=run, name="ucmcache-wait", daemon=True)
+        self.thread.start()
+
+
+# Per event loop, the shared waits in progress: (id(cache), slot) -> _SharedWait.  Read and
+# changed only by the loop's own thread (a loop runs in one thread); the lock guards the map of
+# loops, which the loops of several threads share.
+_loop_waits: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
+_loop_waits_lock = threading.Lock()
+
+
 async def wait_loaded_async(cache: "SlotCache", slot: int, timeout: Optional[float]) -> int:
-    """cache._wait_loaded in a thread of its own (one per wait: a pool of a few threads would
-    make the 41st waiter queue behind 40 others), resolved on the loop.  On cancellation the
-    thread is told to stop; it looks every CANCEL_SLICE (20 ms) and is joined (bounded) before
-    the pin behind it can go."""
+    """cache._wait_loaded for asyncio: the tasks of a loop awaiting one slot share one wait
+    (one thread, one future: _SharedWait), so a thousand tasks on one cold key cost one thread
+    and one wake-up, and the loop keeps running.  ``timeout`` is this task's own: past it, a
+    TimeoutError for this task only (the load goes on, and so does the others' wait).
+    Cancelling the task abandons its wait, never the load."""
     import asyncio  # here, not at the top: most users never touch asyncio, and it is ~30 modules
     loop = asyncio.get_running_loop()
-    fut = loop.create_future()
-    cancel = threading.Event()
-
-    def settle(result, error) -> None:
-        if not fut.done():
-            if error is None:
-                fut.set_result(result)
-            else:
-                fut.set_exception(error)
-
-    def run() -> None:
-        try:
-            st = cache._wait_loaded(slot, timeout, cancel)
-            loop.call_soon_threadsafe(settle, st, None)
-        except BaseException as e:  # TimeoutError and recovery's errors reach the awaiter
-            try:
-                loop.call_soon_threadsafe(settle, None, e)
-            except RuntimeError:
-                pass  # the loop is closed: nobody waits any more
-
-    thread = threading.Thread(target=run, name="ucmcache-wait", daemon=True)
-    thread.start()
+    with _loop_waits_lock:
+        table = _loop_waits.get(loop)
+        if table is None:
+            table = _loop_waits[loop] = {}
+    key = (id(cache), slot)
+    shared = table.get(key)
+    if shared is None or shared.fut.done():
+        shared = table[key] = _SharedWait(loop, cache, slot, key, table)
+    shared.awaiting += 1
+    ctx = cache._ctx
+    lib.ucm_stat_add(ctx, lib.UCM_ST_WAITS, 1)
+    start = time.monotonic()
     try:
-        return await fut
-    except asyncio.CancelledError:
-        cancel.set()
-        thread.join(WAIT_CANCEL_JOIN)
-        raise
+        if timeout is None:
+            return await asyncio.shield(shared.fut)
+        try:
+            return await asyncio.wait_for(asyncio.shield(shared.fut), timeout)
+        except asyncio.TimeoutError:
+            if shared.fut.done() and not shared.fut.cancelled():
+                return shared.fut.result()  # settled as the deadline passed: the answer wins
+            lib.ucm_stat_add(ctx, lib.UCM_ST_WAIT_TIMEOUTS, 1)
+            raise TimeoutError(f"key still loading after {timeout} s (the load goes on; "
+                               "get() again to wait more)") from None
+    finally:
+        waited = int((time.monotonic() - start) * 1e9)
+        if cache._ctx is not None:
+            lib.ucm_stat_add(ctx, lib.UCM_ST_WAIT_NS, waited)
+            lib.ucm_observe(ctx, lib.UCM_HIST_WAIT, waited)
+        shared.awaiting -= 1
+        if shared.awaiting == 0 and not shared.fut.done():
+            # The last awaiter: the thread stops (it looks every CANCEL_SLICE) and is joined
+            # before this task's pin, the last one keeping the slot, can go.
+            if table.get(key) is shared:
+                del table[key]
+            shared.cancel.set()
+            shared.thread.join(WAIT_CANCEL_JOIN)
 
 
 WAIT_CANCEL_JOIN = 1.0  # seconds; the thread returns within one CANCEL_SLICE
