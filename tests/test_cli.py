@@ -495,6 +495,37 @@ def test_watch_prints_rates(names, workers):
     assert_one_error_line(run("watch", u, "--interval", "0"), 2, r"--interval must be > 0")
 
 
+def test_watch_stops_with_one_line_once_its_segment_is_removed(names):
+    u = names()
+    make_orphan(u)
+    p = subprocess.Popen([sys.executable, "-m", "ucmcache.cli", "watch", u, "--interval",
+                          "0.05"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        first = p.stdout.readline()  # a frame was printed: the watch is under way
+        assert f"ucmcache watch {u}" in first, first
+        SlotCache.unlink(u)
+        out, err = p.communicate(timeout=WAIT)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait(WAIT)
+    r = types.SimpleNamespace(returncode=p.returncode, stdout=first + out, stderr=err)
+    assert_one_error_line(r, 1, r"was removed or replaced while watched: watch stops")
+
+
+def test_help_texts_print_percent_signs_once():
+    r = run("watch", "--help")
+    assert r.returncode == 0 and "hit %," in r.stdout and "%%" not in r.stdout
+
+
+def test_metrics_port_out_of_range_is_one_line_exit_2(names):
+    u = names()
+    make_orphan(u)
+    for port in (99999, 0, -1):
+        assert_one_error_line(run("metrics", u, "--port", port), 2,
+                              rf"--port must be a TCP port from 1 to 65535, got {port}")
+
+
 # ------------------------------------------------------------------------- rm, gc
 
 def test_rm_refuses_a_live_segment_unless_forced(names, workers):

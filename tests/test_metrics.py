@@ -108,3 +108,39 @@ def test_cli_metrics_once_prints_one_scrape(make_cache):
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1
     assert "exactly one of --once or --port" in bad.stderr
     assert set(metrics.COUNTER_METRICS[n][0] for n in metrics.COUNTER_METRICS) <= set(COUNTERS)
+
+
+def _samples(text, name):
+    return [s for fam in text_string_to_metric_families(text) for s in fam.samples
+            if s.name == name]
+
+
+def test_a_removed_segment_scrapes_as_up_0_over_http_and_info_names_its_parameters(uuid):
+    from ucmcache import SlotCache, __version__
+    c = SlotCache.create(uuid, max_ranks=2, slots_per_rank=8, slot_size=64)
+    c.get_or_load(b"k" * 16, lambda: b"v")
+    server, thread = metrics.serve(uuid, 0, "127.0.0.1")
+    url = f"http://127.0.0.1:{server.server_port}/metrics"
+    try:
+        def scrape():
+            with urllib.request.urlopen(url, timeout=30) as r:
+                assert r.status == 200
+                return r.read().decode()
+
+        text = scrape()
+        assert [s.value for s in _samples(text, "ucmcache_up")] == [1]
+        (info,) = _samples(text, "ucmcache_info")
+        assert info.labels == {"segment": uuid, "version": __version__,
+                               "layout_version": str(metrics.lib.UCM_LAYOUT_VERSION),
+                               "max_ranks": "2", "slots_per_rank": "8", "slot_size": "64",
+                               "slots": "16"}
+        c.close()
+        SlotCache.unlink(uuid)  # removed: every scrape answers, and says so
+        text = scrape()
+        assert [s.value for s in _samples(text, "ucmcache_up")] == [0]
+        assert not _samples(text, "ucmcache_hits_total")
+        SlotCache.create(uuid, max_ranks=1, slots_per_rank=4, slot_size=64).close()
+        text = scrape()  # made again: followed
+        assert [s.value for s in _samples(text, "ucmcache_up")] == [1]
+    finally:
+        server.shutdown()

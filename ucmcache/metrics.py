@@ -13,6 +13,10 @@ Names (all labelled ``segment``; per-rank ones also ``rank``):
   (``tier2_hits``, ``tier2_misses``, ``tier2_writes``, ``tier2_bypasses``, ``tier2_lease_waits``,
   ``tier2_bad_values``): each rank's counter exactly as ``stats()["per_rank"]`` has it, and
   their sum over ranks is ``stats()``'s figure;
+* ``ucmcache_up`` 1 when the scrape could read the segment, 0 when it could not (removed,
+  being made, foreign, corrupt: then no other series), and ``ucmcache_info`` (its labels: the
+  package ``version``, ``layout_version``, ``max_ranks``, ``slots_per_rank``, ``slot_size``,
+  ``slots``);
 * gauges ``ucmcache_entries``, ``ucmcache_bytes``, ``ucmcache_capacity_bytes``,
   ``ucmcache_slots{state}`` (empty, loading, ready, failed), ``ucmcache_ranks{state}`` (live,
   dead, free), ``ucmcache_arenas{owner}`` (arenas owned by each rank that owns any, and
@@ -25,14 +29,16 @@ from __future__ import annotations
 
 from typing import Dict, Iterator, List, Tuple
 
+from ._errors import UcmError
 from ._segment import Segment
+from ._core import lib
 from ._stats import HIST_BOUNDS_NS, COUNTERS, histogram_buckets, rank_counters
 from ._table import accounting, arena_table, rank_rows, slot_fields, slot_table, state_counts
 
 try:
     from prometheus_client import CollectorRegistry, generate_latest, start_http_server
     from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
-                                        HistogramMetricFamily)
+                                        HistogramMetricFamily, InfoMetricFamily)
     from prometheus_client.registry import Collector
 except ImportError as e:  # pragma: no cover - exercised only without the extra
     raise ImportError("ucmcache.metrics needs prometheus_client: pip install "
@@ -104,12 +110,36 @@ class SegmentCollector(Collector):
         self.timeout = timeout
 
     def collect(self) -> Iterator[object]:
-        seg = Segment.attach(self.uuid, timeout=self.timeout, writable=False)
+        # A segment removed, half made, foreign or corrupt is a fact to report, not a failed
+        # scrape: ucmcache_up 0 (an alert's series) and nothing else.
+        up = GaugeMetricFamily(f"{PREFIX}_up", "1 if the segment could be read at this scrape",
+                               labels=["segment"])
         try:
-            snap = _snapshot(seg)
-        finally:
-            seg.detach()
+            seg = Segment.attach(self.uuid, timeout=self.timeout, writable=False)
+            try:
+                snap = _snapshot(seg)
+                params = _params(seg)
+            finally:
+                seg.detach()
+        except (UcmError, OSError, ValueError):
+            up.add_metric([self.uuid], 0)
+            yield up
+            return
+        up.add_metric([self.uuid], 1)
+        yield up
+        info = InfoMetricFamily(f"{PREFIX}", "The segment's parameters and this package's version",
+                                labels=["segment"])
+        info.add_metric([self.uuid], params)
+        yield info
         yield from families(self.uuid, snap)
+
+
+def _params(seg: Segment) -> Dict[str, str]:
+    L = seg.layout
+    from . import __version__
+    return {"version": __version__, "layout_version": str(lib.UCM_LAYOUT_VERSION),
+            "max_ranks": str(L.max_ranks), "slots_per_rank": str(L.slots_per_rank),
+            "slot_size": str(L.slot_size), "slots": str(L.n_slots)}
 
 
 def families(uuid: str, snap: Dict[str, object]) -> List[object]:

@@ -20,8 +20,8 @@ from .._core import lib
 from .._errors import SegmentNotFound, SharedMemoryFull, UcmError
 from .._layout import Layout, LayoutError
 from .._recovery import recover_dead_ranks
-from .._segment import (MAX_MODE, PREFIX, Segment, check_mode, held_for_removal, shm_path,
-                        unlink_if_same)
+from .._segment import (MAX_MODE, PREFIX, Segment, check_mode, held_for_removal, names_file,
+                        shm_path, unlink_if_same)
 from .._stats import rank_counters
 from .._table import reader_context
 from .._verify import verify_segment
@@ -63,6 +63,10 @@ def cmd_watch(args) -> int:
             while True:
                 frame += 1
                 now = time.monotonic()
+                if not names_file(args.uuid, seg.lock_fd):
+                    # removed (or removed and made again): its counters are frozen, say so
+                    raise CliError(f"segment {args.uuid!r} was removed or replaced while "
+                                   "watched: watch stops", 1)
                 snap = rank_counters(seg)
                 lines = render.watch_lines(args.uuid, summary(seg), snap, prev, now, frame,
                                            args.interval, seg.layout.n_slots)
@@ -105,6 +109,8 @@ def cmd_recover(args) -> int:
 def cmd_metrics(args) -> int:
     if args.once == (args.port is not None):
         raise CliError("give exactly one of --once or --port P")
+    if args.port is not None and not 1 <= args.port <= 65535:
+        raise CliError(f"--port must be a TCP port from 1 to 65535, got {args.port}")
     with attached(args.uuid, timeout=args.timeout):
         pass  # a missing, half-made or foreign segment: its one-line error, here
     try:
@@ -354,7 +360,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub.required = True
 
     def cmd(name, help, fn):
-        sp = sub.add_parser(name, help=help, description=help)
+        # help is %-formatted by argparse, a description is not: "%%" there would print as is
+        sp = sub.add_parser(name, help=help, description=help.replace("%%", "%"))
         sp.set_defaults(fn=fn)
         return sp
 
