@@ -37,6 +37,7 @@ from ._errors import (CacheFull, CorruptSegment, IncompatibleSegment, LockTimeou
 from ._handle import Handle, _Pins
 from ._hit import CacheBase
 from ._single_flight import SingleFlight
+from ._mapping import Mapping
 from ._slots import (ABANDONED, ABANDONED_LEN, FAST_SPIN, _PIN_LEN_SHIFT, _PIN_OWNER,
                      _PIN_OWNER_OR_READY, _PIN_READY, _PIN_SLOT_MASK, check_timeout)
 from ._keys import Key, split_key
@@ -135,7 +136,7 @@ os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent,
 _next_ticket = itertools.count(1).__next__  # a unique ticket per single-key read (see get)
 
 
-class SlotCache(CacheBase, SingleFlight, Batches, Prefetching):
+class SlotCache(CacheBase, SingleFlight, Batches, Prefetching, Mapping):
     """A shared-memory slot cache attached to one segment as one rank.
 
     Create a segment with ``SlotCache.create`` (the creator is attached too), attach to it from

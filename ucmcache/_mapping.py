@@ -1,0 +1,117 @@
+"""What users of py-lmdb, diskcache or Redis reach for first, on top of the cache's own calls:
+``put`` (a value without a loader), the mapping methods (``key in cache``, ``len(cache)``,
+``cache[key]``) and ``memoize``.  A mixin of SlotCache: it uses only the cache's public calls
+(get, exist, entry_count, get_or_load) and ``_hit_bytes``, and holds no protocol rule: single
+flight, pins and publication are get's, unchanged.
+"""
+from __future__ import annotations
+
+import functools
+import pickle
+from typing import Any, Callable, Optional, TypeVar
+
+from ._errors import LoadFailed
+from ._keys import Key, make_key
+from ._slots import as_value_view
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+# A memoized value too large for a slot: the owner's load is failed with this message, its
+# caller gets the value it computed, and a waiter that reads this message computes its own.
+_TOO_LARGE = "memoize: the pickled value is larger than a slot; not cached"
+
+
+class _TooLarge(Exception):
+    def __init__(self, value: Any):
+        super().__init__(_TOO_LARGE)
+        self.value = value
+
+
+class Mapping:
+    """SlotCache's conveniences (see the module docs).  A mixin; no state of its own."""
+
+    def put(self, key: Key, data: Any, *, timeout: Optional[float] = None) -> bool:
+        """Publish ``data`` (bytes-like, at most slot_size bytes) under ``key`` without a
+        loader.  True if this call stored it; False, without waiting, if the key is Ready
+        already or another caller (any process) is loading it: single flight holds, the
+        other load wins.  ``data`` is checked before any shared word changes.  Raises
+        CacheFull when no slot can be had, as get does."""
+        value = as_value_view(data, self.slot_size)  # TypeError/ValueError before anything
+        with self.get(key, timeout=timeout) as h:
+            if not h.owner:
+                return False
+            n = value.nbytes
+            h.data[:n] = value
+            h.ready(n)
+            return True
+
+    def __contains__(self, key: Key) -> bool:
+        """``key in cache``: Ready now (exist: no pin, no count, no CLOCK touch)."""
+        return self.exist([key])[0]
+
+    def __len__(self) -> int:
+        """``len(cache)``: the Ready entries of the current generation, every process's."""
+        return self.entry_count()
+
+    def __bool__(self) -> bool:
+        return True  # an empty cache is still a cache (len() must not make it falsy)
+
+    __iter__ = None  # keys are hashes: there is nothing to iterate (and no sequence protocol)
+
+    def __getitem__(self, key: Key) -> bytes:
+        """``cache[key]``: a Ready entry's bytes (a copy), or KeyError.  Never waits for a
+        load in progress and never loads."""
+        value = self._hit_bytes(key)
+        if value is None:
+            raise KeyError(key)
+        return value
+
+    def memoize(self, namespace: str, *, timeout: Optional[float] = None) -> Callable[[F], F]:
+        """A decorator caching a function's results in this segment, shared by every process
+        attached to it, with single flight across them: while one call computes a result for
+        some arguments, the others wait for it (``timeout``, as get_or_load's).
+
+        The key is ``make_key`` over the pickled ``(module.qualname, args, kwargs)`` under
+        ``namespace`` (name there what changes the function's meaning: its version, a model
+        id), so the arguments must pickle the same way in every process (no sets of str,
+        whose order follows the hash seed); the result is pickled.  An exception of the
+        function reaches its caller, and callers waiting for that call get LoadFailed with its
+        message (the next call computes again: no negative caching).  A result whose pickle
+        is larger than slot_size is returned uncached: the callers waiting for it each compute
+        their own (their single flight is lost, never their answer)."""
+        if not isinstance(namespace, str) or not namespace:
+            raise ValueError("memoize needs a non-empty namespace string (what changes the "
+                             "function's meaning: its version, a model id)")
+
+        def decorate(fn: F) -> F:
+            name = f"{fn.__module__}.{fn.__qualname__}"
+
+            @functools.wraps(fn)
+            def memoized(*args: Any, **kwargs: Any) -> Any:
+                try:
+                    blob = pickle.dumps((name, args, sorted(kwargs.items())), protocol=4)
+                except Exception as e:
+                    raise TypeError(f"memoize: the arguments of {name} cannot be pickled "
+                                    f"({e}); only picklable arguments make a key") from None
+                key = make_key(blob, namespace)
+
+                def load() -> bytes:
+                    value = fn(*args, **kwargs)
+                    out = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+                    if len(out) > self.slot_size:
+                        raise _TooLarge(value)
+                    return out
+
+                try:
+                    return pickle.loads(self.get_or_load(key, load, timeout=timeout))
+                except _TooLarge as big:
+                    return big.value
+                except LoadFailed as e:
+                    if _TOO_LARGE not in str(e):
+                        raise
+                    return fn(*args, **kwargs)
+
+            memoized.cache = self  # type: ignore[attr-defined]
+            return memoized  # type: ignore[return-value]
+
+        return decorate
