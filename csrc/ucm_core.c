@@ -187,7 +187,9 @@ uint32_t ucm_layout_fingerprint(void)
         UCM_M_NEXT, UCM_M_GENERATION, UCM_M_LENGTH, UCM_M_ACCESSED, UCM_M_LOADER, UCM_M_FLAGS,
         UCM_RING_DEPTH, UCM_RING_HEAD, UCM_RING_TAIL, UCM_RING_LOCK, UCM_RING_SLEEPING,
         UCM_RING_POSTED, UCM_RING_DROPPED, UCM_RING_PRESENT, UCM_RING_ENTRIES, UCM_ACC_GEN_BITS,
-        UCM_CLAIMED, UCM_NIL, UCM_LINE, UCM_PAGE, sizeof(pthread_mutex_t)};
+        UCM_CLAIMED, UCM_NIL, UCM_LINE, UCM_PAGE, sizeof(pthread_mutex_t),
+        /* the histograms' counters and what their buckets mean live in the stats lines too */
+        UCM_HIST_BUCKETS, UCM_HIST_FIRST_NS, UCM_HIST_FACTOR, UCM_ST_LOAD_HIST, UCM_ST_WAIT_HIST};
     uint64_t h = 0;
     for (size_t i = 0; i < sizeof parts / sizeof parts[0]; i++) h = ucm_mix(h ^ parts[i], i + 1);
     return (uint32_t)(h ^ (h >> 32));

@@ -11,7 +11,7 @@
 
 /* Identity and limits of the layout. */
 #define UCM_MAGIC            0x31484341434d4355ULL /* "UCMCACH1" little endian */
-#define UCM_LAYOUT_VERSION   4   /* bump on every layout change (the fingerprint catches a miss) */
+#define UCM_LAYOUT_VERSION   5   /* bump on every layout change (the fingerprint catches a miss) */
 #define UCM_LINE             64
 #define UCM_PAGE             4096
 #define UCM_MAX_RANKS        63    /* one pin bit per rank in a 64-bit reference, top bit = claim */
@@ -76,7 +76,7 @@
 #define UCM_R_CLOCK_HAND     8
 #define UCM_R_ATTACHES       16
 #define UCM_R_STATS          64
-#define UCM_RANK_SIZE        640 /* line 0 identity + 9 lines of 8 counters */
+#define UCM_RANK_SIZE        768 /* line 0 identity + 11 lines of 8 counters */
 #define UCM_RANK_FREE        0
 #define UCM_RANK_INITIALIZING 1
 #define UCM_RANK_READY       2
@@ -173,18 +173,19 @@
 /* Histograms of load time (an owner's get to its publish) and wait time (a join's wait), in
  * nanoseconds: UCM_HIST_BUCKETS counters each, bucket k counting values <= FIRST * FACTOR^k
  * (the last: everything above), then their sum and count.  A hit touches none of them. */
-#define UCM_HIST_BUCKETS     16
+#define UCM_HIST_BUCKETS     24   /* 10 us .. 41.9 s, then everything above */
 #define UCM_HIST_FIRST_NS    10000 /* 10 us */
-#define UCM_HIST_FACTOR      4
-#define UCM_ST_LOAD_HIST     32   /* .. 47 */
-#define UCM_ST_LOAD_SUM_NS   48
-#define UCM_ST_LOAD_COUNT    49
-#define UCM_ST_WAIT_HIST     50   /* .. 65 */
-#define UCM_ST_WAIT_SUM_NS   66
-#define UCM_ST_WAIT_COUNT    67
+#define UCM_HIST_FACTOR      2    /* no bucket wider than 2x: a quantile read from them is off
+                                   * by at most 2x (4x buckets said 37.7 ms for 0.1-10 ms) */
+#define UCM_ST_LOAD_HIST     32   /* .. 55 */
+#define UCM_ST_LOAD_SUM_NS   56
+#define UCM_ST_LOAD_COUNT    57
+#define UCM_ST_WAIT_HIST     58   /* .. 81 */
+#define UCM_ST_WAIT_SUM_NS   82
+#define UCM_ST_WAIT_COUNT    83
 #define UCM_HIST_LOAD        0
 #define UCM_HIST_WAIT        1
-#define UCM_ST_COUNT         72
+#define UCM_ST_COUNT         88
 
 /* Named points in the protocol where a test may hold (gate) or kill the process. */
 #define UCM_PT_AFTER_MATCH   1  /* reader: MatchKey held, pin CAS not yet tried */

@@ -144,3 +144,32 @@ def test_a_removed_segment_scrapes_as_up_0_over_http_and_info_names_its_paramete
         assert [s.value for s in _samples(text, "ucmcache_up")] == [1]
     finally:
         server.shutdown()
+
+
+def test_no_bucket_is_wider_than_2x_and_a_p99_read_from_them_is_within_2x(make_cache):
+    """Issue 26: with 4x buckets, histogram_quantile(0.99) said 37.7 ms for loads of 0.1-10 ms.
+    Observations of known sizes go in through the core's own step; the quantile is read from a
+    scrape as Prometheus does (linear inside the bucket)."""
+    from ucmcache._core import lib
+    from ucmcache._stats import HIST_BOUNDS_NS
+    assert all(b / a <= 2 for a, b in zip(HIST_BOUNDS_NS, HIST_BOUNDS_NS[1:]))
+    assert HIST_BOUNDS_NS[0] <= 10_000 and HIST_BOUNDS_NS[-1] >= 30e9
+    c = make_cache(slots_per_rank=16, slot_size=64)
+    # 0.1 .. 10 ms, and a tail of 2% at 11 ms, just past a 4x bucket's bound (10.24 ms)
+    values = [100_000 + i * 9_900_000 // 979 for i in range(980)] + [11_000_000] * 20
+    for v in values:
+        lib.ucm_observe(c._ctx, lib.UCM_HIST_LOAD, v)
+    text = metrics.render(c.uuid)
+    buckets = sorted((float(s.labels["le"]), s.value)
+                     for s in _samples(text, "ucmcache_load_seconds_bucket")
+                     if s.labels["rank"] == str(c.rank))
+    total = buckets[-1][1]
+    rank = 0.99 * total
+    lower, below = 0.0, 0.0
+    for le, n in buckets:
+        if n >= rank:
+            p99 = lower + (le - lower) * (rank - below) / (n - below)
+            break
+        lower, below = le, n
+    true_p99 = sorted(values)[989] / 1e9
+    assert true_p99 / 2 <= p99 <= true_p99 * 2, (p99, true_p99)

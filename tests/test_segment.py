@@ -122,7 +122,8 @@ def _patched(data: bytes, off: int, value: int, width: int) -> bytes:
 
 
 @pytest.mark.parametrize("off, value, width, exc, msg", [
-    (lib.UCM_H_VERSION, 99, 4, IncompatibleSegment, "layout version 99, this ucmcache reads version 4"),
+    (lib.UCM_H_VERSION, 99, 4, IncompatibleSegment,
+     f"layout version 99, this ucmcache reads version {lib.UCM_LAYOUT_VERSION}"),
     (lib.UCM_H_LAYOUT_FP, 12345, 4, IncompatibleSegment, "laid out by another build of ucmcache"),
     (lib.UCM_H_MAX_RANKS, 0, 4, CorruptSegment, r"max_ranks must be an int in \[1, 63\], got 0"),
     (lib.UCM_H_N_BUCKETS, 3, 8, CorruptSegment, "n_buckets must be a power of two"),

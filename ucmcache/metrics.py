@@ -23,7 +23,7 @@ Names (all labelled ``segment``; per-rank ones also ``rank``):
   ``free``: where each rank may allocate, DESIGN 4.12);
 * histograms ``ucmcache_load_seconds`` (an owner's get to its publish) and
   ``ucmcache_wait_seconds`` (a join's wait), per rank, with fixed log-scale buckets (10 us
-  times powers of 4) kept in the segment.
+  times powers of 2, up to 41.9 s: no bucket wider than 2x) kept in the segment.
 """
 from __future__ import annotations
 
