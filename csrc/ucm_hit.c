@@ -38,6 +38,7 @@ static struct {
     __typeof__(ucm_release_many) *release_many;
     __typeof__(ucm_pin_again) *pin_again;
     __typeof__(ucm_pin_again_many) *pin_again_many;
+    __typeof__(ucm_hold_pins) *hold_pins;
 } core;
 static int bound;
 /* No spinning here: a claimed slot answers BUSY at once and the full path (which spins with
@@ -299,14 +300,24 @@ static PyTypeObject SlotBuffer_Type = {
  * The SlotBuffer holds its pin before the memoryview's allocations can run a finalizer. */
 static PyObject *slot_view(CacheBase *c, ucm_ctx *ctx, uint32_t slot, Py_ssize_t n, int writable)
 {
+    /* The allocation first: it may run a collection, whose finalizers may close the holder or
+     * the cache (freeing ctx); ctx is used only once it is known to be the cache's still. */
+    SlotBuffer *e = PyObject_GC_New(SlotBuffer, &SlotBuffer_Type);
+    if (!e) return NULL;
+    e->cache = NULL;
+    e->slots = &e->slot;
+    e->held = 0;
+    if (c->ctx != ctx) {
+        PyObject_GC_Del(e); /* never tracked, holds nothing */
+        return NULL;
+    }
     char *p = core.slot_data(ctx, slot);
     if (!p || n < 0 || n > c->stride) {
+        PyObject_GC_Del(e);
         PyErr_Format(PyExc_ValueError, "slot %u's payload of %zd bytes lies outside the mapping",
                      slot, n);
         return NULL;
     }
-    SlotBuffer *e = PyObject_GC_New(SlotBuffer, &SlotBuffer_Type);
-    if (!e) return NULL;
     e->cache = (CacheBase *)Py_NewRef(c);
     e->ctx = ctx;
     e->buf = p;
@@ -346,10 +357,24 @@ static PyObject *batch_region_view(CacheBase *c, ucm_ctx *ctx, const uint32_t *s
     }
     uint32_t *copy = PyMem_Malloc(sizeof(uint32_t) * (n ? n : 1));
     if (!copy) return PyErr_NoMemory();
-    memcpy(copy, slots, sizeof(uint32_t) * n);
+    memcpy(copy, slots, sizeof(uint32_t) * n); /* before the allocation: slots may be freed */
     SlotBuffer *e = PyObject_GC_New(SlotBuffer, &SlotBuffer_Type);
     if (!e) {
         PyMem_Free(copy);
+        return NULL;
+    }
+    /* As slot_view: the allocation may have run finalizers that closed the batch or cache. */
+    if (c->ctx != ctx || !c->ro) {
+        PyObject_GC_Del(e);
+        PyMem_Free(copy);
+        return NULL;
+    }
+    ro = PyMemoryView_GET_BUFFER(c->ro);
+    p = core.slot_data(ctx, 0);
+    if (!p || ro->len < c->data_off) {
+        PyObject_GC_Del(e);
+        PyMem_Free(copy);
+        PyErr_SetString(PyExc_ValueError, "the cache's mapping has no data region");
         return NULL;
     }
     e->cache = (CacheBase *)Py_NewRef(c);
@@ -827,15 +852,76 @@ static PyObject *cache_detach(CacheBase *c, PyObject *unused)
  * waits for it: the parent drops the pins it holds across the fork through this context after
  * the child's copies are made), or None if the cache has none.  One step under the GIL, as
  * _detach: a close in another thread either took the context first or waits for the fork. */
-static PyObject *cache_fork_hold(CacheBase *c, PyObject *unused)
+static PyObject *cache_forks_out(CacheBase *c, PyObject *unused)
 {
-    if (!c->ctx_obj) Py_RETURN_NONE;
-    c->forks_out++;
-    return Py_NewRef(c->ctx_obj);
+    return PyLong_FromSsize_t(c->forks_out);
 }
 
-static PyObject *cache_fork_release(CacheBase *c, PyObject *unused)
+/* A fork's parent side, one C step each way, so that no exception (a signal handler's) can
+ * fall between a hold and its record: _fork_hold(slots, holds) counts the fork on this cache,
+ * holds one more pin on every slot this process pins (ucm_hold_pins into `slots`, a uint32
+ * buffer of capacity items) and appends (self, ctx, slots, n) to the list `holds`, all with
+ * the GIL held; nothing is held (and False returned) when the cache has no context or pins
+ * nothing.  _fork_release(ctx, slots, n) drops those pins and the count.  close() waits while
+ * the count is above zero (cache_detach): the pins are dropped through ctx. */
+static PyObject *cache_fork_hold(CacheBase *c, PyObject *const *args, Py_ssize_t nargs)
 {
+    if (nargs != 2 || !PyList_Check(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "_fork_hold(slots, holds)");
+        return NULL;
+    }
+    PyObject *ctx_obj = c->ctx_obj;
+    Py_buffer *ro = c->ro ? PyMemoryView_GET_BUFFER(c->ro) : NULL;
+    if (!ctx_obj || !c->ctx || !ro || c->stride <= 0 || ro->len < c->data_off) Py_RETURN_FALSE;
+    /* At least one item per slot of the data region: ucm_hold_pins writes one per pinned slot */
+    Py_ssize_t need = (ro->len - c->data_off) / c->stride;
+    PyObject *rec = PyTuple_New(4);
+    if (!rec) return NULL;
+    Py_buffer b;
+    if (PyObject_GetBuffer(args[0], &b, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
+        Py_DECREF(rec);
+        return NULL;
+    }
+    if (b.len < need * (Py_ssize_t)sizeof(uint32_t) || c->ctx_obj != ctx_obj) {
+        /* (a buffer too small for the slots, or the context gone while we allocated) */
+        PyBuffer_Release(&b);
+        Py_DECREF(rec);
+        if (c->ctx_obj != ctx_obj) Py_RETURN_FALSE;
+        PyErr_Format(PyExc_ValueError, "_fork_hold: slots holds %zd bytes, %zd needed", b.len,
+                     need * (Py_ssize_t)sizeof(uint32_t));
+        return NULL;
+    }
+    uint32_t n = core.hold_pins(c->ctx, (uint32_t *)b.buf);
+    PyObject *n_obj = n ? PyLong_FromUnsignedLong(n) : NULL;
+    int r = n_obj ? 0 : -1;
+    if (n_obj) {
+        PyTuple_SET_ITEM(rec, 0, Py_NewRef(c));
+        PyTuple_SET_ITEM(rec, 1, Py_NewRef(ctx_obj));
+        PyTuple_SET_ITEM(rec, 2, Py_NewRef(args[0]));
+        PyTuple_SET_ITEM(rec, 3, n_obj);
+        r = PyList_Append(args[1], rec);
+    }
+    if (r < 0 && n) core.release_many(c->ctx, (const uint32_t *)b.buf, n); /* unrecorded: none held */
+    else if (n) c->forks_out++;
+    PyBuffer_Release(&b);
+    Py_DECREF(rec);
+    if (r < 0 && n) return NULL; /* the allocation's error */
+    if (!n) PyErr_Clear();
+    return Py_NewRef(n ? Py_True : Py_False);
+}
+
+static PyObject *cache_fork_release(CacheBase *c, PyObject *const *args, Py_ssize_t nargs)
+{
+    Py_buffer b;
+    unsigned long n;
+    if (nargs != 2 || (n = PyLong_AsUnsignedLong(args[1])) == (unsigned long)-1) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "_fork_release(slots, n)");
+        return NULL;
+    }
+    if (PyObject_GetBuffer(args[0], &b, PyBUF_C_CONTIGUOUS) < 0) return NULL;
+    if (c->ctx && n <= (unsigned long)(b.len / sizeof(uint32_t)))
+        core.release_many(c->ctx, (const uint32_t *)b.buf, (uint32_t)n);
+    PyBuffer_Release(&b);
     if (c->forks_out > 0) c->forks_out--;
     Py_RETURN_NONE;
 }
@@ -865,11 +951,13 @@ static PyMethodDef cache_methods[] = {
     {"_slot_view", (PyCFunction)(void (*)(void))cache_slot_view, METH_FASTCALL,
      "_slot_view(slot, nbytes, writable): a view of a slot this process pins, holding a pin\n"
      "of its own while it (or anything made from it) lives."},
-    {"_fork_hold", (PyCFunction)cache_fork_hold, METH_NOARGS,
-     "The context, held for a fork's parent side until _fork_release() (close() waits for\n"
-     "it), or None if the cache has no context."},
-    {"_fork_release", (PyCFunction)cache_fork_release, METH_NOARGS,
-     "Ends one _fork_hold()."},
+    {"_fork_hold", (PyCFunction)(void (*)(void))cache_fork_hold, METH_FASTCALL,
+     "_fork_hold(slots, holds): a fork's parent side holds every slot this process pins and\n"
+     "appends (cache, ctx, slots, n) to holds, in one step; False if nothing was held."},
+    {"_fork_release", (PyCFunction)(void (*)(void))cache_fork_release, METH_FASTCALL,
+     "_fork_release(slots, n): drops one _fork_hold's pins and its count."},
+    {"_forks_out", (PyCFunction)cache_forks_out, METH_NOARGS,
+     "Forks whose parent side holds pins through this cache now."},
     {"_detach", (PyCFunction)cache_detach, METH_NOARGS,
      "The context, taken away from every path of this cache (_ctx becomes None), or None\n"
      "while another thread's core call runs on it without the GIL, or a fork's parent side\n"
@@ -1022,6 +1110,9 @@ static int handle_drop(HandleBase *h, PyObject *msg)
     /* The handle's own view: one nobody else holds goes now with its hold; one still held
      * keeps the slot pinned by its own (SlotBuffer). */
     Py_SETREF(h->view, Py_NewRef(Py_None));
+    /* Before the drop (as in batch_drop): the token's drop runs with the GIL released, and a
+     * thread sharing this owned set could own the freed slot's next load meanwhile. */
+    if (h->owner == Py_True) owned_discard(h->owned, h->slot);
     int rc = 1;
     if (HAS(h->token)) {
         PyObject *len = PyLong_FromSsize_t(PyBytes_GET_SIZE(msg));
@@ -1042,7 +1133,6 @@ static int handle_drop(HandleBase *h, PyObject *msg)
          * removed our holds and ctx is NULL. */
         if (slot <= UCM_PIN_SLOT_MASK && c->ctx) release_pin(c, c->ctx, (uint32_t)slot);
     }
-    if (h->owner == Py_True) owned_discard(h->owned, h->slot);
     Py_DECREF(c);
     return rc;
 }
@@ -1854,7 +1944,7 @@ static PyObject *mod_bind(PyObject *m, PyObject *args, PyObject *kw)
 #define STEP(f) if (bind_step(steps, "ucm_" #f, (void **)&core.f) < 0) return NULL
     STEP(lookup_pin); STEP(release); STEP(slot_data); STEP(copy_payload); STEP(ctx_points_set);
     STEP(read_many); STEP(gather); STEP(pin_all_ready); STEP(release_many); STEP(pin_again);
-    STEP(pin_again_many);
+    STEP(pin_again_many); STEP(hold_pins);
 #undef STEP
     Py_XSETREF(addr_of, Py_NewRef(a));
     Py_XSETREF(handle_type, (PyTypeObject *)Py_NewRef(ht));

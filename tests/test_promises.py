@@ -475,6 +475,7 @@ def test_close_waits_for_a_forks_parent_side_before_freeing_the_context(make_cac
     try:
         del v
         monkeypatch.setattr(_cache, "DETACH_WAIT", 0.05)
+        monkeypatch.setattr(_cache, "FORK_HOLD_WAIT", 0.05)
         with pytest.raises(UcmError, match="fork was still waiting"):
             c.close()
         assert c.get_or_load(K[0], lambda: b"x") == payload(K[0], 64)  # still whole
@@ -520,3 +521,110 @@ def test_an_owners_close_cut_short_after_its_drop_leaves_no_stale_owned_slot(mak
     finally:
         theirs.close()
     assert c.get_or_load(K[0], lambda: b"x") == b"abcd"
+
+
+def test_a_finalizer_that_closes_everything_while_a_view_is_made_leaves_no_freed_context(uuid):
+    """Making a view allocates a collected object, and a collection there may run a finalizer
+    that closes the handle and the cache: the view's maker must not go on with the freed
+    context (a use-after-free under valgrind before)."""
+    c = SlotCache.create(uuid, max_ranks=2, slots_per_rank=2, slot_size=64)
+    try:
+        with c.get(K[0]) as h:
+            h.data[:4] = b"AAAA"
+            h.ready(4)
+        h = c.get(K[0])  # a hit: its view not made yet
+        ran = []
+
+        class Closer:
+            def __del__(self):
+                self.h.close()
+                self.c.close()
+                ran.append(c._ctx)
+
+        threshold = gc.get_threshold()
+        gc.collect()
+        gc.disable()
+        try:
+            g = Closer()
+            g.h, g.c, g.me = h, c, g  # a young cycle
+            junk = [[] for _ in range(50)]  # noqa: F841  (generation 0 well over threshold)
+            del g
+            gc.set_threshold(1)
+            gc.enable()
+            try:
+                v = h.data
+            except (HandleClosed, NotAttached):
+                v = None
+        finally:
+            gc.set_threshold(*threshold)
+            gc.enable()
+        assert ran == [None], "the finalizer never ran inside the view's allocation"
+        assert v is None or bytes(v) == b"AAAA"
+    finally:
+        SlotCache.unlink(uuid)
+
+
+def test_a_fork_whose_before_hook_fails_leaves_the_cache_closable(make_cache, monkeypatch):
+    """os.pipe() failing in the before-fork hook (EMFILE at the fd limit) must leave no hold and
+    no fork count behind: close() then works."""
+    from ucmcache import _cache
+    c = make_cache(max_ranks=1, slots_per_rank=4, slot_size=64)
+    put(c, K[0])
+    with c.get(K[0]) as h:
+        v = h.data
+
+    def no_pipe():
+        raise OSError(24, "Too many open files")
+
+    monkeypatch.setattr(_cache.os, "pipe", no_pipe)
+    with pytest.raises(OSError):
+        _cache._before_fork()
+    monkeypatch.undo()
+    _cache._after_fork_in_parent()  # what the fork's parent runs after a failed before-hook
+    del v
+    assert c._forks_out() == 0 and set(_refs(c)) == {0}
+
+
+def test_a_view_another_finalizer_brings_back_keeps_its_keys_bytes(uuid):
+    import weakref  # noqa: F401
+    c = SlotCache.create(uuid, max_ranks=2, slots_per_rank=2, slot_size=64)
+    other = None
+    try:
+        with c.get(K[0]) as h:
+            h.data[:8] = b"AAAAAAAA"
+            h.ready(8)
+        with c.get(K[0]) as h:
+            v = h.data
+        slot = h.slot
+        stash = []
+
+        class Resurrect:
+            def __del__(self):
+                stash.append(self.v)
+
+        r = Resurrect()
+        r.v = v
+        c.kept = [r, v]
+        del v, r, h
+        other = SlotCache.attach(uuid)
+        with pytest.warns(ResourceWarning):
+            del c
+            gc.collect()
+        (v,) = stash
+        reused = False
+        for i in range(64):
+            with other.get(bytes([i + 50]) * 16) as h2:
+                if h2.owner:
+                    h2.data[:8] = b"BBBBBBBB"
+                    h2.ready(8)
+                    reused |= h2.slot == slot
+            if reused:
+                break
+        assert reused, "the test never reused the view's slot"
+        assert bytes(v) == b"AAAAAAAA", "a view brought back saw another key's bytes"
+        del v, stash[:]
+        gc.collect()
+    finally:
+        if other is not None:
+            other.close()
+        SlotCache.unlink(uuid)

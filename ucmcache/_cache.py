@@ -60,8 +60,8 @@ CLAIM_WAIT = 10.0       # the longest a get waits for another process to recover
 STRIPE_WAIT = 10.0      # the longest a get with no timeout waits for a bucket's stripe; held
                         # for microseconds normally, so past this its holder is stopped or stuck
 FORK_WAIT = 5.0         # the longest a parent waits for its child's private copies (below)
-DETACH_WAIT = FORK_WAIT + 1.0  # the longest close() waits for other threads' copies out of the
-                        # segment, or for a fork's parent side that holds pins through it
+DETACH_WAIT = 5.0       # the longest close() waits for other threads' copies out of the
+                        # segment (a fork's parent side: FORK_HOLD_WAIT, below)
 MIN_LOCK_WAIT = 0.05    # a get's timeout below this still waits this long for a lock: a
                         # stripe or a claim held that long is not contention any more
 
@@ -76,57 +76,66 @@ _live_caches: "weakref.WeakSet[SlotCache]" = weakref.WeakSet()
 # What one fork holds lives in the forking thread's own state: two threads of a process may fork
 # at once (the hooks run Python, and the GIL can pass between them), and each parent side drops
 # exactly the holds its own fork took.  A thread's locals are the child's too (it is the child's
-# only thread), so the child finds its fork's pipe there.  Each cache held is counted
-# (_fork_hold): close() in another thread waits for the parent side instead of freeing the
-# context its holds are dropped through.
+# only thread).  Each hold is taken, counted on its cache and recorded in one C step
+# (_fork_hold), so no exception can fall between a hold and its record, and close() in another
+# thread waits for the parent side instead of freeing the context its holds are dropped
+# through.  Every fork's pipe in flight is in _fork_pipes: a child closes them all (another
+# thread's fork's pipe too, else that parent would wait for this child's exit).
 _fork_state = threading.local()  # .holds: [(cache, ctx, slots array, count)], .pipe
+_fork_pipes: set = set()
+FORK_HOLD_WAIT = 60.0   # the longest close() waits for forks' parent sides (each bounded by
+                        # FORK_WAIT once its child runs; before that, by its own hooks and fork())
 
 
 def _before_fork() -> None:
     holds: list = []
     _fork_state.holds, _fork_state.pipe = holds, None
-    for cache in list(_live_caches):
-        slots = np.empty(cache.capacity, dtype=np.uint32)
-        slots_p = ffi.from_buffer("uint32_t[]", slots)
-        ctx = cache._fork_hold()  # after the allocations: a finalizer they run may close it
-        if ctx is None:
-            continue
-        n = lib.ucm_hold_pins(ctx, slots_p)
-        if n:
-            holds.append((cache, ctx, slots, n))
-        else:
-            cache._fork_release()
-    if holds:
-        _fork_state.pipe = os.pipe()
+    caches = list(_live_caches)
+    if not caches:
+        return
+    pipe = os.pipe()  # first: a pipe that cannot be made leaves nothing held
+    _fork_pipes.add(pipe)
+    _fork_state.pipe = pipe
+    for cache in caches:
+        n = max(cache.capacity, (len(cache._ro) - cache._data_off) // cache._stride
+                if cache._ro is not None and cache._stride > 0 else 0)
+        cache._fork_hold(np.empty(n, dtype=np.uint32), holds)  # holds and records, one step
 
 
 def _after_fork_in_parent() -> None:
     holds, pipe = getattr(_fork_state, "holds", None), getattr(_fork_state, "pipe", None)
     _fork_state.holds, _fork_state.pipe = None, None
-    if not holds:
-        return
-    r, w = pipe
     try:
-        os.close(w)
-        import select
-        select.select([r], [], [], FORK_WAIT)  # a byte, or EOF: the child's copies are made
+        if pipe is not None:
+            _fork_pipes.discard(pipe)
+            os.close(pipe[1])
+            if holds:
+                import select
+                select.select([pipe[0]], [], [], FORK_WAIT)  # a byte, or EOF: copies made
     finally:
-        os.close(r)
-        for cache, ctx, slots, n in holds:
-            lib.ucm_release_many(ctx, ffi.from_buffer("uint32_t[]", slots), n)
-            cache._fork_release()
+        try:
+            if pipe is not None:
+                os.close(pipe[0])
+        finally:
+            while holds:
+                cache, _ctx, slots, n = holds.pop()
+                cache._fork_release(slots, n)
 
 
 def _after_fork_in_child() -> None:
-    pipe = getattr(_fork_state, "pipe", None)
     _fork_state.holds, _fork_state.pipe = None, None  # the parent's holds: not ours to drop
+    pipes = list(_fork_pipes)
+    _fork_pipes.clear()
     try:
         for cache in list(_live_caches):
             cache._forget_after_fork()
     finally:
-        if pipe is not None:
-            os.close(pipe[0])
-            os.close(pipe[1])  # EOF for the parent: the copies are made
+        for r, w in pipes:  # EOF for the parents: the copies are made
+            for fd in (r, w):
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
 
 
 os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent,
@@ -300,8 +309,13 @@ class SlotCache(CacheBase, SingleFlight, Batches, Prefetching, Mapping):
                 self._tier.close()
             ctx = self._closing_ctx = self._detach_ctx()
             self._why_unusable = "closed"
+            keep = self._exports > 0
+            if keep:
+                # Their pins go with the rank: the pinned slots get private pages first, so a
+                # view another finalizer brings back still shows its key's bytes (DESIGN 5.5).
+                lib.ucm_privatize_pins(ctx)
             lib.ucm_ctx_close(ctx)
-            self._finish_close(ctx, keep_mapping=self._exports > 0)
+            self._finish_close(ctx, keep_mapping=keep)
         except Exception:
             pass  # a finalizer's errors have nowhere to go; the process's exit frees the rest
 
@@ -313,6 +327,10 @@ class SlotCache(CacheBase, SingleFlight, Batches, Prefetching, Mapping):
             ctx = self._detach()
             if ctx is not None:
                 return ctx
+            if self._forks_out() > 0 and time.monotonic() <= deadline - DETACH_WAIT \
+                    + FORK_HOLD_WAIT:
+                time.sleep(0.0005)  # a fork's parent side still holds pins through it
+                continue
             if time.monotonic() > deadline:
                 raise UcmError(f"cannot close: another thread's read was still copying from the "
                                f"segment, or a fork was still waiting for its child, after "
@@ -339,6 +357,10 @@ class SlotCache(CacheBase, SingleFlight, Batches, Prefetching, Mapping):
     def _forget_after_fork(self) -> None:
         self._closing_ctx = None  # a parent's close in progress is not the child's to finish
         if self._ctx is None:
+            # Closed, or the parent was closing it as it forked: the parent's life lock must
+            # still die with the parent, not live on in this child's copy of the fd.
+            if self._seg is not None and self._seg.lock_fd >= 0:
+                self._seg.forget_after_fork()
             return
         # Views the child inherited keep their key's bytes: the slots this process pinned get
         # private pages in the child, before the parent can drop a pin (DESIGN 5.6).

@@ -464,6 +464,7 @@ class Segment:
             os.close(self.lock_fd)
         except OSError:
             pass
+        self.lock_fd = -1  # closed: a second call must not close a reused fd number
 
     @staticmethod
     def unlink(uuid: str) -> None:
