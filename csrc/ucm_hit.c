@@ -1557,6 +1557,10 @@ static void batch_owned_discard(BatchBase *b)
         PyErr_Clear();
         return;
     }
+    if (own.itemsize != 1) { /* a bool array (new_owner): one byte per position */
+        PyBuffer_Release(&own);
+        return;
+    }
     const char *is_owner = own.buf;
     for (Py_ssize_t i = 0; i < b->n && i < own.len && i < b->n_slot_at; i++) {
         if (!is_owner[i]) continue;
