@@ -43,7 +43,7 @@ def metric_totals(llm) -> dict[str, float]:
             "vllm:external_prefix_cache_hits", "vllm:external_prefix_cache_queries")
     out: dict[str, float] = {}
     for m in llm.get_metrics():
-        if m.name in want:
+        if m.name in want or m.name.startswith("vllm:ucmcache_"):  # ours: build_prom_metrics
             out[m.name.split(":", 1)[1]] = out.get(m.name.split(":", 1)[1], 0) + m.value
     return out
 

@@ -95,6 +95,8 @@ def main(argv: list[str]) -> int:
     from e2e import model as e2e_model
     from ucmcache import SlotCache
     from ucmcache._errors import SegmentNotFound
+    from e2e import shm
+    shm_before = shm.snapshot()
     mdir = e2e_model.build(os.path.join(work, "model"))
     segment = f"e2e-vllm-{os.getpid()}-{uuidlib.uuid4().hex[:8]}"
     problems: list[str] = []
@@ -108,6 +110,15 @@ def main(argv: list[str]) -> int:
             bad = [i for i, (a, b) in enumerate(zip(got["outputs"], ref["outputs"])) if a != b]
             problems.append(f"{name}: token ids differ from the reference in prompts {bad}")
 
+    def check_prom(name: str, got: dict, stats: dict) -> None:
+        """vLLM's own Prometheus registry (LLM.get_metrics) has our counters
+        (UcmCacheConnector.build_prom_metrics), equal to what the workers counted."""
+        for k in ("blocks_loaded", "blocks_saved", "bytes_loaded", "bytes_saved"):
+            prom = got["metrics"].get(f"ucmcache_{k}")
+            if prom is None or int(prom) != int(stats.get(k, 0)):
+                problems.append(f"{name}: vllm:ucmcache_{k} is {prom}, the workers counted "
+                                f"{stats.get(k, 0)}")
+
     try:
         ref = _run(mdir, path("a.json"), path("a.log"))
         print(f"e2e-vllm: (a) reference: {len(ref['outputs'])} prompts, "
@@ -118,6 +129,7 @@ def main(argv: list[str]) -> int:
         sb = _stats(path("b.stats"))
         if not sb.get("blocks_saved"):
             problems.append(f"(b) first engine saved no block: {sb}")
+        check_prom("(b) first engine", first, sb)
         print(f"e2e-vllm: (b) first engine: outputs equal: {first['outputs'] == ref['outputs']}, "
               f"saved {sb.get('blocks_saved', 0)} blocks ({sb.get('bytes_saved', 0)} bytes)",
               flush=True)
@@ -130,6 +142,7 @@ def main(argv: list[str]) -> int:
             problems.append(f"(c) second engine: no external hit ({second['metrics']}, {sc})")
         if sc.get("load_errors"):
             problems.append(f"(c) second engine: {sc['load_errors']} load error(s)")
+        check_prom("(c) second engine", second, sc)
         print(f"e2e-vllm: (c) second engine: outputs equal: "
               f"{second['outputs'] == ref['outputs']}, external prefix hits {hits:.0f} tokens "
               f"of {second['metrics'].get('external_prefix_cache_queries', 0):.0f} asked, "
@@ -180,6 +193,9 @@ def main(argv: list[str]) -> int:
             SlotCache.unlink(segment)
         except SegmentNotFound:
             pass
+        left = shm.remove_orphans(shm_before)
+        if left:
+            print(f"e2e-vllm: removed what killed engines left in /dev/shm: {left}", flush=True)
     for p_ in problems:
         print(f"e2e-vllm: FAILED {p_}", flush=True)
     print(f"e2e-vllm: {'FAILED' if problems else 'ok'} in {time.monotonic() - t0:.0f} s",

@@ -59,8 +59,14 @@ def _io(cache, layers):
     return KVBlockIO(cache, layers, namespace=ID.namespace, offset=0, pages=1, checksum=True)
 
 
-def test_blocks_round_trip_between_two_kv_caches_and_are_written_once(make_cache):
-    src, dst = _kv(seed=1), _kv(seed=2)
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no CUDA device: the CUDA path is untested here"))]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_blocks_round_trip_between_two_kv_caches_and_are_written_once(make_cache, device):
+    src = [t.to(device) for t in _kv(seed=1)]
+    dst = [t.to(device) for t in _kv(seed=2)]
     need = HEADER_SIZE + sum(t[0:1].numel() * t.element_size() for t in src)
     c = make_cache(slots_per_rank=16, slot_size=need, max_ranks=2)
     keys = uv.block_keys(PROMPT, ID)

