@@ -182,12 +182,13 @@ def main(argv: list[str]) -> int:
               f"{third['metrics'].get('external_prefix_cache_hits', 0):.0f} tokens (the killed "
               f"one had saved {sd.get('blocks_saved', 0)} blocks)", flush=True)
 
-        v = subprocess.run([sys.executable, "-m", "ucmcache.cli", "verify", segment], cwd=ROOT,
-                           env=_env(), capture_output=True, text=True, timeout=120)
-        if v.returncode != 0:
-            problems.append(f"(e) ucmcache verify exited {v.returncode}: {v.stdout}{v.stderr}")
-        print(f"e2e-vllm: (e) {v.stdout.strip().splitlines()[0] if v.stdout else v.stderr}",
-              flush=True)
+        from e2e.verify import verify
+        rc, text, recovered = verify(segment, _env(), ROOT)
+        if recovered:
+            print(f"e2e-vllm: (e) before an attach recovered them: {recovered}", flush=True)
+        if rc != 0:
+            problems.append(f"(e) ucmcache verify exited {rc}: {text}")
+        print(f"e2e-vllm: (e) {text.splitlines()[0] if text else rc}", flush=True)
     finally:
         try:
             SlotCache.unlink(segment)

@@ -27,6 +27,8 @@ import subprocess
 import sys
 import time
 
+from e2e.verify import verify
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 # What a load error looks like in an engine's log: UCM's connector logs its load failures at
@@ -92,29 +94,6 @@ def remove_ucm_files(log: str) -> None:
                 os.unlink(os.path.join("/dev/shm", name))
             except FileNotFoundError:
                 pass
-
-
-def verify(segment: str) -> tuple[int, str]:
-    p = subprocess.run([sys.executable, "-c", "import sys; from ucmcache.cli import main; "
-                        "sys.argv[0] = 'ucmcache'; sys.exit(main())", "verify", segment],
-                       capture_output=True, text=True, env=engine_env(), cwd=ROOT)
-    return p.returncode, (p.stdout + p.stderr).strip()
-
-
-def only_dead_ranks(report: str) -> bool:
-    """A verify report whose every problem is a rank whose process died without freeing it."""
-    lines = [ln.strip() for ln in report.splitlines()[1:] if ln.strip()]
-    return bool(lines) and all(re.fullmatch(r"rank \d+: ready \(pid \d+\) but its process is "
-                                            r"dead \(not recovered yet\)", ln) for ln in lines)
-
-
-def verify_after_attach(segment: str) -> tuple[int, str]:
-    p = subprocess.run([sys.executable, "-c", "import sys; from ucmcache import SlotCache; "
-                        "SlotCache.attach(sys.argv[1]).close()", segment],
-                       capture_output=True, text=True, env=engine_env(), cwd=ROOT)
-    if p.returncode != 0:
-        return p.returncode, f"attach failed: {p.stderr.strip()}"
-    return verify(segment)
 
 
 def check_log(log: str, name: str, problems: list) -> None:
@@ -221,15 +200,7 @@ def main() -> None:
                         "UCM_E2E_KILL_AT_BLOCK": "3"})
             engine("C", segk, want_hits=True)
             for s in (seg, segk):
-                rc, text = verify(s)
-                recovered = None
-                if rc != 0 and only_dead_ranks(text):
-                    # vLLM's shutdown SIGKILLs an EngineCore that is slow to exit (a busy
-                    # machine: "force killing remaining process EngineCore"), whose store then
-                    # never freed its rank.  By design the next process to attach recovers it:
-                    # attach once, as any next engine would, and the segment must be clean.
-                    recovered = text
-                    rc, text = verify_after_attach(s)
+                rc, text, recovered = verify(s, engine_env(), ROOT)
                 summary["runs"][f"{mode}/verify {s}"] = {"rc": rc, "report": text,
                                                          "dead_ranks_before_attach": recovered}
                 print(f"e2e-ucm: {mode}: ucmcache verify {s}: rc {rc}: {text}", flush=True)
