@@ -43,6 +43,8 @@ def main() -> None:
     ap.add_argument("--stats")
     ap.add_argument("--size-mb", type=int, default=512)
     ap.add_argument("--again", action="store_true")
+    ap.add_argument("--whole-blocks", action="store_true",
+                    help="the connector's layerwise: false (whole blocks before the forward)")
     a = ap.parse_args()
 
     from vllm import LLM, SamplingParams
@@ -54,7 +56,8 @@ def main() -> None:
             "kv_connector": "UcmCacheConnector", "kv_connector_module_path": "ucmcache.vllm",
             "kv_role": "kv_both",
             "kv_connector_extra_config": {"segment": a.segment, "size_mb": a.size_mb,
-                                          "stats_file": a.stats}}
+                                          "stats_file": a.stats,
+                                          "layerwise": not a.whole_blocks}}
     llm = LLM(model=a.model, dtype="float32", enforce_eager=True, seed=0,
               max_model_len=a.tokens + 64, block_size=BLOCK_SIZE, max_num_seqs=1,
               max_num_batched_tokens=a.tokens + 64, disable_log_stats=True, **kwargs)

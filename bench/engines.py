@@ -9,7 +9,11 @@ processes (bench/engine_prefill.py), each over the same --sets prompts of --toke
   N  no connector: each prompt once (recompute), then again in the same process (vLLM's own
      prefix cache: the upper bound of reuse, one process only);
   A  the connector on a fresh segment: each prompt once, computing and saving its blocks;
-  B  a second process on A's segment: each prompt once, its blocks loaded instead of computed.
+  B  a second process on A's segment: each prompt once, its blocks loaded instead of computed,
+     layer by layer beside the forward (the default; "forward waited" is the time the forward
+     spent waiting for a layer);
+  C  a third process on A's segment, the same with layerwise: false (whole blocks before the
+     forward).
 Figures are medians over the sets with min-max; ratios against N's recompute in the same run.
 Load and save GB/s are the workers' own copy times (the connector's load_us/save_us counters)
 beside a memcpy floor of the same bytes in block-sized pieces, measured in this run.
@@ -92,6 +96,8 @@ def main() -> None:
                          "--stats", w("A.stats")], w("A.log"))
             sb = engine([model, w("B.json"), *common, "--segment", segment,
                          "--stats", w("B.stats")], w("B.log"))
+            sc = engine([model, w("C.json"), *common, "--segment", segment,
+                         "--stats", w("C.stats"), "--whole-blocks"], w("C.log"))
         finally:
             try:
                 SlotCache.unlink(segment)
@@ -101,6 +107,8 @@ def main() -> None:
         warm = [r["wall_s"] for r in n["runs"] if r["phase"] == "again"]
         save = [r["wall_s"] for r in sa["runs"]]
         load = [r["wall_s"] for r in sb["runs"]]
+        whole = [r["wall_s"] for r in sc["runs"]]
+        waited = [r.get("load_wait_us", 0) / 1e6 for r in sb["runs"]]
         load_gbs = [r["bytes_loaded"] / r["load_us"] / 1e3 for r in sb["runs"]
                     if r.get("load_us")]
         save_gbs = [r["bytes_saved"] / r["save_us"] / 1e3 for r in sa["runs"]
@@ -116,6 +124,9 @@ def main() -> None:
             "save_overhead": med([x / c for c, x in zip(cold, save)]),
             "second_process_load_s": med(load),
             "ucmcache_speedup": med([c / x for c, x in zip(cold, load)]),
+            "forward_waited_s": med(waited),
+            "whole_blocks_load_s": med(whole),
+            "whole_blocks_speedup": med([c / x for c, x in zip(cold, whole)]),
             "blocks_loaded": loaded, "bytes_per_block": per_block,
             "load_GBps": med(load_gbs) if load_gbs else "-",
             "save_GBps": med(save_gbs) if save_gbs else "-",
@@ -125,13 +136,16 @@ def main() -> None:
           "", f"`./scripts/bench --engines --sets {a.sets} --tokens {a.tokens}`; one prompt of "
           f"{a.tokens} tokens per set, max_tokens=1; medians over {a.sets} sets [min-max]; "
           f"speedups are recompute / the row's time, per set.", "",
-          "| model | recompute s | vLLM prefix cache s (x) | ucmcache 2nd process s (x) | "
+          "| model | recompute s | vLLM prefix cache s (x) | ucmcache 2nd process, layer by "
+          "layer s (x) | its forward waited s | ucmcache 3rd process, whole blocks s (x) | "
           "first run with saves s (/recompute) | load GB/s | save GB/s | memcpy floor GB/s |",
-          "|---|---|---|---|---|---|---|---|"]
+          "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         md.append(f"| {r['model']} | {r['recompute_s']} | {r['vllm_prefix_cache_s']} "
                   f"({r['vllm_speedup']}) | {r['second_process_load_s']} "
-                  f"({r['ucmcache_speedup']}) | {r['first_with_save_s']} "
+                  f"({r['ucmcache_speedup']}) | {r['forward_waited_s']} | "
+                  f"{r['whole_blocks_load_s']} ({r['whole_blocks_speedup']}) | "
+                  f"{r['first_with_save_s']} "
                   f"({r['save_overhead']}) | {r['load_GBps']} | {r['save_GBps']} | "
                   f"{r['memcpy_floor_GBps']} |")
     with open(os.path.join(a.out, "engines.md"), "w") as f:

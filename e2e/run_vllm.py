@@ -40,10 +40,11 @@ def _env() -> dict:
 
 
 def _engine(model: str, out: str, log: str, segment: str | None, stats: str | None,
-            rounds: int = 2) -> subprocess.Popen:
+            rounds: int = 2, extra: dict | None = None) -> subprocess.Popen:
     args = [sys.executable, "-m", "e2e.engine", model, out, "--rounds", str(rounds)]
     if segment:
-        args += ["--segment", segment, "--extra", json.dumps({"stats_file": stats})]
+        args += ["--segment", segment,
+                 "--extra", json.dumps({"stats_file": stats, **(extra or {})})]
     f = open(log, "w")
     try:
         return subprocess.Popen(args, cwd=ROOT, env=_env(), stdout=f, stderr=subprocess.STDOUT,
@@ -52,8 +53,8 @@ def _engine(model: str, out: str, log: str, segment: str | None, stats: str | No
         f.close()
 
 
-def _run(model, out, log, segment=None, stats=None) -> dict:
-    p = _engine(model, out, log, segment, stats)
+def _run(model, out, log, segment=None, stats=None, extra=None) -> dict:
+    p = _engine(model, out, log, segment, stats, extra=extra)
     try:
         rc = p.wait(ENGINE_TIMEOUT)
     finally:
@@ -146,7 +147,23 @@ def main(argv: list[str]) -> int:
         print(f"e2e-vllm: (c) second engine: outputs equal: "
               f"{second['outputs'] == ref['outputs']}, external prefix hits {hits:.0f} tokens "
               f"of {second['metrics'].get('external_prefix_cache_queries', 0):.0f} asked, "
-              f"{sc.get('blocks_loaded', 0)} blocks loaded", flush=True)
+              f"{sc.get('blocks_loaded', 0)} blocks loaded layer by layer, the forward "
+              f"waiting {sc.get('load_wait_us', 0)} us for layers", flush=True)
+        with open(path("c.log")) as f:
+            if "did not wait for every layer" in f.read():
+                problems.append("(c) second engine: the forward did not wait for every "
+                                "layer's load (see c.log)")
+
+        # (c2) the same from a third process loading whole blocks before the forward
+        whole = _run(mdir, path("c2.json"), path("c2.log"), segment, path("c2.stats"),
+                     extra={"layerwise": False})
+        check("(c2) whole-block loads", whole, ref)
+        sc2 = _stats(path("c2.stats"))
+        if not sc2.get("blocks_loaded") or sc2.get("load_errors") or sc2.get("load_wait_us"):
+            problems.append(f"(c2) whole-block loads: {sc2}")
+        print(f"e2e-vllm: (c2) whole-block loads: outputs equal: "
+              f"{whole['outputs'] == ref['outputs']}, {sc2.get('blocks_loaded', 0)} blocks "
+              f"loaded", flush=True)
 
         # (d) cleared first, so that the engine killed is one that saves: killed after its
         # first round (the log says so) while it computes and saves the next, SIGKILL to its

@@ -97,3 +97,102 @@ def test_a_block_that_cannot_be_loaded_is_reported_and_its_rows_left_untouched(m
     res = _io(c, dst).load(keys[2:3], [6])
     assert res.loaded == 0 and 6 in res.failed
     assert all(torch.equal(a, b) for a, b in zip(before, dst))
+
+
+def _stored(make_cache, n=3):
+    src, dst = _kv(seed=1), _kv(seed=2)
+    need = HEADER_SIZE + sum(t[0:1].numel() * t.element_size() for t in src)
+    c = make_cache(slots_per_rank=16, slot_size=need, max_ranks=2)
+    keys = uv.block_keys(PROMPT, ID)
+    assert _io(c, src).save(keys[:n], list(range(n))).blocks_saved == n
+    return c, src, dst, keys
+
+
+def test_a_layer_by_layer_load_has_each_layer_in_when_it_says_so_and_checks_the_checksum_last(
+        make_cache):
+    c, src, dst, keys = _stored(make_cache)
+    io = _io(c, dst)
+    # block 3: a right header over a payload whose checksum is not the header's
+    payload = bytes(io.payload)
+    c.put(keys[3], uv.pack_header(2, io.fingerprint, keys[3], 0, io.payload, 12345) + payload)
+    before = [t.clone() for t in dst]
+    # whole blocks: every check before any copy, so the bad block's rows are untouched
+    res = io.load(keys[:4], [4, 5, 6, 7])
+    assert res.loaded == 3 and res.failed == {7: "checksum mismatch"}
+    assert torch.equal(dst[0][7], before[0][7]) and torch.equal(dst[1][7], before[1][7])
+    dst = [t.clone() for t in before]
+    io = _io(c, dst)
+    seen = []
+
+    def on_layer(layer):  # layer L of every passing block is in; layer L + 1 not yet
+        for a, b in ((0, 4), (1, 5), (2, 6)):
+            assert torch.equal(dst[layer][b], src[layer][a])
+            if layer + 1 < len(dst):
+                assert torch.equal(dst[layer + 1][b], before[layer + 1][b])
+        seen.append(layer)
+
+    res = io.load(keys[:4], [4, 5, 6, 7], on_layer=on_layer)
+    assert seen == [0, 1]
+    assert res.loaded == 3 and res.failed == {7: "checksum mismatch"}  # found after the copies
+
+
+class _GatedExecutor:
+    """An executor whose one job starts only when the test says so."""
+
+    def __init__(self):
+        self.thread = None
+
+    def submit(self, fn, *args):
+        import concurrent.futures
+        import threading
+        fut = concurrent.futures.Future()
+        self.thread = threading.Thread(target=lambda: fut.set_result(fn(*args)))
+        return fut
+
+
+def test_a_forward_waits_for_each_layer_and_a_layer_it_never_waited_for_fails_the_step(
+        make_cache):
+    c, src, dst, keys = _stored(make_cache)
+    ex = _GatedExecutor()
+    ll = _io(c, dst).start_load(keys[:3], [4, 5, 6], ex)
+    with pytest.raises(uv.VllmConnectorError, match="layer 0 of 3 loading block"):
+        ll.wait(0, timeout=0.05)  # the IO thread has not started: the wait is bounded
+    ex.thread.start()
+    try:
+        for layer in range(2):
+            ll.wait(layer)
+            assert torch.equal(dst[layer][4], src[layer][0])
+        res = ll.finish()
+    finally:
+        ex.thread.join(30)
+    assert res.loaded == 3 and not res.failed
+    assert ll.waited == {0, 1} and ll.run_ns > 0
+    # a forward that read layer 1 without waiting for it may have read it mid-copy:
+    # every block of the step is reported, so vLLM recomputes them
+    ex = _GatedExecutor()
+    ll = _io(c, dst).start_load(keys[:3], [4, 5, 6], ex)
+    ex.thread.start()
+    try:
+        ll.wait(0)
+        res = ll.finish()
+    finally:
+        ex.thread.join(30)
+    assert res.loaded == 0 and set(res.failed) == {4, 5, 6}
+    assert "did not wait for layer(s) [1]" in res.failed[4]
+
+
+def test_a_layer_by_layer_load_that_fails_on_its_thread_lets_the_forward_on_and_fails_the_step(
+        make_cache):
+    c, src, dst, keys = _stored(make_cache)
+    io = _io(c, dst)
+    c.close()  # the IO thread's read_many raises; the forward must not hang on a layer
+    ex = _GatedExecutor()
+    ll = io.start_load(keys[:3], [4, 5, 6], ex)
+    ex.thread.start()
+    try:
+        ll.wait(0)
+        ll.wait(1)
+        res = ll.finish()
+    finally:
+        ex.thread.join(30)
+    assert res.loaded == 0 and set(res.failed) == {4, 5, 6}

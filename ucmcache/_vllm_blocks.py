@@ -20,15 +20,19 @@ error (vLLM recomputes the block), never a wrong KV.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import struct
+import threading
+import time
 import zlib
 from dataclasses import dataclass, field, fields
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from ._cache import SlotCache
+from ._core import ffi
 from ._errors import CacheFull, UcmError
 from ._keys import Key, chain_keys, make_key
 
@@ -41,6 +45,7 @@ _HEADER = struct.Struct("<8sII16s16sQII")
 HEADER_SIZE = _HEADER.size
 assert HEADER_SIZE == 64
 SAVE_CHUNK = 32     # blocks pinned per get_many when saving
+LAYER_WAIT = 120.0  # s a forward waits for one layer of a load that waits on nothing itself
 
 
 class VllmConnectorError(UcmError):
@@ -178,6 +183,8 @@ class IOStats:
         "help": "bytes copied from the KV cache into the shared segment"})
     load_us: int = field(default=0, metadata={
         "help": "microseconds the workers spent loading blocks (lookup, copy, checks)"})
+    load_wait_us: int = field(default=0, metadata={
+        "help": "microseconds forwards waited for a layer of a layer-by-layer load"})
     save_us: int = field(default=0, metadata={
         "help": "microseconds the workers spent saving blocks (claim, copy, publish)"})
 
@@ -226,6 +233,8 @@ class KVBlockIO:
         self.checksum = bool(checksum)
         self.layers = list(layers)
         names = list(names) if names is not None else [str(i) for i in range(len(layers))]
+        self.device = self.layers[0].device.type if isinstance(self.layers[0], torch.Tensor) \
+            else ""
         desc = []
         self.shapes: List[Tuple[int, ...]] = []
         self.nbytes: List[int] = []
@@ -237,10 +246,11 @@ class KVBlockIO:
                 raise VllmConnectorError(
                     f"layer {name}: the KV cache is on {t.device}; this connector copies CPU "
                     f"and CUDA KV caches only")
-            # A CUDA KV cache is copied with the same torch copies: to a slot (pageable host
-            # memory), a copy that returns once the bytes are on the host, ordered after the
-            # forward's kernels on the current stream; from the staging rows likewise.  Written
-            # for CUDA and tested only where torch.cuda is available (not on this project's CI).
+            if t.device.type != self.device:
+                raise VllmConnectorError(f"layer {name}: on {t.device}, layer {names[0]} on "
+                                         f"{self.device}: one device for every layer")
+            # A CUDA KV cache: see _cuda_setup.  Written for CUDA and tested only where
+            # torch.cuda is available (not on this project's CI, which has no GPU).
             if t.dim() < 2 or t.shape[0] % self.pages:
                 raise VllmConnectorError(f"layer {name}: KV cache of shape {tuple(t.shape)} "
                                          f"has no block dimension of {self.pages} page(s) a "
@@ -263,6 +273,57 @@ class KVBlockIO:
         row = -(-self.need // 64) * 64
         self._row = row
         self._staging = np.empty((0, row), dtype=np.uint8)
+        self._stream: Any = None
+        self._registered = 0          # the data region's address, once cudaHostRegister'ed
+        if self.device == "cuda":
+            self._cuda_setup()
+
+    def _cuda_setup(self) -> None:
+        """A CUDA KV cache: the segment's mapping is registered as pinned host memory
+        (``cudaHostRegister``, so copies to and from slots are DMA, not staged by the driver),
+        load staging rows are pinned, and copies run on a stream of their own, ordered after
+        the forward's kernels (``wait_stream``) and synchronized before a block is published
+        or a load returns: a slot is never Ready before its bytes are on the host, and a
+        forward never reads a row before its copy is in.  Registration that fails (a driver
+        that refuses shared memory) leaves pageable copies, with a log line: slower, same
+        bytes."""
+        torch = self.torch
+        self._stream = torch.cuda.Stream(device=self.layers[0].device)
+        seg = self.cache._seg   # the whole mapping: page-aligned, as older drivers require
+        addr = int(ffi.cast("uintptr_t", seg.base))
+        size = seg.layout.total_size
+        err = torch.cuda.cudart().cudaHostRegister(addr, size, 0)
+        if int(err) == 0:
+            self._registered = addr
+        else:
+            log.warning("ucmcache.vllm: cudaHostRegister of %d bytes refused (%s); copies to "
+                        "and from the segment stay pageable", size, err)
+
+    def close(self) -> None:
+        """Undo what __init__ set up beyond the cache (CUDA: the pinned registration); before
+        the cache closes."""
+        if self._registered:
+            addr, self._registered = self._registered, 0
+            self.torch.cuda.cudart().cudaHostUnregister(addr)
+
+    def _new_staging(self, n: int) -> np.ndarray:
+        if self.device == "cuda":   # pinned, so that its copies to the device are DMA
+            return self.torch.empty((n, self._row), dtype=self.torch.uint8,
+                                    pin_memory=True).numpy()
+        return np.empty((n, self._row), dtype=np.uint8)
+
+    def _copy_scope(self) -> Any:
+        """Where the copies run: the CUDA copy stream, after the forward's kernels so far;
+        on the CPU, in place."""
+        if self._stream is None:
+            return contextlib.nullcontext()
+        self._stream.wait_stream(self.torch.cuda.current_stream())
+        return self.torch.cuda.stream(self._stream)
+
+    def _copies_done(self) -> None:
+        """Every copy issued in _copy_scope is complete (CUDA: the stream synchronized)."""
+        if self._stream is not None:
+            self._stream.synchronize()
 
     def _block(self, layer: int, block_id: int):
         p = self.pages
@@ -323,10 +384,13 @@ class KVBlockIO:
         try:
             slot = torch.from_numpy(arr)
             off = HEADER_SIZE
-            for layer, (shape, nb) in enumerate(zip(self.shapes, self.nbytes)):
-                src = self._block(layer, block_id)
-                slot[off:off + nb].view(src.dtype).view(shape).copy_(src)
-                off += nb
+            with self._copy_scope():
+                for layer, (shape, nb) in enumerate(zip(self.shapes, self.nbytes)):
+                    src = self._block(layer, block_id)
+                    slot[off:off + nb].view(src.dtype).view(shape).copy_(
+                        src, non_blocking=self._stream is not None)
+                    off += nb
+            self._copies_done()   # the bytes are in the slot before the checksum and Ready
             crc = zlib.crc32(arr[HEADER_SIZE:self.need]) if self.checksum else 0
             bid, offset = (key, 0) if isinstance(key, bytes) else key
             arr[:HEADER_SIZE] = np.frombuffer(
@@ -339,20 +403,29 @@ class KVBlockIO:
 
     # ---------------------------------------------------------------- load
 
-    def load(self, keys: Sequence[bytes], block_ids: Sequence[int]) -> LoadResult:
+    def load(self, keys: Sequence[bytes], block_ids: Sequence[int],
+             on_layer: Optional[Callable[[int], None]] = None) -> LoadResult:
         """Copy the stored blocks ``keys`` into vLLM blocks ``block_ids``.  A block that is not
         stored now (evicted since the lookup, never published, its saver died), or whose header
-        or checksum does not match, is left untouched and named in ``failed`` with the reason:
-        the caller reports it to vLLM, which recomputes it.  Only entries Ready now are read
-        (read_many: no wait, no owner elected, nothing created)."""
+        or checksum does not match, is named in ``failed`` with the reason: the caller reports
+        it to vLLM, which recomputes it.  Only entries Ready now are read (read_many: no wait,
+        no owner elected, nothing created).
+
+        Without ``on_layer`` every check, the checksum included, runs before a byte reaches
+        the KV cache, so a failed block's rows are untouched.  With it the layers are copied
+        in order, layer 0 of every block first, and ``on_layer(L)`` is called once layer L of
+        every block that passed its header checks is in (a forward may then read layer L while
+        later layers are copied); the checksum is then summed as the layers are copied and
+        checked after the last, so a block whose checksum fails may have rows written before
+        it is reported: vLLM recomputes it and drops what the step computed from it, as for
+        any load error."""
         self._check_ids(keys, block_ids)
         res = LoadResult()
         n = len(keys)
         if n == 0:
             return res
         if self._staging.shape[0] < n:
-            self._staging = np.empty((max(n, 2 * self._staging.shape[0]), self._row),
-                                     dtype=np.uint8)
+            self._staging = self._new_staging(max(n, 2 * self._staging.shape[0]))
         staging = self._staging[:n]
         ks = [rank_key(k, self.offset) for k in keys]
         try:
@@ -362,7 +435,8 @@ class KVBlockIO:
             for b in block_ids:
                 res.failed[int(b)] = why
             return res
-        torch = self.torch
+        # (staging row, vLLM block id, the header's checksum) of the blocks that pass
+        passed: List[Tuple[int, int, int]] = []
         for i, (k, b) in enumerate(zip(keys, block_ids)):
             b = int(b)
             got = int(lens[i])
@@ -375,17 +449,105 @@ class KVBlockIO:
                                     offset=self.offset, payload=self.payload)
             if why is None and got != self.need:
                 why = f"{got} bytes stored, a block is {self.need}"
-            if why is None and self.checksum and zlib.crc32(row[HEADER_SIZE:self.need]) != crc:
+            if why is None and on_layer is None and self.checksum and \
+                    zlib.crc32(row[HEADER_SIZE:self.need]) != crc:
                 why = "checksum mismatch"
             if why is not None:
                 res.failed[b] = why
                 continue
-            src_row = torch.from_numpy(row)
-            off = HEADER_SIZE
-            for layer, (shape, nb) in enumerate(zip(self.shapes, self.nbytes)):
-                dst = self._block(layer, b)
-                dst.copy_(src_row[off:off + nb].view(dst.dtype).view(shape))
-                off += nb
-            res.loaded += 1
+            passed.append((i, b, crc))
+        torch = self.torch
+        sums = [0] * len(passed)
+        off = HEADER_SIZE
+        for layer, (shape, nb) in enumerate(zip(self.shapes, self.nbytes)):
+            with self._copy_scope():
+                for j, (i, b, _) in enumerate(passed):
+                    src = staging[i, off:off + nb]
+                    if on_layer is not None and self.checksum:
+                        sums[j] = zlib.crc32(src, sums[j])
+                    dst = self._block(layer, b)
+                    dst.copy_(torch.from_numpy(src).view(dst.dtype).view(shape),
+                              non_blocking=self._stream is not None)
+            self._copies_done()   # layer L is in (and its staging rows free) before it is said
+            if on_layer is not None:
+                on_layer(layer)
+            off += nb
+        for j, (_, b, crc) in enumerate(passed):
+            if on_layer is not None and self.checksum and sums[j] != crc:
+                res.failed[b] = "checksum mismatch"
+            else:
+                res.loaded += 1
         return res
 
+    def start_load(self, keys: Sequence[bytes], block_ids: Sequence[int],
+                   executor: Any) -> "LayerLoad":
+        """``load`` with ``on_layer``, run on ``executor`` (one IO thread): the caller's forward
+        waits for each layer with ``LayerLoad.wait`` while later layers are copied."""
+        return LayerLoad(self, keys, block_ids, executor)
+
+
+class LayerLoad:
+    """One step's loads running on the IO thread, layer by layer (``KVBlockIO.start_load``).
+
+    ``wait(L)`` returns once layer L of every block that passed its header checks is in the
+    KV cache.  ``finish()`` waits for the rest and gives the LoadResult; if the forward did not
+    wait for every layer (a model or attention backend that never calls vLLM's
+    ``wait_for_layer_load`` for some layer) it may have read a layer while it was being
+    copied, so every block of the step is then reported as failed: vLLM recomputes them and
+    no token comes from a half-copied layer.  The caller stops loading layer by layer then.
+    The load never raises into the forward: whatever goes wrong on the IO thread fails the
+    step's blocks, after which every layer counts as in (nothing more is copied)."""
+
+    def __init__(self, io: KVBlockIO, keys: Sequence[bytes], block_ids: Sequence[int],
+                 executor: Any):
+        self.blocks = [int(b) for b in block_ids]
+        self.layers = len(io.layers)
+        self.waited: set = set()
+        self.wait_ns = 0          # time the forward spent in wait()
+        self.run_ns = 0           # time the IO thread spent on the load
+        self._in = 0              # layers 0 .. _in - 1 are in
+        self._cond = threading.Condition()
+        self._future = executor.submit(self._run, io, list(keys), self.blocks)
+
+    def _layer_in(self, layer: int) -> None:
+        with self._cond:
+            self._in = layer + 1
+            self._cond.notify_all()
+
+    def _run(self, io: KVBlockIO, keys: List[bytes], blocks: List[int]) -> LoadResult:
+        t0 = time.perf_counter_ns()
+        try:
+            return io.load(keys, blocks, on_layer=self._layer_in)
+        except BaseException as e:  # never into the forward: the step's blocks are recomputed
+            return LoadResult(failed={b: f"{type(e).__name__}: {e}" for b in blocks})
+        finally:
+            self.run_ns = time.perf_counter_ns() - t0
+            with self._cond:
+                self._in = self.layers
+                self._cond.notify_all()
+
+    def wait(self, layer: int, timeout: float = LAYER_WAIT) -> None:
+        """Block until layer ``layer`` is in (bounded: raises VllmConnectorError after
+        ``timeout`` s, which a load that never waits on anything does not reach)."""
+        t0 = time.perf_counter_ns()
+        with self._cond:
+            ok = self._cond.wait_for(lambda: self._in > layer, timeout)
+        self.wait_ns += time.perf_counter_ns() - t0
+        if not ok:
+            raise VllmConnectorError(f"layer {layer} of {len(self.blocks)} loading block(s) "
+                                     f"not in after {timeout} s")
+        self.waited.add(layer)
+
+    def finish(self, timeout: float = LAYER_WAIT) -> LoadResult:
+        """The load's result once the IO thread is done (bounded like ``wait``)."""
+        try:
+            res = self._future.result(timeout)
+        except Exception as e:  # a timeout: the copies may go on, so nothing here is trusted
+            raise VllmConnectorError(f"{len(self.blocks)} loading block(s) not in after "
+                                     f"{timeout} s: {type(e).__name__}: {e}") from e
+        unwaited = sorted(set(range(self.layers)) - self.waited)
+        if unwaited:
+            why = (f"the forward did not wait for layer(s) {unwaited[:4]} before reading them "
+                   f"(loaded layer by layer)")
+            res = LoadResult(failed={b: why for b in self.blocks})
+        return res

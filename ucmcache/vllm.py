@@ -27,10 +27,18 @@ What runs where (vLLM runs the scheduler and each worker in processes of their o
   not matched.
 - **worker**: ``register_kv_caches`` looks at the KV tensors vLLM made (per layer, first
   dimension = blocks; any strides) and attaches to the segment, creating it (slots sized for
-  one block of all layers plus a 64-byte header) when absent.  ``start_load_kv`` copies every
-  layer of the matched blocks in before the forward (``read_many``: entries Ready now only;
-  header, key, layout fingerprint, length and CRC-32 checked before a byte reaches the KV
-  cache), so ``wait_for_layer_load`` has nothing left to wait for.  ``wait_for_save`` runs after
+  one block of all layers plus a 64-byte header) when absent.  ``start_load_kv`` reads the
+  matched blocks (``read_many``: entries Ready now only; header, key, layout fingerprint and
+  length checked before a byte reaches the KV cache) and, layer by layer (``layerwise``, the
+  default, CPU KV caches), copies them in on an IO thread of its own while the forward runs:
+  ``wait_for_layer_load``, which vLLM calls in each attention layer before it reads its KV,
+  waits until that layer of every matched block is in.  The CRC-32 is summed as the layers go
+  in and checked after the last; a block that fails it is reported as a load error (below).
+  A forward that did not wait for every layer (a backend that skips the call) may have read a
+  layer mid-copy: the step's loaded blocks are then all reported as load errors, and the
+  worker loads whole blocks before the forward from then on.  With ``layerwise: false``, or
+  a CUDA KV cache, every check (the CRC-32 too) runs and every layer is copied in
+  ``start_load_kv`` before the forward.  ``wait_for_save`` runs after
   the forward, when every layer of the step's blocks is computed: each block is taken with
   ``get_many`` and written only where this worker is the owner (a block stored, or being stored
   by another engine, is not written twice), then published Ready with all its layers in, so
@@ -58,6 +66,9 @@ What runs where (vLLM runs the scheduler and each worker in processes of their o
 - ``namespace``: a string added to the engine identity (say, a weights version when the
   weights change under the same model path).
 - ``checksum`` (default true): CRC-32 of each block, checked on load.
+- ``layerwise`` (default true): load layer by layer beside the forward (CPU KV caches; a CUDA
+  KV cache is loaded whole before the forward, on a copy stream, into a segment registered as
+  pinned host memory: written for CUDA, untested on this project's CI, which has no GPU).
 - ``load_failure_policy`` (default "recompute"): written into the kv_transfer_config's
   ``kv_load_failure_policy`` at start; "fail" keeps vLLM's own default.
 - ``stats_file``: a path; each worker writes ``<path>.rank<r>`` (JSON counters).
@@ -77,14 +88,15 @@ import logging
 import multiprocessing.util as _mp_util
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Set, Tuple
 
 from ._cache import SlotCache
 from ._errors import CorruptSegment, IncompatibleSegment, NotAttached, SegmentNotFound, UcmError
 from ._ucm_config import segment_name, shm_free_bytes
-from ._vllm_blocks import (HEADER_SIZE, EngineIdentity, IOStats, KVBlockIO, LoadResult,
-                           VllmConnectorError, block_keys, check_header,
+from ._vllm_blocks import (HEADER_SIZE, EngineIdentity, IOStats, KVBlockIO, LayerLoad,
+                           LoadResult, VllmConnectorError, block_keys, check_header,
                            exist_prefix_all_ranks, pack_header, rank_key)
 
 log = logging.getLogger("ucmcache.vllm")
@@ -118,7 +130,7 @@ ATTACH_RETRY_S = 1.0
 # ---------------------------------------------------------------- config
 
 _KNOWN = {"segment", "size_mb", "max_ranks", "namespace", "checksum", "load_failure_policy",
-          "stats_file"}
+          "stats_file", "layerwise"}
 
 
 @dataclass
@@ -131,6 +143,7 @@ class ConnectorConfig:
     max_ranks: int = DEFAULT_MAX_RANKS
     namespace: str = ""
     checksum: bool = True
+    layerwise: bool = True
     load_failure_policy: str = "recompute"
     stats_file: Optional[str] = None
 
@@ -165,6 +178,12 @@ class ConnectorConfig:
                 raise VllmConnectorError(f"kv_connector_extra_config 'checksum' must be true or "
                                          f"false, got {v!r}")
             cfg.checksum = v
+        if "layerwise" in extra:
+            v = extra["layerwise"]
+            if not isinstance(v, bool):
+                raise VllmConnectorError(f"kv_connector_extra_config 'layerwise' must be true or "
+                                         f"false, got {v!r}")
+            cfg.layerwise = v
         if "load_failure_policy" in extra:
             v = extra["load_failure_policy"]
             if v not in ("recompute", "fail"):
@@ -215,15 +234,26 @@ class _Parts:
     """What a connector must let go of when it goes (its cache), held by its finalizer; never
     refers back to the connector."""
 
-    __slots__ = ("cache", "pid")
+    __slots__ = ("cache", "pid", "executor", "io")
 
     def __init__(self) -> None:
         self.cache: Optional[SlotCache] = None
+        self.io: Optional[KVBlockIO] = None     # its CUDA registration goes before the cache
         self.pid = os.getpid()
+        self.executor: Optional[ThreadPoolExecutor] = None   # the IO thread of layer loads
 
     def release(self) -> None:
         if os.getpid() != self.pid:
             return  # a forked child: the rank is the parent's
+        executor, self.executor = self.executor, None
+        if executor is not None:  # a load in flight reads the cache: done before it closes
+            executor.shutdown(wait=True)
+        io, self.io = self.io, None
+        if io is not None:
+            try:
+                io.close()
+            except Exception as e:  # a driver's refusal to unregister: the exit goes on
+                log.warning("ucmcache.vllm: releasing the KV copy path: %s", e)
         cache, self.cache = self.cache, None
         if cache is not None:
             try:
@@ -368,6 +398,9 @@ if HAVE_VLLM:
             # worker side
             self._io: Optional[KVBlockIO] = None
             self._load_errors: Set[int] = set()
+            self._layer_load: Optional[LayerLoad] = None    # this step's, when layer by layer
+            self._layer_index: Dict[str, int] = {n: i for i, n in enumerate(self._layer_names)}
+            self._layerwise = cfg.layerwise
             self._stats = IOStats()
             self._total = IOStats()
             self._rank_offset = 0
@@ -431,6 +464,7 @@ if HAVE_VLLM:
                 self._io = KVBlockIO(cache, layers, namespace=self._identity.namespace,
                                      offset=self._rank_offset, pages=pages,
                                      checksum=self._cfg.checksum, names=self._layer_names)
+                self._parts.io = self._io
             except BaseException:
                 self._parts.release()
                 raise
@@ -442,8 +476,11 @@ if HAVE_VLLM:
             return meta if isinstance(meta, UcmCacheConnectorMetadata) else None
 
         def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-            """Copy every layer of this step's matched blocks into the paged KV cache (before
-            the forward: vLLM calls this first when a step has synchronous loads)."""
+            """Start copying this step's matched blocks into the paged KV cache (vLLM calls
+            this before the forward).  Layer by layer (``layerwise``, CPU KV caches): on the IO
+            thread, the forward waiting for each layer in ``wait_for_layer_load``; else every
+            layer is copied here before the forward."""
+            self._finish_load()  # a step's loads end with it; never two at once (one staging)
             meta = self._meta()
             if meta is None or not meta.loads or meta.loaded:
                 return  # nothing to load, or done already (called twice for one step)
@@ -453,15 +490,42 @@ if HAVE_VLLM:
             for job in meta.loads:
                 keys += job.keys
                 blocks += job.block_ids
-            if self._io is None:
-                res = LoadResult(failed={b: "the worker has no segment" for b in blocks})
-            else:
-                t0 = time.perf_counter_ns()
-                try:
-                    res = self._io.load(keys, blocks)
-                except Exception as e:  # whatever went wrong: recomputed, never left as is
-                    res = LoadResult(failed={b: f"{type(e).__name__}: {e}" for b in blocks})
-                self._stats.load_us += (time.perf_counter_ns() - t0) // 1000
+            io = self._io
+            if io is None:
+                self._record_load(LoadResult(failed={b: "the worker has no segment"
+                                                     for b in blocks}), len(blocks), 0)
+                return
+            if self._layerwise and io.device == "cpu":
+                if self._parts.executor is None:
+                    self._parts.executor = ThreadPoolExecutor(
+                        max_workers=1, thread_name_prefix="ucmcache-load")
+                self._layer_load = io.start_load(keys, blocks, self._parts.executor)
+                return
+            t0 = time.perf_counter_ns()
+            try:
+                res = io.load(keys, blocks)
+            except Exception as e:  # whatever went wrong: recomputed, never left as is
+                res = LoadResult(failed={b: f"{type(e).__name__}: {e}" for b in blocks})
+            self._record_load(res, len(blocks), time.perf_counter_ns() - t0)
+
+        def _finish_load(self) -> None:
+            """End the layer-by-layer load in flight, if any: its result counted, its failed
+            blocks reported.  A forward that did not wait for every layer turns layer-by-layer
+            loading off for this worker (LayerLoad.finish has failed the step's blocks)."""
+            ll, self._layer_load = self._layer_load, None
+            if ll is None:
+                return
+            res = ll.finish()
+            self._stats.load_wait_us += ll.wait_ns // 1000
+            if ll.waited != set(range(ll.layers)) and self._layerwise:
+                self._layerwise = False
+                log.warning("UcmCacheConnector: the forward did not wait for every layer's "
+                            "load (%d of %d waited); loading whole blocks before the forward "
+                            "from now on", len(ll.waited), ll.layers)
+            self._record_load(res, len(ll.blocks), ll.run_ns)
+
+        def _record_load(self, res: LoadResult, n_blocks: int, ns: int) -> None:
+            self._stats.load_us += ns // 1000
             self._stats.blocks_loaded += res.loaded
             if self._io is not None:
                 self._stats.bytes_loaded += res.loaded * self._io.need
@@ -470,10 +534,18 @@ if HAVE_VLLM:
                 self._stats.load_errors += len(res.failed)
                 why = sorted(set(res.failed.values()))
                 log.warning("UcmCacheConnector: %d of %d block(s) not loaded, vLLM recomputes "
-                            "them: %s", len(res.failed), len(blocks), "; ".join(why[:3]))
+                            "them: %s", len(res.failed), n_blocks, "; ".join(why[:3]))
 
         def wait_for_layer_load(self, layer_name: str) -> None:
-            """Nothing to wait for: start_load_kv copied every layer before the forward."""
+            """Wait until this step's matched blocks have layer ``layer_name`` in (vLLM calls
+            this in each attention layer before it reads its KV).  Nothing to wait for when
+            the blocks were copied before the forward."""
+            ll = self._layer_load
+            if ll is None:
+                return
+            i = self._layer_index.get(layer_name)
+            if i is not None:
+                ll.wait(i)
 
         def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any,
                           **kwargs: Any) -> None:
@@ -481,7 +553,9 @@ if HAVE_VLLM:
             computed (a block is published only with every layer in)."""
 
         def wait_for_save(self) -> None:
-            """Store this step's newly computed full prompt blocks (after the forward)."""
+            """Store this step's newly computed full prompt blocks (after the forward), once
+            this step's loads are done."""
+            self._finish_load()
             meta = self._meta()
             if meta is not None and meta.saves and self._io is not None:
                 keys: List[bytes] = []
@@ -500,6 +574,7 @@ if HAVE_VLLM:
             self._write_stats()
 
         def get_block_ids_with_load_errors(self) -> Set[int]:
+            self._finish_load()  # vLLM asks after the forward: the step's loads are over
             errors, self._load_errors = self._load_errors, set()
             return errors
 
