@@ -8,4 +8,6 @@ from _build import hit_extension  # noqa: E402
 
 # Two extensions: the C core through cffi (ucmcache._core), and the hit path as CPython types
 # (ucmcache._hit), which calls the core's steps through pointers taken from ucmcache._core.
-setup(cffi_modules=["csrc/_build.py:ffibuilder"], ext_modules=[hit_extension()])
+# A third, ucmcache._crc (csrc/ucm_crc.c): CRC-32C for ucmcache.vllm's block format.
+setup(cffi_modules=["csrc/_build.py:ffibuilder", "csrc/_build.py:crcbuilder"],
+      ext_modules=[hit_extension()])

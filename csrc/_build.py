@@ -56,5 +56,23 @@ ffibuilder.set_source(
     libraries=["pthread"],
 )
 
+# CRC-32C for the vLLM block format (csrc/ucm_crc.c): a utility, not a protocol step, so a
+# module of its own beside the core.
+with open(os.path.join(HERE, "ucm_crc.h")) as f:
+    _crc_header = f.read()
+
+crcbuilder = FFI()
+crcbuilder.cdef(cdef_source(_crc_header))
+crcbuilder.set_source(
+    "ucmcache._crc",
+    '#include "ucm_crc.h"',
+    sources=[os.path.relpath(os.path.join(HERE, "ucm_crc.c"))],
+    include_dirs=[os.path.relpath(HERE)],
+    extra_compile_args=extra_compile_args(),
+    extra_link_args=extra_link_args(),
+    libraries=["pthread"],
+)
+
 if __name__ == "__main__":
     ffibuilder.compile(verbose=True)
+    crcbuilder.compile(verbose=True)

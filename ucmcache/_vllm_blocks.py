@@ -14,8 +14,8 @@ that differ in anything above never share a key.
 
 The header binds a slot to what was written: magic and version, the layer count, a
 fingerprint of the namespace plus the physical layout the worker saw (each layer's shape,
-strides and dtype per block), the key (id and offset), the payload length and a CRC-32 of the
-payload.  A load copies a block only when every one of these matches; anything else is a load
+strides and dtype per block), the key (id and offset), the payload length and a CRC-32C of
+the payload.  A load copies a block only when every one of these matches; anything else is a load
 error (vLLM recomputes the block), never a wrong KV.
 """
 from __future__ import annotations
@@ -25,13 +25,13 @@ import logging
 import struct
 import threading
 import time
-import zlib
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from ._cache import SlotCache
+from ._checksum import crc32c
 from ._core import ffi
 from ._errors import CacheFull, UcmError
 from ._keys import Key, chain_keys, make_key
@@ -39,8 +39,8 @@ from ._keys import Key, chain_keys, make_key
 log = logging.getLogger("ucmcache.vllm")
 
 MAGIC = b"UCMVKV01"
-VERSION = 1
-# magic, version, n_layers, fingerprint, block id, offset, payload bytes, crc32
+VERSION = 2     # 2: the checksum is CRC-32C (ucmcache._checksum); 1 had zlib's CRC-32
+# magic, version, n_layers, fingerprint, block id, offset, payload bytes, crc32c
 _HEADER = struct.Struct("<8sII16s16sQII")
 HEADER_SIZE = _HEADER.size
 assert HEADER_SIZE == 64
@@ -391,7 +391,7 @@ class KVBlockIO:
                         src, non_blocking=self._stream is not None)
                     off += nb
             self._copies_done()   # the bytes are in the slot before the checksum and Ready
-            crc = zlib.crc32(arr[HEADER_SIZE:self.need]) if self.checksum else 0
+            crc = crc32c(arr[HEADER_SIZE:self.need]) if self.checksum else 0
             bid, offset = (key, 0) if isinstance(key, bytes) else key
             arr[:HEADER_SIZE] = np.frombuffer(
                 pack_header(len(self.layers), self.fingerprint, bid, offset, self.payload, crc),
@@ -450,7 +450,7 @@ class KVBlockIO:
             if why is None and got != self.need:
                 why = f"{got} bytes stored, a block is {self.need}"
             if why is None and on_layer is None and self.checksum and \
-                    zlib.crc32(row[HEADER_SIZE:self.need]) != crc:
+                    crc32c(row[HEADER_SIZE:self.need]) != crc:
                 why = "checksum mismatch"
             if why is not None:
                 res.failed[b] = why
@@ -464,7 +464,7 @@ class KVBlockIO:
                 for j, (i, b, _) in enumerate(passed):
                     src = staging[i, off:off + nb]
                     if on_layer is not None and self.checksum:
-                        sums[j] = zlib.crc32(src, sums[j])
+                        sums[j] = crc32c(src, sums[j])
                     dst = self._block(layer, b)
                     dst.copy_(torch.from_numpy(src).view(dst.dtype).view(shape),
                               non_blocking=self._stream is not None)

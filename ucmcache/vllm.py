@@ -32,12 +32,12 @@ What runs where (vLLM runs the scheduler and each worker in processes of their o
   length checked before a byte reaches the KV cache) and, layer by layer (``layerwise``, the
   default, CPU KV caches), copies them in on an IO thread of its own while the forward runs:
   ``wait_for_layer_load``, which vLLM calls in each attention layer before it reads its KV,
-  waits until that layer of every matched block is in.  The CRC-32 is summed as the layers go
+  waits until that layer of every matched block is in.  The CRC-32C is summed as the layers go
   in and checked after the last; a block that fails it is reported as a load error (below).
   A forward that did not wait for every layer (a backend that skips the call) may have read a
   layer mid-copy: the step's loaded blocks are then all reported as load errors, and the
   worker loads whole blocks before the forward from then on.  With ``layerwise: false``, or
-  a CUDA KV cache, every check (the CRC-32 too) runs and every layer is copied in
+  a CUDA KV cache, every check (the CRC-32C too) runs and every layer is copied in
   ``start_load_kv`` before the forward.  ``wait_for_save`` runs after
   the forward, when every layer of the step's blocks is computed: each block is taken with
   ``get_many`` and written only where this worker is the owner (a block stored, or being stored
@@ -65,7 +65,7 @@ What runs where (vLLM runs the scheduler and each worker in processes of their o
   worker and one for its scheduler; dead ones are recovered).
 - ``namespace``: a string added to the engine identity (say, a weights version when the
   weights change under the same model path).
-- ``checksum`` (default true): CRC-32 of each block, checked on load.
+- ``checksum`` (default true): CRC-32C of each block (ucmcache._checksum, in C), checked on load.
 - ``layerwise`` (default true): load layer by layer beside the forward (CPU KV caches; a CUDA
   KV cache is loaded whole before the forward, on a copy stream, into a segment registered as
   pinned host memory: written for CUDA, untested on this project's CI, which has no GPU).

@@ -1,0 +1,16 @@
+/* CRC-32C (Castagnoli), the checksum of ucmcache.vllm's block format: no protocol, no shared
+ * word; a utility beside the core, built as its own module (ucmcache._crc).  On x86-64 with
+ * SSE4.2 it runs on the crc32 instruction (chosen once, at run time); elsewhere, and as the
+ * reference the tests compare it with, slicing-by-8 tables. */
+#ifndef UCM_CRC_H
+#define UCM_CRC_H
+#include <stddef.h>
+#include <stdint.h>
+
+/* CDEF-BEGIN */
+uint32_t ucm_crc32c(uint32_t crc, const void *buf, size_t len);
+uint32_t ucm_crc32c_soft(uint32_t crc, const void *buf, size_t len);
+int ucm_crc32c_hardware(void);
+/* CDEF-END */
+
+#endif
