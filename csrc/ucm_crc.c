@@ -50,9 +50,9 @@ uint32_t ucm_crc32c_soft(uint32_t crc, const void *buf, size_t len)
     __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
 #define UCM_CRC_X86 1
 /* Three independent streams over the three thirds of each 3 x 8 KiB stretch keep the crc32
- * instruction's pipeline full (latency 3, one a cycle); their values are joined by the
- * software shift below, which costs a few hundred cycles per 24 KiB.  Shorter tails run one
- * stream. */
+ * instruction's pipeline full (latency 3, one a cycle: three_streams); their values are
+ * joined by the software shift below, which costs a few hundred cycles per 24 KiB.  Shorter
+ * tails run one stream. */
 #define STRETCH 8192
 
 __attribute__((target("sse4.2")))
@@ -114,16 +114,36 @@ static void make_shift(void)
     memcpy(shift_op, cur, sizeof shift_op);
 }
 
+/* Three registers over the three thirds of a 3 x STRETCH stretch, fed in one loop so that the
+ * three dependency chains overlap in the pipeline. */
+__attribute__((target("sse4.2")))
+static void three_streams(uint64_t *a, uint64_t *b, uint64_t *d, const unsigned char *p)
+{
+    uint64_t ra = *a, rb = 0, rd = 0;
+    for (size_t i = 0; i < STRETCH; i += 8) {
+        uint64_t va, vb, vd;
+        memcpy(&va, p + i, 8);
+        memcpy(&vb, p + STRETCH + i, 8);
+        memcpy(&vd, p + 2 * STRETCH + i, 8);
+        ra = __builtin_ia32_crc32di(ra, va);
+        rb = __builtin_ia32_crc32di(rb, vb);
+        rd = __builtin_ia32_crc32di(rd, vd);
+    }
+    *a = ra;
+    *b = rb;
+    *d = rd;
+}
+
 static uint32_t crc32c_x86(uint32_t crc, const unsigned char *p, size_t len)
 {
     uint64_t c = ~crc;
     pthread_once(&shift_once, make_shift);
     while (len >= 3 * STRETCH) {
-        uint64_t a = one_stream(c, p, STRETCH);
-        uint64_t b = one_stream(0, p + STRETCH, STRETCH);
-        uint64_t d = one_stream(0, p + 2 * STRETCH, STRETCH);
-        /* a then b: shift a over b's bytes and add; the register is linear, and b's stream
-         * started from 0 (a register of 0, not an inverted one) */
+        uint64_t a = c, b, d;
+        three_streams(&a, &b, &d, p);
+        /* a then b then d: shift a over b's bytes and add b, then the same over d's; the
+         * register is linear, and b's and d's streams started from 0 (a register of 0, not
+         * an inverted one) */
         c = gf2_times(shift_op, gf2_times(shift_op, (uint32_t)a) ^ (uint32_t)b) ^ (uint32_t)d;
         p += 3 * STRETCH;
         len -= 3 * STRETCH;

@@ -401,6 +401,7 @@ if HAVE_VLLM:
             self._layer_load: Optional[LayerLoad] = None    # this step's, when layer by layer
             self._layer_index: Dict[str, int] = {n: i for i, n in enumerate(self._layer_names)}
             self._layerwise = cfg.layerwise
+            self._step_load_failed = False  # a load of this step failed: nothing it fed is saved
             self._stats = IOStats()
             self._total = IOStats()
             self._rank_offset = 0
@@ -481,6 +482,7 @@ if HAVE_VLLM:
             thread, the forward waiting for each layer in ``wait_for_layer_load``; else every
             layer is copied here before the forward."""
             self._finish_load()  # a step's loads end with it; never two at once (one staging)
+            self._step_load_failed = False
             meta = self._meta()
             if meta is None or not meta.loads or meta.loaded:
                 return  # nothing to load, or done already (called twice for one step)
@@ -530,6 +532,7 @@ if HAVE_VLLM:
             if self._io is not None:
                 self._stats.bytes_loaded += res.loaded * self._io.need
             if res.failed:
+                self._step_load_failed = True
                 self._load_errors.update(res.failed)
                 self._stats.load_errors += len(res.failed)
                 why = sorted(set(res.failed.values()))
@@ -557,7 +560,17 @@ if HAVE_VLLM:
             this step's loads are done."""
             self._finish_load()
             meta = self._meta()
-            if meta is not None and meta.saves and self._io is not None:
+            if meta is not None and meta.saves and self._io is not None and \
+                    self._step_load_failed:
+                # The step's forward attended over rows whose load failed (stale, or partly
+                # copied layer by layer): the blocks it computed are wrong until vLLM
+                # recomputes them, so none is published; a block that vLLM recomputes later
+                # is not offered again (a later miss, never a wrong KV in another engine).
+                n = sum(len(job.keys) for job in meta.saves)
+                self._stats.blocks_not_saved += n
+                log.warning("UcmCacheConnector: %d block(s) of a step whose load failed not "
+                            "saved", n)
+            elif meta is not None and meta.saves and self._io is not None:
                 keys: List[bytes] = []
                 blocks: List[int] = []
                 for job in meta.saves:
