@@ -1345,7 +1345,9 @@ static int writes_through(ucm_ctx *c, uint32_t s, uint32_t rank)
 {
     uint64_t r = ACQ(ref_w(c, s));
     uint32_t st = ACQ(state_w(c, s)) & UCM_STATE_MASK;
-    /* A delete in flight: only its deleter's (the loader word names it), never a pinner's. */
+    /* A delete in flight: only its deleter's (the loader word names it), never a pinner's.
+     * Relaxed: the deleter is dead (its words visible through its life lock, as for the
+     * loader word below) or not the rank asked about. */
     if ((RLX(flags_w(c, s)) & UCM_F_DELETING) && RLX(loader_w(c, s)) == rank) return 1;
     if (r == (UCM_CLAIMED | rank)) return (RLX(flags_w(c, s)) & UCM_F_INSTALLING) || st == UCM_LOADING;
     return !(r & UCM_CLAIMED) && (r & (1ULL << rank)) && st == UCM_LOADING && RLX(loader_w(c, s)) == rank;
@@ -2103,7 +2105,7 @@ int ucm_delete(ucm_ctx *c, const char *id, uint64_t offset, uint32_t spin_budget
         /* Taken from us meanwhile: nothing written but the mark.  The mark goes first (release:
          * a taker that sees it gone may verify), then the loader word is put back. */
         __atomic_store_n(flags_w(c, s), (uint16_t)(RLX(flags_w(c, s)) & ~UCM_F_DELETING), __ATOMIC_RELEASE);
-        SET_RLX(loader_w(c, s), old_loader);
+        SET_RLX(loader_w(c, s), old_loader); /* relaxed: trusted only with the mark set */
         unpin(c, s);
         unlock_stripe(c, stripe);
         return UCM_NOT_HELD;
@@ -2113,6 +2115,7 @@ int ucm_delete(ucm_ctx *c, const char *id, uint64_t offset, uint32_t spin_budget
     r = unlink_slot_at(c, s, b, UCM_PT_MID_DELETE);
     if (r != UCM_OK) {
         /* Corrupt links: nothing written; the slot stays linked, counted and Ready. */
+        /* Release, then relaxed: as when the arena was taken from us, above. */
         __atomic_store_n(flags_w(c, s), (uint16_t)(RLX(flags_w(c, s)) & ~UCM_F_DELETING), __ATOMIC_RELEASE);
         SET_RLX(loader_w(c, s), old_loader);
         unpin(c, s);
@@ -2388,7 +2391,9 @@ static int reclaim_claimed(ucm_ctx *c, uint32_t s, uint32_t dead, uint32_t held_
 static int finish_deletes(ucm_ctx *c, uint32_t dead, int64_t stripe_timeout_ns, uint32_t *stripe_out)
 {
     for (uint32_t s = 0; s < c->l.n_slots; s++) {
-        /* Relaxed: the dead rank's writes are visible through its life lock (see below). */
+        /* Relaxed: the dead rank's writes are visible because the kernel handed us its life
+         * lock after its death (see ucm_recover_rank); a live deleter's mark names another
+         * rank, whatever we read of it. */
         if (!(RLX(flags_w(c, s)) & UCM_F_DELETING) || RLX(loader_w(c, s)) != dead) continue;
         uint32_t b = RLX(bucket_w(c, s));
         if (b != UCM_INVALID_BUCKET && b >= c->l.n_buckets) {
@@ -2402,6 +2407,7 @@ static int finish_deletes(ucm_ctx *c, uint32_t dead, int64_t stripe_timeout_ns, 
             }
             b = RLX(bucket_w(c, s)); /* a repair may have made it INVALID */
             if (b != UCM_INVALID_BUCKET) {
+                /* Acquire head, relaxed links: we hold the stripe, so nobody else changes them. */
                 uint32_t x = ACQ(head_w(c, b));
                 uint64_t steps = 0;
                 while (x != UCM_NIL && x < c->l.n_slots && x != s && steps++ <= c->l.n_slots)
@@ -2420,7 +2426,7 @@ static int finish_deletes(ucm_ctx *c, uint32_t dead, int64_t stripe_timeout_ns, 
         /* Out of the words: the recount that follows counts it no more (relaxed: only the
          * recoverer writes a dead deleter's marked slot; its pin keeps claimants away). */
         SET_RLX(flags_w(c, s), (uint16_t)(RLX(flags_w(c, s)) & ~UCM_F_COUNTED));
-        SET_RLX(acc_w(c, s), 0);
+        SET_RLX(acc_w(c, s), 0); /* relaxed: CLOCK's hint, as in ucm_delete */
     }
     return UCM_OK;
 }
@@ -2429,7 +2435,7 @@ static void clear_deletes(ucm_ctx *c, uint32_t dead)
 {
     /* After the recount: the dead deleter's marks go (release: a taker that sees one gone sees
      * the recounted words), then recover_pins drops its pins and the slots can be reused. */
-    for (uint32_t s = 0; s < c->l.n_slots; s++)
+    for (uint32_t s = 0; s < c->l.n_slots; s++) /* relaxed loads: as in finish_deletes */
         if ((RLX(flags_w(c, s)) & UCM_F_DELETING) && RLX(loader_w(c, s)) == dead)
             __atomic_store_n(flags_w(c, s), (uint16_t)(RLX(flags_w(c, s)) & ~UCM_F_DELETING),
                              __ATOMIC_RELEASE);

@@ -72,6 +72,23 @@ def test_delete_ready_and_absent_keys_exact_accounting(make_cache):
     assert_clean(c)
 
 
+def test_a_handle_of_the_deleting_process_keeps_its_bytes(make_cache):
+    c = make_cache()
+    k = key(5)
+    c.put(k, payload_for(k, 60))
+    with c.get(k) as h:
+        view = h.data
+        assert c.delete(k) is True and k not in c
+        assert c.get_or_load(k, lambda: b"second") == b"second"
+        with c.get(k) as h2:
+            assert h2.slot != h.slot                  # the new entry's slot is another one
+        assert check_payload(k, bytes(view))
+    assert check_payload(k, bytes(view))              # the view keeps its own pin
+    del view
+    assert c[k] == b"second" and len(c) == 1
+    assert_clean(c)
+
+
 def test_delete_of_a_loading_key_deletes_nothing_and_the_load_publishes(make_cache):
     c = make_cache()
     k = key(1)
