@@ -2051,6 +2051,9 @@ int64_t ucm_get_slow(ucm_ctx *c, const char *id, uint64_t offset, uint32_t spin_
    UCM_F_DELETING with the deleter's rank in the loader word, stored before the flag: a taker's
    verification sees the flag as another rank's write in flight (the Dekker pair of "Arenas",
    the flag playing the claim's part), and recovery acts on the mark only for its deleter.
+   The loader word keeps the deleter's rank after the step (it is only a record on a Ready
+   slot), so while a mark can be read, the loader word names its deleter or a later installer
+   (whose claim rewrote the flags too), never an earlier rank.
    The stores in order, each prefix safe for a survivor before any recovery:
      pin (the slot cannot be reused) -> loader = us, DELETING (seq_cst) -> owner check ->
      predecessor's link (unreachable) -> [mid_delete] -> bucket INVALID (matches nothing) ->
@@ -2097,15 +2100,15 @@ int ucm_delete(ucm_ctx *c, const char *id, uint64_t offset, uint32_t spin_budget
      * seq_cst store, then seq_cst loads of the owner word and our serial: the Dekker pair with
      * a taker's owner CAS and its verification's seq_cst flags load (foreign_activity).  Only
      * we write this slot's flags now: it is Ready and pinned (no claimant, no publisher). */
-    uint16_t old_loader = RLX(loader_w(c, s));
-    SET_RLX(loader_w(c, s), (uint16_t)c->rank);
+    SET_RLX(loader_w(c, s), (uint16_t)c->rank); /* a Ready slot's loader is only a record */
     __atomic_store_n(flags_w(c, s), (uint16_t)(RLX(flags_w(c, s)) | UCM_F_DELETING), __ATOMIC_SEQ_CST);
     if (__atomic_load_n(owner_w(c, a), __ATOMIC_SEQ_CST) != me
         || __atomic_load_n(&c->arena_seen[a], __ATOMIC_SEQ_CST) != seen) {
-        /* Taken from us meanwhile: nothing written but the mark.  The mark goes first (release:
-         * a taker that sees it gone may verify), then the loader word is put back. */
+        /* Taken from us meanwhile: nothing written but the mark, which goes (release: a taker
+         * that sees it gone may verify).  The loader word keeps our rank: put back, a recoverer
+         * of the old loader that read the mark before this store could read that rank after
+         * it and take our delete for its own (the two words are not read as one). */
         __atomic_store_n(flags_w(c, s), (uint16_t)(RLX(flags_w(c, s)) & ~UCM_F_DELETING), __ATOMIC_RELEASE);
-        SET_RLX(loader_w(c, s), old_loader); /* relaxed: trusted only with the mark set */
         unpin(c, s);
         unlock_stripe(c, stripe);
         return UCM_NOT_HELD;
@@ -2115,9 +2118,8 @@ int ucm_delete(ucm_ctx *c, const char *id, uint64_t offset, uint32_t spin_budget
     r = unlink_slot_at(c, s, b, UCM_PT_MID_DELETE);
     if (r != UCM_OK) {
         /* Corrupt links: nothing written; the slot stays linked, counted and Ready. */
-        /* Release, then relaxed: as when the arena was taken from us, above. */
+        /* Release, and the loader word left as it is: as when the arena was taken, above. */
         __atomic_store_n(flags_w(c, s), (uint16_t)(RLX(flags_w(c, s)) & ~UCM_F_DELETING), __ATOMIC_RELEASE);
-        SET_RLX(loader_w(c, s), old_loader);
         unpin(c, s);
         unlock_stripe(c, stripe);
         return r;
