@@ -22,6 +22,9 @@ many arenas each attached rank should own and which ones it takes.
   whose load is in it (that rank may use it at once) or for whoever allocates after the load,
   taking as many idle arenas in exchange, from ranks at their share too.  So `CacheFull` means
   every slot the rank can obtain is pinned or loading.
+* Deletes: only an arena's writer changes its words (I6), so a delete whose entry lies in an arena
+  we do not own takes it for the delete (``take_for_delete``) and gives it back to free after it
+  (``give_back``, announced), for its usual owner to take back at its next allocation.
 """
 from __future__ import annotations
 
