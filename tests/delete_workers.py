@@ -102,3 +102,29 @@ def _delete_all(uuid, keys, start_path):
 
 def delete_all(q, *args):
     run(_delete_all, q, *args)
+
+
+def _load_then_hold_a_load(uuid, ready_key, loading_key, gate_path):
+    """Load ready_key, then own loading_key's load and hold it (Loading) until the gate's second
+    release; returns the two slots."""
+    c = SlotCache.attach(uuid)
+    gate = Gate(gate_path)
+    try:
+        c.get_or_load(ready_key, lambda: b"ready")
+        with c.get(ready_key) as h:
+            ready_slot = h.slot
+        with c.get(loading_key) as h:
+            assert h.owner
+            loading_slot = h.slot
+            gate.release()
+            gate.wait_value(2, timeout=60)
+            h.data[:4] = b"late"
+            h.ready(4)
+        return ready_slot, loading_slot
+    finally:
+        gate.close()
+        c.close()
+
+
+def load_then_hold_a_load(q, *args):
+    run(_load_then_hold_a_load, q, *args)

@@ -292,3 +292,23 @@ def test_two_deleters_taking_the_same_arena_in_turn_both_finish(make_cache, proc
     p.join(30)
     assert len(c) == 1
     assert_clean(c)
+
+
+def test_a_delete_waits_bounded_for_another_ranks_load_in_its_arena(make_cache, procs, gate):
+    c = make_cache(slots_per_rank=64, slot_size=64, max_ranks=2)
+    k, z = key(1), key(2)
+    held = gate()
+    p, q = procs.start(delete_workers.load_then_hold_a_load, c.uuid, k, z, held.path)
+    held.wait_value(1)
+    # the worker's two installs went to consecutive slots of its CLOCK hand: one arena, whose
+    # words the loader of z writes until it publishes (I6), so the delete may not write them
+    with pytest.raises(ucmcache.LockTimeout, match="arena .* stayed busy"):
+        c.delete(k, timeout=0.2)
+    assert k in c and len(c) == 1                     # nothing changed
+    held.release()
+    ready_slot, loading_slot = procs.result(q)
+    p.join(30)
+    L = c.layout
+    assert ready_slot // L.arena_slots == loading_slot // L.arena_slots
+    assert c.delete(k) is True and k not in c and c[z] == b"late" and len(c) == 1
+    assert_clean(c)
