@@ -312,3 +312,18 @@ def test_a_delete_waits_bounded_for_another_ranks_load_in_its_arena(make_cache, 
     assert ready_slot // L.arena_slots == loading_slot // L.arena_slots
     assert c.delete(k) is True and k not in c and c[z] == b"late" and len(c) == 1
     assert_clean(c)
+
+
+def test_a_delete_in_a_dead_ranks_busy_arena_recovers_it_and_deletes(make_cache, procs, gate):
+    c = make_cache(slots_per_rank=64, slot_size=64, max_ranks=2)
+    k, z = key(1), key(2)
+    held = gate()
+    p, q = procs.start(delete_workers.load_then_hold_a_load, c.uuid, k, z, held.path)
+    held.wait_value(1)
+    p.kill()                                          # dies owning z's load in k's arena
+    p.join(30)
+    before = c.stats()["recovered_ranks"]
+    assert c.delete(k, timeout=5) is True             # recovers the dead loader on its way
+    assert c.stats()["recovered_ranks"] == before + 1
+    assert k not in c and z not in c and len(c) == 0
+    assert_clean(c)
