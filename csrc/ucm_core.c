@@ -2060,7 +2060,7 @@ int64_t ucm_get_slow(ucm_ctx *c, const char *id, uint64_t offset, uint32_t spin_
      uncount, COUNTED cleared -> accessed 0 -> DELETING cleared -> unpin.
    A kill anywhere after the mark leaves the dead rank's pin and mark; the stripe's next locker
    repairs its chains (a slot unlinked but naming the bucket is made INVALID, one linked but
-   INVALID is dropped from the chain); recovery (recover_deletes) finishes the delete under
+   INVALID is dropped from the chain); recovery (finish_deletes) finishes the delete under
    the stripe, recounts the arena, then drops the mark and the pin. */
 int ucm_delete(ucm_ctx *c, const char *id, uint64_t offset, uint32_t spin_budget,
                int64_t timeout_ns, uint32_t *arena_out)
