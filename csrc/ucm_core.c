@@ -15,7 +15,8 @@
  *              is named in the word itself, a dead rank's holds are found exactly (I5).
  *   key[3], generation, loader, flags, length
  *              Written only by the claimant (or, for state/length/flags, by the owner while it
- *              holds its pin in Loading).  Readers read them without a lock, so every read is an
+ *              holds its pin in Loading; for loader/flags, by a deleter holding the stripe and
+ *              a pin on a Ready slot, see ucm_delete).  Readers read them without a lock, so every read is an
  *              atomic (relaxed unless stated) and a hit is trusted only after it is read again
  *              under the pin (I3).
  *   bucket     The bucket the slot is linked in, or UCM_INVALID_BUCKET.  Stored with release
