@@ -15,7 +15,8 @@
  *              is named in the word itself, a dead rank's holds are found exactly (I5).
  *   key[3], generation, loader, flags, length
  *              Written only by the claimant (or, for state/length/flags, by the owner while it
- *              holds its pin in Loading).  Readers read them without a lock, so every read is an
+ *              holds its pin in Loading; for loader/flags, by a deleter holding the stripe and
+ *              a pin on a Ready slot, see ucm_delete).  Readers read them without a lock, so every read is an
  *              atomic (relaxed unless stated) and a hit is trusted only after it is read again
  *              under the pin (I3).
  *   bucket     The bucket the slot is linked in, or UCM_INVALID_BUCKET.  Stored with release
@@ -188,6 +189,8 @@ uint32_t ucm_layout_fingerprint(void)
         UCM_RING_DEPTH, UCM_RING_HEAD, UCM_RING_TAIL, UCM_RING_LOCK, UCM_RING_SLEEPING,
         UCM_RING_POSTED, UCM_RING_DROPPED, UCM_RING_PRESENT, UCM_RING_ENTRIES, UCM_ACC_GEN_BITS,
         UCM_CLAIMED, UCM_NIL, UCM_LINE, UCM_PAGE, sizeof(pthread_mutex_t),
+        /* what the flags word's bits mean (a build without DELETING would misread a slot) */
+        UCM_F_COUNTED, UCM_F_INSTALLING, UCM_F_DELETING,
         /* the histograms' counters and what their buckets mean live in the stats lines too */
         UCM_HIST_BUCKETS, UCM_HIST_FIRST_NS, UCM_HIST_FACTOR, UCM_ST_LOAD_HIST, UCM_ST_WAIT_HIST};
     uint64_t h = 0;
@@ -1343,6 +1346,10 @@ static int writes_through(ucm_ctx *c, uint32_t s, uint32_t rank)
 {
     uint64_t r = ACQ(ref_w(c, s));
     uint32_t st = ACQ(state_w(c, s)) & UCM_STATE_MASK;
+    /* A delete in flight: only its deleter's (the loader word names it), never a pinner's.
+     * Relaxed: the deleter is dead (its words visible through its life lock, as for the
+     * loader word below) or not the rank asked about. */
+    if ((RLX(flags_w(c, s)) & UCM_F_DELETING) && RLX(loader_w(c, s)) == rank) return 1;
     if (r == (UCM_CLAIMED | rank)) return (RLX(flags_w(c, s)) & UCM_F_INSTALLING) || st == UCM_LOADING;
     return !(r & UCM_CLAIMED) && (r & (1ULL << rank)) && st == UCM_LOADING && RLX(loader_w(c, s)) == rank;
 }
@@ -1419,6 +1426,12 @@ int ucm_arena_release(ucm_ctx *c, uint32_t a)
 static inline int foreign_activity(ucm_ctx *c, uint32_t s, uint64_t ref)
 {
     if ((ref & UCM_CLAIMED) && (ref & ~UCM_CLAIMED) != (uint64_t)c->rank) return 1;
+    /* Another rank's delete in flight (it writes the words: ucm_delete).  seq_cst: the Dekker
+     * pair with the deleter's seq_cst DELETING store and owner load, as the reference load is
+     * for a claim; its deleter (the loader word) was stored before the flag, so it is seen. */
+    if ((__atomic_load_n(flags_w(c, s), __ATOMIC_SEQ_CST) & UCM_F_DELETING)
+        && RLX(loader_w(c, s)) != c->rank)
+        return 1;
     /* Acquire: a publish's release exchange (its words are written before it). */
     return (ACQ(state_w(c, s)) & UCM_STATE_MASK) == UCM_LOADING && RLX(loader_w(c, s)) != c->rank;
 }
@@ -1605,7 +1618,10 @@ int ucm_stripe_unlock(ucm_ctx *c, uint32_t stripe)
 }
 
 
-static int unlink_slot(ucm_ctx *c, uint32_t s, uint32_t b)
+static int unlink_slot_at(ucm_ctx *c, uint32_t s, uint32_t b, int point);
+static int unlink_slot(ucm_ctx *c, uint32_t s, uint32_t b) { return unlink_slot_at(c, s, b, UCM_PT_AFTER_UNLINK); }
+
+static int unlink_slot_at(ucm_ctx *c, uint32_t s, uint32_t b, int point)
 {
     /* Caller holds b's stripe.  The unlinked slot keeps its next pointer, so a lock-free walker
      * standing on it walks on; its bucket word is then set INVALID so it matches nothing (I2).
@@ -1620,7 +1636,7 @@ static int unlink_slot(ucm_ctx *c, uint32_t s, uint32_t b)
     if (p == UCM_NIL) SET_REL(head_w(c, b), n);
     else SET_REL(next_w(c, p), n);
     if (n != UCM_NIL) SET_RLX(prev_w(c, n), p); /* prev: read only by stripe holders */
-    POINT(c, UCM_PT_AFTER_UNLINK);
+    POINT(c, point); /* after_unlink (an install), mid_delete (a delete) */
     /* Walkers that read the old bucket word before this store are kept from a false hit by
      * pin-and-revalidate (I3), not by this store's order. */
     SET_REL(bucket_w(c, s), UCM_INVALID_BUCKET);
@@ -2023,6 +2039,113 @@ int64_t ucm_get_slow(ucm_ctx *c, const char *id, uint64_t offset, uint32_t spin_
     return answer;
 }
 
+/* ---------------------------------------------------------------- delete, whole
+
+   A delete makes a Ready entry unreachable at once (I2) and takes it out of its arena's words
+   (I4), in one step under the key's stripe.  Its slot is not claimed (readers may pin it, and
+   keep its bytes: I1); it stays Ready, uncounted, linked nowhere, so the CLOCK of its arena's
+   owner reuses it once its last pin drops (step 1 of 4.3 takes any unheld slot; the install's
+   uncount finds no COUNTED flag and its isolate no bucket).
+   The words have one writer (I6): the deleter must be the arena's verified owner, so the
+   Python layer takes the arena first when it is not (UCM_NOT_HELD names it).  While the step
+   writes, the slot carries the deleter's pin (so nothing reuses it, even after a kill) and
+   UCM_F_DELETING with the deleter's rank in the loader word, stored before the flag: a taker's
+   verification sees the flag as another rank's write in flight (the Dekker pair of "Arenas",
+   the flag playing the claim's part), and recovery acts on the mark only for its deleter.
+   The loader word keeps the deleter's rank after the step (it is only a record on a Ready
+   slot), so while a mark can be read, the loader word names its deleter or a later installer
+   (whose claim rewrote the flags too), never an earlier rank.
+   The stores in order, each prefix safe for a survivor before any recovery:
+     pin (the slot cannot be reused) -> loader = us, DELETING (seq_cst) -> owner check ->
+     predecessor's link (unreachable) -> [mid_delete] -> bucket INVALID (matches nothing) ->
+     uncount, COUNTED cleared -> accessed 0 -> DELETING cleared -> unpin.
+   A kill anywhere after the mark leaves the dead rank's pin and mark; the stripe's next locker
+   repairs its chains (a slot unlinked but naming the bucket is made INVALID, one linked but
+   INVALID is dropped from the chain); recovery (finish_deletes) finishes the delete under
+   the stripe, recounts the arena, then drops the mark and the pin. */
+int ucm_delete(ucm_ctx *c, const char *id, uint64_t offset, uint32_t spin_budget,
+               int64_t timeout_ns, uint32_t *arena_out)
+{
+    /* Answers: UCM_OK (deleted), UCM_MISS (no entry), UCM_IN_FLIGHT (Loading: not deleted),
+     * UCM_NOT_HELD (*arena_out: the entry's arena is not ours and verified; UCM_NIL: no rank),
+     * UCM_BUSY (the key's slot stays claimed under our stripe: a dead claimant, as in
+     * ucm_get_slow), UCM_TIMEOUT (the stripe stayed held), UCM_CORRUPT. */
+    *arena_out = UCM_NIL;
+    if (c->rank < 0 || !ctx_live(c)) return UCM_NOT_HELD;
+    uint64_t key[3];
+    load_key(id, offset, key);
+    uint32_t b = bucket_of_key(c, key), stripe = ucm_stripe_of(c, b);
+    int r = lock_stripe_repairing(c, stripe, timeout_ns);
+    if (r != UCM_OK) return r;
+    uint32_t s = 0, state = 0, seen = 0;
+    /* Exact under the stripe (nobody else links or unlinks in this chain); the pin keeps the
+     * slot ours to finish, whatever happens to us (I1, I3). */
+    r = lookup_pin_one(c, key, (uint32_t)ucm_generation(c), spin_budget, &s, &state);
+    if (r != UCM_OK) {
+        unlock_stripe(c, stripe);
+        return r; /* MISS, BUSY, CORRUPT */
+    }
+    if (state != UCM_READY) { /* Loading: its owner publishes as usual */
+        unpin(c, s);
+        unlock_stripe(c, stripe);
+        return UCM_IN_FLIGHT;
+    }
+    uint32_t a = arena_of(c, s), me = (uint32_t)c->rank + 1;
+    *arena_out = a;
+    if (!arena_usable(c, a, &seen)) {
+        unpin(c, s);
+        unlock_stripe(c, stripe);
+        return UCM_NOT_HELD;
+    }
+    /* The deleter first (relaxed: published by the flag's store below), then the mark.
+     * seq_cst store, then seq_cst loads of the owner word and our serial: the Dekker pair with
+     * a taker's owner CAS and its verification's seq_cst flags load (foreign_activity).  Only
+     * we write this slot's flags now: it is Ready and pinned (no claimant, no publisher). */
+    SET_RLX(loader_w(c, s), (uint16_t)c->rank); /* a Ready slot's loader is only a record */
+    __atomic_store_n(flags_w(c, s), (uint16_t)(RLX(flags_w(c, s)) | UCM_F_DELETING), __ATOMIC_SEQ_CST);
+    if (__atomic_load_n(owner_w(c, a), __ATOMIC_SEQ_CST) != me
+        || __atomic_load_n(&c->arena_seen[a], __ATOMIC_SEQ_CST) != seen) {
+        /* Taken from us meanwhile: nothing written but the mark, which goes (release: a taker
+         * that sees it gone may verify).  The loader word keeps our rank: put back, a recoverer
+         * of the old loader that read the mark before this store could read that rank after
+         * it and take our delete for its own (the two words are not read as one). */
+        __atomic_store_n(flags_w(c, s), (uint16_t)(RLX(flags_w(c, s)) & ~UCM_F_DELETING), __ATOMIC_RELEASE);
+        unpin(c, s);
+        unlock_stripe(c, stripe);
+        return UCM_NOT_HELD;
+    }
+    /* Unreachable at once (I2): the predecessor's link (release, in unlink_slot_at), then the
+     * bucket word INVALID.  The neighbours are checked before anything is written. */
+    r = unlink_slot_at(c, s, b, UCM_PT_MID_DELETE);
+    if (r != UCM_OK) {
+        /* Corrupt links: nothing written; the slot stays linked, counted and Ready. */
+        /* Release, and the loader word left as it is: as when the arena was taken, above. */
+        __atomic_store_n(flags_w(c, s), (uint16_t)(RLX(flags_w(c, s)) & ~UCM_F_DELETING), __ATOMIC_RELEASE);
+        unpin(c, s);
+        unlock_stripe(c, stripe);
+        return r;
+    }
+    /* Out of the words if counted in the current generation (I4; we are their writer, I6).
+     * Relaxed reads: our pin's acquire CAS ordered the publisher's words before us. */
+    uint32_t g = RLX(gen_w(c, s));
+    uint16_t f = RLX(flags_w(c, s));
+    if ((f & UCM_F_COUNTED) && g == (uint32_t)ucm_generation(c)) {
+        acc_sub(c, a, UCM_A_ACC_ENTRIES, g, 1);
+        acc_sub(c, a, UCM_A_ACC_BYTES, g, RLX(len_w(c, s)));
+    }
+    /* Relaxed: read by recovery after our death (through the life lock) or by a later
+     * claimant (after our unpin's release). */
+    SET_RLX(flags_w(c, s), (uint16_t)(f & ~UCM_F_COUNTED));
+    SET_RLX(acc_w(c, s), 0); /* CLOCK takes it at its first look once unpinned (a hint) */
+    /* Release: the step is done; a taker that sees the mark gone sees the words as we left
+     * them (its verification's seq_cst load reads this store or a later one). */
+    __atomic_store_n(flags_w(c, s), (uint16_t)(f & ~(UCM_F_COUNTED | UCM_F_DELETING)), __ATOMIC_RELEASE);
+    unpin(c, s);
+    STAT(c, UCM_ST_DELETES, 1);
+    unlock_stripe(c, stripe);
+    return UCM_OK;
+}
+
 /* ---------------------------------------------------------------- stripe repair */
 
 int ucm_stripe_repair(ucm_ctx *c, uint32_t stripe, uint32_t *dropped_out)
@@ -2261,6 +2384,66 @@ static int reclaim_claimed(ucm_ctx *c, uint32_t s, uint32_t dead, uint32_t held_
     return UCM_OK;
 }
 
+/* A dead rank's deletes in flight (UCM_F_DELETING with the loader word naming it; a pinner's
+ * death never counts, nor another deleter's mark): each is finished, under the stripe of its
+ * bucket word (taken here with lock_stripe_repairing, which first repairs the chains the dead
+ * deleter's stripe guarded): unlinked if still reachable, INVALID, COUNTED cleared.  The mark
+ * and the dead rank's pin stay: the arena is recounted next (ucm_recover_rank) while the mark
+ * keeps a new owner from verifying it (I6); only then are they dropped (clear_deletes, then
+ * recover_pins).  UCM_TIMEOUT (*stripe_out): a stripe stayed held; nothing was released. */
+static int finish_deletes(ucm_ctx *c, uint32_t dead, int64_t stripe_timeout_ns, uint32_t *stripe_out)
+{
+    for (uint32_t s = 0; s < c->l.n_slots; s++) {
+        /* Relaxed: the dead rank's writes are visible because the kernel handed us its life
+         * lock after its death (see ucm_recover_rank); a live deleter's mark names another
+         * rank, whatever we read of it. */
+        if (!(RLX(flags_w(c, s)) & UCM_F_DELETING) || RLX(loader_w(c, s)) != dead) continue;
+        uint32_t b = RLX(bucket_w(c, s));
+        if (b != UCM_INVALID_BUCKET && b >= c->l.n_buckets) {
+            SET_REL(bucket_w(c, s), UCM_INVALID_BUCKET); /* linked nowhere: as in isolate */
+        } else if (b != UCM_INVALID_BUCKET) {
+            uint32_t stripe = ucm_stripe_of(c, b);
+            int r = lock_stripe_repairing(c, stripe, stripe_timeout_ns);
+            if (r != UCM_OK) {
+                *stripe_out = stripe;
+                return r == UCM_CORRUPT ? UCM_CORRUPT : UCM_TIMEOUT;
+            }
+            b = RLX(bucket_w(c, s)); /* a repair may have made it INVALID */
+            if (b != UCM_INVALID_BUCKET) {
+                /* Acquire head, relaxed links: we hold the stripe, so nobody else changes them. */
+                uint32_t x = ACQ(head_w(c, b));
+                uint64_t steps = 0;
+                while (x != UCM_NIL && x < c->l.n_slots && x != s && steps++ <= c->l.n_slots)
+                    x = RLX(next_w(c, x));
+                if (x != s || unlink_slot_at(c, s, b, 0) != UCM_OK) {
+                    /* Killed between the predecessor's link and the INVALID store (mid_delete),
+                     * or neighbours disagreeing: rebuild the stripe's chains without it, as
+                     * reclaim_claimed does. */
+                    SET_REL(bucket_w(c, s), UCM_INVALID_BUCKET); /* release: as in unlink_slot */
+                    uint32_t dropped;
+                    ucm_stripe_repair(c, stripe, &dropped);
+                }
+            }
+            unlock_stripe(c, stripe);
+        }
+        /* Out of the words: the recount that follows counts it no more (relaxed: only the
+         * recoverer writes a dead deleter's marked slot; its pin keeps claimants away). */
+        SET_RLX(flags_w(c, s), (uint16_t)(RLX(flags_w(c, s)) & ~UCM_F_COUNTED));
+        SET_RLX(acc_w(c, s), 0); /* relaxed: CLOCK's hint, as in ucm_delete */
+    }
+    return UCM_OK;
+}
+
+static void clear_deletes(ucm_ctx *c, uint32_t dead)
+{
+    /* After the recount: the dead deleter's marks go (release: a taker that sees one gone sees
+     * the recounted words), then recover_pins drops its pins and the slots can be reused. */
+    for (uint32_t s = 0; s < c->l.n_slots; s++) /* relaxed loads: as in finish_deletes */
+        if ((RLX(flags_w(c, s)) & UCM_F_DELETING) && RLX(loader_w(c, s)) == dead)
+            __atomic_store_n(flags_w(c, s), (uint16_t)(RLX(flags_w(c, s)) & ~UCM_F_DELETING),
+                             __ATOMIC_RELEASE);
+}
+
 int ucm_recover_rank(ucm_ctx *c, uint32_t dead, int64_t stripe_timeout_ns, int32_t count_in_rank,
                      uint32_t *counts_out)
 {
@@ -2273,6 +2456,12 @@ int ucm_recover_rank(ucm_ctx *c, uint32_t dead, int64_t stripe_timeout_ns, int32
      * deadline; what was done stays done and the rest is found again by the next recovery. */
     if (dead >= c->l.max_ranks) return UCM_CORRUPT;
     uint32_t pins = 0, loading = 0, freed = 0;
+    counts_out[0] = counts_out[1] = counts_out[2] = 0;
+    counts_out[3] = UCM_NIL;
+    /* Its deletes in flight are finished first, under their stripes, while its pins and marks
+     * keep their slots from reuse; a stripe past the deadline leaves everything held. */
+    int dr = finish_deletes(c, dead, stripe_timeout_ns, &counts_out[3]);
+    if (dr != UCM_OK) return dr;
     /* First the arenas it was writing, while its holds there still keep a new owner from
      * verifying them and writing too (I6); the holds are released below. */
     for (uint32_t a = 0; a < c->l.n_arenas; a++) {
@@ -2284,6 +2473,7 @@ int ucm_recover_rank(ucm_ctx *c, uint32_t dead, int64_t stripe_timeout_ns, int32
             }
         }
     }
+    clear_deletes(c, dead);
     uint32_t claimed = recover_pins(c, dead, &pins, &loading);
     int result = UCM_OK;
     counts_out[3] = UCM_NIL;

@@ -11,7 +11,7 @@
 
 /* Identity and limits of the layout. */
 #define UCM_MAGIC            0x31484341434d4355ULL /* "UCMCACH1" little endian */
-#define UCM_LAYOUT_VERSION   5   /* bump on every layout change (the fingerprint catches a miss) */
+#define UCM_LAYOUT_VERSION   6   /* bump on every layout change (the fingerprint catches a miss) */
 #define UCM_LINE             64
 #define UCM_PAGE             4096
 #define UCM_MAX_RANKS        63    /* one pin bit per rank in a 64-bit reference, top bit = claim */
@@ -93,10 +93,13 @@
 #define UCM_M_LENGTH         52
 #define UCM_M_ACCESSED       56
 #define UCM_M_LOADER         60 /* u16: rank of the owner that loads it */
-#define UCM_M_FLAGS          62 /* u16: UCM_F_COUNTED */
+#define UCM_M_FLAGS          62 /* u16: UCM_F_COUNTED, UCM_F_INSTALLING, UCM_F_DELETING */
 #define UCM_F_COUNTED        1  /* the slot's bytes are in its arena's accounting words */
 #define UCM_F_INSTALLING     2  /* claimed by its arena's writer, past the ownership check: the
                                  * claimant may have changed the arena's words (recovery) */
+#define UCM_F_DELETING       4  /* a delete of this Ready slot is in flight: its deleter (the
+                                 * rank in the loader word, stored before this flag) holds a pin
+                                 * on it and is the writer of its arena's words (ucm_delete) */
 #define UCM_META_SIZE        64
 
 /* Slot states (low bits of the state word); the top bit says a waiter sleeps on it. */
@@ -119,6 +122,7 @@
 #define UCM_NOT_HELD         8
 #define UCM_PUBLISHED        9   /* publish: the slot left Loading already */
 #define UCM_MOVED            10  /* the slow path: the arena epoch moved since we last looked */
+#define UCM_IN_FLIGHT        11  /* delete: the key is being loaded (Loading): not deleted */
 
 /* Parameter errors from ucm_layout_compute (which field is out of range). */
 #define UCM_EP_MAX_RANKS     101
@@ -146,6 +150,7 @@
 #define UCM_ST_HITS          1
 #define UCM_ST_FAST_HITS     26
 #define UCM_ST_STRIPE_REPAIRS 27 /* chains rebuilt after a stripe's holder died */
+#define UCM_ST_DELETES       28  /* entries this rank deleted (ucm_delete answered UCM_OK) */
 #define UCM_ST_MISSES        2
 #define UCM_ST_JOINS         3
 #define UCM_ST_LOADS_STARTED 4
@@ -199,7 +204,9 @@
 #define UCM_PT_COUNTED_NOT_READY 9 /* owner's publish: counted (COUNTED set), still Loading */
 #define UCM_PT_CLAIM_UNCHECKED 10 /* writer: victim claimed, its arena's owner not yet checked */
 #define UCM_PT_BEFORE_COPY   11 /* a batch's gather: lengths read under its pins, nothing copied */
-#define UCM_PT_COUNT         12
+#define UCM_PT_MID_DELETE    12 /* delete: pinned, marked, unlinked from its chain, bucket word
+                                 * not yet INVALID, nothing uncounted yet */
+#define UCM_PT_COUNT         13
 #define UCM_ACT_NONE         0
 #define UCM_ACT_GATE         1
 #define UCM_ACT_KILL         2
@@ -331,6 +338,8 @@ void ucm_batch_token_release(void *keep, uint32_t *slots, uint8_t *owner, ucm_to
 
 uint64_t ucm_clear(ucm_ctx *c);
 uint64_t ucm_acc_value(ucm_ctx *c, uint64_t off);
+int ucm_delete(ucm_ctx *c, const char *id, uint64_t offset, uint32_t spin_budget,
+               int64_t timeout_ns, uint32_t *arena_out);
 int ucm_recount_arena(ucm_ctx *c, uint32_t arena, uint64_t *entries_out, uint64_t *bytes_out);
 
 int ucm_arena_take(ucm_ctx *c, uint32_t arena, uint32_t expected_owner);

@@ -1,7 +1,8 @@
 """The worker processes of the random-kill harness (tests/crashloop.py), one kind per worker.
 
 Every kind runs the same mixed workload on one SlotCache (get_or_load, get_many with owner
-positions, with-blocks that hold a pin across more calls, exist, now and then recover) until the
+positions, with-blocks that hold a pin across more calls (and now and then delete the key they
+hold), exist, delete, now and then recover) until the
 round's stop gate opens or the harness SIGKILLs it.  The kinds differ in what else lives in the
 process:
 
@@ -154,6 +155,8 @@ class Workload:
                     h.wait()
                 self.check(k, h.data)
                 self.hook("pinned")
+                if rnd.random() < 0.2:
+                    c.delete(k, timeout=WAIT_TIMEOUT)  # our pin keeps its bytes (checked below)
                 c.exist([self.key() for _ in range(4)])
                 k2 = self.key()
                 self.check(k2, c.get_or_load(k2, lambda k2=k2: payload_for(k2, size),
@@ -161,6 +164,8 @@ class Workload:
                 self.check(k, h.data)  # still pinned: still ours to read
         elif r < 0.9:
             c.recover()  # as a supervisor thread would: after a kill, several at once
+        elif r < 0.94:
+            c.delete(self.key(), timeout=WAIT_TIMEOUT)  # others may hold it pinned meanwhile
         else:
             c.exist([self.key() for _ in range(4)])
         self.hook("between")

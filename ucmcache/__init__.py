@@ -8,7 +8,7 @@ from ._cache import SlotCache
 from ._errors import (CacheFull, CorruptSegment, ForeignSegment, HalfMadeSegment, HandleClosed,
                       IncompatibleSegment, LoadFailed, LockTimeout, NotAttached,
                       RankUnavailable,
-                      SegmentExists, SegmentNotFound, SharedMemoryFull, UcmError)
+                      SegmentExists, SegmentNotFound, SharedMemoryFull, UcmError, Unsupported)
 from ._handle import Handle, HandleBatch
 from ._keys import Key, chain_keys, make_key
 from .tier2 import RedisTier
@@ -19,6 +19,6 @@ __all__ = [
     "VerifyReport", "UcmError", "CacheFull", "LoadFailed", "SegmentExists", "SegmentNotFound",
     "IncompatibleSegment", "CorruptSegment", "HalfMadeSegment", "ForeignSegment",
     "SharedMemoryFull", "RankUnavailable", "HandleClosed", "NotAttached", "LockTimeout",
-    "RedisTier",
+    "RedisTier", "Unsupported",
 ]
 __version__ = "0.1.0"

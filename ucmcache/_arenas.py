@@ -22,6 +22,9 @@ many arenas each attached rank should own and which ones it takes.
   whose load is in it (that rank may use it at once) or for whoever allocates after the load,
   taking as many idle arenas in exchange, from ranks at their share too.  So `CacheFull` means
   every slot the rank can obtain is pinned or loading.
+* Deletes: only an arena's writer changes its words (I6), so a delete whose entry lies in an arena
+  we do not own takes it for the delete (``take_for_delete``) and gives it back to free after it
+  (``give_back``, announced), for its usual owner to take back at its next allocation.
 """
 from __future__ import annotations
 
@@ -131,6 +134,28 @@ class Arenas:
         """Nothing claimable in our arenas: give back the busy ones, take one more (and one per
         busy arena given back) if they can be had."""
         return self._locked(True, wait)
+
+    def take_for_delete(self, arena: int) -> bool:
+        """A delete found its entry in an arena we do not own (ucm_delete: UCM_NOT_HELD): take
+        it, from whoever owns it (free, live or dead), so that our rank may write its words
+        (I6); the delete's step verifies it before writing.  True if this call took it (the
+        caller gives it back after the delete: give_back); False if it is ours already or
+        its owner word changed meanwhile (the caller looks again, with backoff).  No arena
+        lock: a take is one CAS, and a delete must not wait on another thread's planning."""
+        n = self._seg.layout.n_arenas
+        if isinstance(arena, bool) or not isinstance(arena, int) or not 0 <= arena < n:
+            raise ValueError(f"arena must be an int in [0, {n}), got {arena!r}")
+        word = int(self.owners()[arena])
+        if word == self._rank + 1:
+            return False
+        return lib.ucm_arena_take(self._ctx, arena, word) == lib.UCM_OK
+
+    def give_back(self, arena: int) -> None:
+        """An arena taken for a delete goes back to free (never kept: the shares stay as the
+        policy set them), and every rank looks again, so its usual owner takes it back at its
+        next allocation.  Safe with our installs or loads in flight there (ucm_arena_release)."""
+        if lib.ucm_arena_release(self._ctx, arena) == lib.UCM_OK:
+            announce_ranks_changed(self._seg)
 
     def _locked(self, want_one: bool, wait: float) -> int:
         """One thread of ours at a time (a take lasts a millisecond or so: the others wait,

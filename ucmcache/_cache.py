@@ -20,11 +20,12 @@ import functools
 import gc
 import itertools
 import os
+import random
 import threading
 import time
 import warnings
 import weakref
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Iterable, List, Optional
 
 import numpy as np
 
@@ -33,7 +34,7 @@ from ._arenas import LOCK_WAIT, Arenas
 from ._core import ffi, lib
 from ._batches import Batches
 from ._errors import (CacheFull, CorruptSegment, IncompatibleSegment, LockTimeout,
-                      NotAttached, SegmentExists, UcmError)
+                      NotAttached, SegmentExists, UcmError, Unsupported)
 from ._handle import Handle, _Pins
 from ._hit import CacheBase
 from ._single_flight import SingleFlight
@@ -62,6 +63,8 @@ STRIPE_WAIT = 10.0      # the longest a get with no timeout waits for a bucket's
 FORK_WAIT = 5.0         # the longest a parent waits for its child's private copies (below)
 DETACH_WAIT = 5.0       # the longest close() waits for other threads' copies out of the
                         # segment (a fork's parent side: FORK_HOLD_WAIT, below)
+DELETE_WAIT = 10.0      # the longest a delete with no timeout waits for its entry's arena (another
+                        # rank's install or load in flight there, or deleters taking it in turn)
 MIN_LOCK_WAIT = 0.05    # a get's timeout below this still waits this long for a lock: a
                         # stripe or a claim held that long is not contention any more
 
@@ -609,6 +612,107 @@ class SlotCache(CacheBase, SingleFlight, Batches, Prefetching, Mapping):
             if r & _PIN_READY:
                 return value
         return None
+
+    # ---------------------------------------------------------------- delete (DESIGN 4.13)
+
+    def delete(self, key: Key, *, timeout: Optional[float] = None) -> bool:
+        """Remove key's Ready entry.  True if this call deleted it; False if there was none,
+        or the key is being loaded (Loading: a load in flight is never cut short, its owner
+        publishes as usual and its waiters get its value; delete again once it is Ready).
+
+        The entry is invisible to every process when this returns (get, exist, ``in`` miss;
+        the next get of the key elects an owner and loads into another slot) and out of
+        ``len()``/``entry_count()``/``size_bytes()`` exactly.  Holders of the entry (handles,
+        views, arrays made from them, in any process) keep its bytes: its slot is reused only
+        after the last of them lets go.  Waits only for the key's stripe and, when another
+        rank's install or load is in flight in the entry's arena, for that arena (up to
+        ``timeout``, or DELETE_WAIT s: LockTimeout).  Crash-safe: a deleter killed inside the
+        step leaves a mark that recovery finishes (DESIGN 5.8).  With a tier 2 beneath the
+        cache it raises Unsupported (the tier would serve the bytes again)."""
+        block_id, offset = self._delete_args(key, timeout)
+        return self._delete_one(block_id, offset, timeout)
+
+    def delete_many(self, keys: Iterable[Key], *, timeout: Optional[float] = None) -> List[bool]:
+        """delete() of each key, in order: a list of bools (a key twice: True, then False).
+        Every key is checked before any is deleted; ``timeout`` bounds each key's wait."""
+        self._delete_args(None, timeout)
+        parsed = [split_key(k) for k in keys]  # TypeError/ValueError before any shared word
+        return [self._delete_one(block_id, offset, timeout) for block_id, offset in parsed]
+
+    def _delete_args(self, key: Any, timeout: Optional[float]):
+        """Everything a delete can refuse, refused before any shared word changes."""
+        if self._ctx is None:
+            self._check_usable()
+        if timeout is not None:
+            check_timeout(timeout)
+        if self._tier is not None:
+            raise Unsupported(
+                f"segment {self.uuid!r}: delete with a tier 2 beneath the cache is not "
+                "supported: the tier keeps the value, and the next get would be served it again")
+        return None if key is None else split_key(key)
+
+    def _delete_one(self, block_id: bytes, offset: int, timeout: Optional[float]) -> bool:
+        """One key: the C step (ucm_delete: find, pin, mark, unlink, uncount, under the key's
+        stripe; I2 and I4) and what to do when it cannot.  Its entry's arena not ours: take it
+        (I6: only the arena's writer changes its words), delete, give it back.  The arena busy
+        (another rank's install or load in flight there, or another deleter took it): look
+        again with bounded, jittered backoff, so two deleters taking it in turn both finish.
+        The key's slot claimed under our stripe: a dead claimant, recovered as get does."""
+        ctx = self._ctx
+        arena_out = ffi.new("uint32_t *")
+        start = time.monotonic()
+        deadline = start + (DELETE_WAIT if timeout is None else max(timeout, MIN_LOCK_WAIT))
+        stripe_deadline = start + (STRIPE_WAIT if timeout is None else max(timeout, MIN_LOCK_WAIT))
+        taken: List[int] = []
+        delay = 0.0005
+        recovered = False
+        try:
+            while True:
+                left = max(0.0, stripe_deadline - time.monotonic())
+                r = lib.ucm_delete(ctx, block_id, offset, SLOW_SPIN, max(1, int(left * 1e9)),
+                                   arena_out)
+                if r == lib.UCM_OK:
+                    return True
+                if r in (lib.UCM_MISS, lib.UCM_IN_FLIGHT):
+                    return False
+                if r == lib.UCM_TIMEOUT:
+                    stripe = lib.ucm_stripe_of(ctx, lib.ucm_bucket_of(ctx, block_id, offset))
+                    raise self._stripe_timeout(stripe, time.monotonic() - start)
+                if r == lib.UCM_NOT_HELD:
+                    a = arena_out[0]
+                    if a == lib.UCM_NIL:  # closed under us (another thread)
+                        self._check_usable()
+                        raise NotAttached("this SlotCache is closed")
+                    if self._arenas.take_for_delete(a):
+                        taken.append(a)
+                        if taken.count(a) == 1:
+                            continue  # first take: verified by the step at once, if idle
+                    elif not recovered:
+                        # Busy: maybe a dead rank's load or mark is what keeps it (I5).
+                        recovered = True
+                        if self._recover(0.0).count:
+                            continue
+                elif r == lib.UCM_BUSY:
+                    if self._recover(deadline - time.monotonic()).count:
+                        continue
+                else:
+                    raise CorruptSegment(
+                        f"segment {self.uuid!r}: delete found inconsistent chain links or a "
+                        f"broken stripe lock ({code_name(r)}); `ucmcache verify {self.uuid}` "
+                        "lists what is broken")
+                now = time.monotonic()
+                if now >= deadline:
+                    what = ("its slot stayed claimed by a rank that neither finished nor died"
+                            if r == lib.UCM_BUSY else
+                            f"its arena {arena_out[0]} stayed busy (another rank's install or "
+                            "load in flight there, or other deleters taking it)")
+                    raise LockTimeout(f"segment {self.uuid!r}: delete gave up after "
+                                      f"{now - start:.2f} s: {what}")
+                time.sleep(min(delay * (0.5 + random.random()), deadline - now))
+                delay = min(delay * 2, 0.05)
+        finally:
+            for a in dict.fromkeys(taken):
+                self._arenas.give_back(a)
 
     # ---------------------------------------------------------------- generations, stats
 

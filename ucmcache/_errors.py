@@ -60,3 +60,8 @@ class NotAttached(UcmError):
 class LockTimeout(UcmError, TimeoutError):
     """A bucket's stripe lock, or a slot being rewritten, stayed held past the deadline; the
     message names the stripe and its holder (rank, pid, stopped or gone)."""
+
+
+class Unsupported(UcmError):
+    """The call cannot be done as this cache is configured (delete with a tier 2 beneath it:
+    the tier would serve the deleted bytes again at the next get)."""

@@ -30,6 +30,7 @@ C_POINTS = {
     "holding_stripe": lib.UCM_PT_HOLDING_STRIPE,
     "counted_not_ready": lib.UCM_PT_COUNTED_NOT_READY,
     "before_copy": lib.UCM_PT_BEFORE_COPY,
+    "mid_delete": lib.UCM_PT_MID_DELETE,
 }
 PY_POINTS = ("inside_loader", "before_ready", "after_ready", "before_magic", "after_shm_open",
              # tier 2 (ucmcache.tier2): a get starts waiting for another node's lease (holding

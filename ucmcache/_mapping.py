@@ -1,7 +1,7 @@
 """What users of py-lmdb, diskcache or Redis reach for first, on top of the cache's own calls:
 ``put`` (a value without a loader), the mapping methods (``key in cache``, ``len(cache)``,
-``cache[key]``) and ``memoize``.  A mixin of SlotCache: it uses only the cache's public calls
-(get, exist, entry_count, get_or_load) and ``_hit_bytes``, and holds no protocol rule: single
+``cache[key]``, ``del cache[key]``) and ``memoize``.  A mixin of SlotCache: it uses only the cache's public calls
+(get, exist, entry_count, get_or_load, delete) and ``_hit_bytes``, and holds no protocol rule: single
 flight, pins and publication are get's, unchanged.
 """
 from __future__ import annotations
@@ -65,6 +65,12 @@ class Mapping:
         if value is None:
             raise KeyError(key)
         return value
+
+    def __delitem__(self, key: Key) -> None:
+        """``del cache[key]``: delete()'s, or KeyError when it deleted nothing (no entry, or
+        the key is being loaded: a load in flight is not cut short)."""
+        if not self.delete(key):
+            raise KeyError(key)
 
     def memoize(self, namespace: str, *, timeout: Optional[float] = None) -> Callable[[F], F]:
         """A decorator caching a function's results in this segment, shared by every process

@@ -153,7 +153,8 @@ def _recover_held(seg: Segment, ctx, dead: int, stripe_wait: float = RECOVERY_ST
 
 def _recover_holds(seg: Segment, ctx, dead: int, stripe_wait: float = RECOVERY_STRIPE_WAIT, *,
                    count_in: int) -> Recovered:
-    """One C step (ucm_recover_rank): recount the arenas it was writing, fail its loads, clear
+    """One C step (ucm_recover_rank): finish its deletes in flight (DESIGN 4.13), recount the
+    arenas it was writing, fail its loads, clear
     its pins, free its claims under their stripes, free its arenas, mark it FREE.  Raises if a
     stripe stayed held past stripe_wait, leaving the rank as it is for the next recovery."""
     rec = Recovered(rank=dead, pid=rank_pid(seg, dead))

@@ -74,7 +74,8 @@ def _check_ranks(seg: Segment, table: np.ndarray, p: List[str]) -> Tuple[list, S
 def _check_chains(seg: Segment, heads: np.ndarray, f: Dict[str, np.ndarray],
                   claims: np.ndarray, p: List[str]) -> np.ndarray:
     """Chains: every link in range, every linked slot names its bucket, prev mirrors next, no
-    slot in two places, and every slot with a bucket word is reachable from that bucket.
+    slot in two places, and every slot with a bucket word is reachable from that bucket (but
+    one claimed or marked deleting: a step in flight).
     Returns each bucket's chain length."""
     n, NIL = seg.layout.n_slots, lib.UCM_NIL
     seen = np.zeros(n, dtype=bool)
@@ -97,7 +98,10 @@ def _check_chains(seg: Segment, heads: np.ndarray, f: Dict[str, np.ndarray],
                 p.append(f"bucket {b}: slot {s}'s prev is {int(f['prev'][s])}, expected {prev}")
             prev, s = s, int(f["next"][s])
         lengths[b] = steps
-    stray = np.flatnonzero((f["bucket"] != lib.UCM_INVALID_BUCKET) & ~seen & ~claims)
+    # a claimed slot, or one marked deleting (its unlink between the link and the bucket word,
+    # mid_delete; a dead deleter's mark is reported by _check_holds), is a step in flight
+    deleting = (f["flags"] & lib.UCM_F_DELETING) != 0
+    stray = np.flatnonzero((f["bucket"] != lib.UCM_INVALID_BUCKET) & ~seen & ~claims & ~deleting)
     for s in stray[:SHOWN]:
         p.append(f"slot {s}: bucket word {int(f['bucket'][s])} but not reachable from it")
     return lengths
@@ -119,6 +123,18 @@ def _check_holds(f: Dict[str, np.ndarray], claims: np.ndarray, pins: np.ndarray,
             p.append(f"slot {s}: Loading, but its loader rank {int(f['loader'][s])} is not alive")
     for s in np.flatnonzero(((f["flags"] & lib.UCM_F_INSTALLING) != 0) & ~claims)[:SHOWN]:
         p.append(f"slot {s}: marked installing but not claimed")
+    # A delete in flight (UCM_F_DELETING): its deleter is the rank in the loader word, which
+    # must be alive and pin the slot; a pinner's death is no concern of the mark (I5, I6).
+    deleting = (f["flags"] & lib.UCM_F_DELETING) != 0
+    for s in np.flatnonzero(deleting)[:SHOWN]:
+        who = int(f["loader"][s])
+        if who not in live:
+            p.append(f"slot {s}: marked deleting by rank {who}, which is not alive (its delete "
+                     "is finished by that rank's recovery)")
+        elif not int(pins[s]) >> who & 1 or claims[s]:
+            p.append(f"slot {s}: marked deleting by rank {who}, which does not pin it")
+        elif int(f["state"][s]) != lib.UCM_READY:
+            p.append(f"slot {s}: marked deleting but {int(f['state'][s])} is not Ready")
     for s in np.flatnonzero(f["state"] > lib.UCM_FAILED)[:SHOWN]:
         p.append(f"slot {s}: state {int(f['state'][s])} is not a slot state")
 
@@ -213,6 +229,7 @@ def verify_segment(seg: Segment) -> VerifyReport:
         "slot_states": state_counts(f["state"]),
         "pinned_slots": int((pins != 0).sum()),
         "claimed_slots": int(claims.sum()),
+        "deleting_slots": int(((f["flags"] & lib.UCM_F_DELETING) != 0).sum()),
         "current_entries_scanned": accounting["current_entries_scanned"],
         "chains": _chain_facts(seg.layout.n_buckets, lengths),
         "ranks": rows,

@@ -9,7 +9,7 @@ read-only, reads, and detaches, so a segment that is removed and made again is f
 Names (all labelled ``segment``; per-rank ones also ``rank``):
 
 * counters ``ucmcache_<name>_total`` for gets, hits, misses, joins, loads (loads started),
-  load_failures, evictions, bypasses, clears, recovered_ranks and the tier-2 counters
+  load_failures, evictions, bypasses, clears, deletes, recovered_ranks and the tier-2 counters
   (``tier2_hits``, ``tier2_misses``, ``tier2_writes``, ``tier2_bypasses``, ``tier2_lease_waits``,
   ``tier2_bad_values``): each rank's counter exactly as ``stats()["per_rank"]`` has it, and
   their sum over ranks is ``stats()``'s figure;
@@ -56,6 +56,7 @@ COUNTER_METRICS: Dict[str, Tuple[str, str]] = {
     "evictions": ("evictions", "Counted entries evicted by CLOCK"),
     "bypasses": ("bypasses", "Loads run uncached because the cache was full"),
     "clears": ("clears", "clear() calls"),
+    "deletes": ("deletes", "Entries removed by delete()"),
     "recovered_ranks": ("recovered_ranks", "Dead ranks recovered by this rank (or before "
                         "taking it, as this rank)"),
     "tier2_hits": ("t2_hits", "Local misses served from tier 2"),

@@ -289,7 +289,7 @@ enum {
     C_READ_ROWS, C_GATHERS, C_GATHER_ROWS, C_ALL_READY, C_EXISTS, C_CLEARS, C_FULL, C_ROLLBACK,
     C_BUSY, C_TIMEOUT, C_MOVED, C_GAVE_UP, C_TAKES, C_GIVEN_BACK, C_DEATHS, C_PARKED,
     C_RECOVERIES, C_REC_PINS, C_REC_LOADS, C_REC_CLAIMS, C_REC_TIMEOUT, C_RING_POSTED,
-    C_RING_TAKEN, C_LIVES, C_N
+    C_RING_TAKEN, C_LIVES, C_DELETES, C_DELETE_TAKES, C_N
 };
 static const char *counter_names[C_N] = {
     "gets", "fast_hits", "slow_hits", "loads", "ready", "failed_pub", "abandoned", "joins",
@@ -297,7 +297,7 @@ static const char *counter_names[C_N] = {
     "read_rows", "gathers", "gather_rows", "all_ready", "exists", "clears", "full", "rollback",
     "busy", "timeout", "moved", "gave_up", "arena_takes", "arenas_given_back", "deaths", "parked",
     "recoveries", "rec_pins", "rec_loads", "rec_claims", "rec_timeouts", "ring_posted",
-    "ring_taken", "lives"};
+    "ring_taken", "lives", "deletes", "delete_takes"};
 static uint64_t counters[C_N];
 #define COUNT(i, n) __atomic_fetch_add(&counters[i], (n), __ATOMIC_RELAXED)
 
@@ -881,6 +881,28 @@ static void op_exist(struct worker *w, uint32_t *keys, uint32_t n)
     COUNT(C_EXISTS, 1);
 }
 
+/* A delete (ucm_delete): when the entry's arena is not ours, take it for the delete and give it
+ * back after, as the Python layer does (announcing the change); a reader elsewhere may hold the
+ * slot pinned and keeps checking its bytes. */
+static void op_delete(struct worker *w, uint32_t key)
+{
+    char id[16];
+    uint64_t off;
+    key_of(key, id, &off);
+    uint32_t arena, taken = UCM_NIL;
+    for (int tries = 0; tries < 3; tries++) {
+        int r = ucm_delete(w->c, id, off, SPIN, 1000000000LL, &arena);
+        if (r == UCM_OK) COUNT(C_DELETES, 1);
+        if (r != UCM_NOT_HELD || arena == UCM_NIL) break;
+        uint32_t owner = ucm_load32(base, L.arena_off + (uint64_t)arena * UCM_ARENA_SIZE + UCM_A_OWNER);
+        if (owner == w->rank + 1 || ucm_arena_take(w->c, arena, owner) != UCM_OK) break;
+        COUNT(C_DELETE_TAKES, 1);
+        taken = arena;
+    }
+    if (taken != UCM_NIL && ucm_arena_release(w->c, taken) == UCM_OK)
+        ucm_fetch_add64(base, UCM_H_ARENA_EPOCH, 1);
+}
+
 static void op_ring(struct worker *w, uint32_t *keys, uint32_t n)
 {
     char ids[16 * MAX_BATCH];
@@ -1017,8 +1039,10 @@ static void *worker_main(void *arg)
             op_all_ready(w, keys, n);
         } else if (op < 940) {
             op_exist(w, keys, n);
-        } else if (op < 998) {
+        } else if (op < 980) {
             op_ring(w, keys, n);
+        } else if (op < 998) {
+            op_delete(w, keys[0]);
         } else {
             ucm_clear(w->c);
             COUNT(C_CLEARS, 1);
