@@ -9,15 +9,24 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _leftovers():
-    return {n for n in os.listdir("/dev/shm")
-            if n.startswith("ucmbench-old-") or n.startswith("ucmcache-bench-")}
+def _leftovers(pid):
+    """The run's own segments still in /dev/shm: the bench names each one after its pid
+    (`bench.common.tag`), so another process's segments, coming or going, are not counted."""
+    own = tuple(f"{prefix}{pid}-" for prefix in
+                ("ucmbench-old-", "ucmcache-bench-", "ucmcache-"))
+    return sorted(n for n in os.listdir("/dev/shm") if n.startswith(own))
 
 
 def test_bench_quick_run_writes_results(tmp_path):
-    before = _leftovers()
-    r = subprocess.run([sys.executable, "-m", "bench.run", "--quick", "--out", str(tmp_path)],
-                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    proc = subprocess.Popen([sys.executable, "-m", "bench.run", "--quick", "--out", str(tmp_path)],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+    r = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     # It says at startup which baselines are available (or skipped, and why).
     assert "available" in r.stdout or "SKIPPED" in r.stdout
@@ -50,4 +59,4 @@ def test_bench_quick_run_writes_results(tmp_path):
         assert (tmp_path / "latest.png").stat().st_size > 0
     else:
         assert out.get("chart_skipped")
-    assert _leftovers() == before
+    assert _leftovers(proc.pid) == []
