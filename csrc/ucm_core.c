@@ -297,10 +297,13 @@ int ucm_gate_wake(uint32_t *word)
 
 /* A named point: no cost but one predictable branch when unused.  GATE: bump the gate word by
  * one (arrived) and wait until the test bumps it again (released), bounded.  KILL: SIGKILL this
- * process right here, the way a crash would. */
+ * process right here, the way a crash would.  EXIT: this thread exits right here (the C stress
+ * driver's death of a rank that is a thread: a parked thread would keep a stripe's robust mutex
+ * held by a live owner for good, where a dead one passes EOWNERDEAD to the next locker). */
 static void point_slow(ucm_ctx *c, int p)
 {
     if (c->point_action[p] == UCM_ACT_KILL) raise(SIGKILL);
+    if (c->point_action[p] == UCM_ACT_EXIT) pthread_exit(NULL);
     uint32_t *g = c->point_gate[p];
     c->point_action[p] = UCM_ACT_NONE; /* one-shot: a gate holds the first thread that comes */
     if (!g) return;
@@ -1347,9 +1350,12 @@ static int writes_through(ucm_ctx *c, uint32_t s, uint32_t rank)
     uint64_t r = ACQ(ref_w(c, s));
     uint32_t st = ACQ(state_w(c, s)) & UCM_STATE_MASK;
     /* A delete in flight: only its deleter's (the loader word names it), never a pinner's.
-     * Relaxed: the deleter is dead (its words visible through its life lock, as for the
-     * loader word below) or not the rank asked about. */
-    if ((RLX(flags_w(c, s)) & UCM_F_DELETING) && RLX(loader_w(c, s)) == rank) return 1;
+     * Acquire on the flags: pairs with the deleter's seq_cst mark store, which follows its
+     * store of the loader word; a mark read here comes with its deleter's rank, never the
+     * loader word from before (on a weakly ordered CPU two relaxed loads could give a live
+     * deleter's mark with a dead loader's rank).  The loader word itself relaxed: ordered by
+     * that acquire. */
+    if ((ACQ(flags_w(c, s)) & UCM_F_DELETING) && RLX(loader_w(c, s)) == rank) return 1;
     if (r == (UCM_CLAIMED | rank)) return (RLX(flags_w(c, s)) & UCM_F_INSTALLING) || st == UCM_LOADING;
     return !(r & UCM_CLAIMED) && (r & (1ULL << rank)) && st == UCM_LOADING && RLX(loader_w(c, s)) == rank;
 }
@@ -2056,9 +2062,10 @@ int64_t ucm_get_slow(ucm_ctx *c, const char *id, uint64_t offset, uint32_t spin_
    slot), so while a mark can be read, the loader word names its deleter or a later installer
    (whose claim rewrote the flags too), never an earlier rank.
    The stores in order, each prefix safe for a survivor before any recovery:
-     pin (the slot cannot be reused) -> loader = us, DELETING (seq_cst) -> owner check ->
-     predecessor's link (unreachable) -> [mid_delete] -> bucket INVALID (matches nothing) ->
-     uncount, COUNTED cleared -> accessed 0 -> DELETING cleared -> unpin.
+     pin (the slot cannot be reused) -> loader = us, DELETING (seq_cst) -> [delete_marked] ->
+     owner check -> predecessor's link (unreachable) -> [mid_delete] -> bucket INVALID
+     (matches nothing) -> uncount, COUNTED cleared -> accessed 0 -> [delete_uncounted] ->
+     DELETING cleared -> unpin.
    A kill anywhere after the mark leaves the dead rank's pin and mark; the stripe's next locker
    repairs its chains (a slot unlinked but naming the bucket is made INVALID, one linked but
    INVALID is dropped from the chain); recovery (finish_deletes) finishes the delete under
@@ -2103,6 +2110,7 @@ int ucm_delete(ucm_ctx *c, const char *id, uint64_t offset, uint32_t spin_budget
      * we write this slot's flags now: it is Ready and pinned (no claimant, no publisher). */
     SET_RLX(loader_w(c, s), (uint16_t)c->rank); /* a Ready slot's loader is only a record */
     __atomic_store_n(flags_w(c, s), (uint16_t)(RLX(flags_w(c, s)) | UCM_F_DELETING), __ATOMIC_SEQ_CST);
+    POINT(c, UCM_PT_DELETE_MARKED);
     if (__atomic_load_n(owner_w(c, a), __ATOMIC_SEQ_CST) != me
         || __atomic_load_n(&c->arena_seen[a], __ATOMIC_SEQ_CST) != seen) {
         /* Taken from us meanwhile: nothing written but the mark, which goes (release: a taker
@@ -2126,7 +2134,8 @@ int ucm_delete(ucm_ctx *c, const char *id, uint64_t offset, uint32_t spin_budget
         return r;
     }
     /* Out of the words if counted in the current generation (I4; we are their writer, I6).
-     * Relaxed reads: our pin's acquire CAS ordered the publisher's words before us. */
+     * Relaxed reads: lookup_pin_one's acquire load of the Ready state (pairs with publish's
+     * release exchange) ordered the publisher's words before us. */
     uint32_t g = RLX(gen_w(c, s));
     uint16_t f = RLX(flags_w(c, s));
     if ((f & UCM_F_COUNTED) && g == (uint32_t)ucm_generation(c)) {
@@ -2137,6 +2146,7 @@ int ucm_delete(ucm_ctx *c, const char *id, uint64_t offset, uint32_t spin_budget
      * claimant (after our unpin's release). */
     SET_RLX(flags_w(c, s), (uint16_t)(f & ~UCM_F_COUNTED));
     SET_RLX(acc_w(c, s), 0); /* CLOCK takes it at its first look once unpinned (a hint) */
+    POINT(c, UCM_PT_DELETE_UNCOUNTED);
     /* Release: the step is done; a taker that sees the mark gone sees the words as we left
      * them (its verification's seq_cst load reads this store or a later one). */
     __atomic_store_n(flags_w(c, s), (uint16_t)(f & ~(UCM_F_COUNTED | UCM_F_DELETING)), __ATOMIC_RELEASE);
@@ -2394,10 +2404,11 @@ static int reclaim_claimed(ucm_ctx *c, uint32_t s, uint32_t dead, uint32_t held_
 static int finish_deletes(ucm_ctx *c, uint32_t dead, int64_t stripe_timeout_ns, uint32_t *stripe_out)
 {
     for (uint32_t s = 0; s < c->l.n_slots; s++) {
-        /* Relaxed: the dead rank's writes are visible because the kernel handed us its life
-         * lock after its death (see ucm_recover_rank); a live deleter's mark names another
-         * rank, whatever we read of it. */
-        if (!(RLX(flags_w(c, s)) & UCM_F_DELETING) || RLX(loader_w(c, s)) != dead) continue;
+        /* The dead rank's writes are visible because the kernel handed us its life lock after
+         * its death (see ucm_recover_rank).  A live deleter may be marking meanwhile: acquire
+         * on the flags pairs with its seq_cst mark store, made after its loader store, so a
+         * mark read here comes with the rank that made it (as in writes_through). */
+        if (!(ACQ(flags_w(c, s)) & UCM_F_DELETING) || RLX(loader_w(c, s)) != dead) continue;
         uint32_t b = RLX(bucket_w(c, s));
         if (b != UCM_INVALID_BUCKET && b >= c->l.n_buckets) {
             SET_REL(bucket_w(c, s), UCM_INVALID_BUCKET); /* linked nowhere: as in isolate */
@@ -2438,8 +2449,8 @@ static void clear_deletes(ucm_ctx *c, uint32_t dead)
 {
     /* After the recount: the dead deleter's marks go (release: a taker that sees one gone sees
      * the recounted words), then recover_pins drops its pins and the slots can be reused. */
-    for (uint32_t s = 0; s < c->l.n_slots; s++) /* relaxed loads: as in finish_deletes */
-        if ((RLX(flags_w(c, s)) & UCM_F_DELETING) && RLX(loader_w(c, s)) == dead)
+    for (uint32_t s = 0; s < c->l.n_slots; s++) /* acquire, then relaxed: as in finish_deletes */
+        if ((ACQ(flags_w(c, s)) & UCM_F_DELETING) && RLX(loader_w(c, s)) == dead)
             __atomic_store_n(flags_w(c, s), (uint16_t)(RLX(flags_w(c, s)) & ~UCM_F_DELETING),
                              __ATOMIC_RELEASE);
 }

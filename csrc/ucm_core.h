@@ -206,10 +206,15 @@
 #define UCM_PT_BEFORE_COPY   11 /* a batch's gather: lengths read under its pins, nothing copied */
 #define UCM_PT_MID_DELETE    12 /* delete: pinned, marked, unlinked from its chain, bucket word
                                  * not yet INVALID, nothing uncounted yet */
-#define UCM_PT_COUNT         13
+#define UCM_PT_DELETE_MARKED 13 /* delete: pinned, marked DELETING, the arena's owner not yet
+                                 * checked again, nothing unlinked */
+#define UCM_PT_DELETE_UNCOUNTED 14 /* delete: unlinked, INVALID, uncounted, still marked */
+#define UCM_PT_COUNT         15
 #define UCM_ACT_NONE         0
 #define UCM_ACT_GATE         1
 #define UCM_ACT_KILL         2
+#define UCM_ACT_EXIT         3 /* the C stress driver's thread death: pthread_exit at the
+                                 * point (a stripe held passes EOWNERDEAD to its next locker) */
 
 /* CDEF-BEGIN */
 typedef struct {

@@ -128,3 +128,16 @@ def _load_then_hold_a_load(uuid, ready_key, loading_key, gate_path):
 
 def load_then_hold_a_load(q, *args):
     run(_load_then_hold_a_load, q, *args)
+
+
+def _load_then_delete_at(uuid, keys, victim, point):
+    """Load keys (this rank owns their arena), then delete victim with `point` armed to kill."""
+    c = SlotCache.attach(uuid)
+    for k in keys:
+        c.get_or_load(k, lambda k=k: b"v" + k)
+    c._arm(point, "kill", None)
+    c.delete(victim)
+
+
+def load_then_delete_at(q, *args):
+    run(_load_then_delete_at, q, *args)

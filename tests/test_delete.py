@@ -2,6 +2,7 @@
 the accounting exact, a deleter killed inside the step recovered, across real processes.
 Ordering by gates, never by sleeping; every wait bounded."""
 import signal
+import threading
 
 import numpy as np
 import pytest
@@ -182,7 +183,8 @@ def test_a_pinned_reader_in_another_process_keeps_its_bytes_then_the_slot_is_reu
     assert_clean(c)
 
 
-@pytest.mark.parametrize("point", ["after_pin", "mid_delete"])
+@pytest.mark.parametrize("point", ["after_pin", "delete_marked", "mid_delete",
+                                   "delete_uncounted"])
 def test_a_deleter_killed_in_the_step_is_recovered_by_the_next_attach(make_cache, procs, point):
     c = make_cache(slots_per_rank=8, slot_size=64, max_ranks=3, n_buckets=1024, n_stripes=4)
     a, b, d = same_bucket_keys(c, 3)                  # one chain: d -> b -> a
@@ -196,14 +198,14 @@ def test_a_deleter_killed_in_the_step_is_recovered_by_the_next_attach(make_cache
     before = ucmcache.verify(c.uuid)                 # read-only: recovers nothing
     assert not before.ok
     marked = [m for m in before.problems if "marked deleting by rank" in m]
-    assert len(marked) == (point == "mid_delete"), before
+    assert len(marked) == (point != "after_pin"), before
     c2 = SlotCache.attach(c.uuid)
     try:
         assert_clean(c2)
         f = slot_fields(snapshot(c2._seg)["metas"])
         assert int((f["reference"] != 0).sum()) == 0, "a pin of the dead deleter survived"
         assert int((f["flags"] & lib.UCM_F_DELETING).sum()) == 0
-        gone = point == "mid_delete"                  # marked: recovery finished the delete
+        gone = point != "after_pin"                   # marked: recovery finished the delete
         assert (b in c2) is (not gone) and len(c2) == n - gone
         for k in (a, d):                              # its neighbours are not lost
             assert c2.get_or_load(k, lambda: b"LOST") == payload_for(k, 40)
@@ -327,3 +329,57 @@ def test_a_delete_in_a_dead_ranks_busy_arena_recovers_it_and_deletes(make_cache,
     assert c.stats()["recovered_ranks"] == before + 1
     assert k not in c and z not in c and len(c) == 0
     assert_clean(c)
+
+
+def test_a_delete_recovers_a_dead_deleter_again_when_a_stripe_held_its_first_recovery(
+        make_cache, procs):
+    """A deleter killed right after its mark (entry still linked) blocks its arena until
+    recovery finishes its delete under the entry's stripe.  A live delete in that arena whose
+    first recovery found the stripe held by another thread recovers again once it is free,
+    rather than waiting out its timeout on a hold recovery can end."""
+    c = make_cache(slots_per_rank=64, slot_size=64, max_ranks=2, n_stripes=4)
+    k = key(1)
+    stripe_of = lambda x: lib.ucm_stripe_of(c._ctx, lib.ucm_bucket_of(c._ctx, x, 0))
+    b = next(key(i) for i in range(2, 1000) if stripe_of(key(i)) != stripe_of(k))
+    p, q = procs.start(delete_workers.load_then_delete_at, c.uuid, [k, b], b, "delete_marked")
+    p.join(60)
+    assert p.exitcode == -signal.SIGKILL
+    assert any("marked deleting by rank" in m for m in ucmcache.verify(c.uuid).problems)
+    held, free = threading.Event(), threading.Event()
+
+    def hold_stripe():  # the dead deleter held it: taken with repair
+        assert lib.ucm_stripe_lock(c._ctx, stripe_of(b), int(30e9)) == lib.UCM_OK
+        held.set()
+        try:
+            assert free.wait(30)
+        finally:
+            lib.ucm_stripe_unlock(c._ctx, stripe_of(b))
+
+    t = threading.Thread(target=hold_stripe)
+    t.start()
+    reports = []
+    real_recover = c._recover
+
+    def recover_then_free_the_stripe(wait):
+        report = real_recover(wait)
+        reports.append(report)
+        if len(reports) == 1:  # the first one met the held stripe: free it now
+            free.set()
+            t.join(30)
+        return report
+
+    try:
+        assert held.wait(30)
+        c._recover = recover_then_free_the_stripe
+        assert c.delete(k, timeout=5.0) is True
+    finally:
+        free.set()
+        t.join(30)
+        del c._recover
+    assert reports[0].failed and not reports[0].count, reports[0]
+    assert any(r.count for r in reports[1:]), reports
+    assert b not in c and k not in c and (len(c), c.size_bytes()) == (0, 0)
+    assert_clean(c)
+    f = slot_fields(snapshot(c._seg)["metas"])
+    assert int((f["reference"] != 0).sum()) == 0
+    assert int((f["flags"] & lib.UCM_F_DELETING).sum()) == 0

@@ -65,6 +65,8 @@ DETACH_WAIT = 5.0       # the longest close() waits for other threads' copies ou
                         # segment (a fork's parent side: FORK_HOLD_WAIT, below)
 DELETE_WAIT = 10.0      # the longest a delete with no timeout waits for its entry's arena (another
                         # rank's install or load in flight there, or deleters taking it in turn)
+RECOVER_SLICE = 0.05    # a delete's recovery of a dead rank waits this long at most per backoff
+                        # round for a stripe (a dead deleter's entry is finished under it)
 MIN_LOCK_WAIT = 0.05    # a get's timeout below this still waits this long for a lock: a
                         # stripe or a claim held that long is not contention any more
 
@@ -665,7 +667,11 @@ class SlotCache(CacheBase, SingleFlight, Batches, Prefetching, Mapping):
         stripe_deadline = start + (STRIPE_WAIT if timeout is None else max(timeout, MIN_LOCK_WAIT))
         taken: List[int] = []
         delay = 0.0005
-        recovered = False
+        # Recover dead ranks when the arena stays busy: once, and again on each later round
+        # while the last recovery left a rank unfinished (a dead deleter's mark needs its
+        # entry's stripe, which a live thread may hold for a moment; giving up after one try
+        # would wait out the deadline on a hold recovery can end).
+        recovered, unfinished = False, []
         try:
             while True:
                 left = max(0.0, stripe_deadline - time.monotonic())
@@ -687,10 +693,15 @@ class SlotCache(CacheBase, SingleFlight, Batches, Prefetching, Mapping):
                         taken.append(a)
                         if taken.count(a) == 1:
                             continue  # first take: verified by the step at once, if idle
-                    elif not recovered:
-                        # Busy: maybe a dead rank's load or mark is what keeps it (I5).
+                    elif not recovered or unfinished:
+                        # Busy: maybe a dead rank's load or mark is what keeps it (I5).  The
+                        # stripe wait is a slice of what is left: a round never outlasts
+                        # the backoff's longest sleep by much.
                         recovered = True
-                        if self._recover(0.0).count:
+                        report = self._recover(min(RECOVER_SLICE,
+                                                   max(0.0, deadline - time.monotonic())))
+                        unfinished = report.failed
+                        if report.count:
                             continue
                 elif r == lib.UCM_BUSY:
                     if self._recover(deadline - time.monotonic()).count:
@@ -705,7 +716,9 @@ class SlotCache(CacheBase, SingleFlight, Batches, Prefetching, Mapping):
                     what = ("its slot stayed claimed by a rank that neither finished nor died"
                             if r == lib.UCM_BUSY else
                             f"its arena {arena_out[0]} stayed busy (another rank's install or "
-                            "load in flight there, or other deleters taking it)")
+                            "load in flight there, or other deleters taking it)"
+                            + (f"; a dead rank's recovery could not finish: "
+                               f"{'; '.join(unfinished)}" if unfinished else ""))
                     raise LockTimeout(f"segment {self.uuid!r}: delete gave up after "
                                       f"{now - start:.2f} s: {what}")
                 time.sleep(min(delay * (0.5 + random.random()), deadline - now))

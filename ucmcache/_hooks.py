@@ -31,6 +31,8 @@ C_POINTS = {
     "counted_not_ready": lib.UCM_PT_COUNTED_NOT_READY,
     "before_copy": lib.UCM_PT_BEFORE_COPY,
     "mid_delete": lib.UCM_PT_MID_DELETE,
+    "delete_marked": lib.UCM_PT_DELETE_MARKED,
+    "delete_uncounted": lib.UCM_PT_DELETE_UNCOUNTED,
 }
 PY_POINTS = ("inside_loader", "before_ready", "after_ready", "before_magic", "after_shm_open",
              # tier 2 (ucmcache.tier2): a get starts waiting for another node's lease (holding

@@ -24,7 +24,9 @@
  * claim from ucm_clock_claim (INSTALLING), a stripe mutex (the thread exits holding it: the robust
  * mutex hands the next locker EOWNERDEAD and the core repairs the stripe), or parked for good at
  * one of the core's named points (a GATE that is never opened: CLAIM_UNCHECKED, AFTER_PIN,
- * BEFORE_PIN_CAS, COUNTED_NOT_READY, BEFORE_COPY).  Another thread then recovers it with
+ * BEFORE_PIN_CAS, COUNTED_NOT_READY, BEFORE_COPY), or exited at one of the delete's points, which
+ * lie under the key's stripe (UCM_ACT_EXIT: DELETE_MARKED, MID_DELETE, DELETE_UNCOUNTED; the mutex
+ * passes EOWNERDEAD as above).  Another thread then recovers it with
  * ucm_recover_rank, which the core requires only to be exclusive for that rank and to run after
  * the rank's last write (Python: the life lock; here: a CAS on life[r], after an acquire of the
  * death word, or of the gate word the parked thread bumped: the happens-before the kernel gives
@@ -289,7 +291,7 @@ enum {
     C_READ_ROWS, C_GATHERS, C_GATHER_ROWS, C_ALL_READY, C_EXISTS, C_CLEARS, C_FULL, C_ROLLBACK,
     C_BUSY, C_TIMEOUT, C_MOVED, C_GAVE_UP, C_TAKES, C_GIVEN_BACK, C_DEATHS, C_PARKED,
     C_RECOVERIES, C_REC_PINS, C_REC_LOADS, C_REC_CLAIMS, C_REC_TIMEOUT, C_RING_POSTED,
-    C_RING_TAKEN, C_LIVES, C_DELETES, C_DELETE_TAKES, C_N
+    C_RING_TAKEN, C_LIVES, C_DELETES, C_DELETE_TAKES, C_EXITED_AT_POINT, C_N
 };
 static const char *counter_names[C_N] = {
     "gets", "fast_hits", "slow_hits", "loads", "ready", "failed_pub", "abandoned", "joins",
@@ -297,7 +299,7 @@ static const char *counter_names[C_N] = {
     "read_rows", "gathers", "gather_rows", "all_ready", "exists", "clears", "full", "rollback",
     "busy", "timeout", "moved", "gave_up", "arena_takes", "arenas_given_back", "deaths", "parked",
     "recoveries", "rec_pins", "rec_loads", "rec_claims", "rec_timeouts", "ring_posted",
-    "ring_taken", "lives", "deletes", "delete_takes"};
+    "ring_taken", "lives", "deletes", "delete_takes", "exited_at_point"};
 static uint64_t counters[C_N];
 #define COUNT(i, n) __atomic_fetch_add(&counters[i], (n), __ATOMIC_RELAXED)
 
@@ -315,11 +317,15 @@ enum {
     DEATH_GATE_BEFORE_PIN_CAS,
     DEATH_GATE_COUNTED,
     DEATH_GATE_BEFORE_COPY,
+    DEATH_GATE_DELETE_MARKED,   /* a delete: marked, the arena's owner not yet checked again */
+    DEATH_GATE_MID_DELETE,      /* a delete: unlinked, bucket word not yet INVALID */
+    DEATH_GATE_DELETE_UNCOUNTED, /* a delete: uncounted, still marked */
     DEATH_KINDS
 };
 static const char *death_names[DEATH_KINDS] = {
     "holds", "half_loaded", "claim", "stripe", "gate_claim_unchecked", "gate_after_pin",
-    "gate_before_pin_cas", "gate_counted_not_ready", "gate_before_copy"};
+    "gate_before_pin_cas", "gate_counted_not_ready", "gate_before_copy", "gate_delete_marked",
+    "gate_mid_delete", "gate_delete_uncounted"};
 static uint64_t death_counts[DEATH_KINDS];
 
 struct life {
@@ -923,8 +929,20 @@ static void op_ring(struct worker *w, uint32_t *keys, uint32_t n)
 
 /* ------------------------------------------------------------------ deaths */
 
+/* A thread that exits at a named point (UCM_ACT_EXIT): its death word, written last, as
+ * die_now's end does for a thread that returns. */
+static void exited_at_point(void *arg)
+{
+    struct worker *w = arg;
+    COUNT(C_EXITED_AT_POINT, 1);
+    __atomic_store_n(&ranks[w->rank].dead_since, now_ns(), __ATOMIC_RELAXED);
+    /* Release: our last writes happen before the recoverer's acquire of the death word. */
+    __atomic_store_n(&ranks[w->rank].life, LIFE_DEAD, __ATOMIC_RELEASE);
+    free(w);
+}
+
 /* The thread stops using its ctx for good, holding what it holds; it returns (and its thread
- * exits) unless it parks at a named point for good. */
+ * exits) unless it parks at a named point for good, or exits at one. */
 static void die_now(struct worker *w)
 {
     struct life *lf = w->lf;
@@ -945,10 +963,18 @@ static void die_now(struct worker *w)
         }
     } else if (kind >= DEATH_GATE_CLAIM_UNCHECKED) {
         static const int point[] = {UCM_PT_CLAIM_UNCHECKED, UCM_PT_AFTER_PIN, UCM_PT_BEFORE_PIN_CAS,
-                                    UCM_PT_COUNTED_NOT_READY, UCM_PT_BEFORE_COPY};
+                                    UCM_PT_COUNTED_NOT_READY, UCM_PT_BEFORE_COPY,
+                                    UCM_PT_DELETE_MARKED, UCM_PT_MID_DELETE,
+                                    UCM_PT_DELETE_UNCOUNTED};
         int p = point[kind - DEATH_GATE_CLAIM_UNCHECKED];
-        lf->parked = 1; /* read by the supervisor only after the rank was recovered */
-        ucm_ctx_set_point(w->c, p, UCM_ACT_GATE, &lf->gate, PARK_NS);
+        /* The delete's points are under the key's stripe: parked there, the thread would hold
+         * its robust mutex for good with a live owner (no EOWNERDEAD for anyone), which no real
+         * death does; it exits at the point instead (UCM_ACT_EXIT), as DEATH_STRIPE's thread
+         * exits holding its stripe, and its cleanup handler writes the death word. */
+        int exits = p == UCM_PT_DELETE_MARKED || p == UCM_PT_MID_DELETE || p == UCM_PT_DELETE_UNCOUNTED;
+        lf->parked = !exits; /* read by the supervisor only after the rank was recovered */
+        if (exits) ucm_ctx_set_point(w->c, p, UCM_ACT_EXIT, NULL, 0);
+        else ucm_ctx_set_point(w->c, p, UCM_ACT_GATE, &lf->gate, PARK_NS);
         __atomic_store_n(&ranks[w->rank].life, LIFE_GATED, __ATOMIC_RELEASE);
         uint32_t keys[MAX_BATCH], n = 1 + below(&w->rng, 4);
         for (uint32_t i = 0; i < n; i++) keys[i] = below(&w->rng, n_keys);
@@ -972,6 +998,15 @@ static void die_now(struct worker *w)
                     ucm_publish(w->c, w->held[i].slot, UCM_READY, exp_len(w->held[i].key));
                     break;
                 }
+            break;
+        case UCM_PT_DELETE_MARKED:
+        case UCM_PT_MID_DELETE:
+        case UCM_PT_DELETE_UNCOUNTED:
+            /* Exits at the point, holding the stripe, its pin and its mark; a miss or a key in
+             * flight never reaches it and dies as it is, below. */
+            pthread_cleanup_push(exited_at_point, w);
+            op_delete(w, keys[0]);
+            pthread_cleanup_pop(0);
             break;
         default:
             op_batch(w, keys, n, 1);
