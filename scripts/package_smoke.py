@@ -3,7 +3,7 @@
 Run from outside the checkout (scripts/package runs it from a temporary folder), so
 ``import ucmcache`` finds the installed package, never the source tree: checked first.  It
 exercises what an installed wheel must carry: both C extensions (the core through cffi and the
-hit path), a second process attaching to the segment, the CLI's entry points (``ucmcache``,
+hit path), put and delete, a second process attaching to the segment, the CLI's entry points (``ucmcache``,
 ``python -m ucmcache``) and the license.  Exit 0 and one line "smoke ok ..." when all passed;
 any failure raises (a traceback, exit 1).  Every segment it makes is unlinked, pass or fail.
 """
@@ -80,6 +80,16 @@ def main() -> None:
         assert cache.entry_count() == 8, cache.entry_count()
         stats = cache.stats()
         assert stats["loads_started"] == 8, stats
+
+        extra = make_key(b"put-0", namespace=NS)
+        assert cache.put(extra, b"put value") is True
+        assert cache.put(extra, b"other") is False, "a put over a Ready key must be skipped"
+        assert extra in cache and cache[extra] == b"put value" and len(cache) == 9
+        assert cache.delete(extra) is True and cache.delete(extra) is False
+        assert extra not in cache and len(cache) == 8
+        assert cache.delete_many(keys[:2]) == [True, True], "delete_many of two stored keys"
+        assert len(cache) == 6 and keys[0] not in cache
+        assert cache.stats()["deletes"] == 3, cache.stats()
 
         for argv in (["ucmcache", "inspect", UUID], [sys.executable, "-m", "ucmcache", "ls"]):
             r = subprocess.run(argv, capture_output=True, text=True, timeout=60)
