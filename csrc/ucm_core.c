@@ -190,7 +190,7 @@ uint32_t ucm_layout_fingerprint(void)
         UCM_RING_POSTED, UCM_RING_DROPPED, UCM_RING_PRESENT, UCM_RING_ENTRIES, UCM_ACC_GEN_BITS,
         UCM_CLAIMED, UCM_NIL, UCM_LINE, UCM_PAGE, sizeof(pthread_mutex_t),
         /* what the flags word's bits mean (a build without DELETING would misread a slot) */
-        UCM_F_COUNTED, UCM_F_INSTALLING, UCM_F_DELETING,
+        UCM_F_COUNTED, UCM_F_INSTALLING, UCM_F_DELETING, UCM_F_DELETE_CHECKED,
         /* the histograms' counters and what their buckets mean live in the stats lines too */
         UCM_HIST_BUCKETS, UCM_HIST_FIRST_NS, UCM_HIST_FACTOR, UCM_ST_LOAD_HIST, UCM_ST_WAIT_HIST};
     uint64_t h = 0;
@@ -1355,7 +1355,11 @@ static int writes_through(ucm_ctx *c, uint32_t s, uint32_t rank)
      * loader word from before (on a weakly ordered CPU two relaxed loads could give a live
      * deleter's mark with a dead loader's rank).  The loader word itself relaxed: ordered by
      * that acquire. */
-    if ((ACQ(flags_w(c, s)) & UCM_F_DELETING) && RLX(loader_w(c, s)) == rank) return 1;
+    uint16_t f = ACQ(flags_w(c, s));
+    /* Only a checked mark: a deleter that died before its owner check changed nothing, and a
+     * taker that took the arena before the mark may be its verified writer now (I6). */
+    if ((f & UCM_F_DELETING) && (f & UCM_F_DELETE_CHECKED) && RLX(loader_w(c, s)) == rank)
+        return 1;
     if (r == (UCM_CLAIMED | rank)) return (RLX(flags_w(c, s)) & UCM_F_INSTALLING) || st == UCM_LOADING;
     return !(r & UCM_CLAIMED) && (r & (1ULL << rank)) && st == UCM_LOADING && RLX(loader_w(c, s)) == rank;
 }
@@ -2062,14 +2066,16 @@ int64_t ucm_get_slow(ucm_ctx *c, const char *id, uint64_t offset, uint32_t spin_
    slot), so while a mark can be read, the loader word names its deleter or a later installer
    (whose claim rewrote the flags too), never an earlier rank.
    The stores in order, each prefix safe for a survivor before any recovery:
-     pin (the slot cannot be reused) -> loader = us, DELETING (seq_cst) -> [delete_marked] ->
-     owner check -> predecessor's link (unreachable) -> [mid_delete] -> bucket INVALID
+     pin (the slot cannot be reused) -> arena usable -> [delete_usable] -> loader = us,
+     DELETING (seq_cst) -> [delete_marked] -> owner check -> DELETE_CHECKED ->
+     [delete_checked] -> predecessor's link (unreachable) -> [mid_delete] -> bucket INVALID
      (matches nothing) -> uncount, COUNTED cleared -> accessed 0 -> [delete_uncounted] ->
-     DELETING cleared -> unpin.
+     DELETING and DELETE_CHECKED cleared -> unpin.
    A kill anywhere after the mark leaves the dead rank's pin and mark; the stripe's next locker
    repairs its chains (a slot unlinked but naming the bucket is made INVALID, one linked but
-   INVALID is dropped from the chain); recovery (finish_deletes) finishes the delete under
-   the stripe, recounts the arena, then drops the mark and the pin. */
+   INVALID is dropped from the chain).  A checked mark: recovery (finish_deletes) finishes the
+   delete under the stripe, recounts the arena, then drops the mark and the pin.  A mark not
+   checked changed nothing: recovery drops it and the pin, and the entry stays. */
 int ucm_delete(ucm_ctx *c, const char *id, uint64_t offset, uint32_t spin_budget,
                int64_t timeout_ns, uint32_t *arena_out)
 {
@@ -2104,6 +2110,7 @@ int ucm_delete(ucm_ctx *c, const char *id, uint64_t offset, uint32_t spin_budget
         unlock_stripe(c, stripe);
         return UCM_NOT_HELD;
     }
+    POINT(c, UCM_PT_DELETE_USABLE);
     /* The deleter first (relaxed: published by the flag's store below), then the mark.
      * seq_cst store, then seq_cst loads of the owner word and our serial: the Dekker pair with
      * a taker's owner CAS and its verification's seq_cst flags load (foreign_activity).  Only
@@ -2122,13 +2129,24 @@ int ucm_delete(ucm_ctx *c, const char *id, uint64_t offset, uint32_t spin_budget
         unlock_stripe(c, stripe);
         return UCM_NOT_HELD;
     }
+    /* Checked: the owner word and our serial read after our mark still say ours, so a taker
+     * either came before our arena_usable (we would have seen it) or sees our mark and does
+     * not verify: we are the arena's only writer (I6) from here.  A kill before this store
+     * leaves a mark that changed nothing, which recovery only clears: a taker that verified
+     * between our arena_usable and our mark may be writing the arena's words, and recounting
+     * them under it would lose its count (I4).  Relaxed: only we write these flags (pinned,
+     * Ready, marked), and recovery reads them after our death through the life lock. */
+    SET_RLX(flags_w(c, s), (uint16_t)(RLX(flags_w(c, s)) | UCM_F_DELETE_CHECKED));
+    POINT(c, UCM_PT_DELETE_CHECKED);
     /* Unreachable at once (I2): the predecessor's link (release, in unlink_slot_at), then the
      * bucket word INVALID.  The neighbours are checked before anything is written. */
     r = unlink_slot_at(c, s, b, UCM_PT_MID_DELETE);
     if (r != UCM_OK) {
         /* Corrupt links: nothing written; the slot stays linked, counted and Ready. */
         /* Release, and the loader word left as it is: as when the arena was taken, above. */
-        __atomic_store_n(flags_w(c, s), (uint16_t)(RLX(flags_w(c, s)) & ~UCM_F_DELETING), __ATOMIC_RELEASE);
+        __atomic_store_n(flags_w(c, s),
+                         (uint16_t)(RLX(flags_w(c, s)) & ~(UCM_F_DELETING | UCM_F_DELETE_CHECKED)),
+                         __ATOMIC_RELEASE);
         unpin(c, s);
         unlock_stripe(c, stripe);
         return r;
@@ -2149,7 +2167,9 @@ int ucm_delete(ucm_ctx *c, const char *id, uint64_t offset, uint32_t spin_budget
     POINT(c, UCM_PT_DELETE_UNCOUNTED);
     /* Release: the step is done; a taker that sees the mark gone sees the words as we left
      * them (its verification's seq_cst load reads this store or a later one). */
-    __atomic_store_n(flags_w(c, s), (uint16_t)(f & ~(UCM_F_COUNTED | UCM_F_DELETING)), __ATOMIC_RELEASE);
+    __atomic_store_n(flags_w(c, s),
+                     (uint16_t)(f & ~(UCM_F_COUNTED | UCM_F_DELETING | UCM_F_DELETE_CHECKED)),
+                     __ATOMIC_RELEASE);
     unpin(c, s);
     STAT(c, UCM_ST_DELETES, 1);
     unlock_stripe(c, stripe);
@@ -2394,8 +2414,10 @@ static int reclaim_claimed(ucm_ctx *c, uint32_t s, uint32_t dead, uint32_t held_
     return UCM_OK;
 }
 
-/* A dead rank's deletes in flight (UCM_F_DELETING with the loader word naming it; a pinner's
- * death never counts, nor another deleter's mark): each is finished, under the stripe of its
+/* A dead rank's deletes in flight past their owner check (UCM_F_DELETING and
+ * UCM_F_DELETE_CHECKED with the loader word naming it; a pinner's death never counts, nor another
+ * deleter's mark, nor a mark made before its check, which changed nothing and is only dropped
+ * in clear_deletes): each is finished, under the stripe of its
  * bucket word (taken here with lock_stripe_repairing, which first repairs the chains the dead
  * deleter's stripe guarded): unlinked if still reachable, INVALID, COUNTED cleared.  The mark
  * and the dead rank's pin stay: the arena is recounted next (ucm_recover_rank) while the mark
@@ -2408,7 +2430,11 @@ static int finish_deletes(ucm_ctx *c, uint32_t dead, int64_t stripe_timeout_ns, 
          * its death (see ucm_recover_rank).  A live deleter may be marking meanwhile: acquire
          * on the flags pairs with its seq_cst mark store, made after its loader store, so a
          * mark read here comes with the rank that made it (as in writes_through). */
-        if (!(ACQ(flags_w(c, s)) & UCM_F_DELETING) || RLX(loader_w(c, s)) != dead) continue;
+        uint16_t f = ACQ(flags_w(c, s));
+        if (!(f & UCM_F_DELETING) || RLX(loader_w(c, s)) != dead) continue;
+        /* Not checked: it died before it saw itself the arena's owner after its mark, having
+         * written nothing but the mark; the entry stays, the mark goes in clear_deletes. */
+        if (!(f & UCM_F_DELETE_CHECKED)) continue;
         uint32_t b = RLX(bucket_w(c, s));
         if (b != UCM_INVALID_BUCKET && b >= c->l.n_buckets) {
             SET_REL(bucket_w(c, s), UCM_INVALID_BUCKET); /* linked nowhere: as in isolate */
@@ -2447,11 +2473,13 @@ static int finish_deletes(ucm_ctx *c, uint32_t dead, int64_t stripe_timeout_ns, 
 
 static void clear_deletes(ucm_ctx *c, uint32_t dead)
 {
-    /* After the recount: the dead deleter's marks go (release: a taker that sees one gone sees
-     * the recounted words), then recover_pins drops its pins and the slots can be reused. */
+    /* After the recount: the dead deleter's marks go, checked or not (release: a taker that
+     * sees one gone sees the recounted words), then recover_pins drops its pins and the slots
+     * can be reused. */
     for (uint32_t s = 0; s < c->l.n_slots; s++) /* acquire, then relaxed: as in finish_deletes */
         if ((ACQ(flags_w(c, s)) & UCM_F_DELETING) && RLX(loader_w(c, s)) == dead)
-            __atomic_store_n(flags_w(c, s), (uint16_t)(RLX(flags_w(c, s)) & ~UCM_F_DELETING),
+            __atomic_store_n(flags_w(c, s),
+                             (uint16_t)(RLX(flags_w(c, s)) & ~(UCM_F_DELETING | UCM_F_DELETE_CHECKED)),
                              __ATOMIC_RELEASE);
 }
 

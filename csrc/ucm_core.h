@@ -11,7 +11,7 @@
 
 /* Identity and limits of the layout. */
 #define UCM_MAGIC            0x31484341434d4355ULL /* "UCMCACH1" little endian */
-#define UCM_LAYOUT_VERSION   6   /* bump on every layout change (the fingerprint catches a miss) */
+#define UCM_LAYOUT_VERSION   7   /* bump on every layout change (the fingerprint catches a miss) */
 #define UCM_LINE             64
 #define UCM_PAGE             4096
 #define UCM_MAX_RANKS        63    /* one pin bit per rank in a 64-bit reference, top bit = claim */
@@ -93,13 +93,18 @@
 #define UCM_M_LENGTH         52
 #define UCM_M_ACCESSED       56
 #define UCM_M_LOADER         60 /* u16: rank of the owner that loads it */
-#define UCM_M_FLAGS          62 /* u16: UCM_F_COUNTED, UCM_F_INSTALLING, UCM_F_DELETING */
+#define UCM_M_FLAGS          62 /* u16: UCM_F_COUNTED, UCM_F_INSTALLING, UCM_F_DELETING,
+                                 * UCM_F_DELETE_CHECKED */
 #define UCM_F_COUNTED        1  /* the slot's bytes are in its arena's accounting words */
 #define UCM_F_INSTALLING     2  /* claimed by its arena's writer, past the ownership check: the
                                  * claimant may have changed the arena's words (recovery) */
 #define UCM_F_DELETING       4  /* a delete of this Ready slot is in flight: its deleter (the
                                  * rank in the loader word, stored before this flag) holds a pin
-                                 * on it and is the writer of its arena's words (ucm_delete) */
+                                 * on it; no taker of its arena verifies meanwhile (ucm_delete) */
+#define UCM_F_DELETE_CHECKED 8  /* with DELETING: the deleter saw itself the arena's owner after
+                                 * its mark, so it is the writer of its arena's words and may have
+                                 * changed the chain (recovery finishes such a delete; a mark
+                                 * without it changed nothing and is only cleared) */
 #define UCM_META_SIZE        64
 
 /* Slot states (low bits of the state word); the top bit says a waiter sleeps on it. */
@@ -209,7 +214,10 @@
 #define UCM_PT_DELETE_MARKED 13 /* delete: pinned, marked DELETING, the arena's owner not yet
                                  * checked again, nothing unlinked */
 #define UCM_PT_DELETE_UNCOUNTED 14 /* delete: unlinked, INVALID, uncounted, still marked */
-#define UCM_PT_COUNT         15
+#define UCM_PT_DELETE_USABLE 15 /* delete: pinned, its arena found ours and verified, not marked */
+#define UCM_PT_DELETE_CHECKED 16 /* delete: marked, the owner check passed (DELETE_CHECKED set),
+                                  * nothing unlinked */
+#define UCM_PT_COUNT         17
 #define UCM_ACT_NONE         0
 #define UCM_ACT_GATE         1
 #define UCM_ACT_KILL         2

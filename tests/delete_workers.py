@@ -141,3 +141,18 @@ def _load_then_delete_at(uuid, keys, victim, point):
 
 def load_then_delete_at(q, *args):
     run(_load_then_delete_at, q, *args)
+
+
+def _load_then_delete_held_then_killed(uuid, keys, victim, gate_path):
+    """Load keys (this rank owns their arena), then delete victim: held at delete_usable (its
+    arena checked ours, nothing marked) until the gate's release, then killed at its mark."""
+    c = SlotCache.attach(uuid)
+    for k in keys:
+        c.get_or_load(k, lambda k=k: b"v" * 40)
+    c._arm("delete_usable", "gate", Gate(gate_path))
+    c._arm("delete_marked", "kill", None)
+    c.delete(victim)
+
+
+def load_then_delete_held_then_killed(q, *args):
+    run(_load_then_delete_held_then_killed, q, *args)

@@ -183,9 +183,12 @@ def test_a_pinned_reader_in_another_process_keeps_its_bytes_then_the_slot_is_reu
     assert_clean(c)
 
 
-@pytest.mark.parametrize("point", ["after_pin", "delete_marked", "mid_delete",
-                                   "delete_uncounted"])
+@pytest.mark.parametrize("point", ["after_pin", "delete_usable", "delete_marked",
+                                   "delete_checked", "mid_delete", "delete_uncounted"])
 def test_a_deleter_killed_in_the_step_is_recovered_by_the_next_attach(make_cache, procs, point):
+    """Killed before its mark: a dead pin.  Marked, not yet past its owner check: the mark
+    changed nothing, recovery drops it and the entry stays.  Past the check: recovery finishes
+    the delete.  Every way: exact accounting, no pin or mark left, the neighbours kept."""
     c = make_cache(slots_per_rank=8, slot_size=64, max_ranks=3, n_buckets=1024, n_stripes=4)
     a, b, d = same_bucket_keys(c, 3)                  # one chain: d -> b -> a
     for k in (a, b, d):
@@ -198,14 +201,15 @@ def test_a_deleter_killed_in_the_step_is_recovered_by_the_next_attach(make_cache
     before = ucmcache.verify(c.uuid)                 # read-only: recovers nothing
     assert not before.ok
     marked = [m for m in before.problems if "marked deleting by rank" in m]
-    assert len(marked) == (point != "after_pin"), before
+    assert len(marked) == (point not in ("after_pin", "delete_usable")), before
     c2 = SlotCache.attach(c.uuid)
     try:
         assert_clean(c2)
         f = slot_fields(snapshot(c2._seg)["metas"])
         assert int((f["reference"] != 0).sum()) == 0, "a pin of the dead deleter survived"
         assert int((f["flags"] & lib.UCM_F_DELETING).sum()) == 0
-        gone = point != "after_pin"                   # marked: recovery finished the delete
+        # checked: recovery finished the delete; not yet: nothing was deleted
+        gone = point in ("delete_checked", "mid_delete", "delete_uncounted")
         assert (b in c2) is (not gone) and len(c2) == n - gone
         for k in (a, d):                              # its neighbours are not lost
             assert c2.get_or_load(k, lambda: b"LOST") == payload_for(k, 40)
@@ -274,7 +278,9 @@ def test_delete_in_another_live_ranks_arena(make_cache, procs, gate):
 
 
 def test_two_deleters_taking_the_same_arena_in_turn_both_finish(make_cache, procs, gate):
-    c = make_cache(slots_per_rank=32, slot_size=64, max_ranks=3)
+    # four ranks: this process, the loader and both deleters are attached at once (with three,
+    # the second deleter's attach raced the first one's close: RankUnavailable now and then)
+    c = make_cache(slots_per_rank=32, slot_size=64, max_ranks=4)
     keys = [key(i) for i in range(40)]
     loaded = gate()
     p, q = procs.start(delete_workers.load_keys, c.uuid, keys, b"v", loaded.path)
@@ -333,7 +339,7 @@ def test_a_delete_in_a_dead_ranks_busy_arena_recovers_it_and_deletes(make_cache,
 
 def test_a_delete_recovers_a_dead_deleter_again_when_a_stripe_held_its_first_recovery(
         make_cache, procs):
-    """A deleter killed right after its mark (entry still linked) blocks its arena until
+    """A deleter killed past its owner check (entry still linked) blocks its arena until
     recovery finishes its delete under the entry's stripe.  A live delete in that arena whose
     first recovery found the stripe held by another thread recovers again once it is free,
     rather than waiting out its timeout on a hold recovery can end."""
@@ -341,7 +347,7 @@ def test_a_delete_recovers_a_dead_deleter_again_when_a_stripe_held_its_first_rec
     k = key(1)
     stripe_of = lambda x: lib.ucm_stripe_of(c._ctx, lib.ucm_bucket_of(c._ctx, x, 0))
     b = next(key(i) for i in range(2, 1000) if stripe_of(key(i)) != stripe_of(k))
-    p, q = procs.start(delete_workers.load_then_delete_at, c.uuid, [k, b], b, "delete_marked")
+    p, q = procs.start(delete_workers.load_then_delete_at, c.uuid, [k, b], b, "delete_checked")
     p.join(60)
     assert p.exitcode == -signal.SIGKILL
     assert any("marked deleting by rank" in m for m in ucmcache.verify(c.uuid).problems)
@@ -383,3 +389,87 @@ def test_a_delete_recovers_a_dead_deleter_again_when_a_stripe_held_its_first_rec
     f = slot_fields(snapshot(c._seg)["metas"])
     assert int((f["reference"] != 0).sum()) == 0
     assert int((f["flags"] & lib.UCM_F_DELETING).sum()) == 0
+
+
+def test_a_deleter_killed_after_its_mark_leaves_a_taker_that_verified_before_it_exact(
+        make_cache, procs, gate):
+    """The window between a deleter's arena check and its mark: a taker that took and verified
+    the arena there is its writer (the mark came after its verification).  The deleter, killed
+    at its mark before its owner check, wrote nothing else; its recovery must not recount the
+    arena under the taker's load in flight (counted, not yet Ready), or the words come out one
+    entry short for good (I4, I6)."""
+    c = make_cache(slots_per_rank=16, slot_size=64, max_ranks=3, n_stripes=4)
+    keys = [key(i, b"T") for i in range(6)]
+    victim = keys[2]
+    held = gate()
+    p, q = procs.start(delete_workers.load_then_delete_held_then_killed, c.uuid, keys, victim,
+                       held.path)
+    held.wait_arrived(60)                     # the deleter: pinned, its arena usable, no mark
+    f = slot_fields(snapshot(c._seg)["metas"])
+    pinned = np.flatnonzero(f["reference"] != 0)
+    assert len(pinned) == 1, pinned
+    a = int(pinned[0]) // c.layout.arena_slots
+    deleters_word = int(c._arenas.owners()[a])
+    assert deleters_word != c.rank + 1
+    assert lib.ucm_arena_take(c._ctx, a, deleters_word) == lib.UCM_OK
+    assert lib.ucm_arena_usable(c._ctx, a) == 1       # verified: no mark yet, no load there
+    held.release()                                    # the deleter marks and dies unchecked
+    p.join(60)
+    assert p.exitcode == -signal.SIGKILL
+    # We own a only: our next install goes there, held after its count (counted_not_ready)
+    lib.ucm_arena_epoch_seen(c._ctx, lib.ucm_load64(c._seg.base, lib.UCM_H_ARENA_EPOCH))
+    counted = gate()
+    c._arm("counted_not_ready", "gate", counted)
+    new = key(100, b"T")
+    loader = threading.Thread(target=lambda: c.get_or_load(new, lambda: b"n" * 30))
+    loader.start()
+    try:
+        counted.wait_arrived(30)
+        f = slot_fields(snapshot(c._seg)["metas"])
+        mine = np.flatnonzero(f["reference"] == (1 << c.rank))
+        assert [int(s) // c.layout.arena_slots for s in mine] == [a], mine
+        report = c._recover(5.0)                      # the dead deleter: its mark dropped
+        assert report.count == 1, report
+    finally:
+        counted.release()
+        loader.join(30)
+    assert_clean(c)
+    # the words count exactly what is there (our install may have evicted one of the keys
+    # from the arena's two slots; the unchecked delete itself deleted nothing)
+    assert new in c and len(c) == sum(k in c for k in keys) + 1
+    f = slot_fields(snapshot(c._seg)["metas"])
+    assert int((f["flags"] & (lib.UCM_F_DELETING | lib.UCM_F_DELETE_CHECKED)).sum()) == 0
+
+
+def test_a_delete_recovers_a_loader_that_dies_after_its_first_recovery(make_cache, procs, gate):
+    """A delete waiting for another rank's load in its arena recovers dead ranks on every
+    round: a loader that dies after the delete's first look is recovered, and the delete ends
+    well before its timeout."""
+    c = make_cache(slots_per_rank=64, slot_size=64, max_ranks=2)
+    k, z = key(1), key(2)
+    held = gate()
+    p, q = procs.start(delete_workers.load_then_hold_a_load, c.uuid, k, z, held.path)
+    held.wait_value(1)
+    real_recover = c._recover
+    reports = []
+
+    def recover_then_kill_the_loader(wait):
+        report = real_recover(wait)
+        reports.append(report)
+        if len(reports) == 1:                         # alive at the first recovery: dies now
+            assert report.count == 0, report
+            p.kill()
+            p.join(30)
+        return report
+
+    c._recover = recover_then_kill_the_loader
+    try:
+        assert c.delete(k, timeout=30.0) is True
+    finally:
+        del c._recover
+        if p.is_alive():
+            p.kill()
+            p.join(30)
+    assert any(r.count == 1 for r in reports[1:]), reports
+    assert k not in c and z not in c and len(c) == 0
+    assert_clean(c)

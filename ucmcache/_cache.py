@@ -175,6 +175,7 @@ class SlotCache(CacheBase, SingleFlight, Batches, Prefetching, Mapping):
         self._prefetcher: Optional[Prefetcher] = None
         self._pid = os.getpid()
         self._why_unusable = ""
+        self._armed_gates: Dict[str, Optional[_hooks.Gate]] = {}  # test points' gates (_arm)
         self._data_off = seg.layout.data_off  # the hit path's view arithmetic, as plain ints
         self._stride = seg.layout.slot_stride
         self._ro = seg.ro_view  # readers' views are slices of it
@@ -667,11 +668,12 @@ class SlotCache(CacheBase, SingleFlight, Batches, Prefetching, Mapping):
         stripe_deadline = start + (STRIPE_WAIT if timeout is None else max(timeout, MIN_LOCK_WAIT))
         taken: List[int] = []
         delay = 0.0005
-        # Recover dead ranks when the arena stays busy: once, and again on each later round
-        # while the last recovery left a rank unfinished (a dead deleter's mark needs its
-        # entry's stripe, which a live thread may hold for a moment; giving up after one try
-        # would wait out the deadline on a hold recovery can end).
-        recovered, unfinished = False, []
+        # Dead ranks are recovered on every round the arena stays busy or the slot claimed: a
+        # rank may die while we wait, or another process may hold its life lock at our first
+        # try, or a dead deleter's mark may need a stripe a live thread holds for a moment
+        # (I5).  A recovery that finds nobody dead costs a trylock per rank; its stripe wait
+        # is RECOVER_SLICE at most, so a round never outlasts the longest sleep by much.
+        unfinished: List[str] = []
         try:
             while True:
                 left = max(0.0, stripe_deadline - time.monotonic())
@@ -693,18 +695,17 @@ class SlotCache(CacheBase, SingleFlight, Batches, Prefetching, Mapping):
                         taken.append(a)
                         if taken.count(a) == 1:
                             continue  # first take: verified by the step at once, if idle
-                    elif not recovered or unfinished:
-                        # Busy: maybe a dead rank's load or mark is what keeps it (I5).  The
-                        # stripe wait is a slice of what is left: a round never outlasts
-                        # the backoff's longest sleep by much.
-                        recovered = True
-                        report = self._recover(min(RECOVER_SLICE,
-                                                   max(0.0, deadline - time.monotonic())))
-                        unfinished = report.failed
-                        if report.count:
-                            continue
+                    # Busy (or taken in turn by other deleters): maybe a dead rank's load or
+                    # mark is what keeps it (I5, I6).
+                    report = self._recover(min(RECOVER_SLICE, max(0.0, deadline - time.monotonic())))
+                    unfinished = report.failed
+                    if report.count:
+                        continue
                 elif r == lib.UCM_BUSY:
-                    if self._recover(deadline - time.monotonic()).count:
+                    # The key's slot claimed under our stripe: a dead claimant (as in get).
+                    report = self._recover(min(RECOVER_SLICE, max(0.0, deadline - time.monotonic())))
+                    unfinished = report.failed
+                    if report.count:
                         continue
                 else:
                     raise CorruptSegment(
@@ -808,6 +809,9 @@ class SlotCache(CacheBase, SingleFlight, Batches, Prefetching, Mapping):
         if action == "gate" and gate is None:
             raise ValueError("a gate action needs a Gate")
         if point in _hooks.C_POINTS:
+            # The core keeps the gate word's address: the Gate (its mapping) lives as long as
+            # the point is armed, even if the caller dropped it.
+            self._armed_gates[point] = gate
             word = gate.word if gate is not None else ffi.NULL
             t = int((gate.timeout if gate is not None else 0) * 1e9)
             lib.ucm_ctx_set_point(self._ctx, _hooks.C_POINTS[point], actions[action], word, t)

@@ -135,6 +135,9 @@ def _check_holds(f: Dict[str, np.ndarray], claims: np.ndarray, pins: np.ndarray,
             p.append(f"slot {s}: marked deleting by rank {who}, which does not pin it")
         elif int(f["state"][s]) != lib.UCM_READY:
             p.append(f"slot {s}: marked deleting but {int(f['state'][s])} is not Ready")
+    checked = (f["flags"] & lib.UCM_F_DELETE_CHECKED) != 0
+    for s in np.flatnonzero(checked & ~deleting)[:SHOWN]:
+        p.append(f"slot {s}: marked delete-checked but not deleting")
     for s in np.flatnonzero(f["state"] > lib.UCM_FAILED)[:SHOWN]:
         p.append(f"slot {s}: state {int(f['state'][s])} is not a slot state")
 

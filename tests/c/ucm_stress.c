@@ -25,7 +25,8 @@
  * mutex hands the next locker EOWNERDEAD and the core repairs the stripe), or parked for good at
  * one of the core's named points (a GATE that is never opened: CLAIM_UNCHECKED, AFTER_PIN,
  * BEFORE_PIN_CAS, COUNTED_NOT_READY, BEFORE_COPY), or exited at one of the delete's points, which
- * lie under the key's stripe (UCM_ACT_EXIT: DELETE_MARKED, MID_DELETE, DELETE_UNCOUNTED; the mutex
+ * lie under the key's stripe (UCM_ACT_EXIT: DELETE_USABLE, DELETE_MARKED, DELETE_CHECKED, MID_DELETE,
+ * DELETE_UNCOUNTED; the mutex
  * passes EOWNERDEAD as above).  Another thread then recovers it with
  * ucm_recover_rank, which the core requires only to be exclusive for that rank and to run after
  * the rank's last write (Python: the life lock; here: a CAS on life[r], after an acquire of the
@@ -320,12 +321,14 @@ enum {
     DEATH_GATE_DELETE_MARKED,   /* a delete: marked, the arena's owner not yet checked again */
     DEATH_GATE_MID_DELETE,      /* a delete: unlinked, bucket word not yet INVALID */
     DEATH_GATE_DELETE_UNCOUNTED, /* a delete: uncounted, still marked */
+    DEATH_GATE_DELETE_USABLE,   /* a delete: its arena found usable, not yet marked */
+    DEATH_GATE_DELETE_CHECKED,  /* a delete: marked and checked, nothing unlinked */
     DEATH_KINDS
 };
 static const char *death_names[DEATH_KINDS] = {
     "holds", "half_loaded", "claim", "stripe", "gate_claim_unchecked", "gate_after_pin",
     "gate_before_pin_cas", "gate_counted_not_ready", "gate_before_copy", "gate_delete_marked",
-    "gate_mid_delete", "gate_delete_uncounted"};
+    "gate_mid_delete", "gate_delete_uncounted", "gate_delete_usable", "gate_delete_checked"};
 static uint64_t death_counts[DEATH_KINDS];
 
 struct life {
@@ -941,6 +944,14 @@ static void exited_at_point(void *arg)
     free(w);
 }
 
+/* A delete that may end this thread at its armed point (exited_at_point writes the death). */
+static void delete_or_exit(struct worker *w, uint32_t key)
+{
+    pthread_cleanup_push(exited_at_point, w);
+    op_delete(w, key);
+    pthread_cleanup_pop(0);
+}
+
 /* The thread stops using its ctx for good, holding what it holds; it returns (and its thread
  * exits) unless it parks at a named point for good, or exits at one. */
 static void die_now(struct worker *w)
@@ -965,13 +976,15 @@ static void die_now(struct worker *w)
         static const int point[] = {UCM_PT_CLAIM_UNCHECKED, UCM_PT_AFTER_PIN, UCM_PT_BEFORE_PIN_CAS,
                                     UCM_PT_COUNTED_NOT_READY, UCM_PT_BEFORE_COPY,
                                     UCM_PT_DELETE_MARKED, UCM_PT_MID_DELETE,
-                                    UCM_PT_DELETE_UNCOUNTED};
+                                    UCM_PT_DELETE_UNCOUNTED, UCM_PT_DELETE_USABLE,
+                                    UCM_PT_DELETE_CHECKED};
         int p = point[kind - DEATH_GATE_CLAIM_UNCHECKED];
         /* The delete's points are under the key's stripe: parked there, the thread would hold
          * its robust mutex for good with a live owner (no EOWNERDEAD for anyone), which no real
          * death does; it exits at the point instead (UCM_ACT_EXIT), as DEATH_STRIPE's thread
          * exits holding its stripe, and its cleanup handler writes the death word. */
-        int exits = p == UCM_PT_DELETE_MARKED || p == UCM_PT_MID_DELETE || p == UCM_PT_DELETE_UNCOUNTED;
+        int exits = p == UCM_PT_DELETE_MARKED || p == UCM_PT_MID_DELETE || p == UCM_PT_DELETE_UNCOUNTED
+                    || p == UCM_PT_DELETE_USABLE || p == UCM_PT_DELETE_CHECKED;
         lf->parked = !exits; /* read by the supervisor only after the rank was recovered */
         if (exits) ucm_ctx_set_point(w->c, p, UCM_ACT_EXIT, NULL, 0);
         else ucm_ctx_set_point(w->c, p, UCM_ACT_GATE, &lf->gate, PARK_NS);
@@ -1002,12 +1015,17 @@ static void die_now(struct worker *w)
         case UCM_PT_DELETE_MARKED:
         case UCM_PT_MID_DELETE:
         case UCM_PT_DELETE_UNCOUNTED:
+        case UCM_PT_DELETE_USABLE:
+        case UCM_PT_DELETE_CHECKED: {
             /* Exits at the point, holding the stripe, its pin and its mark; a miss or a key in
-             * flight never reaches it and dies as it is, below. */
-            pthread_cleanup_push(exited_at_point, w);
-            op_delete(w, keys[0]);
-            pthread_cleanup_pop(0);
+             * flight never reaches it and dies as it is, below.  A key it holds Ready (not
+             * its own load) is there to delete; else a random one, which often misses. */
+            uint32_t victim = keys[0];
+            for (uint32_t i = 0; i < w->n_held; i++)
+                if (!w->held[i].owner) { victim = w->held[i].key; break; }
+            delete_or_exit(w, victim);
             break;
+        }
         default:
             op_batch(w, keys, n, 1);
             break;
