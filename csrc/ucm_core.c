@@ -2103,6 +2103,16 @@ int ucm_delete(ucm_ctx *c, const char *id, uint64_t offset, uint32_t spin_budget
         unlock_stripe(c, stripe);
         return UCM_IN_FLIGHT;
     }
+    /* Marked already: under our stripe a mark is a dead deleter's (a live one clears its mark
+     * before it unlocks), which its recovery finishes or drops without the stripe's holder
+     * (clear_deletes).  Marking over it would let that recovery's clearing erase our mark
+     * while we write (I6): BUSY, and the caller recovers dead ranks and calls again.
+     * Acquire: pairs with a mark's seq_cst store, as in writes_through. */
+    if (ACQ(flags_w(c, s)) & UCM_F_DELETING) {
+        unpin(c, s);
+        unlock_stripe(c, stripe);
+        return UCM_BUSY;
+    }
     uint32_t a = arena_of(c, s), me = (uint32_t)c->rank + 1;
     *arena_out = a;
     if (!arena_usable(c, a, &seen)) {
@@ -2134,9 +2144,11 @@ int ucm_delete(ucm_ctx *c, const char *id, uint64_t offset, uint32_t spin_budget
      * not verify: we are the arena's only writer (I6) from here.  A kill before this store
      * leaves a mark that changed nothing, which recovery only clears: a taker that verified
      * between our arena_usable and our mark may be writing the arena's words, and recounting
-     * them under it would lose its count (I4).  Relaxed: only we write these flags (pinned,
-     * Ready, marked), and recovery reads them after our death through the life lock. */
-    SET_RLX(flags_w(c, s), (uint16_t)(RLX(flags_w(c, s)) | UCM_F_DELETE_CHECKED));
+     * them under it would lose its count (I4).  Only we write these flags now (pinned, Ready,
+     * marked).  Release: a recovery of another rank whose acquire load of the flags reads
+     * CHECKED reads our loader word too by this store alone (not through the release sequence
+     * of our mark; recovery of us reads it through the life lock). */
+    SET_REL(flags_w(c, s), (uint16_t)(RLX(flags_w(c, s)) | UCM_F_DELETE_CHECKED));
     POINT(c, UCM_PT_DELETE_CHECKED);
     /* Unreachable at once (I2): the predecessor's link (release, in unlink_slot_at), then the
      * bucket word INVALID.  The neighbours are checked before anything is written. */
@@ -2471,16 +2483,20 @@ static int finish_deletes(ucm_ctx *c, uint32_t dead, int64_t stripe_timeout_ns, 
     return UCM_OK;
 }
 
-static void clear_deletes(ucm_ctx *c, uint32_t dead)
+static void clear_deletes(ucm_ctx *c, uint32_t dead, int checked_too)
 {
     /* After the recount: the dead deleter's marks go, checked or not (release: a taker that
      * sees one gone sees the recounted words), then recover_pins drops its pins and the slots
-     * can be reused. */
-    for (uint32_t s = 0; s < c->l.n_slots; s++) /* acquire, then relaxed: as in finish_deletes */
-        if ((ACQ(flags_w(c, s)) & UCM_F_DELETING) && RLX(loader_w(c, s)) == dead)
-            __atomic_store_n(flags_w(c, s),
-                             (uint16_t)(RLX(flags_w(c, s)) & ~(UCM_F_DELETING | UCM_F_DELETE_CHECKED)),
-                             __ATOMIC_RELEASE);
+     * can be reused.  checked_too 0: only the unchecked ones (finish_deletes timed out).  An
+     * atomic and: the flags' other bits are never rewritten from a stale read (a live deleter
+     * never marks over a mark, ucm_delete: BUSY, so the mark we clear is the dead rank's). */
+    for (uint32_t s = 0; s < c->l.n_slots; s++) { /* acquire, then relaxed: as in finish_deletes */
+        uint16_t f = ACQ(flags_w(c, s));
+        if (!(f & UCM_F_DELETING) || RLX(loader_w(c, s)) != dead) continue;
+        if (!checked_too && (f & UCM_F_DELETE_CHECKED)) continue;
+        __atomic_fetch_and(flags_w(c, s), (uint16_t)~(UCM_F_DELETING | UCM_F_DELETE_CHECKED),
+                           __ATOMIC_RELEASE);
+    }
 }
 
 int ucm_recover_rank(ucm_ctx *c, uint32_t dead, int64_t stripe_timeout_ns, int32_t count_in_rank,
@@ -2500,7 +2516,13 @@ int ucm_recover_rank(ucm_ctx *c, uint32_t dead, int64_t stripe_timeout_ns, int32
     /* Its deletes in flight are finished first, under their stripes, while its pins and marks
      * keep their slots from reuse; a stripe past the deadline leaves everything held. */
     int dr = finish_deletes(c, dead, stripe_timeout_ns, &counts_out[3]);
-    if (dr != UCM_OK) return dr;
+    if (dr != UCM_OK) {
+        /* A stripe stayed held: its unchecked marks go anyway (they changed nothing, need no
+         * stripe and no recount), so they keep no taker from verifying their arenas while the
+         * next recovery waits for that stripe; checked ones and every pin stay. */
+        clear_deletes(c, dead, 0);
+        return dr;
+    }
     /* First the arenas it was writing, while its holds there still keep a new owner from
      * verifying them and writing too (I6); the holds are released below. */
     for (uint32_t a = 0; a < c->l.n_arenas; a++) {
@@ -2512,7 +2534,7 @@ int ucm_recover_rank(ucm_ctx *c, uint32_t dead, int64_t stripe_timeout_ns, int32
             }
         }
     }
-    clear_deletes(c, dead);
+    clear_deletes(c, dead, 1);
     uint32_t claimed = recover_pins(c, dead, &pins, &loading);
     int result = UCM_OK;
     counts_out[3] = UCM_NIL;

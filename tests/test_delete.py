@@ -473,3 +473,26 @@ def test_a_delete_recovers_a_loader_that_dies_after_its_first_recovery(make_cach
     assert any(r.count == 1 for r in reports[1:]), reports
     assert k not in c and z not in c and len(c) == 0
     assert_clean(c)
+
+
+def test_a_delete_over_a_dead_deleters_unchecked_mark_recovers_it_first(make_cache, procs):
+    """A deleter killed at its mark leaves the mark and its pin; the next delete of the key
+    (before any recovery) never marks over it (the dead rank's recovery clears marks without
+    the stripe and could erase ours while we write): BUSY, it recovers the dead deleter, then
+    deletes with exact accounting."""
+    c = make_cache(slots_per_rank=8, slot_size=64, max_ranks=3, n_buckets=1024, n_stripes=4)
+    a, b, d = same_bucket_keys(c, 3)
+    for k in (a, b, d):
+        c.put(k, payload_for(k, 40))
+    p, q = procs.start(delete_workers.delete_at, c.uuid, b, "delete_marked", "kill", None)
+    p.join(60)
+    assert p.exitcode == -signal.SIGKILL
+    assert any("marked deleting by rank" in m for m in ucmcache.verify(c.uuid).problems)
+    recovered = c.stats()["recovered_ranks"]
+    assert c.delete(b, timeout=10.0) is True
+    assert c.stats()["recovered_ranks"] == recovered + 1
+    assert b not in c and len(c) == 2 and c[a] == payload_for(a, 40)
+    assert_clean(c)
+    f = slot_fields(snapshot(c._seg)["metas"])
+    assert int((f["flags"] & (lib.UCM_F_DELETING | lib.UCM_F_DELETE_CHECKED)).sum()) == 0
+    assert int((f["reference"] != 0).sum()) == 0

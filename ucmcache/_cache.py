@@ -671,8 +671,8 @@ class SlotCache(CacheBase, SingleFlight, Batches, Prefetching, Mapping):
         # Dead ranks are recovered on every round the arena stays busy or the slot claimed: a
         # rank may die while we wait, or another process may hold its life lock at our first
         # try, or a dead deleter's mark may need a stripe a live thread holds for a moment
-        # (I5).  A recovery that finds nobody dead costs a trylock per rank; its stripe wait
-        # is RECOVER_SLICE at most, so a round never outlasts the longest sleep by much.
+        # (I5).  A recovery that finds nobody dead costs a trylock per rank; each stripe it
+        # waits for, RECOVER_SLICE at most (a dead deleter's entries may need several).
         unfinished: List[str] = []
         try:
             while True:
@@ -699,13 +699,14 @@ class SlotCache(CacheBase, SingleFlight, Batches, Prefetching, Mapping):
                     # mark is what keeps it (I5, I6).
                     report = self._recover(min(RECOVER_SLICE, max(0.0, deadline - time.monotonic())))
                     unfinished = report.failed
-                    if report.count:
+                    if report.count and time.monotonic() < deadline:
                         continue
                 elif r == lib.UCM_BUSY:
-                    # The key's slot claimed under our stripe: a dead claimant (as in get).
+                    # The key's slot claimed under our stripe (a dead claimant, as in get), or
+                    # marked by a dead deleter: its recovery finishes or drops that mark.
                     report = self._recover(min(RECOVER_SLICE, max(0.0, deadline - time.monotonic())))
                     unfinished = report.failed
-                    if report.count:
+                    if report.count and time.monotonic() < deadline:
                         continue
                 else:
                     raise CorruptSegment(
@@ -714,7 +715,8 @@ class SlotCache(CacheBase, SingleFlight, Batches, Prefetching, Mapping):
                         "lists what is broken")
                 now = time.monotonic()
                 if now >= deadline:
-                    what = ("its slot stayed claimed by a rank that neither finished nor died"
+                    what = ("its slot stayed claimed by a rank that neither finished nor died, "
+                            "or marked by a dead deleter whose recovery did not finish"
                             if r == lib.UCM_BUSY else
                             f"its arena {arena_out[0]} stayed busy (another rank's install or "
                             "load in flight there, or other deleters taking it)"

@@ -988,7 +988,10 @@ static void die_now(struct worker *w)
         lf->parked = !exits; /* read by the supervisor only after the rank was recovered */
         if (exits) ucm_ctx_set_point(w->c, p, UCM_ACT_EXIT, NULL, 0);
         else ucm_ctx_set_point(w->c, p, UCM_ACT_GATE, &lf->gate, PARK_NS);
-        __atomic_store_n(&ranks[w->rank].life, LIFE_GATED, __ATOMIC_RELEASE);
+        /* A parked life is GATED (its struct is kept for good: recoverers read its gate word);
+         * an exiting one stays ALIVE until its cleanup handler writes DEAD, and its struct is
+         * freed after its recovery like any returned life's. */
+        if (!exits) __atomic_store_n(&ranks[w->rank].life, LIFE_GATED, __ATOMIC_RELEASE);
         uint32_t keys[MAX_BATCH], n = 1 + below(&w->rng, 4);
         for (uint32_t i = 0; i < n; i++) keys[i] = below(&w->rng, n_keys);
         char id[16];
