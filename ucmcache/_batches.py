@@ -6,7 +6,7 @@ payloads out with no handle; ``exist``/``exist_prefix`` and ``touch`` take no pi
 from __future__ import annotations
 
 import functools
-from typing import Any, Iterable, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -35,7 +35,13 @@ def _plain_ids(keys: list) -> bool:
 
 
 
-class Batches:
+if TYPE_CHECKING:
+    from ._cache_core import CacheCore
+else:
+    CacheCore = object  # the seam is for the type checker only
+
+
+class Batches(CacheCore):
     """SlotCache's calls over many keys.  A mixin: it uses the cache's _pin_slow, _tier and
     attributes (_ctx, _keep, _open_handles), and adds no state of its own."""
 
