@@ -40,7 +40,8 @@ from ._hit import CacheBase
 from ._single_flight import SingleFlight
 from ._mapping import Mapping
 from ._slots import (ABANDONED, ABANDONED_LEN, FAST_SPIN, _PIN_LEN_SHIFT, _PIN_OWNER,
-                     _PIN_OWNER_OR_READY, _PIN_READY, _PIN_SLOT_MASK, check_timeout)
+                     _PIN_OWNER_OR_READY, _PIN_READY, _PIN_SLOT_MASK, check_timeout,
+                     decode_pin)
 from ._keys import Key, split_key
 from ._layout import DEFAULT_STRIPES, Layout
 from ._locks import Stripes, describe_stripe_holder
@@ -603,15 +604,18 @@ class SlotCache(CacheBase, SingleFlight, Batches, Prefetching, Mapping):
         ticket = _next_ticket()
         try:
             r = lib.ucm_lookup_pin(ctx, block_id, offset, FAST_SPIN, 2, ticket)  # a hit counts
-            if r >= 0 and r & _PIN_READY:
-                o = self._data_off + (r & _PIN_SLOT_MASK) * self._stride
-                value = self._ro[o:o + ((r >> _PIN_LEN_SHIFT) & _PIN_SLOT_MASK)].tobytes()
+            if r >= 0:
+                slot, length, _ = decode_pin(r)
+                if length >= 0:                     # Ready
+                    assert self._ro is not None     # set while _ctx is
+                    o = self._data_off + slot * self._stride
+                    value = self._ro[o:o + length].tobytes()
         except BaseException:
             lib.ucm_abandon_inflight(ctx, ticket)
             raise
         if r >= 0:
-            lib.ucm_release(ctx, r & _PIN_SLOT_MASK)  # no call between the try and this one
-            if r & _PIN_READY:
+            lib.ucm_release(ctx, slot)  # no call between the try and this one
+            if length >= 0:
                 return value
         return None
 
@@ -671,7 +675,8 @@ class SlotCache(CacheBase, SingleFlight, Batches, Prefetching, Mapping):
         # while the last recovery left a rank unfinished (a dead deleter's mark needs its
         # entry's stripe, which a live thread may hold for a moment; giving up after one try
         # would wait out the deadline on a hold recovery can end).
-        recovered, unfinished = False, []
+        recovered = False
+        unfinished: List[str] = []
         try:
             while True:
                 left = max(0.0, stripe_deadline - time.monotonic())
@@ -786,6 +791,7 @@ class SlotCache(CacheBase, SingleFlight, Batches, Prefetching, Mapping):
         """get(): h owns a cold slot.  When the tier has the value, h publishes it and becomes
         a reader of it; else h stays the owner (the tier may hold a lease for its slot)."""
         # Waiting for another node is safe only when this caller owns no other load.
+        assert self._tier is not None   # asked only under a tier (get's miss checks)
         (payload,) = self._tier.lookup([(h._slot, block_id, offset)], len(h._owned) == 1,
                                        timeout)
         if payload is not None:

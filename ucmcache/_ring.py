@@ -130,6 +130,8 @@ class Prefetching(CacheCore):
     """SlotCache's prefetch calls (DESIGN 4.9).  A mixin: it uses the cache's _recover and
     attributes (_ctx, _rank, _seg, _layout, _prefetcher), and adds no state of its own."""
 
+    _prefetcher: Optional[Prefetcher]       # this rank's ring consumer (set by SlotCache)
+
     def prefetch(self, keys: Iterable[Key], *, rank: Optional[int] = None) -> int:
         """Post keys to a rank's prefetch ring (default: our own); never blocks.  Keys already
         Ready or Loading are skipped; a full ring or a busy producer drops them (counted in

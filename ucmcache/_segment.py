@@ -144,7 +144,7 @@ def _read_header(fd: int, size: int) -> Dict[str, int]:
             # rest: once the magic reads set, every other word reads as its creator wrote it.
             magic = lib.ucm_load64(base, lib.UCM_H_MAGIC)
             row = np.frombuffer(mm[:HEADER.itemsize], dtype=HEADER, count=1)[0]
-            header = {name: int(row[name]) for name in HEADER.names}
+            header = {name: int(row[name]) for name in HEADER.fields or {}}
             header["magic"] = magic
             header["computed_crc"] = lib.ucm_params_crc(base)
             return header
@@ -154,14 +154,14 @@ def _read_header(fd: int, size: int) -> Dict[str, int]:
         mm.close()
 
 
-def probe(uuid: str) -> Dict[str, object]:
+def probe(uuid: str) -> Dict[str, Any]:
     """What a segment is, without attaching: status is one of made, making, half-made,
     incompatible, corrupt.  Never raises for a bad segment (only for a missing one)."""
     shm = _open_existing(uuid)
     try:
         st = os.fstat(shm.fd)
         header = _read_header(shm.fd, st.st_size)
-        info: Dict[str, object] = {"uuid": uuid, "size": st.st_size, "uid": st.st_uid,
+        info: Dict[str, Any] = {"uuid": uuid, "size": st.st_size, "uid": st.st_uid,
                                    "header": header}
         magic = header.get("magic", 0)
         if magic == lib.UCM_MAGIC:
@@ -286,7 +286,7 @@ class Segment:
         if self.rank_lock == ffi.NULL:
             os.close(self.lock_fd)
             raise MemoryError("could not allocate the process-local rank lock")
-        self.mm = mm
+        self.mm: Optional[mmap.mmap] = mm
         self.layout = layout
         self._buf = ffi.from_buffer(mm)
         self.base = ffi.cast("char *", self._buf)

@@ -23,7 +23,7 @@ COUNTERS: Dict[str, int] = {
 HISTOGRAMS: Dict[str, int] = {"load": lib.UCM_ST_LOAD_HIST, "wait": lib.UCM_ST_WAIT_HIST}
 HIST_BOUNDS_NS: List[int] = [lib.UCM_HIST_FIRST_NS * lib.UCM_HIST_FACTOR ** k
                              for k in range(lib.UCM_HIST_BUCKETS - 1)]
-COUNTER_NAMES: List[str] = sorted(COUNTERS, key=COUNTERS.get)
+COUNTER_NAMES: List[str] = sorted(COUNTERS, key=COUNTERS.__getitem__)
 
 
 def rank_counters(seg) -> np.ndarray:

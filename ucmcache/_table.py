@@ -13,7 +13,7 @@ lock, and a protocol step in flight can show up half done.  That is what these r
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Callable, Dict, Iterator, List, Optional
+from typing import Callable, Dict, Iterator, List, Optional, TypedDict
 
 import numpy as np
 
@@ -81,7 +81,7 @@ def bucket_heads(seg) -> np.ndarray:
 
 def slot_fields(slots: np.ndarray) -> Dict[str, np.ndarray]:
     """A slot table's fields by name, the state word reduced to the state (no waiters bit)."""
-    out = {name: slots[name] for name in SLOT_META.names if name != "key"}
+    out = {name: slots[name] for name in SLOT_META.fields or {} if name != "key"}
     out["state"] = slots["state"] & np.uint32(lib.UCM_STATE_MASK)
     return out
 
@@ -129,8 +129,16 @@ def rank_state_name(state: int) -> str:
 
 # ------------------------------------------------------------------------- rank rows
 
+class RankRow(TypedDict):
+    rank: int
+    state: str      # a RANK_STATES name
+    pid: int
+    alive: bool
+    dead: bool      # not free and not alive: the rank needs recovery
+
+
 def rank_rows(seg, alive: Optional[Callable[[int], bool]] = None,
-              table: Optional[np.ndarray] = None) -> List[Dict[str, object]]:
+              table: Optional[np.ndarray] = None) -> List[RankRow]:
     """One row per rank: {rank, state (a name), pid, alive, dead}.
 
     `alive(r)` says whether rank r's process lives (default: its life lock is held by another
@@ -141,7 +149,7 @@ def rank_rows(seg, alive: Optional[Callable[[int], bool]] = None,
         def alive(r: int) -> bool:
             return rank_alive(seg, r)
     table = rank_table(seg) if table is None else table
-    rows = []
+    rows: List[RankRow] = []
     for r in range(seg.layout.max_ranks):
         state = int(table[r]["state"])
         up = bool(alive(r))
