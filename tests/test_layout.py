@@ -7,7 +7,7 @@ import zlib
 import numpy as np
 import pytest
 
-from ucmcache._core import ffi, lib
+from ucmcache.lowlevel import ffi, lib
 from ucmcache._layout import ARENA_DESC, HEADER, RANK_DESC, SLOT_META, Layout
 
 # The table rows' digest for each layout version: a change of the bytes (a word moved, widened,

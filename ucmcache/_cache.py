@@ -422,8 +422,15 @@ class SlotCache(CacheBase, SingleFlight, Batches, Prefetching, Mapping):
 
     # ---------------------------------------------------------------- read path
 
-    # get(key, *, timeout=None) -> Handle is CacheBase's (csrc/ucm_hit.c): a hit in C, anything
-    # else here.
+    # The read path's public methods are CacheBase's, made in C (csrc/ucm_hit.c; signatures in
+    # _hit.pyi, docs in help()): a hit is one C call with no Python frame, anything else comes
+    # back here (_get_full, _get_missed, _pin_slow; get_or_load's miss in _single_flight).
+    # Named here so a reader of SlotCache finds them: each is the C method itself.
+    get = CacheBase.get
+    get_many = CacheBase.get_many
+    get_or_load = CacheBase.get_or_load
+    aget_or_load = CacheBase.aget_or_load
+    read_many = CacheBase.read_many
 
     def _get_full(self, key: Key, *, timeout: Optional[float] = None) -> Handle:
         """get() for everything but a plain hit (see CacheBase.get)."""
