@@ -1,8 +1,9 @@
 """cffi build of the C core (API mode): ``ucmcache._core``; and the hit path's extension.
 
 The cdef is the CDEF block of ucm_core.h as it stands, plus every ``#define UCM_*`` of that
-header and every row of its layout tables (``F(M, BUCKET, ...)``: the offset ``UCM_M_BUCKET``)
-declared with ``...`` so the compiler, not this file, supplies the values.
+header, every row of its layout tables (``F(M, BUCKET, ...)``: the offset ``UCM_M_BUCKET``) and
+every row of its result table (``RESULT(BUSY, 2)``: ``UCM_BUSY``), declared with ``...`` so the
+compiler, not this file, supplies the values.
 """
 import os
 import re
@@ -17,6 +18,8 @@ def cdef_source(header_text: str) -> str:
     names = re.findall(r"^#define (UCM_[A-Z0-9_]+)[ \t]+\S", header_text, flags=re.M)
     names += [f"UCM_{prefix}_{name}" for prefix, name
               in re.findall(r"^[ \t]+F\(([A-Z]), ([A-Z0-9_]+),", header_text, flags=re.M)]
+    names += [f"UCM_{name}"
+              for name in re.findall(r"^[ \t]+RESULT\(([A-Z0-9_]+),", header_text, flags=re.M)]
     return "\n".join(f"#define {name} ..." for name in names) + "\n" + block
 
 

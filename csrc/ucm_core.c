@@ -194,6 +194,14 @@ static const ucm_field layout_fields[] = {
 };
 #define N_LAYOUT_FIELDS (sizeof layout_fields / sizeof layout_fields[0])
 
+const char *ucm_result_name(int32_t code)
+{
+#define UCM_RESULT_CASE_(name, value) case value: return "UCM_" #name;
+    switch (code) { UCM_RESULT_TABLE(UCM_RESULT_CASE_) }
+#undef UCM_RESULT_CASE_
+    return NULL;
+}
+
 const ucm_field *ucm_layout_fields(uint32_t *n_out)
 {
     *n_out = (uint32_t)N_LAYOUT_FIELDS;

@@ -134,19 +134,23 @@
 #define UCM_STATE_MASK       0x7fffffffu
 #define UCM_WAITERS          0x80000000u
 
-/* Step results. */
-#define UCM_OK               0
-#define UCM_MISS             1
-#define UCM_BUSY             2
-#define UCM_FULL             3
-#define UCM_CORRUPT          4
-#define UCM_TIMEOUT          5
-#define UCM_ROLLBACK         6
-#define UCM_OWNERDEAD        7
-#define UCM_NOT_HELD         8
-#define UCM_PUBLISHED        9   /* publish: the slot left Loading already */
-#define UCM_MOVED            10  /* the slow path: the arena epoch moved since we last looked */
-#define UCM_IN_FLIGHT        11  /* delete: the key is being loaded (Loading): not deleted */
+/* Step results: RESULT(NAME, value) makes UCM_<NAME>, and ucm_result_name() names it (for
+ * messages: "UCM_BUSY"). */
+#define UCM_RESULT_TABLE(RESULT) \
+    RESULT(OK,           0) \
+    RESULT(MISS,         1) \
+    RESULT(BUSY,         2) \
+    RESULT(FULL,         3) \
+    RESULT(CORRUPT,      4) \
+    RESULT(TIMEOUT,      5) \
+    RESULT(ROLLBACK,     6) \
+    RESULT(OWNERDEAD,    7) \
+    RESULT(NOT_HELD,     8) \
+    RESULT(PUBLISHED,    9)  /* publish: the slot left Loading already */ \
+    RESULT(MOVED,        10) /* the slow path: the arena epoch moved since we last looked */ \
+    RESULT(IN_FLIGHT,    11) /* delete: the key is being loaded (Loading): not deleted */
+#define UCM_RESULT_ENUM_(name, value) UCM_##name = value,
+enum { UCM_RESULT_TABLE(UCM_RESULT_ENUM_) };
 
 /* Parameter errors from ucm_layout_compute (which field is out of range). */
 #define UCM_EP_MAX_RANKS     101
@@ -314,6 +318,7 @@ typedef struct {
     uint32_t count;        /* items: 1 for a word, more for an array (KEY, STATS) */
 } ucm_field;
 
+const char *ucm_result_name(int32_t code);
 uint64_t ucm_default_buckets(uint64_t n_slots);
 int ucm_layout_compute(ucm_layout *l);
 uint32_t ucm_layout_fingerprint(void);

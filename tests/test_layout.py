@@ -85,3 +85,13 @@ def test_segment_init_writes_every_word_attach_checks():
     lib.ucm_segment_publish(base)
     assert lib.ucm_load64(base, lib.UCM_H_MAGIC) == lib.UCM_MAGIC
     del metas, heads, base
+
+
+def test_every_step_result_is_named_by_the_core():
+    from ucmcache._results import code_name
+    named = {code: code_name(code) for code in range(-2, 64)}
+    known = {code: name for code, name in named.items() if not name.startswith("unknown")}
+    assert known[lib.UCM_OK] == "UCM_OK" and known[lib.UCM_IN_FLIGHT] == "UCM_IN_FLIGHT"
+    assert all(getattr(lib, name) == code for code, name in known.items())
+    assert sorted(known) == list(range(len(known))), "results are 0, 1, 2, ... with no gap"
+    assert code_name(-1) == "unknown result -1" and code_name(1 << 40) == f"unknown result {1 << 40}"

@@ -1,8 +1,8 @@
 """Stats: per-rank counters in each rank's own lines of the segment, written only by that rank.
 
 The counter names and their order come from the C header (UCM_ST_*): one list, two languages.
-The seed-004 acceptance metrics derive from them: outer requests = gets, loader runs =
-loads_started, hits, misses, waiters = joins, failures = loads_failed.
+The original specification's acceptance metrics derive from them: outer requests = gets,
+loader runs = loads_started, hits, misses, waiters = joins, failures = loads_failed.
 """
 from __future__ import annotations
 
