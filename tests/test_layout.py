@@ -95,3 +95,21 @@ def test_every_step_result_is_named_by_the_core():
     assert all(getattr(lib, name) == code for code, name in known.items())
     assert sorted(known) == list(range(len(known))), "results are 0, 1, 2, ... with no gap"
     assert code_name(-1) == "unknown result -1" and code_name(1 << 40) == f"unknown result {1 << 40}"
+
+
+def test_the_hit_stub_declares_exactly_what_the_c_types_have():
+    # _hit.pyi is written by hand beside csrc/ucm_hit.c's member and method tables: a field or
+    # method added, renamed or dropped in C without the stub fails here.
+    import ast
+    import pathlib
+
+    import ucmcache._hit as hit
+    stub = ast.parse((pathlib.Path(hit.__file__).parent / "_hit.pyi").read_text())
+    for node in stub.body:
+        if not isinstance(node, ast.ClassDef) or not hasattr(getattr(hit, node.name), "__dict__"):
+            continue
+        declared = {n.target.id for n in node.body if isinstance(n, ast.AnnAssign)}
+        declared |= {n.name for n in node.body if isinstance(n, ast.FunctionDef)}
+        made = set(vars(getattr(hit, node.name)))
+        assert {n for n in declared if not n.startswith("__")} == \
+            {n for n in made if not n.startswith("__")}, node.name
