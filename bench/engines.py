@@ -78,7 +78,7 @@ def main() -> None:
     sys.path.insert(0, ROOT)
     from e2e.model import Spec, build
     from ucmcache import SlotCache
-    from ucmcache._errors import SegmentNotFound
+    from ucmcache import SegmentNotFound
     specs = {"tiny": Spec(),
              "large": Spec(layers=8, hidden=1024, heads=16, kv_heads=4, intermediate=2816)}
     os.makedirs(a.work, exist_ok=True)

@@ -1,7 +1,9 @@
 """cffi build of the C core (API mode): ``ucmcache._core``; and the hit path's extension.
 
 The cdef is the CDEF block of ucm_core.h as it stands, plus every ``#define UCM_*`` of that
-header declared with ``...`` so the compiler, not this file, supplies the values.
+header, every row of its layout tables (``F(M, BUCKET, ...)``: the offset ``UCM_M_BUCKET``) and
+every row of its result table (``RESULT(BUSY, 2)``: ``UCM_BUSY``), declared with ``...`` so the
+compiler, not this file, supplies the values.
 """
 import os
 import re
@@ -14,11 +16,17 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 def cdef_source(header_text: str) -> str:
     block = header_text.split("/* CDEF-BEGIN */", 1)[1].split("/* CDEF-END */", 1)[0]
     names = re.findall(r"^#define (UCM_[A-Z0-9_]+)[ \t]+\S", header_text, flags=re.M)
+    names += [f"UCM_{prefix}_{name}" for prefix, name
+              in re.findall(r"^[ \t]+F\(([A-Z]), ([A-Z0-9_]+),", header_text, flags=re.M)]
+    names += [f"UCM_{name}"
+              for name in re.findall(r"^[ \t]+RESULT\(([A-Z0-9_]+),", header_text, flags=re.M)]
     return "\n".join(f"#define {name} ..." for name in names) + "\n" + block
 
 
 def extra_compile_args() -> list:
-    args = ["-O2", "-std=gnu11", "-Wall", "-Wextra", "-Wno-unused-parameter"]
+    # -Werror: a warning is a build failure (a word of the wrong width, a shadowed name), so
+    # none piles up unread in pip's output.
+    args = ["-O2", "-std=gnu11", "-Wall", "-Wextra", "-Wshadow", "-Werror", "-Wno-unused-parameter"]
     sanitize = os.environ.get("UCMCACHE_SANITIZE")
     if sanitize:
         args += [f"-fsanitize={sanitize}", "-fno-omit-frame-pointer", "-g"]

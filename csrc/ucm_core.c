@@ -53,6 +53,9 @@
 #include <time.h>
 #include <unistd.h>
 
+/* A stripe's robust mutex lives in one line of the stripe region. */
+_Static_assert(sizeof(pthread_mutex_t) <= UCM_LINE, "a stripe's mutex must fit its line");
+
 #define LOCAL_LOCKS 64
 #define WALK_LIMIT_MIN 64
 
@@ -153,7 +156,6 @@ int ucm_layout_compute(ucm_layout *l)
     if (l->n_slots >= UCM_MAX_SLOTS) return UCM_EP_SLOTS_PER_RANK;
     if (l->n_buckets == 0) l->n_buckets = ucm_default_buckets(l->n_slots);
     if (!is_pow2(l->n_buckets) || l->n_buckets > UCM_MAX_BUCKETS) return UCM_EP_N_BUCKETS;
-    if (sizeof(pthread_mutex_t) > UCM_LINE) return UCM_EP_N_STRIPES;
     /* Each region starts on its own line so that no two regions' hot words share one. */
     l->slot_stride = round_up(l->slot_size, UCM_LINE);
     /* Arenas: UCM_ARENAS_PER_RANK per rank of max_ranks, fewer and of one slot when slots are
@@ -176,16 +178,44 @@ int ucm_layout_compute(ucm_layout *l)
     return UCM_OK;
 }
 
+/* The layout tables of ucm_core.h as data: one row per word, in table order. */
+#define UCM_FIELD_ROW_(prefix, name, type, count, align) \
+    {ucm_table_name_##prefix, sizeof(ucm_struct_of_##prefix), #name, UCM_##prefix##_##name, \
+     sizeof(type), count},
+#define ucm_table_name_H "header"
+#define ucm_table_name_R "rank"
+#define ucm_table_name_A "arena"
+#define ucm_table_name_M "slot_meta"
+static const ucm_field layout_fields[] = {
+    UCM_HEADER_TABLE(UCM_FIELD_ROW_)
+    UCM_RANK_TABLE(UCM_FIELD_ROW_)
+    UCM_ARENA_TABLE(UCM_FIELD_ROW_)
+    UCM_SLOT_META_TABLE(UCM_FIELD_ROW_)
+};
+#define N_LAYOUT_FIELDS (sizeof layout_fields / sizeof layout_fields[0])
+
+const char *ucm_result_name(int32_t code)
+{
+#define UCM_RESULT_CASE_(name, value) case value: return "UCM_" #name;
+    switch (code) { UCM_RESULT_TABLE(UCM_RESULT_CASE_) }
+#undef UCM_RESULT_CASE_
+    return NULL;
+}
+
+const ucm_field *ucm_layout_fields(uint32_t *n_out)
+{
+    *n_out = (uint32_t)N_LAYOUT_FIELDS;
+    return layout_fields;
+}
+
 uint32_t ucm_layout_fingerprint(void)
 {
-    /* Every offset and size this build lays a segment out with.  Two builds that disagree on
-     * any of them must not share a segment even if someone forgot to bump the version. */
+    /* Every word of every table (its place, width and count) and every other offset and size
+     * this build lays a segment out with.  Two builds that disagree on any of them must not
+     * share a segment even if someone forgot to bump the version. */
     static const uint64_t parts[] = {
-        UCM_HEADER_SIZE, UCM_H_GENERATION, UCM_RANK_SIZE, UCM_R_STATE, UCM_R_PID,
-        UCM_R_CLOCK_HAND, UCM_R_STATS, UCM_ST_COUNT, UCM_H_ARENA_EPOCH, UCM_ARENAS_PER_RANK,
-        UCM_A_OWNER, UCM_A_ACC_ENTRIES, UCM_A_ACC_BYTES, UCM_ARENA_SIZE,
-        UCM_META_SIZE, UCM_M_REFERENCE, UCM_M_KEY, UCM_M_BUCKET, UCM_M_STATE, UCM_M_PREV,
-        UCM_M_NEXT, UCM_M_GENERATION, UCM_M_LENGTH, UCM_M_ACCESSED, UCM_M_LOADER, UCM_M_FLAGS,
+        UCM_HEADER_SIZE, UCM_RANK_SIZE, UCM_ARENA_SIZE, UCM_META_SIZE, UCM_ST_COUNT,
+        UCM_ARENAS_PER_RANK,
         UCM_RING_DEPTH, UCM_RING_HEAD, UCM_RING_TAIL, UCM_RING_LOCK, UCM_RING_SLEEPING,
         UCM_RING_POSTED, UCM_RING_DROPPED, UCM_RING_PRESENT, UCM_RING_ENTRIES, UCM_ACC_GEN_BITS,
         UCM_CLAIMED, UCM_NIL, UCM_LINE, UCM_PAGE, sizeof(pthread_mutex_t),
@@ -193,9 +223,31 @@ uint32_t ucm_layout_fingerprint(void)
         UCM_F_COUNTED, UCM_F_INSTALLING, UCM_F_DELETING, UCM_F_DELETE_CHECKED,
         /* the histograms' counters and what their buckets mean live in the stats lines too */
         UCM_HIST_BUCKETS, UCM_HIST_FIRST_NS, UCM_HIST_FACTOR, UCM_ST_LOAD_HIST, UCM_ST_WAIT_HIST};
-    uint64_t h = 0;
-    for (size_t i = 0; i < sizeof parts / sizeof parts[0]; i++) h = ucm_mix(h ^ parts[i], i + 1);
+    uint64_t h = 0, i = 0;
+    for (size_t p = 0; p < sizeof parts / sizeof parts[0]; p++) h = ucm_mix(h ^ parts[p], ++i);
+    for (size_t f = 0; f < N_LAYOUT_FIELDS; f++) {
+        const ucm_field *row = &layout_fields[f];
+        h = ucm_mix(h ^ row->table_size, ++i);
+        h = ucm_mix(h ^ row->offset, ++i);
+        h = ucm_mix(h ^ row->item_size, ++i);
+        h = ucm_mix(h ^ row->count, ++i);
+    }
     return (uint32_t)(h ^ (h >> 32));
+}
+
+uint32_t ucm_params_crc(const char *base)
+{
+    /* zlib's crc32 of the header's param bytes, [VERSION, end of line 0): catches a param word
+     * changed after the segment was made.  Read by the creator before the magic and by attachers
+     * after it, when nobody writes these words any more. */
+    const unsigned char *p = (const unsigned char *)base + UCM_H_VERSION;
+    const unsigned char *end = (const unsigned char *)base + UCM_H_GENERATION;
+    uint32_t crc = 0xffffffffu;
+    for (; p < end; p++) {
+        crc ^= *p;
+        for (int k = 0; k < 8; k++) crc = (crc >> 1) ^ (0xedb88320u & (0u - (crc & 1)));
+    }
+    return crc ^ 0xffffffffu;
 }
 
 uint64_t ucm_mix(uint64_t k0, uint64_t k1)
@@ -361,9 +413,6 @@ static int mutex_result(int r)
     return UCM_CORRUPT; /* ENOTRECOVERABLE, EINVAL: the mutex word is not a mutex any more */
 }
 
-
-
-
 uint32_t ucm_mutex_holder(char *base, uint64_t off)
 {
     /* The thread id a robust mutex's lock word names (Linux robust futex ABI: the owner's TID in
@@ -372,6 +421,55 @@ uint32_t ucm_mutex_holder(char *base, uint64_t off)
     return __atomic_load_n(W32(base, off), __ATOMIC_RELAXED) & 0x3fffffffu;
 }
 
+
+/* ---------------------------------------------------------------- making a segment */
+
+int ucm_segment_init(char *base, const ucm_layout *l, uint32_t creator_pid, uint32_t creator_uid)
+{
+    /* Every word of a new segment but the magic, on a zeroed mapping that nobody else trusts
+     * yet (the bootstrap protocol: ucmcache/_segment.py).  Arenas (zero: generation 0, owner
+     * free) and RankDescs (zero: FREE) stay as the zeroed mapping has them.  Returns 0, or the
+     * errno of a stripe's pthread_mutex_init. */
+    ucm_header *h = (ucm_header *)base;
+    /* The pid first, release: a prober that sees a free creator lock reads it (before any
+     * magic) to tell "being made" from "its creator died". */
+    __atomic_store_n(h->CREATOR_PID, creator_pid, __ATOMIC_RELEASE);
+    /* The rest relaxed: no one reads them before the magic, whose release store in
+     * ucm_segment_publish orders them all before an attacher's acquire load of it. */
+    __atomic_store_n(h->CREATOR_UID, creator_uid, __ATOMIC_RELAXED);
+    __atomic_store_n(h->VERSION, UCM_LAYOUT_VERSION, __ATOMIC_RELAXED);
+    __atomic_store_n(h->FEATURES, 0, __ATOMIC_RELAXED);
+    __atomic_store_n(h->MAX_RANKS, l->max_ranks, __ATOMIC_RELAXED);
+    __atomic_store_n(h->N_STRIPES, l->n_stripes, __ATOMIC_RELAXED);
+    __atomic_store_n(h->SLOTS_PER_RANK, l->slots_per_rank, __ATOMIC_RELAXED);
+    __atomic_store_n(h->SLOT_SIZE, l->slot_size, __ATOMIC_RELAXED);
+    __atomic_store_n(h->N_BUCKETS, l->n_buckets, __ATOMIC_RELAXED);
+    __atomic_store_n(h->TOTAL_SIZE, l->total_size, __ATOMIC_RELAXED);
+    __atomic_store_n(h->PARAMS_CRC, ucm_params_crc(base), __ATOMIC_RELAXED);
+    __atomic_store_n(h->LAYOUT_FP, ucm_layout_fingerprint(), __ATOMIC_RELAXED);
+    __atomic_store_n(h->GENERATION, 1, __ATOMIC_RELAXED); /* generation 0 is the arenas' "none" */
+    uint32_t *heads = W32(base, l->bucket_off);
+    for (uint64_t b = 0; b < l->n_buckets; b++) heads[b] = UCM_NIL;
+    for (uint64_t s = 0; s < l->n_slots; s++) {
+        ucm_slot_meta *m = (ucm_slot_meta *)(base + l->meta_off + s * UCM_META_SIZE);
+        m->BUCKET[0] = UCM_INVALID_BUCKET;
+        m->PREV[0] = UCM_NIL;
+        m->NEXT[0] = UCM_NIL;
+    }
+    for (uint32_t st = 0; st < l->n_stripes; st++) {
+        int r = ucm_mutex_init(base, l->stripe_off + (uint64_t)st * UCM_LINE);
+        if (r) return r;
+    }
+    return 0;
+}
+
+void ucm_segment_publish(char *base)
+{
+    /* The magic last, release: pairs with an attacher's acquire load of it (ucm_load64), after
+     * which every word ucm_segment_init stored is visible.  Then wake attachers sleeping on it. */
+    __atomic_store_n(((ucm_header *)base)->MAGIC, UCM_MAGIC, __ATOMIC_RELEASE);
+    futex_wake_word(W32(base, UCM_H_MAGIC), INT32_MAX);
+}
 
 /* ---------------------------------------------------------------- process-local locks */
 
@@ -599,21 +697,26 @@ void ucm_observe(ucm_ctx *c, int32_t hist, uint64_t ns)
 
 /* ---------------------------------------------------------------- slot words */
 
-static inline char *meta(ucm_ctx *c, uint32_t s) { return c->base + c->l.meta_off + (uint64_t)s * UCM_META_SIZE; }
-static inline uint64_t *ref_w(ucm_ctx *c, uint32_t s) { return W64(meta(c, s), UCM_M_REFERENCE); }
-static inline uint64_t *key_w(ucm_ctx *c, uint32_t s) { return W64(meta(c, s), UCM_M_KEY); }
-static inline uint32_t *bucket_w(ucm_ctx *c, uint32_t s) { return W32(meta(c, s), UCM_M_BUCKET); }
-static inline uint32_t *state_w(ucm_ctx *c, uint32_t s) { return W32(meta(c, s), UCM_M_STATE); }
-static inline uint32_t *prev_w(ucm_ctx *c, uint32_t s) { return W32(meta(c, s), UCM_M_PREV); }
-static inline uint32_t *next_w(ucm_ctx *c, uint32_t s) { return W32(meta(c, s), UCM_M_NEXT); }
-static inline uint32_t *gen_w(ucm_ctx *c, uint32_t s) { return W32(meta(c, s), UCM_M_GENERATION); }
-static inline uint32_t *len_w(ucm_ctx *c, uint32_t s) { return W32(meta(c, s), UCM_M_LENGTH); }
-static inline uint32_t *acc_w(ucm_ctx *c, uint32_t s) { return W32(meta(c, s), UCM_M_ACCESSED); }
-static inline uint16_t *loader_w(ucm_ctx *c, uint32_t s) { return (uint16_t *)(meta(c, s) + UCM_M_LOADER); }
-static inline uint16_t *flags_w(ucm_ctx *c, uint32_t s) { return (uint16_t *)(meta(c, s) + UCM_M_FLAGS); }
+/* Each table's words through its struct (ucm_core.h), so a word's width is the table's: a
+ * pointer of another width here does not compile. */
+static inline ucm_header *header(ucm_ctx *c) { return (ucm_header *)c->base; }
+static inline ucm_rank_desc *rank_desc(ucm_ctx *c, uint32_t r) { return (ucm_rank_desc *)(c->base + c->l.rank_off + (uint64_t)r * UCM_RANK_SIZE); }
+static inline ucm_arena_desc *arena_desc(ucm_ctx *c, uint32_t a) { return (ucm_arena_desc *)(c->base + c->l.arena_off + (uint64_t)a * UCM_ARENA_SIZE); }
+static inline ucm_slot_meta *meta(ucm_ctx *c, uint32_t s) { return (ucm_slot_meta *)(c->base + c->l.meta_off + (uint64_t)s * UCM_META_SIZE); }
+static inline uint64_t *ref_w(ucm_ctx *c, uint32_t s) { return meta(c, s)->REFERENCE; }
+static inline uint64_t *key_w(ucm_ctx *c, uint32_t s) { return meta(c, s)->KEY; }
+static inline uint32_t *bucket_w(ucm_ctx *c, uint32_t s) { return meta(c, s)->BUCKET; }
+static inline uint32_t *state_w(ucm_ctx *c, uint32_t s) { return meta(c, s)->STATE; }
+static inline uint32_t *prev_w(ucm_ctx *c, uint32_t s) { return meta(c, s)->PREV; }
+static inline uint32_t *next_w(ucm_ctx *c, uint32_t s) { return meta(c, s)->NEXT; }
+static inline uint32_t *gen_w(ucm_ctx *c, uint32_t s) { return meta(c, s)->GENERATION; }
+static inline uint32_t *len_w(ucm_ctx *c, uint32_t s) { return meta(c, s)->LENGTH; }
+static inline uint32_t *acc_w(ucm_ctx *c, uint32_t s) { return meta(c, s)->ACCESSED; }
+static inline uint16_t *loader_w(ucm_ctx *c, uint32_t s) { return meta(c, s)->LOADER; }
+static inline uint16_t *flags_w(ucm_ctx *c, uint32_t s) { return meta(c, s)->FLAGS; }
 static inline uint32_t *head_w(ucm_ctx *c, uint32_t b) { return W32(c->base, c->l.bucket_off + (uint64_t)b * 4); }
 static inline char *stripe_mutex(ucm_ctx *c, uint32_t st) { return c->base + c->l.stripe_off + (uint64_t)st * UCM_LINE; }
-static inline uint64_t *rank_hand_w(ucm_ctx *c) { return W64(c->base, c->l.rank_off + (uint64_t)c->rank * UCM_RANK_SIZE + UCM_R_CLOCK_HAND); }
+static inline uint64_t *rank_hand_w(ucm_ctx *c) { return rank_desc(c, (uint32_t)c->rank)->CLOCK_HAND; }
 
 #define RLX(p) __atomic_load_n((p), __ATOMIC_RELAXED)
 #define ACQ(p) __atomic_load_n((p), __ATOMIC_ACQUIRE)
@@ -641,7 +744,7 @@ uint64_t ucm_generation(ucm_ctx *c)
 {
     /* Acquire pairs with clear()'s fetch-add: entries published after a clear are stamped with
      * a generation no older than the one we read. */
-    return __atomic_load_n(W64(c->base, UCM_H_GENERATION), __ATOMIC_ACQUIRE);
+    return __atomic_load_n(header(c)->GENERATION, __ATOMIC_ACQUIRE);
 }
 
 uint32_t ucm_slot_loader(ucm_ctx *c, uint32_t s)
@@ -1278,7 +1381,7 @@ uint64_t ucm_acc_value(ucm_ctx *c, uint64_t off)
      * publishes running in other ranks it is a value the cache had at some instant of the
      * call only per arena, not as a whole.  seq_cst loads: see acc_add. */
     if (off != UCM_A_ACC_ENTRIES && off != UCM_A_ACC_BYTES) return 0;
-    uint64_t g = __atomic_load_n(W64(c->base, UCM_H_GENERATION), __ATOMIC_SEQ_CST) & ACC_GEN_MASK;
+    uint64_t g = __atomic_load_n(header(c)->GENERATION, __ATOMIC_SEQ_CST) & ACC_GEN_MASK;
     uint64_t sum = 0;
     for (uint32_t r = 0; r < c->l.n_arenas; r++) {
         uint64_t a = __atomic_load_n(acc_word(c, r, off), __ATOMIC_SEQ_CST);
@@ -1291,7 +1394,7 @@ uint64_t ucm_clear(ucm_ctx *c)
 {
     /* seq_cst: one total order with the publishers' acc_add CASes (I4): an add ordered before
      * this lands in the old generation's words, one after it sees the new generation. */
-    uint64_t g = __atomic_add_fetch(W64(c->base, UCM_H_GENERATION), 1, __ATOMIC_SEQ_CST);
+    uint64_t g = __atomic_add_fetch(header(c)->GENERATION, 1, __ATOMIC_SEQ_CST);
     /* Move every arena's words on to the new generation (value 0), so no word ever lags more
      * than a clear behind and the wrapping generation compare in acc_add stays exact.  A word
      * a publisher already moved forward is left alone. */
@@ -1336,7 +1439,7 @@ uint64_t ucm_clear(ucm_ctx *c)
      arenas it owned. */
 
 static inline uint32_t arena_of(ucm_ctx *c, uint32_t s) { return (uint32_t)(s / c->l.arena_slots); }
-static inline uint32_t *owner_w(ucm_ctx *c, uint32_t a) { return W32(c->base, c->l.arena_off + (uint64_t)a * UCM_ARENA_SIZE + UCM_A_OWNER); }
+static inline uint32_t *owner_w(ucm_ctx *c, uint32_t a) { return arena_desc(c, a)->OWNER; }
 static inline uint64_t arena_end(ucm_ctx *c, uint32_t a)
 {
     uint64_t e = ((uint64_t)a + 1) * c->l.arena_slots;
@@ -2000,7 +2103,7 @@ int64_t ucm_get_slow(ucm_ctx *c, const char *id, uint64_t offset, uint32_t spin_
     /* The set of ranks changed since our rank looked at its share of the arenas: the Python
      * layer looks first (one load here instead of a call per miss there).  Relaxed: the epoch
      * is a hint that only says when to look; the owner words decide. */
-    if (RLX(W64(c->base, UCM_H_ARENA_EPOCH)) != __atomic_load_n(&c->epoch_seen, __ATOMIC_RELAXED))
+    if (RLX(header(c)->ARENA_EPOCH) != __atomic_load_n(&c->epoch_seen, __ATOMIC_RELAXED))
         return -(int64_t)UCM_MOVED;
     uint64_t key[3];
     load_key(id, offset, key);
@@ -2577,7 +2680,7 @@ int ucm_recover_rank(ucm_ctx *c, uint32_t dead, int64_t stripe_timeout_ns, int32
      * shares), and again after FREE below (the shares changed): a recoverer killed between
      * the two still announced the arenas.  seq_cst, though it orders nothing: ranks only
      * compare it with the value they saw. */
-    if (owned) __atomic_fetch_add(W64(c->base, UCM_H_ARENA_EPOCH), 1, __ATOMIC_SEQ_CST);
+    if (owned) __atomic_fetch_add(header(c)->ARENA_EPOCH, 1, __ATOMIC_SEQ_CST);
     counts_out[0] = pins;
     counts_out[1] = loading;
     counts_out[2] = freed;
@@ -2588,14 +2691,14 @@ int ucm_recover_rank(ucm_ctx *c, uint32_t dead, int64_t stripe_timeout_ns, int32
          * writes above happen before a taker's acquire of the state.  The count goes in
          * count_in_rank's stats line (the recoverer's rank, or the rank it is taking; < 0:
          * not counted, as for a close of our own rank); relaxed: a counter. */
-        char *desc = c->base + c->l.rank_off + (uint64_t)dead * UCM_RANK_SIZE;
-        SET_REL(W32(desc, UCM_R_PID), 0);
-        SET_REL(W32(desc, UCM_R_STATE), UCM_RANK_FREE);
+        ucm_rank_desc *desc = rank_desc(c, dead);
+        SET_REL(desc->PID, 0);
+        SET_REL(desc->STATE, UCM_RANK_FREE);
         if (count_in_rank >= 0 && (uint32_t)count_in_rank < c->l.max_ranks)
-            __atomic_fetch_add(W64(c->base, c->l.rank_off + (uint64_t)count_in_rank * UCM_RANK_SIZE
-                                   + UCM_R_STATS + 8 * UCM_ST_RECOVERED_RANKS), 1, __ATOMIC_RELAXED);
+            __atomic_fetch_add(&rank_desc(c, (uint32_t)count_in_rank)->STATS[UCM_ST_RECOVERED_RANKS],
+                               1, __ATOMIC_RELAXED);
     }
     /* After FREE: a rank that looks at its share now sees one rank fewer.  seq_cst: as above. */
-    if (result == UCM_OK) __atomic_fetch_add(W64(c->base, UCM_H_ARENA_EPOCH), 1, __ATOMIC_SEQ_CST);
+    if (result == UCM_OK) __atomic_fetch_add(header(c)->ARENA_EPOCH, 1, __ATOMIC_SEQ_CST);
     return result;
 }

@@ -36,25 +36,56 @@
 #define UCM_PIN_SLOT(r)      ((uint32_t)((r) & UCM_PIN_SLOT_MASK))
 #define UCM_PIN_LEN(r)       ((uint32_t)(((r) >> UCM_PIN_LEN_SHIFT) & UCM_PIN_SLOT_MASK))
 
-/* Header field offsets (line 0 = identity and params, line 1 = generation, only clear() writes;
- * line 2 = the arena epoch). */
-#define UCM_H_MAGIC          0
-#define UCM_H_VERSION        8
-#define UCM_H_FEATURES       12
-#define UCM_H_CREATOR_PID    16
-#define UCM_H_CREATOR_UID    20
-#define UCM_H_MAX_RANKS      24
-#define UCM_H_N_STRIPES      28
-#define UCM_H_SLOTS_PER_RANK 32
-#define UCM_H_SLOT_SIZE      40
-#define UCM_H_N_BUCKETS      48
-#define UCM_H_TOTAL_SIZE     56
-#define UCM_H_GENERATION     64
-#define UCM_H_ARENA_EPOCH    128 /* u64: bumped when the set of ranks changes (attach, close,
-                                  * recovery): ranks look at their share of arenas again */
-#define UCM_H_PARAMS_CRC     192 /* u32: crc32 of header bytes [8, 64): catches a changed param */
-#define UCM_H_LAYOUT_FP      196 /* u32: ucm_layout_fingerprint() of the build that made it */
+/* The shared layouts: header, RankDesc, ArenaDesc and SlotMeta, each declared once, here.
+ *
+ * A table is one row per word: F(prefix, NAME, type, count, align), in address order.  The
+ * compiler lays each table out as a struct (ucm_header, ucm_rank_desc, ucm_arena_desc,
+ * ucm_slot_meta: members NAME[count], `align` = UCM_LINE starts a new cache line, 0 keeps the
+ * type's own alignment) and from it come:
+ *   - the offsets UCM_<prefix>_<NAME> (offsetof), which C, cffi (`...`) and Python use;
+ *   - the checks below: each struct is exactly its region's size (a word past UCM_META_SIZE, or
+ *     a line that grew, does not compile), aligned no wider than a line;
+ *   - ucm_layout_fields(): the rows as data, from which ucmcache/_layout.py builds the numpy
+ *     dtypes every whole-table reader uses, and ucm_layout_fingerprint() its digest;
+ *   - the typed accessors in ucm_core.c (a word read with the wrong width does not compile).
+ * Adding a word is one row here, plus the code that uses it.  Who writes each word and why a
+ * lock-free read of it is safe: the essay at the top of ucm_core.c. */
+
+/* Header: line 0 identity and params (params_crc covers bytes [8, 64)), line 1 the generation
+ * (only clear() writes it), line 2 the arena epoch (bumped when the set of ranks changes:
+ * attach, close, recovery; ranks then look at their share of arenas again), line 3 the
+ * checksums: the params' crc32 and ucm_layout_fingerprint() of the build that made it. */
+#define UCM_HEADER_TABLE(F) \
+    F(H, MAGIC,          uint64_t, 1, 0) \
+    F(H, VERSION,        uint32_t, 1, 0) \
+    F(H, FEATURES,       uint32_t, 1, 0) \
+    F(H, CREATOR_PID,    uint32_t, 1, 0) \
+    F(H, CREATOR_UID,    uint32_t, 1, 0) \
+    F(H, MAX_RANKS,      uint32_t, 1, 0) \
+    F(H, N_STRIPES,      uint32_t, 1, 0) \
+    F(H, SLOTS_PER_RANK, uint64_t, 1, 0) \
+    F(H, SLOT_SIZE,      uint64_t, 1, 0) \
+    F(H, N_BUCKETS,      uint64_t, 1, 0) \
+    F(H, TOTAL_SIZE,     uint64_t, 1, 0) \
+    F(H, GENERATION,     uint64_t, 1, UCM_LINE) \
+    F(H, ARENA_EPOCH,    uint64_t, 1, UCM_LINE) \
+    F(H, PARAMS_CRC,     uint32_t, 1, UCM_LINE) \
+    F(H, LAYOUT_FP,      uint32_t, 1, 0)
 #define UCM_HEADER_SIZE      256
+
+/* RankDesc: line 0 identity and the CLOCK hand, then the rank's own counters (UCM_ST_*),
+ * written only by that rank. */
+#define UCM_RANK_TABLE(F) \
+    F(R, STATE,          uint32_t, 1, UCM_LINE) \
+    F(R, PID,            uint32_t, 1, 0) \
+    F(R, CLOCK_HAND,     uint64_t, 1, 0) \
+    F(R, ATTACHES,       uint64_t, 1, 0) \
+    F(R, STATS,          uint64_t, UCM_ST_COUNT, UCM_LINE)
+#define UCM_RANK_SIZE        768 /* line 0 identity + 11 lines of 8 counters */
+#define UCM_RANK_FREE        0
+#define UCM_RANK_INITIALIZING 1
+#define UCM_RANK_READY       2
+#define UCM_RANK_STOPPED     3
 
 /* Accounting words pack (generation low bits, value).  There is one pair per arena, in its
  * ArenaDesc: every slot is installed and published by the one rank that writes its arena's
@@ -64,37 +95,30 @@
 #define UCM_ACC_GEN_BITS     20
 #define UCM_ACC_VALUE_BITS   44
 
-/* ArenaDesc: one line per arena (slots [a * arena_slots, (a + 1) * arena_slots)). */
-#define UCM_A_OWNER          0    /* u32: 0 free, else rank + 1 */
-#define UCM_A_ACC_ENTRIES    8    /* packed (generation, Ready entries of this arena) */
-#define UCM_A_ACC_BYTES      16   /* packed (generation, their payload bytes) */
+/* ArenaDesc: one line per arena (slots [a * arena_slots, (a + 1) * arena_slots)).  OWNER is 0
+ * when free, else rank + 1; ACC_ENTRIES and ACC_BYTES are packed (generation, Ready entries of
+ * this arena) and (generation, their payload bytes). */
+#define UCM_ARENA_TABLE(F) \
+    F(A, OWNER,          uint32_t, 1, UCM_LINE) \
+    F(A, ACC_ENTRIES,    uint64_t, 1, 0) \
+    F(A, ACC_BYTES,      uint64_t, 1, 0)
 #define UCM_ARENA_SIZE       64
 
-/* RankDesc: 10 lines; line 0 is identity and the CLOCK hand, lines 1-9 the rank's own stats. */
-#define UCM_R_STATE          0
-#define UCM_R_PID            4
-#define UCM_R_CLOCK_HAND     8
-#define UCM_R_ATTACHES       16
-#define UCM_R_STATS          64
-#define UCM_RANK_SIZE        768 /* line 0 identity + 11 lines of 8 counters */
-#define UCM_RANK_FREE        0
-#define UCM_RANK_INITIALIZING 1
-#define UCM_RANK_READY       2
-#define UCM_RANK_STOPPED     3
-
-/* SlotMeta: one 64-byte line per slot. */
-#define UCM_M_REFERENCE      0
-#define UCM_M_KEY            8
-#define UCM_M_BUCKET         32
-#define UCM_M_STATE          36
-#define UCM_M_PREV           40
-#define UCM_M_NEXT           44
-#define UCM_M_GENERATION     48
-#define UCM_M_LENGTH         52
-#define UCM_M_ACCESSED       56
-#define UCM_M_LOADER         60 /* u16: rank of the owner that loads it */
-#define UCM_M_FLAGS          62 /* u16: UCM_F_COUNTED, UCM_F_INSTALLING, UCM_F_DELETING,
-                                 * UCM_F_DELETE_CHECKED */
+/* SlotMeta: one 64-byte line per slot (who writes which word: the top of ucm_core.c).  LOADER
+ * is the rank of the owner that loads it; FLAGS holds UCM_F_*. */
+#define UCM_SLOT_META_TABLE(F) \
+    F(M, REFERENCE,      uint64_t, 1, UCM_LINE) \
+    F(M, KEY,            uint64_t, 3, 0) \
+    F(M, BUCKET,         uint32_t, 1, 0) \
+    F(M, STATE,          uint32_t, 1, 0) \
+    F(M, PREV,           uint32_t, 1, 0) \
+    F(M, NEXT,           uint32_t, 1, 0) \
+    F(M, GENERATION,     uint32_t, 1, 0) \
+    F(M, LENGTH,         uint32_t, 1, 0) \
+    F(M, ACCESSED,       uint32_t, 1, 0) \
+    F(M, LOADER,         uint16_t, 1, 0) \
+    F(M, FLAGS,          uint16_t, 1, 0)
+#define UCM_META_SIZE        64
 #define UCM_F_COUNTED        1  /* the slot's bytes are in its arena's accounting words */
 #define UCM_F_INSTALLING     2  /* claimed by its arena's writer, past the ownership check: the
                                  * claimant may have changed the arena's words (recovery) */
@@ -105,7 +129,6 @@
                                  * its mark, so it is the writer of its arena's words and may have
                                  * changed the chain (recovery finishes such a delete; a mark
                                  * without it changed nothing and is only cleared) */
-#define UCM_META_SIZE        64
 
 /* Slot states (low bits of the state word); the top bit says a waiter sleeps on it. */
 #define UCM_EMPTY            0
@@ -115,19 +138,23 @@
 #define UCM_STATE_MASK       0x7fffffffu
 #define UCM_WAITERS          0x80000000u
 
-/* Step results. */
-#define UCM_OK               0
-#define UCM_MISS             1
-#define UCM_BUSY             2
-#define UCM_FULL             3
-#define UCM_CORRUPT          4
-#define UCM_TIMEOUT          5
-#define UCM_ROLLBACK         6
-#define UCM_OWNERDEAD        7
-#define UCM_NOT_HELD         8
-#define UCM_PUBLISHED        9   /* publish: the slot left Loading already */
-#define UCM_MOVED            10  /* the slow path: the arena epoch moved since we last looked */
-#define UCM_IN_FLIGHT        11  /* delete: the key is being loaded (Loading): not deleted */
+/* Step results: RESULT(NAME, value) makes UCM_<NAME>, and ucm_result_name() names it (for
+ * messages: "UCM_BUSY"). */
+#define UCM_RESULT_TABLE(RESULT) \
+    RESULT(OK,           0) \
+    RESULT(MISS,         1) \
+    RESULT(BUSY,         2) \
+    RESULT(FULL,         3) \
+    RESULT(CORRUPT,      4) \
+    RESULT(TIMEOUT,      5) \
+    RESULT(ROLLBACK,     6) \
+    RESULT(OWNERDEAD,    7) \
+    RESULT(NOT_HELD,     8) \
+    RESULT(PUBLISHED,    9)  /* publish: the slot left Loading already */ \
+    RESULT(MOVED,        10) /* the slow path: the arena epoch moved since we last looked */ \
+    RESULT(IN_FLIGHT,    11) /* delete: the key is being loaded (Loading): not deleted */
+#define UCM_RESULT_ENUM_(name, value) UCM_##name = value,
+enum { UCM_RESULT_TABLE(UCM_RESULT_ENUM_) };
 
 /* Parameter errors from ucm_layout_compute (which field is out of range). */
 #define UCM_EP_MAX_RANKS     101
@@ -224,6 +251,36 @@
 #define UCM_ACT_EXIT         3 /* the C stress driver's thread death: pthread_exit at the
                                  * point (a stripe held passes EOWNERDEAD to its next locker) */
 
+/* The tables as structs (never instantiated as values: the words are reached through pointers
+ * into the mapping, with atomics), and their offsets as constants. */
+#define UCM_MEMBER_(prefix, name, type, count, align) _Alignas(align) type name[count];
+#define UCM_OFFSET_(prefix, name, type, count, align) \
+    UCM_##prefix##_##name = __builtin_offsetof(ucm_struct_of_##prefix, name),
+typedef struct { UCM_HEADER_TABLE(UCM_MEMBER_) } ucm_header;
+typedef struct { UCM_RANK_TABLE(UCM_MEMBER_) } ucm_rank_desc;
+typedef struct { UCM_ARENA_TABLE(UCM_MEMBER_) } ucm_arena_desc;
+typedef struct { UCM_SLOT_META_TABLE(UCM_MEMBER_) } ucm_slot_meta;
+#define ucm_struct_of_H ucm_header /* lower case: not constants, so not handed to cffi */
+#define ucm_struct_of_R ucm_rank_desc
+#define ucm_struct_of_A ucm_arena_desc
+#define ucm_struct_of_M ucm_slot_meta
+enum {
+    UCM_HEADER_TABLE(UCM_OFFSET_)
+    UCM_RANK_TABLE(UCM_OFFSET_)
+    UCM_ARENA_TABLE(UCM_OFFSET_)
+    UCM_SLOT_META_TABLE(UCM_OFFSET_)
+};
+/* Every bound of every table, checked by the compiler. */
+_Static_assert(sizeof(ucm_header) == UCM_HEADER_SIZE, "the header's words must fill exactly UCM_HEADER_SIZE");
+_Static_assert(sizeof(ucm_rank_desc) == UCM_RANK_SIZE, "a RankDesc's words must fill exactly UCM_RANK_SIZE");
+_Static_assert(sizeof(ucm_arena_desc) == UCM_ARENA_SIZE, "an ArenaDesc's words must fill exactly UCM_ARENA_SIZE");
+_Static_assert(sizeof(ucm_slot_meta) == UCM_META_SIZE, "a SlotMeta's words must fill exactly UCM_META_SIZE");
+_Static_assert(_Alignof(ucm_header) == UCM_LINE && _Alignof(ucm_rank_desc) == UCM_LINE
+               && _Alignof(ucm_arena_desc) == UCM_LINE && _Alignof(ucm_slot_meta) == UCM_LINE,
+               "each table starts on its own line (its first row says UCM_LINE)");
+_Static_assert(UCM_H_PARAMS_CRC == 3 * UCM_LINE && UCM_H_GENERATION == UCM_LINE,
+               "the params crc covers line 0 from VERSION on, and nothing else is on line 0");
+
 /* CDEF-BEGIN */
 typedef struct {
     uint32_t max_ranks;
@@ -258,9 +315,24 @@ typedef struct {
     uint32_t armed;  /* 1 while it holds what it names */
 } ucm_token;
 
+/* One row of the layout tables above (UCM_HEADER_TABLE, ...), as data for Python's readers. */
+typedef struct {
+    const char *table;     /* "header", "rank", "arena" or "slot_meta" */
+    uint32_t table_size;   /* UCM_HEADER_SIZE, UCM_RANK_SIZE, UCM_ARENA_SIZE or UCM_META_SIZE */
+    const char *name;      /* the row's NAME ("SLOTS_PER_RANK"); its offset is UCM_<prefix>_NAME */
+    uint32_t offset;
+    uint32_t item_size;    /* bytes of one item (an unsigned little-endian int) */
+    uint32_t count;        /* items: 1 for a word, more for an array (KEY, STATS) */
+} ucm_field;
+
+const char *ucm_result_name(int32_t code);
 uint64_t ucm_default_buckets(uint64_t n_slots);
 int ucm_layout_compute(ucm_layout *l);
 uint32_t ucm_layout_fingerprint(void);
+const ucm_field *ucm_layout_fields(uint32_t *n_out);
+uint32_t ucm_params_crc(const char *base);
+int ucm_segment_init(char *base, const ucm_layout *l, uint32_t creator_pid, uint32_t creator_uid);
+void ucm_segment_publish(char *base);
 uint64_t ucm_mix(uint64_t k0, uint64_t k1);
 
 ucm_ctx *ucm_ctx_new(char *base, uint64_t map_size, const ucm_layout *l);

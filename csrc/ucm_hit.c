@@ -1506,9 +1506,9 @@ static PyObject *batch_hit(CacheBase *c, PyObject *keys)
         goto fail;
     }
     if (__builtin_expect(core.ctx_points_set(ctx), 0)) {
-        uint32_t *slots = b->slot_at;
+        uint32_t *slot_at = b->slot_at;
         int64_t *lens_at = b->len_at;
-        WITHOUT_GIL(c, rc = core.pin_all_ready(ctx, ids, NULL, (uint32_t)n, C_SPIN, slots,
+        WITHOUT_GIL(c, rc = core.pin_all_ready(ctx, ids, NULL, (uint32_t)n, C_SPIN, slot_at,
                                                lens_at));
     } else {
         rc = core.pin_all_ready(ctx, ids, NULL, (uint32_t)n, C_SPIN, b->slot_at, b->len_at);

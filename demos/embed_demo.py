@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""A real client of ucmcache: embedding workers on a real model share one cache (issue 10).
+"""A real client of ucmcache: embedding workers on a real model share one cache.
 
 ``./scripts/embed-demo`` sets up its own venv (.venv-embed) and runs this file.  It creates one
 segment, starts N worker processes (multiprocessing spawn; default 4) that attach to it by uuid,

@@ -300,7 +300,7 @@ def _parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     add_end_options(ap, 300.0, "no progress line on stderr", "--inject-bad-payload")
     a = ap.parse_args(argv)
     quick_or_full(a, requests=(60, 2500), spot_rate=(0.25, 0.02))
-    from ucmcache._core import lib
+    from ucmcache.lowlevel import lib
     if not 1 <= a.workers <= lib.UCM_MAX_RANKS - 1:
         ap.error(f"--workers must be in [1, {lib.UCM_MAX_RANKS - 1}]")
     if a.requests < 1:

@@ -109,7 +109,7 @@ def procs():
 @pytest.fixture
 def gate():
     """gate() -> a fresh Gate; all are released and removed at teardown."""
-    from ucmcache._hooks import Gate
+    from ucmcache.lowlevel import Gate
     made = []
 
     def make(timeout=30.0):

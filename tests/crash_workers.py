@@ -55,10 +55,10 @@ import numpy as np
 
 import ucmcache
 from ucmcache import SlotCache
-from ucmcache._core import ffi, lib
-from ucmcache._hooks import Gate
+from ucmcache.lowlevel import ffi, lib
+from ucmcache.lowlevel import Gate
 from ucmcache._recovery import rank_state
-from ucmcache._segment import Segment
+from ucmcache.lowlevel import Segment
 from ucmcache._verify import slot_fields, snapshot
 
 from workers import check_payload, fill_owned, payload_for

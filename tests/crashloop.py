@@ -55,10 +55,10 @@ sys.path.insert(0, HERE)  # crash_workers, workers
 
 import ucmcache  # noqa: E402
 from ucmcache import SlotCache  # noqa: E402
-from ucmcache._core import ffi, lib  # noqa: E402
-from ucmcache._hooks import Gate  # noqa: E402
+from ucmcache.lowlevel import ffi, lib  # noqa: E402
+from ucmcache.lowlevel import Gate  # noqa: E402
 from ucmcache._recovery import rank_alive, rank_pid, rank_state  # noqa: E402
-from ucmcache._segment import life_lock_byte  # noqa: E402
+from ucmcache.lowlevel import life_lock_byte  # noqa: E402
 from ucmcache._stats import rank_counters  # noqa: E402
 from ucmcache._verify import slot_fields, snapshot  # noqa: E402
 

@@ -2,7 +2,7 @@
 import os
 
 from ucmcache import SlotCache
-from ucmcache._hooks import Gate
+from ucmcache.lowlevel import Gate
 
 from workers import check_payload, run
 

@@ -2,8 +2,8 @@
 import os
 
 from ucmcache import SlotCache, _hooks
-from ucmcache._hooks import Gate
-from ucmcache._segment import shm_path
+from ucmcache.lowlevel import Gate
+from ucmcache.lowlevel import shm_path
 
 from workers import run
 

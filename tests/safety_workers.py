@@ -6,8 +6,8 @@ import random
 import signal
 
 from ucmcache import SlotCache
-from ucmcache._core import lib
-from ucmcache._hooks import Gate
+from ucmcache.lowlevel import lib
+from ucmcache.lowlevel import Gate
 
 from workers import check_payload, fill_owned, payload_for, run
 

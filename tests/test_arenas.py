@@ -9,7 +9,7 @@ import pytest
 import ucmcache
 from ucmcache import CacheFull, SlotCache
 from ucmcache._arenas import plan, shares
-from ucmcache._core import lib
+from ucmcache.lowlevel import lib
 
 import workers
 

@@ -23,8 +23,8 @@ sys.path.insert(0, os.path.dirname(__file__))  # cli_workers for spawned childre
 import cli_workers  # noqa: E402
 from ucmcache import SlotCache, cli  # noqa: E402
 from ucmcache.cli import _commands, _render  # noqa: E402
-from ucmcache._core import lib  # noqa: E402
-from ucmcache._segment import PREFIX, SHM_DIR  # noqa: E402
+from ucmcache.lowlevel import lib  # noqa: E402
+from ucmcache.lowlevel import PREFIX, SHM_DIR  # noqa: E402
 
 SPAWN = mp.get_context("spawn")
 WAIT = 30.0          # bound on every wait for a worker
@@ -615,7 +615,7 @@ def test_demo_is_imported_late_and_gets_its_arguments(monkeypatch, capsys):
 
 
 def test_inspect_shows_prefetch_rings_and_tier2_counters(names):
-    from ucmcache._core import lib
+    from ucmcache.lowlevel import lib
     u = names()
     make_orphan(u)
     with SlotCache.attach(u) as c:

@@ -8,7 +8,7 @@ import pytest
 
 import ucmcache
 from ucmcache import SlotCache
-from ucmcache._segment import shm_path
+from ucmcache.lowlevel import shm_path
 
 import crashloop
 

@@ -9,7 +9,7 @@ import pytest
 
 import ucmcache
 from ucmcache import SlotCache, UcmError
-from ucmcache._core import lib
+from ucmcache.lowlevel import lib
 
 import safety_workers
 

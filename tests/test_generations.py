@@ -78,7 +78,7 @@ def test_thousand_clears_keep_chains_short_and_capacity_whole(make_cache):
 
 
 def test_a_load_that_outlives_half_a_million_clears_is_never_counted(make_cache):
-    from ucmcache._core import lib
+    from ucmcache.lowlevel import lib
     c = make_cache(slots_per_rank=8, slot_size=32, max_ranks=1)
     stale = c.get(K)                                 # installed in generation g
     for _ in range((1 << 19) + 10):                  # the 20-bit tag of g comes round as "older"

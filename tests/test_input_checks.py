@@ -14,7 +14,7 @@ from ucmcache import ForeignSegment, SlotCache, chain_keys
 from ucmcache import _segment
 from ucmcache._keys import pack_keys, split_key
 from ucmcache._layout import Layout
-from ucmcache._segment import Segment, probe, shm_path
+from ucmcache.lowlevel import Segment, probe, shm_path
 
 import input_workers
 

@@ -150,7 +150,7 @@ def test_no_bucket_is_wider_than_2x_and_a_p99_read_from_them_is_within_2x(make_c
     """Issue 26: with 4x buckets, histogram_quantile(0.99) said 37.7 ms for loads of 0.1-10 ms.
     Observations of known sizes go in through the core's own step; the quantile is read from a
     scrape as Prometheus does (linear inside the bucket)."""
-    from ucmcache._core import lib
+    from ucmcache.lowlevel import lib
     from ucmcache._stats import HIST_BOUNDS_NS
     assert all(b / a <= 2 for a, b in zip(HIST_BOUNDS_NS, HIST_BOUNDS_NS[1:]))
     assert HIST_BOUNDS_NS[0] <= 10_000 and HIST_BOUNDS_NS[-1] >= 30e9

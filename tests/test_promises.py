@@ -28,7 +28,7 @@ def put(c, k, n=None):
 
 
 def _refs(c):
-    from ucmcache._core import lib
+    from ucmcache.lowlevel import lib
     return [lib.ucm_load64(c._seg.base, c.layout.meta(s)) for s in range(c.capacity)]
 
 

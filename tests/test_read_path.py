@@ -152,7 +152,7 @@ def test_short_exist_and_prefix_match_the_batch_form(make_cache):
 # ---- the hit path in C (ucmcache._hit): the same answers and counts as the full path
 
 def _refs(c):
-    from ucmcache._core import lib
+    from ucmcache.lowlevel import lib
     return [lib.ucm_load64(c._seg.base, c.layout.meta(s)) for s in range(c.capacity)]
 
 

@@ -7,7 +7,7 @@ import pytest
 
 import ucmcache
 from ucmcache import SlotCache
-from ucmcache._core import lib
+from ucmcache.lowlevel import lib
 from ucmcache._verify import slot_fields, snapshot
 
 import workers

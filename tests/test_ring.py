@@ -5,7 +5,7 @@ import threading
 import pytest
 
 from ucmcache import SlotCache
-from ucmcache._core import lib
+from ucmcache.lowlevel import lib
 
 import workers
 
@@ -107,7 +107,7 @@ _gates = []
 
 
 def _opened_gate_path():
-    from ucmcache._hooks import Gate
+    from ucmcache.lowlevel import Gate
     g = Gate()
     g.release()
     _gates.append(g)

@@ -7,8 +7,8 @@ import pytest
 import ucmcache
 from ucmcache import (CorruptSegment, ForeignSegment, HalfMadeSegment, IncompatibleSegment,
                       SegmentExists, SegmentNotFound, SharedMemoryFull, SlotCache)
-from ucmcache._core import lib
-from ucmcache._segment import shm_path
+from ucmcache.lowlevel import lib
+from ucmcache.lowlevel import shm_path
 
 import workers
 

@@ -15,7 +15,7 @@ import uuid as uuidlib
 import pytest
 
 from ucmcache import RedisTier, SlotCache, SegmentNotFound
-from ucmcache import _hooks
+from ucmcache.lowlevel import hooks as _hooks
 from ucmcache._tier import BoundTier, Tier
 from ucmcache.tier2.codec import HEADER, MAGIC, decode, encode
 
@@ -111,7 +111,7 @@ def test_value_format_rejects_corrupt_truncated_and_foreign():
 
 
 def test_keys_carry_namespace_layout_and_hash_tag():
-    from ucmcache._core import lib
+    from ucmcache.lowlevel import lib
     t = RedisTier(url="redis://127.0.0.1:1/0", namespace="llama{3}:8b")
     k = bytes(range(16))
     v = t.key_for((k, 7))

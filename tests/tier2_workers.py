@@ -7,7 +7,7 @@ order the steps across processes; nothing sleeps.
 import random
 
 from ucmcache import RedisTier, SlotCache
-from ucmcache import _hooks
+from ucmcache.lowlevel import hooks as _hooks
 
 from workers import check_payload, payload_for, run
 
@@ -24,7 +24,7 @@ def _t2(cache, before=None):
 
 def _load_keys(uuid, cfg, keys, seed, start_path, mode):
     """get_or_load (mode 'one') or get_many (mode 'many') every key, in an order of our own."""
-    from ucmcache._hooks import Gate
+    from ucmcache.lowlevel import Gate
     c = SlotCache.attach(uuid, tier2=RedisTier(**cfg))
     runs = []
     ok = True
@@ -87,7 +87,7 @@ def hold_lease(q, *args):
 def _wait_lease(uuid, cfg, key, loading_ev, gate_path):
     """Once another node is loading key, load it too: we must wait for its lease (held at the
     gate when we start to), then get its value, or take over if its holder died."""
-    from ucmcache._hooks import Gate
+    from ucmcache.lowlevel import Gate
     c = SlotCache.attach(uuid, tier2=RedisTier(**cfg))
     runs = []
     gate = Gate(gate_path)

@@ -8,8 +8,9 @@ import traceback
 import zlib
 
 import ucmcache
+import ucmcache.lowlevel
 from ucmcache import SlotCache
-from ucmcache._hooks import Gate
+from ucmcache.lowlevel import Gate
 
 
 def payload_for(key: bytes, size: int) -> bytes:
@@ -222,7 +223,7 @@ def _die_at(uuid, key, point, rank=None):
     c._arm(point, "kill")
     with c.get(key) as h:
         if h.owner:
-            ucmcache._hooks._armed and ucmcache._hooks.fire("inside_loader")
+            ucmcache.lowlevel.hooks._armed and ucmcache.lowlevel.hooks.fire("inside_loader")
             h.data[:4] = b"dead"
             h.ready(4)
     c.close()
@@ -283,7 +284,7 @@ def create_or_attach(q, *args):
 
 
 def _create_held_before_magic(uuid, gate_path, action):
-    from ucmcache import _hooks
+    from ucmcache.lowlevel import hooks as _hooks
     gate = Gate(gate_path) if gate_path else None
     _hooks.arm_python("before_magic", action, gate)
     c = SlotCache.create(uuid, slots_per_rank=8, slot_size=64, max_ranks=2)
@@ -312,8 +313,8 @@ def load_as_rank(q, *args):
 def _die_at_point(uuid, rank, key, point):
     """As `rank`, arm `point` to SIGKILL this process, then get(key) (and fill it if owner)."""
     c = SlotCache.attach(uuid, rank=rank)
-    if point in ucmcache._hooks.PY_POINTS:
-        ucmcache._hooks.arm_python(point, "kill")
+    if point in ucmcache.lowlevel.hooks.PY_POINTS:
+        ucmcache.lowlevel.hooks.arm_python(point, "kill")
     else:
         c._arm(point, "kill")
     v = c.get_or_load(key, lambda: payload_for(key, 64))
@@ -333,7 +334,7 @@ def _get_or_load_value(uuid, key, value, gate_path, fail):
     runs = []
     try:
         if gate is not None:
-            ucmcache._hooks.arm_python("inside_loader", "gate", gate)
+            ucmcache.lowlevel.hooks.arm_python("inside_loader", "gate", gate)
 
         def loader():
             runs.append(1)

@@ -22,3 +22,15 @@ __all__ = [
     "RedisTier", "Unsupported",
 ]
 __version__ = "0.1.0"
+
+
+def _show_as_public() -> None:
+    """Public objects say they are ucmcache's (ucmcache.SlotCache, not ucmcache._cache.SlotCache)
+    in reprs, tracebacks and pickles, as trio's do; each is importable from here by that name."""
+    for name in __all__:
+        obj = globals()[name]
+        if getattr(obj, "__module__", "").startswith("ucmcache."):
+            obj.__module__ = "ucmcache"
+
+
+_show_as_public()

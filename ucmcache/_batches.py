@@ -6,7 +6,7 @@ payloads out with no handle; ``exist``/``exist_prefix`` and ``touch`` take no pi
 from __future__ import annotations
 
 import functools
-from typing import Any, Iterable, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -15,8 +15,7 @@ from ._errors import CorruptSegment
 from ._buffers import check_rows, rows_of
 from ._handle import _NO_OWNED, HandleBatch
 from ._keys import Key, pack_keys
-from ._slots import (ABANDONED, ABANDONED_LEN, FAST_SPIN, _PIN_LEN_SHIFT, _PIN_READY,
-                     _PIN_SLOT_MASK, check_timeout)
+from ._slots import ABANDONED, ABANDONED_LEN, FAST_SPIN, check_timeout, decode_pin
 
 
 def _ptr(ctype: str, arr: np.ndarray):
@@ -35,7 +34,13 @@ def _plain_ids(keys: list) -> bool:
 
 
 
-class Batches:
+if TYPE_CHECKING:
+    from ._cache_core import CacheCore
+else:
+    CacheCore = object  # the seam is for the type checker only
+
+
+class Batches(CacheCore):
     """SlotCache's calls over many keys.  A mixin: it uses the cache's _pin_slow, _tier and
     attributes (_ctx, _keep, _open_handles), and adds no state of its own."""
 
@@ -81,7 +86,7 @@ class Batches:
             for i in misses.tolist():
                 r = self._pin_slow(split[i][0], split[i][1], int(codes[i]), timeout, ffi.NULL,
                                    slots_p + i, owner_p + i)
-                lens[i] = (r >> _PIN_LEN_SHIFT) & _PIN_SLOT_MASK if r & _PIN_READY else -1
+                lens[i] = decode_pin(r)[1]
             any_owner = len(misses) > 0 and bool(owner.any())
             batch._cache = self
             batch._slots = slots
@@ -123,6 +128,7 @@ class Batches:
         idx = np.flatnonzero(batch._owner).tolist()
         slots = [int(batch._slots[i]) for i in idx]
         may_wait = not (batch._owned - set(slots))
+        assert self._tier is not None   # asked only under a tier (get_many's caller checks)
         payloads = self._tier.lookup([(s, *split[i]) for s, i in zip(slots, idx)], may_wait,
                                      timeout)
         for i, p in zip(idx, payloads):

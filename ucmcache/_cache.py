@@ -40,7 +40,8 @@ from ._hit import CacheBase
 from ._single_flight import SingleFlight
 from ._mapping import Mapping
 from ._slots import (ABANDONED, ABANDONED_LEN, FAST_SPIN, _PIN_LEN_SHIFT, _PIN_OWNER,
-                     _PIN_OWNER_OR_READY, _PIN_READY, _PIN_SLOT_MASK, check_timeout)
+                     _PIN_OWNER_OR_READY, _PIN_READY, _PIN_SLOT_MASK, check_timeout,
+                     decode_pin)
 from ._keys import Key, split_key
 from ._layout import DEFAULT_STRIPES, Layout
 from ._locks import Stripes, describe_stripe_holder
@@ -422,8 +423,15 @@ class SlotCache(CacheBase, SingleFlight, Batches, Prefetching, Mapping):
 
     # ---------------------------------------------------------------- read path
 
-    # get(key, *, timeout=None) -> Handle is CacheBase's (csrc/ucm_hit.c): a hit in C, anything
-    # else here.
+    # The read path's public methods are CacheBase's, made in C (csrc/ucm_hit.c; signatures in
+    # _hit.pyi, docs in help()): a hit is one C call with no Python frame, anything else comes
+    # back here (_get_full, _get_missed, _pin_slow; get_or_load's miss in _single_flight).
+    # Named here so a reader of SlotCache finds them: each is the C method itself.
+    get = CacheBase.get
+    get_many = CacheBase.get_many
+    get_or_load = CacheBase.get_or_load
+    aget_or_load = CacheBase.aget_or_load
+    read_many = CacheBase.read_many
 
     def _get_full(self, key: Key, *, timeout: Optional[float] = None) -> Handle:
         """get() for everything but a plain hit (see CacheBase.get)."""
@@ -604,15 +612,18 @@ class SlotCache(CacheBase, SingleFlight, Batches, Prefetching, Mapping):
         ticket = _next_ticket()
         try:
             r = lib.ucm_lookup_pin(ctx, block_id, offset, FAST_SPIN, 2, ticket)  # a hit counts
-            if r >= 0 and r & _PIN_READY:
-                o = self._data_off + (r & _PIN_SLOT_MASK) * self._stride
-                value = self._ro[o:o + ((r >> _PIN_LEN_SHIFT) & _PIN_SLOT_MASK)].tobytes()
+            if r >= 0:
+                slot, length, _ = decode_pin(r)
+                if length >= 0:                     # Ready
+                    assert self._ro is not None     # set while _ctx is
+                    o = self._data_off + slot * self._stride
+                    value = self._ro[o:o + length].tobytes()
         except BaseException:
             lib.ucm_abandon_inflight(ctx, ticket)
             raise
         if r >= 0:
-            lib.ucm_release(ctx, r & _PIN_SLOT_MASK)  # no call between the try and this one
-            if r & _PIN_READY:
+            lib.ucm_release(ctx, slot)  # no call between the try and this one
+            if length >= 0:
                 return value
         return None
 
@@ -789,6 +800,7 @@ class SlotCache(CacheBase, SingleFlight, Batches, Prefetching, Mapping):
         """get(): h owns a cold slot.  When the tier has the value, h publishes it and becomes
         a reader of it; else h stays the owner (the tier may hold a lease for its slot)."""
         # Waiting for another node is safe only when this caller owns no other load.
+        assert self._tier is not None   # asked only under a tier (get's miss checks)
         (payload,) = self._tier.lookup([(h._slot, block_id, offset)], len(h._owned) == 1,
                                        timeout)
         if payload is not None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import collections.abc
 import functools
 import time
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Iterable, Optional
 
 import numpy as np
 
@@ -36,6 +36,13 @@ class _Pins:
 
     __slots__ = ()
     _what = "pins"
+
+    if TYPE_CHECKING:   # what HandleBase or BatchBase (C) and the subclass provide
+        _closed: Any
+        _cache: Any
+        def _drop_pins(self, message: bytes, /) -> bool: ...
+        def _owned_loads(self) -> Iterable[int]: ...
+        def _after_drop(self) -> None: ...
 
     def __copy__(self):
         raise TypeError(f"a {type(self).__name__} holds {self._what} and cannot be copied")

@@ -31,6 +31,19 @@ class CacheBase:
     def _forks_out(self) -> int: ...
 
 class HandleBase:
+    # Its fields (handle_members in ucm_hit.c: objects the Python layer sets and reads).
+    _cache: Any
+    _token: Any
+    _timeout: Any
+    _views: Any
+    _owned: Any
+    _view: Any
+    _t0: Any
+    _nbytes: Any
+    _slot: Any
+    _closed: Any
+    _owner: Any
+    _published: Any
     @property
     def data(self) -> memoryview: ...
     @property
@@ -41,6 +54,21 @@ class HandleBase:
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None: ...
 
 class BatchBase:
+    # Its fields (batch_members and batch_getset in ucm_hit.c).
+    _cache: Any
+    _owner: Any
+    _slots_p: Any
+    _owner_p: Any
+    _token: Any
+    _timeout: Any
+    _views: Any
+    _owner_views: Any
+    _owned: Any
+    _closed: Any
+    _any_owner: Any
+    _n: int
+    _slots: Any
+    _lens: Any
     @property
     def owner(self) -> np.ndarray: ...  # a copy
     def data(self, i: int, /) -> memoryview: ...

@@ -57,7 +57,7 @@ class Gate:
             fd = os.open(path, os.O_RDWR)
         self.path = path
         self.timeout = timeout
-        self._mm = mmap.mmap(fd, mmap.PAGESIZE)
+        self._mm: Optional[mmap.mmap] = mmap.mmap(fd, mmap.PAGESIZE)
         os.close(fd)
         self._buf = ffi.from_buffer(self._mm)
         self.word = ffi.cast("uint32_t *", self._buf)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
-from typing import Iterable, List, Tuple, Union
+from typing import Iterable, List, Tuple, Union, cast, overload
 
 import numpy as np
 
@@ -86,8 +86,9 @@ def pack_keys(keys: Iterable[object]) -> Tuple[bytes, np.ndarray, KeyView]:
     # a uint32[16] array in as 64 bytes and shifts every later key (a false hit).  list.count
     # over map() is the cheapest C-speed form of "all are exactly bytes, all of length 16".
     n = len(keys) if type(keys) is list else 0
-    if n and list(map(type, keys)).count(bytes) == n and list(map(len, keys)).count(16) == n:
-        ids = b"".join(keys)
+    plain = cast(List[bytes], keys)     # what the test below proves of it when n > 0
+    if n and list(map(type, plain)).count(bytes) == n and list(map(len, plain)).count(16) == n:
+        ids = b"".join(plain)
         if len(_ZEROS) < n:
             _ZEROS = np.zeros(max(n, 2 * len(_ZEROS)), dtype=np.uint64)
             _ZEROS.flags.writeable = False
@@ -120,6 +121,12 @@ def _split_all(keys: Iterable[object]) -> List[Tuple[bytes, int]]:
     except ValueError as e:
         raise ValueError(f"keys[{len(split)}]: {e}") from None
     return split
+
+
+@overload
+def make_key(data: Union[bytes, str], namespace: str) -> bytes: ...
+@overload
+def make_key(data: Union[bytes, str], namespace: str, offset: int) -> Key: ...
 
 
 def make_key(data: Union[bytes, str], namespace: str, offset: int = 0) -> Key:

@@ -1,12 +1,18 @@
 """Layout: every offset and size of a segment, derived from its params by the C core.
 
 The formula lives once, in ``ucm_layout_compute`` (csrc/ucm_core.c); this module turns its answer
-into a Python object and its error codes into messages.
+into a Python object and its error codes into messages.  The words of each fixed-size table
+(header, RankDesc, ArenaDesc, SlotMeta) are declared once too, in ucm_core.h's layout tables;
+``ucm_layout_fields()`` hands their rows to this module, which makes of them the numpy dtypes
+every whole-table reader uses (HEADER, RANK_DESC, ARENA_DESC, SLOT_META).  The fields of
+``Layout`` are those of the C struct ``ucm_layout``, read from cffi.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import make_dataclass
+from typing import TYPE_CHECKING, Dict, List, Optional, Tuple, Type, TypeVar
+
+import numpy as np
 
 from ._core import ffi, lib
 
@@ -31,30 +37,48 @@ class LayoutError(ValueError):
         self.field = field
 
 
-@dataclass(frozen=True)
-class Layout:
-    max_ranks: int
-    slots_per_rank: int
-    slot_size: int
-    n_buckets: int
-    n_stripes: int
-    n_slots: int
-    slot_stride: int
-    arena_slots: int
-    n_arenas: int
-    rank_off: int
-    arena_off: int
-    bucket_off: int
-    stripe_off: int
-    meta_off: int
-    ring_off: int
-    ring_size: int
-    data_off: int
-    total_size: int
+def _table_dtypes() -> Dict[str, np.dtype]:
+    """One dtype per layout table of ucm_core.h, by its name ("header", "rank", "arena",
+    "slot_meta"); a field's name is its row's NAME in lower case."""
+    n = ffi.new("uint32_t *")
+    rows = lib.ucm_layout_fields(n)
+    fields: Dict[str, List[Tuple[str, object, int]]] = {}
+    sizes: Dict[str, int] = {}
+    for i in range(n[0]):
+        row = rows[i]
+        table = ffi.string(row.table).decode()
+        sizes[table] = row.table_size
+        item = f"<u{row.item_size}"
+        fields.setdefault(table, []).append(
+            (ffi.string(row.name).decode().lower(),
+             item if row.count == 1 else (item, (row.count,)), row.offset))
+    out = {}
+    for table, rows_of in fields.items():
+        names, formats, offsets = zip(*rows_of)
+        out[table] = np.dtype({"names": list(names), "formats": list(formats),
+                               "offsets": list(offsets), "itemsize": sizes[table]})
+    return out
+
+
+_DTYPES = _table_dtypes()
+HEADER: np.dtype = _DTYPES["header"]          # the header's words (UCM_HEADER_TABLE)
+RANK_DESC: np.dtype = _DTYPES["rank"]         # one RankDesc (UCM_RANK_TABLE)
+ARENA_DESC: np.dtype = _DTYPES["arena"]       # one ArenaDesc (UCM_ARENA_TABLE)
+SLOT_META: np.dtype = _DTYPES["slot_meta"]    # one SlotMeta line (UCM_SLOT_META_TABLE)
+
+_L = TypeVar("_L", bound="_LayoutOps")
+
+
+class _LayoutOps:
+    """What a Layout does; its fields (ints, those of the C struct ucm_layout) are added by
+    make_dataclass below, so they are named once, in ucm_core.h."""
+
+    if TYPE_CHECKING:
+        def __getattr__(self, name: str) -> int: ...
 
     @classmethod
-    def compute(cls, *, max_ranks: int, slots_per_rank: int, slot_size: int,
-                n_buckets: Optional[int] = None, n_stripes: int = DEFAULT_STRIPES) -> "Layout":
+    def compute(cls: Type[_L], *, max_ranks: int, slots_per_rank: int, slot_size: int,
+                n_buckets: Optional[int] = None, n_stripes: int = DEFAULT_STRIPES) -> _L:
         values = dict(max_ranks=max_ranks, slots_per_rank=slots_per_rank, slot_size=slot_size,
                       n_buckets=0 if n_buckets is None else n_buckets, n_stripes=n_stripes)
         for name, v in values.items():
@@ -78,11 +102,11 @@ class Layout:
         if r != lib.UCM_OK:
             field, expected = _PARAM_ERRORS[r]
             raise LayoutError(field, values.get(field, (slots_per_rank, slot_size)), expected)
-        return cls(**{f: getattr(c, f) for f in cls.__dataclass_fields__})
+        return cls(**{f: getattr(c, f) for f in _FIELDS})
 
     def to_c(self):
         c = ffi.new("ucm_layout *")
-        for f in self.__dataclass_fields__:
+        for f in _FIELDS:
             setattr(c, f, getattr(self, f))
         return c
 
@@ -113,3 +137,15 @@ class Layout:
 
     def stripe(self, stripe: int) -> int:
         return self.stripe_off + stripe * lib.UCM_LINE
+
+
+_FIELDS: Tuple[str, ...] = tuple(name for name, _ in ffi.typeof("ucm_layout").fields)
+
+if TYPE_CHECKING:
+    class Layout(_LayoutOps):
+        def __init__(self, **fields: int) -> None: ...
+else:
+    Layout = make_dataclass("Layout", [(name, int) for name in _FIELDS], bases=(_LayoutOps,),
+                            frozen=True)
+    Layout.__module__ = __name__
+    Layout.__doc__ = "A segment's layout: the ints of the C struct ucm_layout by name."

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import functools
 import pickle
-from typing import Any, Callable, Optional, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Optional, TypeVar
 
 from ._errors import LoadFailed
 from ._keys import Key, make_key
@@ -27,7 +27,13 @@ class _TooLarge(Exception):
         self.value = value
 
 
-class Mapping:
+if TYPE_CHECKING:
+    from ._cache_core import CacheCore
+else:
+    CacheCore = object  # the seam is for the type checker only
+
+
+class Mapping(CacheCore):
     """SlotCache's conveniences (see the module docs).  A mixin; no state of its own."""
 
     def put(self, key: Key, data: Any, *, timeout: Optional[float] = None) -> bool:

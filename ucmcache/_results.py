@@ -1,15 +1,13 @@
-"""Names of the C core's step results (``UCM_OK``, ``UCM_BUSY``, ...), for messages."""
+"""Names of the C core's step results (``UCM_OK``, ``UCM_BUSY``, ...), for messages: the core
+names them (ucm_result_name, from the one table of results in ucm_core.h)."""
 from __future__ import annotations
 
-from ._core import lib
-
-_NAMES = {getattr(lib, n): n for n in (
-    "UCM_OK", "UCM_MISS", "UCM_BUSY", "UCM_FULL", "UCM_CORRUPT", "UCM_TIMEOUT", "UCM_ROLLBACK",
-    "UCM_OWNERDEAD", "UCM_NOT_HELD", "UCM_PUBLISHED", "UCM_MOVED", "UCM_IN_FLIGHT")}
+from ._core import ffi, lib
 
 
 def code_name(code: int) -> str:
     """'UCM_BUSY' for lib.UCM_BUSY."""
-    if code in _NAMES:
-        return _NAMES[code]
-    return f"unknown result {code}"
+    name = lib.ucm_result_name(code) if -(1 << 31) <= code < 1 << 31 else ffi.NULL
+    if name == ffi.NULL:
+        return f"unknown result {code}"
+    return ffi.string(name).decode()

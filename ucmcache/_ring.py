@@ -10,7 +10,7 @@ The prefetcher sleeps on the ring's tail word (a futex) while the ring is empty.
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable, Dict, Iterable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, Optional
 
 import numpy as np
 
@@ -20,9 +20,12 @@ from ._keys import Key, pack_keys
 from ._recovery import rank_alive
 from ._slots import as_value_view
 
-# The SlotCache these operations serve.  Not imported, not even for type checkers: this module
-# sits below _cache (which mixes Prefetching in) and never imports it (no import circle).
-SlotCache = Any
+# The cache these operations serve, as a Protocol: this module sits below _cache (which mixes
+# Prefetching in) and never imports it (no import circle).
+if TYPE_CHECKING:
+    from ._cache_core import CacheCore
+else:
+    CacheCore = object  # the seam is for the type checker only
 
 SLEEP_SLICE = 0.2  # the longest a stop() can wait for the consumer (normally it is woken at once)
 
@@ -43,7 +46,7 @@ def ring_counters(seg, ring: int) -> Dict[str, int]:
 class Prefetcher:
     """A thread draining this rank's ring: ``loader(key) -> bytes`` fills each cold key."""
 
-    def __init__(self, cache: "SlotCache", loader: Callable[[Any], Any], batch: int = 64):
+    def __init__(self, cache: CacheCore, loader: Callable[[Any], Any], batch: int = 64):
         if not callable(loader):
             raise TypeError(f"loader must be callable, got {type(loader).__name__}")
         if isinstance(batch, bool) or not isinstance(batch, int) or not 1 <= batch <= lib.UCM_RING_DEPTH:
@@ -122,9 +125,12 @@ class Prefetcher:
         self.stop()
 
 
-class Prefetching:
+
+class Prefetching(CacheCore):
     """SlotCache's prefetch calls (DESIGN 4.9).  A mixin: it uses the cache's _recover and
     attributes (_ctx, _rank, _seg, _layout, _prefetcher), and adds no state of its own."""
+
+    _prefetcher: Optional[Prefetcher]       # this rank's ring consumer (set by SlotCache)
 
     def prefetch(self, keys: Iterable[Key], *, rank: Optional[int] = None) -> int:
         """Post keys to a rank's prefetch ring (default: our own); never blocks.  Keys already

@@ -23,7 +23,6 @@ import os
 import re
 import stat
 import time
-import zlib
 from contextlib import contextmanager
 from typing import Any, Dict, Iterator, Optional
 
@@ -34,7 +33,7 @@ from . import _hooks
 from ._core import ffi, lib
 from ._errors import (CorruptSegment, ForeignSegment, HalfMadeSegment, IncompatibleSegment,
                       SegmentExists, SegmentNotFound, SharedMemoryFull, UcmError)
-from ._layout import Layout, LayoutError
+from ._layout import HEADER, Layout, LayoutError
 
 SHM_DIR = "/dev/shm"
 PREFIX = "ucmcache-"
@@ -141,40 +140,28 @@ def _read_header(fd: int, size: int) -> Dict[str, int]:
         buf = ffi.from_buffer(mm)
         try:
             base = ffi.cast("char *", buf)
-            return {
-                "magic": lib.ucm_load64(base, lib.UCM_H_MAGIC),
-                "version": lib.ucm_load32(base, lib.UCM_H_VERSION),
-                "features": lib.ucm_load32(base, lib.UCM_H_FEATURES),
-                "creator_pid": lib.ucm_load32(base, lib.UCM_H_CREATOR_PID),
-                "creator_uid": lib.ucm_load32(base, lib.UCM_H_CREATOR_UID),
-                "max_ranks": lib.ucm_load32(base, lib.UCM_H_MAX_RANKS),
-                "n_stripes": lib.ucm_load32(base, lib.UCM_H_N_STRIPES),
-                "slots_per_rank": lib.ucm_load64(base, lib.UCM_H_SLOTS_PER_RANK),
-                "slot_size": lib.ucm_load64(base, lib.UCM_H_SLOT_SIZE),
-                "n_buckets": lib.ucm_load64(base, lib.UCM_H_N_BUCKETS),
-                "total_size": lib.ucm_load64(base, lib.UCM_H_TOTAL_SIZE),
-                "params_crc": lib.ucm_load32(base, lib.UCM_H_PARAMS_CRC),
-                "layout_fp": lib.ucm_load32(base, lib.UCM_H_LAYOUT_FP),
-                "computed_crc": _params_crc(mm),
-            }
+            # The magic first, acquire (it pairs with ucm_segment_publish's release), then the
+            # rest: once the magic reads set, every other word reads as its creator wrote it.
+            magic = lib.ucm_load64(base, lib.UCM_H_MAGIC)
+            row = np.frombuffer(mm[:HEADER.itemsize], dtype=HEADER, count=1)[0]
+            header = {name: int(row[name]) for name in HEADER.fields or {}}
+            header["magic"] = magic
+            header["computed_crc"] = lib.ucm_params_crc(base)
+            return header
         finally:
             ffi.release(buf)
     finally:
         mm.close()
 
 
-def _params_crc(buf) -> int:
-    return zlib.crc32(bytes(buf[lib.UCM_H_VERSION:lib.UCM_LINE]))
-
-
-def probe(uuid: str) -> Dict[str, object]:
+def probe(uuid: str) -> Dict[str, Any]:
     """What a segment is, without attaching: status is one of made, making, half-made,
     incompatible, corrupt.  Never raises for a bad segment (only for a missing one)."""
     shm = _open_existing(uuid)
     try:
         st = os.fstat(shm.fd)
         header = _read_header(shm.fd, st.st_size)
-        info: Dict[str, object] = {"uuid": uuid, "size": st.st_size, "uid": st.st_uid,
+        info: Dict[str, Any] = {"uuid": uuid, "size": st.st_size, "uid": st.st_uid,
                                    "header": header}
         magic = header.get("magic", 0)
         if magic == lib.UCM_MAGIC:
@@ -299,7 +286,7 @@ class Segment:
         if self.rank_lock == ffi.NULL:
             os.close(self.lock_fd)
             raise MemoryError("could not allocate the process-local rank lock")
-        self.mm = mm
+        self.mm: Optional[mmap.mmap] = mm
         self.layout = layout
         self._buf = ffi.from_buffer(mm)
         self.base = ffi.cast("char *", self._buf)
@@ -361,44 +348,14 @@ class Segment:
         return seg
 
     def _initialise(self) -> None:
-        L, base = self.layout, self.base
-        # The pid first: from here on a free creator lock with the magic unset means we died.
-        lib.ucm_store32(base, lib.UCM_H_CREATOR_PID, os.getpid())
-        lib.ucm_store32(base, lib.UCM_H_CREATOR_UID, os.getuid())
-        lib.ucm_store32(base, lib.UCM_H_VERSION, lib.UCM_LAYOUT_VERSION)
-        lib.ucm_store32(base, lib.UCM_H_FEATURES, 0)
-        lib.ucm_store32(base, lib.UCM_H_MAX_RANKS, L.max_ranks)
-        lib.ucm_store32(base, lib.UCM_H_N_STRIPES, L.n_stripes)
-        lib.ucm_store64(base, lib.UCM_H_SLOTS_PER_RANK, L.slots_per_rank)
-        lib.ucm_store64(base, lib.UCM_H_SLOT_SIZE, L.slot_size)
-        lib.ucm_store64(base, lib.UCM_H_N_BUCKETS, L.n_buckets)
-        lib.ucm_store64(base, lib.UCM_H_TOTAL_SIZE, L.total_size)
-        lib.ucm_store32(base, lib.UCM_H_PARAMS_CRC, _params_crc(self.mm))
-        lib.ucm_store32(base, lib.UCM_H_LAYOUT_FP, lib.ucm_layout_fingerprint())
-        # Generation starts at 1; the arenas' accounting words (zero: generation 0) read as 0,
-        # and their owner words (zero) say free.
-        lib.ucm_store64(base, lib.UCM_H_GENERATION, 1)
-        # No one else can read these words before the magic, so plain bulk stores are enough;
-        # the release store of the magic below orders them all before any attacher's reads.
-        heads = np.frombuffer(self.mm, dtype=np.uint32, count=L.n_buckets, offset=L.bucket_off)
-        heads.fill(lib.UCM_NIL)
-        del heads
-        words = lib.UCM_META_SIZE // 4
-        metas = np.frombuffer(self.mm, dtype=np.uint32, count=L.n_slots * words,
-                              offset=L.meta_off).reshape(L.n_slots, words)
-        metas[:, lib.UCM_M_BUCKET // 4] = lib.UCM_INVALID_BUCKET
-        metas[:, lib.UCM_M_PREV // 4] = lib.UCM_NIL
-        metas[:, lib.UCM_M_NEXT // 4] = lib.UCM_NIL
-        del metas
-        for s in range(L.n_stripes):
-            r = lib.ucm_mutex_init(base, L.stripe(s))
-            if r != 0:
-                raise OSError(r, os.strerror(r), "pthread_mutex_init (robust, process-shared)")
+        # Every word but the magic, in one C step (the pid first: from here on a free creator
+        # lock with the magic unset means we died), then the magic last with release order.
+        r = lib.ucm_segment_init(self.base, self.layout.to_c(), os.getpid(), os.getuid())
+        if r != 0:
+            raise OSError(r, os.strerror(r), "pthread_mutex_init (robust, process-shared)")
         if _hooks._armed:
             _hooks.fire("before_magic")
-        # Magic last, with release order (ucm_store64), then wake attachers waiting on it.
-        lib.ucm_store64(base, lib.UCM_H_MAGIC, lib.UCM_MAGIC)
-        lib.ucm_futex_wake(base, lib.UCM_H_MAGIC, 2 ** 31 - 1)
+        lib.ucm_segment_publish(self.base)
 
     # ---------------------------------------------------------------- attach
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import inspect
 import threading
 import time
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from . import _hooks
 from ._core import ffi, lib
@@ -21,7 +21,13 @@ LIVENESS_SLICE = 0.5    # a waiter checks that the loader still lives this often
 CANCEL_SLICE = 0.02     # an async wait's thread looks at its cancel flag this often (seconds)
 
 
-class SingleFlight:
+if TYPE_CHECKING:
+    from ._cache_core import CacheCore
+else:
+    CacheCore = object  # the seam is for the type checker only
+
+
+class SingleFlight(CacheCore):
     """SlotCache's loading calls.  A mixin: it uses the cache's get, _hit_bytes, _recover and
     its attributes (_ctx, _rank, _seg, _layout), and adds no state of its own."""
 

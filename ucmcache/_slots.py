@@ -7,7 +7,7 @@ import contextvars
 import threading
 import time
 import weakref
-from typing import Any, Optional
+from typing import Any, Optional, Tuple
 
 import numpy as np
 
@@ -31,6 +31,16 @@ _PIN_LEN_SHIFT = lib.UCM_PIN_LEN_SHIFT
 _PIN_OWNER = lib.UCM_PIN_OWNER
 _PIN_READY = lib.UCM_PIN_READY
 _PIN_OWNER_OR_READY = _PIN_OWNER | _PIN_READY
+
+
+def decode_pin(answer: int) -> Tuple[int, int, bool]:
+    """A pinning step's answer (>= 0; UCM_PIN_* in ucm_core.h) as (slot, length, owner):
+    length is a Ready slot's payload length and -1 for a Loading one; owner is True when the
+    step made this caller the owner of a Loading slot (it must load and publish it)."""
+    slot = answer & _PIN_SLOT_MASK
+    if answer & _PIN_READY:
+        return slot, (answer >> _PIN_LEN_SHIFT) & _PIN_SLOT_MASK, False
+    return slot, -1, bool(answer & _PIN_OWNER)
 
 # Slots whose load this caller owns (per cache): waiting on one of them would wait forever.
 # A context variable, so a loader that hands its work to code running in a copy of its context

@@ -1,8 +1,8 @@
 """Stats: per-rank counters in each rank's own lines of the segment, written only by that rank.
 
 The counter names and their order come from the C header (UCM_ST_*): one list, two languages.
-The seed-004 acceptance metrics derive from them: outer requests = gets, loader runs =
-loads_started, hits, misses, waiters = joins, failures = loads_failed.
+The original specification's acceptance metrics derive from them: outer requests = gets,
+loader runs = loads_started, hits, misses, waiters = joins, failures = loads_failed.
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ COUNTERS: Dict[str, int] = {
 HISTOGRAMS: Dict[str, int] = {"load": lib.UCM_ST_LOAD_HIST, "wait": lib.UCM_ST_WAIT_HIST}
 HIST_BOUNDS_NS: List[int] = [lib.UCM_HIST_FIRST_NS * lib.UCM_HIST_FACTOR ** k
                              for k in range(lib.UCM_HIST_BUCKETS - 1)]
-COUNTER_NAMES: List[str] = sorted(COUNTERS, key=COUNTERS.get)
+COUNTER_NAMES: List[str] = sorted(COUNTERS, key=COUNTERS.__getitem__)
 
 
 def rank_counters(seg) -> np.ndarray:

@@ -2,8 +2,9 @@
 
 ``verify``, ``stats()``, the metrics and the ``ucmcache`` command read whole regions of a
 segment (every SlotMeta line, every RankDesc) as numpy arrays.  The dtypes they read them with
-are built here from the offsets csrc/ucm_core.h exports (``UCM_H_*``, ``UCM_R_*``, ``UCM_M_*``),
-so the layout is written once, in C, and no reader retypes a word's position, width or mask.
+(HEADER, RANK_DESC, ARENA_DESC, SLOT_META) are built in _layout from the layout tables that
+csrc/ucm_core.h declares and the core exports (``ucm_layout_fields``), so the layout is written
+once, in C, and no reader retypes a word's position, width or mask.
 
 A copy made here is not an atomic snapshot of a live segment: each word is read once, with no
 lock, and a protocol step in flight can show up half done.  That is what these readers accept
@@ -12,56 +13,14 @@ lock, and a protocol step in flight can show up half done.  That is what these r
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, TypedDict
 
 import numpy as np
 
 from ._core import ffi, lib
+from ._layout import ARENA_DESC, HEADER, RANK_DESC, SLOT_META
 from ._recovery import rank_alive
 
-
-def _dtype(fields: Sequence[Tuple[str, object, int]], itemsize: int) -> np.dtype:
-    names, formats, offsets = zip(*fields)
-    return np.dtype({"names": list(names), "formats": list(formats), "offsets": list(offsets),
-                     "itemsize": itemsize})
-
-
-# The header's words (line 0 identity and params, line 1 the generation, line 2 the arena epoch,
-# line 3 the checksums).
-HEADER = _dtype([
-    ("magic", "<u8", lib.UCM_H_MAGIC), ("version", "<u4", lib.UCM_H_VERSION),
-    ("features", "<u4", lib.UCM_H_FEATURES), ("creator_pid", "<u4", lib.UCM_H_CREATOR_PID),
-    ("creator_uid", "<u4", lib.UCM_H_CREATOR_UID), ("max_ranks", "<u4", lib.UCM_H_MAX_RANKS),
-    ("n_stripes", "<u4", lib.UCM_H_N_STRIPES), ("slots_per_rank", "<u8", lib.UCM_H_SLOTS_PER_RANK),
-    ("slot_size", "<u8", lib.UCM_H_SLOT_SIZE), ("n_buckets", "<u8", lib.UCM_H_N_BUCKETS),
-    ("total_size", "<u8", lib.UCM_H_TOTAL_SIZE), ("generation", "<u8", lib.UCM_H_GENERATION),
-    ("arena_epoch", "<u8", lib.UCM_H_ARENA_EPOCH),
-    ("params_crc", "<u4", lib.UCM_H_PARAMS_CRC), ("layout_fp", "<u4", lib.UCM_H_LAYOUT_FP),
-], lib.UCM_HEADER_SIZE)
-
-# RankDesc: line 0 identity and the CLOCK hand, then the rank's own counters (UCM_ST_*).
-RANK_DESC = _dtype([
-    ("state", "<u4", lib.UCM_R_STATE), ("pid", "<u4", lib.UCM_R_PID),
-    ("clock_hand", "<u8", lib.UCM_R_CLOCK_HAND), ("attaches", "<u8", lib.UCM_R_ATTACHES),
-    ("stats", ("<u8", (lib.UCM_ST_COUNT,)), lib.UCM_R_STATS),
-], lib.UCM_RANK_SIZE)
-
-# ArenaDesc: the owner word (0 free, else rank + 1) and the arena's accounting words.
-ARENA_DESC = _dtype([
-    ("owner", "<u4", lib.UCM_A_OWNER), ("acc_entries", "<u8", lib.UCM_A_ACC_ENTRIES),
-    ("acc_bytes", "<u8", lib.UCM_A_ACC_BYTES),
-], lib.UCM_ARENA_SIZE)
-
-# SlotMeta: one line per slot.  `state` is the whole word (UCM_WAITERS included); decode it
-# with slot_fields().
-SLOT_META = _dtype([
-    ("reference", "<u8", lib.UCM_M_REFERENCE), ("key", ("<u8", (3,)), lib.UCM_M_KEY),
-    ("bucket", "<u4", lib.UCM_M_BUCKET), ("state", "<u4", lib.UCM_M_STATE),
-    ("prev", "<u4", lib.UCM_M_PREV), ("next", "<u4", lib.UCM_M_NEXT),
-    ("generation", "<u4", lib.UCM_M_GENERATION), ("length", "<u4", lib.UCM_M_LENGTH),
-    ("accessed", "<u4", lib.UCM_M_ACCESSED), ("loader", "<u2", lib.UCM_M_LOADER),
-    ("flags", "<u2", lib.UCM_M_FLAGS),
-], lib.UCM_META_SIZE)
 
 # The names every reader of the table reports slot and rank states by.  (A Handle's state is
 # another question, answered in _handle: there an Empty slot means the load failed.)
@@ -122,7 +81,7 @@ def bucket_heads(seg) -> np.ndarray:
 
 def slot_fields(slots: np.ndarray) -> Dict[str, np.ndarray]:
     """A slot table's fields by name, the state word reduced to the state (no waiters bit)."""
-    out = {name: slots[name] for name in SLOT_META.names if name != "key"}
+    out = {name: slots[name] for name in SLOT_META.fields or {} if name != "key"}
     out["state"] = slots["state"] & np.uint32(lib.UCM_STATE_MASK)
     return out
 
@@ -170,8 +129,16 @@ def rank_state_name(state: int) -> str:
 
 # ------------------------------------------------------------------------- rank rows
 
+class RankRow(TypedDict):
+    rank: int
+    state: str      # a RANK_STATES name
+    pid: int
+    alive: bool
+    dead: bool      # not free and not alive: the rank needs recovery
+
+
 def rank_rows(seg, alive: Optional[Callable[[int], bool]] = None,
-              table: Optional[np.ndarray] = None) -> List[Dict[str, object]]:
+              table: Optional[np.ndarray] = None) -> List[RankRow]:
     """One row per rank: {rank, state (a name), pid, alive, dead}.
 
     `alive(r)` says whether rank r's process lives (default: its life lock is held by another
@@ -182,7 +149,7 @@ def rank_rows(seg, alive: Optional[Callable[[int], bool]] = None,
         def alive(r: int) -> bool:
             return rank_alive(seg, r)
     table = rank_table(seg) if table is None else table
-    rows = []
+    rows: List[RankRow] = []
     for r in range(seg.layout.max_ranks):
         state = int(table[r]["state"])
         up = bool(alive(r))

@@ -7,7 +7,9 @@ marks the blocks whose every shard is now stored complete.
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Optional, Set, Tuple
+import functools
+import threading
+from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Set, Tuple
 
 import numpy as np
 
@@ -63,14 +65,29 @@ class _Plan:
         return base
 
 
+if TYPE_CHECKING:
+    from ._cache import SlotCache
+    from ._ucm_config import _Config
+
+# A task's outcome by block: None once block i is done, else why it failed.
+Failures = Dict[int, Optional[str]]
+
+
 class TaskBodies:
     """UcmCacheStore's task bodies.  A mixin: it uses the store's _cache, _cfg, _local (each
     pool thread's staging buffer), _cuda and _test_points, and adds no state of its own."""
 
+    if TYPE_CHECKING:   # the store's (UcmCacheStore.__init__); tasks run on a worker only,
+        _cache: SlotCache   # whose cache is set before its pool takes any
+        _cfg: _Config
+        _local: threading.local
+        _cuda: bool
+        _test_points: Dict[str, Callable[[int], None]]
+
     def _guard(self, run, plan: _Plan) -> Tuple[Dict[int, str], Set[int]]:
         # failures[i]: None once block i is done, else why it failed; a block never reached
         # when something unexpected is raised fails with that exception.
-        failures: Dict[int, Optional[str]] = {}
+        failures: Failures = {}
         try:
             run(plan, failures)
         except BaseException as e:  # anything unexpected fails the blocks not finished
@@ -78,7 +95,7 @@ class TaskBodies:
                 failures.setdefault(i, f"{type(e).__name__}: {e}")
         finally:
             plan.keep = None
-        failed = {i: failures[i] for i in failures if failures[i] is not None}
+        failed = {i: why for i, why in failures.items() if why is not None}
         return failed, plan.not_found & set(failed)
 
     def _point(self, name: str, i: int) -> None:
@@ -88,7 +105,7 @@ class TaskBodies:
 
     # ---------------------------------------------------------------- loads
 
-    def _run_load(self, plan: _Plan, failures: Dict[int, str]) -> None:
+    def _run_load(self, plan: _Plan, failures: Failures) -> None:
         """Copy each Ready shard of the destination's size into its tensors; never write a
         byte of a block it refuses.  read_many cannot be asked for that: it copies a payload
         shorter than its row into the row and reports the length after, so read straight
@@ -113,7 +130,7 @@ class TaskBodies:
             if done:
                 self._cache.touch(list(dict.fromkeys(done)))
 
-    def _load_pinned(self, plan: _Plan, base: int, failures: Dict[int, str]) -> List[int]:
+    def _load_pinned(self, plan: _Plan, base: int, failures: Failures) -> List[int]:
         """A contiguous destination (block i at base + i * row): the stored blocks (one exist
         call) pinned a chunk at a time with get_many, their lengths checked under the pins,
         then copied with one gather call when the whole chunk is good and consecutive, else a
@@ -164,7 +181,7 @@ class TaskBodies:
                         del mv
         return left
 
-    def _load_staged(self, plan: _Plan, which: List[int], failures: Dict[int, str]) -> None:
+    def _load_staged(self, plan: _Plan, which: List[int], failures: Failures) -> None:
         """Blocks `which` through this thread's staging buffer: one read_many C call per chunk,
         each block's length checked in staging, then one copy per tensor of the good ones (a
         refused block's tensors are never written)."""
@@ -201,7 +218,7 @@ class TaskBodies:
         return self._cache.read_many(keys, out), slot
 
     @staticmethod
-    def _check_len(i: int, got: int, plan: _Plan, failures: Dict[int, str]) -> bool:
+    def _check_len(i: int, got: int, plan: _Plan, failures: Failures) -> bool:
         want = plan.totals[i]
         if got == want:
             failures[i] = None  # done
@@ -231,7 +248,7 @@ class TaskBodies:
 
     # ---------------------------------------------------------------- dumps
 
-    def _run_dump(self, plan: _Plan, failures: Dict[int, str]) -> None:
+    def _run_dump(self, plan: _Plan, failures: Failures) -> None:
         if plan.event:
             self._wait_prerequisite(plan.event)  # raises: every block fails, none copied
         cache = self._cache
@@ -249,9 +266,9 @@ class TaskBodies:
                     states = batch.state
                     for pos, i in enumerate(chunk):
                         if owner[pos]:
-                            self._fill(i, plan, lambda pos=pos: batch.data(pos),
-                                       lambda nb, pos=pos: batch.ready(pos, nb),
-                                       lambda msg, pos=pos: batch.fail(pos, msg), failures)
+                            self._fill(i, plan, functools.partial(batch.data, pos),
+                                       functools.partial(batch.ready, pos),
+                                       functools.partial(batch.fail, pos), failures)
                         elif states[pos] == "ready":
                             failures[i] = None  # stored already: skipped
                         else:
@@ -270,7 +287,7 @@ class TaskBodies:
         if self._cuda:
             _ucm_memory.wait_event(handle)
 
-    def _mark_complete(self, plan: _Plan, failures: Dict[int, str]) -> None:
+    def _mark_complete(self, plan: _Plan, failures: Failures) -> None:
         """Publish the complete mark of each block of this task whose every shard is stored
         now (ucm.py, "Blocks of several shards").  Whichever dump stores a block's last shard,
         in any process, finds all of them Ready here; a block still missing shards is left to
@@ -309,7 +326,7 @@ class TaskBodies:
                     pass  # taken by a recovery meanwhile: unmarked, a miss
             # Not owned: Ready (marked already) or Loading (another dump is marking it).
 
-    def _dump_one(self, i: int, plan: _Plan, failures: Dict[int, str]) -> None:
+    def _dump_one(self, i: int, plan: _Plan, failures: Failures) -> None:
         """A block another caller was dumping: wait for it; if that dump failed (or its worker
         died), take it over.  Bounded by the timeout and JOIN_ROUNDS."""
         cache = self._cache
@@ -339,7 +356,7 @@ class TaskBodies:
 
     def _fill(self, i: int, plan: _Plan, view: Callable[[], memoryview],
               ready: Callable[[int], None], fail: Callable[[str], None],
-              failures: Dict[int, str]) -> None:
+              failures: Failures) -> None:
         """Copy block i's pieces into its owned slot, then publish it Ready; Failed if
         anything goes wrong before that, so nobody waits on it."""
         try:
@@ -354,9 +371,10 @@ class TaskBodies:
                 at += piece.nbytes
             self._point("after_copy", i)
         except BaseException as e:
-            failures[i] = f"dump failed: {type(e).__name__}: {e}"
+            why = f"dump failed: {type(e).__name__}: {e}"
+            failures[i] = why
             try:
-                fail(failures[i])
+                fail(why)
             except UcmError:
                 pass
             if not isinstance(e, Exception):

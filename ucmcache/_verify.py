@@ -127,12 +127,12 @@ def _check_holds(f: Dict[str, np.ndarray], claims: np.ndarray, pins: np.ndarray,
     # must be alive and pin the slot; a pinner's death is no concern of the mark (I5, I6).
     deleting = (f["flags"] & lib.UCM_F_DELETING) != 0
     for s in np.flatnonzero(deleting)[:SHOWN]:
-        who = int(f["loader"][s])
-        if who not in live:
-            p.append(f"slot {s}: marked deleting by rank {who}, which is not alive (its delete "
+        deleter = int(f["loader"][s])
+        if deleter not in live:
+            p.append(f"slot {s}: marked deleting by rank {deleter}, which is not alive (its delete "
                      "is finished by that rank's recovery)")
-        elif not int(pins[s]) >> who & 1 or claims[s]:
-            p.append(f"slot {s}: marked deleting by rank {who}, which does not pin it")
+        elif not int(pins[s]) >> deleter & 1 or claims[s]:
+            p.append(f"slot {s}: marked deleting by rank {deleter}, which does not pin it")
         elif int(f["state"][s]) != lib.UCM_READY:
             p.append(f"slot {s}: marked deleting but {int(f['state'][s])} is not Ready")
     checked = (f["flags"] & lib.UCM_F_DELETE_CHECKED) != 0

@@ -431,9 +431,9 @@ class KVBlockIO:
         try:
             lens = self.cache.read_many(ks, staging)
         except (UcmError, ValueError) as e:
-            why = f"{type(e).__name__}: {e}"
+            error = f"{type(e).__name__}: {e}"
             for b in block_ids:
-                res.failed[int(b)] = why
+                res.failed[int(b)] = error
             return res
         # (staging row, vLLM block id, the header's checksum) of the blocks that pass
         passed: List[Tuple[int, int, int]] = []

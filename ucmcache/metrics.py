@@ -27,7 +27,10 @@ Names (all labelled ``segment``; per-rank ones also ``rank``):
 """
 from __future__ import annotations
 
-from typing import Dict, Iterator, List, Tuple
+import threading
+from typing import Any, Dict, Iterator, List, Tuple, TypedDict
+
+import numpy as np
 
 from ._errors import UcmError
 from ._segment import Segment
@@ -38,7 +41,7 @@ from ._table import accounting, arena_table, rank_rows, slot_fields, slot_table,
 try:
     from prometheus_client import CollectorRegistry, generate_latest, start_http_server
     from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
-                                        HistogramMetricFamily, InfoMetricFamily)
+                                        HistogramMetricFamily, InfoMetricFamily, Metric)
     from prometheus_client.registry import Collector
 except ImportError as e:  # pragma: no cover - exercised only without the extra
     raise ImportError("ucmcache.metrics needs prometheus_client: pip install "
@@ -68,7 +71,18 @@ COUNTER_METRICS: Dict[str, Tuple[str, str]] = {
 }
 
 
-def _snapshot(seg: Segment) -> Dict[str, object]:
+class Snapshot(TypedDict):
+    """What one scrape reads from a segment."""
+    counters: np.ndarray        # (max_ranks, UCM_ST_COUNT), as stats() sums them
+    entries: int
+    size: int
+    capacity: int
+    slots: Dict[str, int]       # slots by state
+    ranks: Dict[str, int]       # live, dead, free
+    arenas: Dict[str, int]      # arenas by owner (a rank, or free)
+
+
+def _snapshot(seg: Segment) -> Snapshot:
     """Everything one scrape reports, read from the mapping (no rank taken)."""
     L = seg.layout
     counters = rank_counters(seg)  # the same snapshot stats() sums
@@ -86,7 +100,7 @@ def _snapshot(seg: Segment) -> Dict[str, object]:
             "arenas": arenas}
 
 
-def _histogram(name: str, help_text: str, uuid: str, snap: Dict[str, object],
+def _histogram(name: str, help_text: str, uuid: str, snap: Snapshot,
                which: str) -> HistogramMetricFamily:
     fam = HistogramMetricFamily(f"{PREFIX}_{name}", help_text, labels=["segment", "rank"])
     counters = snap["counters"]
@@ -110,7 +124,7 @@ class SegmentCollector(Collector):
         self.uuid = uuid
         self.timeout = timeout
 
-    def collect(self) -> Iterator[object]:
+    def collect(self) -> Iterator[Metric]:
         # A segment removed, half made, foreign or corrupt is a fact to report, not a failed
         # scrape: ucmcache_up 0 (an alert's series) and nothing else.
         up = GaugeMetricFamily(f"{PREFIX}_up", "1 if the segment could be read at this scrape",
@@ -143,14 +157,14 @@ def _params(seg: Segment) -> Dict[str, str]:
             "slot_size": str(L.slot_size), "slots": str(L.n_slots)}
 
 
-def families(uuid: str, snap: Dict[str, object]) -> List[object]:
-    out: List[object] = []
+def families(uuid: str, snap: Snapshot) -> List[Metric]:
+    out: List[Metric] = []
     counters = snap["counters"]
     for name, (stat, help_text) in COUNTER_METRICS.items():
-        fam = CounterMetricFamily(f"{PREFIX}_{name}", help_text, labels=["segment", "rank"])
+        counter = CounterMetricFamily(f"{PREFIX}_{name}", help_text, labels=["segment", "rank"])
         for r in range(counters.shape[0]):
-            fam.add_metric([uuid, str(r)], int(counters[r, COUNTERS[stat]]))
-        out.append(fam)
+            counter.add_metric([uuid, str(r)], int(counters[r, COUNTERS[stat]]))
+        out.append(counter)
     for name, value, help_text in (
             ("entries", snap["entries"], "Ready entries of the current generation"),
             ("bytes", snap["size"], "Payload bytes of those entries"),
@@ -192,7 +206,7 @@ def render(uuid: str, *, timeout: float = 1.0) -> str:
 
 
 def serve(uuid: str, port: int, addr: str = "0.0.0.0", *,
-          timeout: float = 1.0) -> Tuple[object, object]:
+          timeout: float = 1.0) -> Tuple[Any, threading.Thread]:
     """Answer /metrics on addr:port from a background thread; returns (server, thread)."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(collector(uuid, timeout=timeout))

@@ -329,7 +329,7 @@ if HAVE_VLLM:
         """Counters of the workers' copies since the last report (summed over workers)."""
 
         def reset(self) -> None:
-            self.data = {}
+            self.data: Dict[str, Any] = {}
 
         def aggregate(self, other: "KVConnectorStats") -> "KVConnectorStats":
             for k, v in (other.data or {}).items():

@@ -155,16 +155,6 @@ static void nap_us(long us)
     nanosleep(&ts, NULL);
 }
 
-static uint32_t crc32_bytes(const unsigned char *p, size_t n) /* zlib.crc32 */
-{
-    uint32_t c = 0xffffffffu;
-    for (size_t i = 0; i < n; i++) {
-        c ^= p[i];
-        for (int k = 0; k < 8; k++) c = (c >> 1) ^ (0xedb88320u & (0u - (c & 1)));
-    }
-    return c ^ 0xffffffffu;
-}
-
 /* ------------------------------------------------------------------ the segment */
 
 static ucm_layout L;
@@ -183,42 +173,14 @@ static void segment_make(void)
     if (r != UCM_OK) die("ucm_layout_compute: parameter error %d", r);
     base = mmap(NULL, L.total_size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
     if (base == MAP_FAILED) die("mmap %" PRIu64 " bytes: %s", L.total_size, strerror(errno));
-    /* As Segment._initialise: the pid first, the header, generation 1, bucket heads NIL, every
-     * slot's bucket INVALID and links NIL, a robust process-shared mutex per stripe, the magic
-     * last (release) and a wake on it.  The arenas' words (zero: generation 0, owner free) and the
-     * rank descriptors (FREE) stay as the zeroed mapping has them. */
-    ucm_store32(base, UCM_H_CREATOR_PID, (uint32_t)getpid());
-    ucm_store32(base, UCM_H_CREATOR_UID, (uint32_t)getuid());
-    ucm_store32(base, UCM_H_VERSION, UCM_LAYOUT_VERSION);
-    ucm_store32(base, UCM_H_FEATURES, 0);
-    ucm_store32(base, UCM_H_MAX_RANKS, L.max_ranks);
-    ucm_store32(base, UCM_H_N_STRIPES, L.n_stripes);
-    ucm_store64(base, UCM_H_SLOTS_PER_RANK, L.slots_per_rank);
-    ucm_store64(base, UCM_H_SLOT_SIZE, L.slot_size);
-    ucm_store64(base, UCM_H_N_BUCKETS, L.n_buckets);
-    ucm_store64(base, UCM_H_TOTAL_SIZE, L.total_size);
-    ucm_store32(base, UCM_H_PARAMS_CRC, crc32_bytes((unsigned char *)base + UCM_H_VERSION,
-                                                    UCM_LINE - UCM_H_VERSION));
-    ucm_store32(base, UCM_H_LAYOUT_FP, ucm_layout_fingerprint());
-    ucm_store64(base, UCM_H_GENERATION, 1);
-    for (uint64_t b = 0; b < L.n_buckets; b++) ucm_store32(base, L.bucket_off + 4 * b, UCM_NIL);
-    for (uint64_t s = 0; s < L.n_slots; s++) {
-        uint64_t m = L.meta_off + s * UCM_META_SIZE;
-        ucm_store32(base, m + UCM_M_BUCKET, UCM_INVALID_BUCKET);
-        ucm_store32(base, m + UCM_M_PREV, UCM_NIL);
-        ucm_store32(base, m + UCM_M_NEXT, UCM_NIL);
-    }
-    for (uint32_t s = 0; s < L.n_stripes; s++) {
-        int e = ucm_mutex_init(base, L.stripe_off + (uint64_t)s * UCM_LINE);
-        if (e) die("pthread_mutex_init (robust, process-shared): %s", strerror(e));
-    }
-    ucm_store64(base, UCM_H_MAGIC, UCM_MAGIC);
-    ucm_futex_wake(base, UCM_H_MAGIC, INT32_MAX);
+    /* As Segment._initialise: every word but the magic in one step, then the magic. */
+    int e = ucm_segment_init(base, &L, (uint32_t)getpid(), (uint32_t)getuid());
+    if (e) die("pthread_mutex_init (robust, process-shared): %s", strerror(e));
+    ucm_segment_publish(base);
     /* What an attacher checks first (Segment.attach / _validate), on our own header. */
     if (ucm_load64(base, UCM_H_MAGIC) != UCM_MAGIC || ucm_load32(base, UCM_H_VERSION) != UCM_LAYOUT_VERSION
         || ucm_load32(base, UCM_H_LAYOUT_FP) != ucm_layout_fingerprint()
-        || ucm_load32(base, UCM_H_PARAMS_CRC)
-               != crc32_bytes((unsigned char *)base + UCM_H_VERSION, UCM_LINE - UCM_H_VERSION))
+        || ucm_load32(base, UCM_H_PARAMS_CRC) != ucm_params_crc(base))
         die("the header we wrote does not validate");
 }
 

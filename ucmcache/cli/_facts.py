@@ -126,8 +126,8 @@ def _rank_facts(seg: Segment, rows: List[Dict[str, Any]], slots: Dict[str, Any],
                 counters: np.ndarray) -> Dict[str, Any]:
     """The "ranks" rows of --json, and "stuck": the holds of ranks that are not alive."""
     ranks = []
-    items: List[Dict[str, int]] = []
-    stuck = {"pins": 0, "claims": 0, "loading": 0}
+    items: List[Dict[str, Any]] = []
+    stuck: Dict[str, Any] = {"pins": 0, "claims": 0, "loading": 0}
     L = seg.layout
     owned = arena_owners(seg)
     for row in rows:

@@ -25,10 +25,11 @@ BAR = 50                    # the longest histogram bar, in '#'
 def human_bytes(n: int) -> str:
     if n < 1024:
         return f"{n} B"
+    size = float(n)
     for unit in ("KiB", "MiB", "GiB", "TiB"):
-        n /= 1024.0
-        if n < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}"
+        size /= 1024.0
+        if size < 1024 or unit == "TiB":
+            return f"{size:.1f} {unit}"
     raise AssertionError  # pragma: no cover
 
 
@@ -171,6 +172,7 @@ def _rank_table_lines(ranks: List[Dict[str, Any]]) -> List[str]:
 def spans(items: List[int]) -> str:
     """Sorted ints as ranges: [0, 1, 2, 5, 7, 8] -> '0-2, 5, 7-8'."""
     out: List[str] = []
+    last = 0        # read only once out has an item, i.e. after the first assignment below
     for i in items:
         if out and i == last + 1:
             first = out[-1].split("-")[0]

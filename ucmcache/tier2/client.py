@@ -171,7 +171,7 @@ class RedisTier(Tier):
         import redis
         from redis.backoff import NoBackoff
         from redis.retry import Retry
-        cfg = self._config
+        cfg: Dict[str, Any] = self._config
         opts: Dict[str, Any] = dict(socket_timeout=timeout, socket_connect_timeout=timeout)
         if cfg["cluster_nodes"]:
             from redis.cluster import ClusterNode, RedisCluster
@@ -325,7 +325,7 @@ class RedisTier(Tier):
                 if not self._queue:
                     self._writer = None
                     return
-                batch = []
+                batch: List[Any] = []
                 size = 0
                 while self._queue and len(batch) < WRITE_BATCH and size < WRITE_BATCH_BYTES:
                     item = self._queue.popleft()

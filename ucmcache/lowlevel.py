@@ -1,0 +1,26 @@
+"""ucmcache.lowlevel: what tools, tests, the CLI and the bench use below the public API.
+
+The public API (``ucmcache``: SlotCache, Handle, the errors) is the contract for callers.
+This namespace names, without an underscore, the parts beneath it that tools need (as
+``trio.lowlevel`` does): they follow the C core and the segment format, so a new layout
+version may change them.
+
+The C core (cffi): ``ffi`` and ``lib`` (every ``UCM_*`` constant of csrc/ucm_core.h and every
+protocol step).  The segment file: ``Segment``, ``probe``, ``held_for_removal``, ``shm_path``,
+``life_lock_byte``, ``PREFIX``, ``SHM_DIR``.  The layout: ``Layout`` and the dtypes of its tables
+(``HEADER``, ``RANK_DESC``, ``ARENA_DESC``, ``SLOT_META``).  The named points where a test holds
+or kills a process: ``Gate``, ``arm_python``, ``POINTS``, ``C_POINTS``, ``PY_POINTS``, and
+``hooks``, the module (its ``_armed`` and ``fire`` are read where the points are).
+"""
+from . import _hooks as hooks
+from ._core import ffi, lib
+from ._hooks import C_POINTS, POINTS, PY_POINTS, Gate, arm_python
+from ._layout import ARENA_DESC, HEADER, RANK_DESC, SLOT_META, Layout
+from ._segment import (PREFIX, SHM_DIR, Segment, held_for_removal, life_lock_byte, probe,
+                       shm_path)
+
+__all__ = [
+    "ffi", "lib", "Segment", "probe", "held_for_removal", "shm_path", "life_lock_byte", "PREFIX",
+    "SHM_DIR", "Layout", "HEADER", "RANK_DESC", "ARENA_DESC", "SLOT_META", "Gate", "arm_python",
+    "POINTS", "C_POINTS", "PY_POINTS", "hooks",
+]
