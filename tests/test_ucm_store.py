@@ -437,11 +437,13 @@ def test_scheduler_store_only_looks_up(uuid, stores):
 
 
 def test_share_buffer_disabled_gives_a_private_segment(uuid, stores):
-    before = set(os.listdir("/dev/shm"))
+    # only names this test could have made count (other processes share this machine's /dev/shm)
+    ours = lambda: {n for n in os.listdir("/dev/shm") if uuid[:40] in n}  # noqa: E731
+    before = ours()
     a = stores(_cfg(uuid, share_buffer_enable=False))
     assert a.cache.max_ranks == 1 and a.cache.capacity == 4 * 64  # the whole buffer_size
     b = stores(_cfg(uuid, share_buffer_enable="false"))
-    assert set(os.listdir("/dev/shm")) == before        # private: no name left behind
+    assert ours() == before                              # private: no name left behind
     ids = W.block_ids(60, 2)
     a.wait(a.dump(ids, [0, 0], W.make_blocks("numpy", 60, 2, 4, 1024)))
     assert a.lookup(ids) == [True, True] and b.lookup(ids) == [False, False]
