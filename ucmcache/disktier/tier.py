@@ -128,13 +128,19 @@ class DiskTier(Tier):
         self._stats_dir = os.path.join(self.root, "stats")
         for d in (self._blocks, self._tmp, self._stats_dir):
             os.makedirs(d, mode=0o700 | mode, exist_ok=True)
-        self._breaker = Breaker(breaker_failures, float(breaker_reset), self._clock, self.label)
+        # Two breakers: a full disk (writes failing) must not stop serving what is on it, and
+        # a read's success must not reset the count of failing writes.
+        self._breaker = Breaker(breaker_failures, float(breaker_reset), self._clock,
+                                self.label + " (reads)")
+        self._write_breaker = Breaker(breaker_failures, float(breaker_reset), self._clock,
+                                      self.label + " (writes)")
         self._reset_process_state()
         _live_tiers.add(self)
 
     def _reset_process_state(self) -> None:
         self._pid = os.getpid()
         self._breaker._lock = threading.Lock()
+        self._write_breaker._lock = threading.Lock()
         self.counters = ProcessCounters(self._stats_dir, self._mode)
         self._cond = threading.Condition()
         self._queue: deque = deque()
@@ -157,8 +163,15 @@ class DiskTier(Tier):
 
     @property
     def state(self) -> str:
-        """The circuit breaker in this process: 'closed', 'open' (bypassed) or 'half-open'."""
+        """The reads' circuit breaker in this process: 'closed', 'open' (lookups bypass the
+        disk) or 'half-open'."""
         return self._breaker.state
+
+    @property
+    def write_state(self) -> str:
+        """The writes' circuit breaker in this process: 'closed', 'open' (write-throughs are
+        dropped: the disk is full or failing) or 'half-open'."""
+        return self._write_breaker.state
 
     def stats(self) -> Dict[str, int]:
         """The tier's ``t2_*`` counters, summed over every process that used this directory."""
@@ -180,7 +193,8 @@ class DiskTier(Tier):
         return os.path.join(self._blocks, d, name)
 
     def __repr__(self) -> str:
-        return f"<DiskTier {self.label} capacity={self.capacity_bytes}B {self.state}>"
+        return (f"<DiskTier {self.label} capacity={self.capacity_bytes}B reads {self.state} "
+                f"writes {self.write_state}>")
 
     def __reduce__(self):
         return (_rebuild, (self.path, self._config))
@@ -255,6 +269,8 @@ class DiskTier(Tier):
         """The payload (a view of a private buffer), None (no file), or a str saying why the
         file was bad (it is removed).  Other OSErrors propagate (the breaker counts them)."""
         path = self._path_of(block_id, offset)
+        if _hooks._armed:
+            _hooks.fire("disk_read_io")  # a test holds this read: a disk that does not answer
         try:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         except FileNotFoundError:
@@ -298,7 +314,7 @@ class DiskTier(Tier):
         """Queue a copy of payload for the writer thread; False (counted) when dropped."""
         self._check_pid()
         size = HEADER_SIZE + payload.nbytes
-        if size > self.capacity_bytes or not self._breaker.would_allow():
+        if size > self.capacity_bytes or not self._write_breaker.would_allow():
             self.counters.add("t2_write_drops", 1)
             return False
         data = bytes(payload)  # the copy: the slot's view is valid only during this call
@@ -343,7 +359,7 @@ class DiskTier(Tier):
         if os.path.exists(final):
             self.counters.add("t2_write_dedups", 1)
             return
-        b = self._breaker
+        b = self._write_breaker
         if not b.allow():
             self.counters.add("t2_write_drops", 1)
             return
