@@ -413,3 +413,61 @@ def test_a_full_tmpfs_opens_the_write_breaker_and_gets_go_on(segs, small_tmpfs):
         assert set(runs) == set(keys) - written  # the written ones came back from the disk
     finally:
         cc.close()
+
+
+# ---------------------------------------------------------------- tools: CLI, inspect, metrics
+
+
+def _cli(capsys, *args):
+    from ucmcache import cli
+    rc = cli.main([str(a) for a in args])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_cli_lists_verifies_and_trims_a_tier_directory(segs, tmp_path, capsys):
+    import json
+    path = tmp_path / "disk"
+    tier = DiskTier(path, CAP)
+    c = segs()
+    cc = SlotCache.attach(c.uuid, tier2=tier)
+    try:
+        keys = _keys(4)
+        runs = []
+        for k in keys:
+            _load(cc, k, runs)
+        assert tier.flush(30)
+        rc, out, _ = _cli(capsys, "tier", "ls", path, "--json", "--files")
+        d = json.loads(out)
+        assert rc == 0 and d["files"] == 4 and d["bytes"] == 4 * (HEADER_SIZE + SIZE)
+        assert d["counters"]["t2_writes"] == 4 and d["counters"]["t2_misses"] == 4
+        assert {b["block_id"] for b in d["blocks"]} == {k.hex() for k in keys}
+        rc, out, _ = _cli(capsys, "tier", "ls", path)
+        assert rc == 0 and "4 block file(s)" in out and "writes 4" in out
+        # inspect --tier and metrics --tier show the tier by its label.
+        rc, out, _ = _cli(capsys, "inspect", c.uuid, "--json", "--tier", path)
+        assert json.loads(out)["tiers"][tier.label]["counters"]["t2_writes"] == 4
+        rc, out, _ = _cli(capsys, "inspect", c.uuid, "--tier", path)
+        assert rc == 0 and f"tier {tier.label}" in out
+        pytest.importorskip("prometheus_client")
+        rc, out, _ = _cli(capsys, "metrics", c.uuid, "--once", "--tier", path)
+        assert rc == 0
+        assert f'ucmcache_tier_writes_total{{tier="{tier.label}"}} 4.0' in out
+        assert f'ucmcache_tier_bytes{{tier="{tier.label}"}} {4 * (HEADER_SIZE + SIZE)}.0' in out
+        # verify: a flipped bit is found (exit 1), then removed with --remove-bad.
+        victim = tier.key_path(keys[1])
+        raw = bytearray(open(victim, "rb").read())
+        raw[-1] ^= 1
+        open(victim, "wb").write(raw)
+        rc, out, _ = _cli(capsys, "tier", "verify", path)
+        assert rc == 1 and "3 block file(s) ok, 1 bad" in out and "payload checksum" in out
+        rc, out, _ = _cli(capsys, "tier", "verify", path, "--remove-bad")
+        assert rc == 0 and "1 removed" in out and not os.path.exists(victim)
+        # trim: least recently used first, down to the size asked.
+        rc, out, _ = _cli(capsys, "tier", "trim", path, "--to", HEADER_SIZE + SIZE)
+        assert rc == 0 and "removed 2 block file(s)" in out
+        assert len(tier.files()) == 1 and tier.used_bytes() == HEADER_SIZE + SIZE
+        rc, _, err = _cli(capsys, "tier", "ls", tmp_path / "nothing")
+        assert rc == 2 and "is not a disk tier directory" in err
+    finally:
+        cc.close()
