@@ -471,3 +471,116 @@ def test_cli_lists_verifies_and_trims_a_tier_directory(segs, tmp_path, capsys):
         assert rc == 2 and "is not a disk tier directory" in err
     finally:
         cc.close()
+
+
+def test_bench_disktier_runs_and_the_tier_saves_loader_runs(capsys):
+    """The bench (bench/disktier.py) at tiny sizes: its tables come out, and on the trace 10x
+    the segment the tier turns loader runs into disk hits (counts, fixed seeds: no timing)."""
+    import re
+    import sys
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from bench import disktier
+    disktier.main(["--runs", "1", "--total-mb", "1", "--sizes", "65536", "--scan-files", "50",
+                   "--trace-requests", "3000"])
+    out = capsys.readouterr().out
+    assert re.search(r"^\| 65536 \| [\d.]+ \[", out, re.M)
+    rows = dict(re.findall(r"^\| (segment only|with DiskTier) \(2560 keys\) \| 3000 \| "
+                           r"\d+ \([\d.]+%\) \| (\d+ \| \d+) \|$", out, re.M))
+    without_disk, without_runs = map(int, rows["segment only"].split(" | "))
+    disk_hits, with_runs = map(int, rows["with DiskTier"].split(" | "))
+    assert without_disk == 0 and disk_hits > 0
+    assert with_runs == without_runs - disk_hits  # every disk hit is a loader run saved
+
+
+# ---------------------------------------------------------------- batches, forks, under Redis
+
+
+def test_get_many_is_served_from_disk_where_it_can(segs, tmp_path):
+    tier = DiskTier(tmp_path / "disk", CAP)
+    keys = _keys(6)
+    for k in keys[::2]:
+        os.makedirs(os.path.dirname(tier.key_path(k)), exist_ok=True)
+        with open(tier.key_path(k), "wb") as f:
+            f.write(_block(k))
+    c = segs()
+    cc = SlotCache.attach(c.uuid, tier2=tier)
+    try:
+        with cc.get_many(keys, timeout=30) as b:
+            assert list(b.owner) == [False, True] * 3
+            for i, k in enumerate(keys):
+                if b.owner[i]:
+                    b.data(i)[:SIZE] = payload_for(k, SIZE)
+                    b.ready(i, SIZE)
+            b.wait(30)
+            assert all(check_payload(k, bytes(b.data(i))) for i, k in enumerate(keys))
+        assert tier.flush(30) and len(tier.files()) == 6
+        s = tier.stats()
+        assert (s["t2_hits"], s["t2_misses"], s["t2_writes"]) == (3, 3, 3)
+    finally:
+        cc.close()
+
+
+def test_a_forked_child_writes_and_counts_on_its_own(segs, tmp_path):
+    """The child inherits the tier object: it starts its own writer, read pool, usage fd and
+    counter file (the parent's threads did not follow the fork, and sharing the parent's
+    counter file would lose increments)."""
+    tier = DiskTier(tmp_path / "disk", CAP)
+    c = segs()
+    cc = SlotCache.attach(c.uuid, tier2=tier)
+    try:
+        runs = []
+        _load(cc, os.urandom(16), runs)      # the parent's writer and counter file exist now
+        assert tier.flush(30)
+        kids = _keys(3)
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                child = SlotCache.attach(c.uuid, tier2=tier)
+                for k in kids:
+                    child.get_or_load(k, lambda k=k: payload_for(k, SIZE), timeout=30)
+                code = 0 if tier.flush(30) else 2
+                child.close()
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert {f.block_id for f in tier.files()} >= set(kids)
+        assert tier.stats()["t2_writes"] == 4
+        assert len(os.listdir(tier._stats_dir)) == 2   # one counter file per process
+    finally:
+        cc.close()
+
+
+from redis_fixtures import need_redis, redis_unix, redis_workdir  # noqa: E402,F401
+
+
+def test_disk_above_redis_serves_what_redis_has_and_keeps_a_copy(segs, tmp_path, redis_unix):
+    """Two nodes (segments) with their own disks share Redis: a block node A loaded is served
+    to node B from Redis and written to B's disk; once B's segment forgets it, B's disk serves
+    it and Redis is not asked (the segment's t2_* count the Redis tier)."""
+    from ucmcache import RedisTier
+    ns = f"disk-{uuidlib.uuid4().hex[:8]}"
+    disk_a, disk_b = DiskTier(tmp_path / "a", CAP), DiskTier(tmp_path / "b", CAP)
+    ca, cb = segs(), segs()
+    a = SlotCache.attach(ca.uuid, tier2=[disk_a, RedisTier(unix_socket=redis_unix.sock,
+                                                           namespace=ns, timeout=2.0)])
+    red_b = RedisTier(unix_socket=redis_unix.sock, namespace=ns, timeout=2.0)
+    b = SlotCache.attach(cb.uuid, tier2=(disk_b, red_b))
+    try:
+        k = os.urandom(16)
+        runs = []
+        _load(a, k, runs)
+        assert runs == [k]
+        a.close()  # flushes both tiers' write-throughs
+        _load(b, k, runs)
+        assert runs == [k]                                   # from Redis
+        assert b.stats()["t2_hits"] == 1
+        assert disk_b.flush(30) and [f.block_id for f in disk_b.files()] == [k]
+        b.clear()
+        _load(b, k, runs)
+        assert runs == [k]                                   # from B's disk
+        assert b.stats()["t2_hits"] == 1                     # Redis not asked again
+        assert disk_b.stats()["t2_hits"] == 1
+    finally:
+        b.close()
