@@ -485,11 +485,12 @@ def test_bench_disktier_runs_and_the_tier_saves_loader_runs(capsys):
     out = capsys.readouterr().out
     assert re.search(r"^\| 65536 \| [\d.]+ \[", out, re.M)
     rows = dict(re.findall(r"^\| (segment only|with DiskTier) \(2560 keys\) \| 3000 \| "
-                           r"\d+ \([\d.]+%\) \| (\d+ \| \d+) \|$", out, re.M))
-    without_disk, without_runs = map(int, rows["segment only"].split(" | "))
-    disk_hits, with_runs = map(int, rows["with DiskTier"].split(" | "))
-    assert without_disk == 0 and disk_hits > 0
+                           r"\d+ \([\d.]+%\) \| (\d+ \| \d+ \| \d+) \|$", out, re.M))
+    without_disk, without_runs, distinct = map(int, rows["segment only"].split(" | "))
+    disk_hits, with_runs, distinct2 = map(int, rows["with DiskTier"].split(" | "))
+    assert without_disk == 0 and disk_hits > 0 and distinct == distinct2
     assert with_runs == without_runs - disk_hits  # every disk hit is a loader run saved
+    assert with_runs == distinct                  # each key loaded once, then from disk
 
 
 # ---------------------------------------------------------------- batches, forks, under Redis

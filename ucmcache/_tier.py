@@ -15,10 +15,12 @@ once: ``Tier.bind`` returns the ``BoundTier`` the cache calls, at four points an
 4. ``exist_prefix`` (the keys the cache lacks) and ``close`` (the cache detaches).
 
 Slots name an owner's load from ``lookup`` to ``write_through``/``abandon``; keys are
-``(block_id, offset)``.  A tier reports into the caller's shared counters through the ``count``
-it is bound with (``UCM_ST_T2_*``).  A tier never touches handles, slots or the segment: the
-cache owns every pin and every publish, so a tier (Redis today, a local disk tomorrow) is added
-without changing ``_cache``.  This module imports nothing of the package; tiers import it.
+``(block_id, offset)``.  A tier may report into the caller's shared counters through the ``count``
+it is bound with (``UCM_ST_T2_*``: RedisTier does; DiskTier keeps its own in its directory).
+A tier never touches handles, slots or the segment: the cache owns every pin and every
+publish, so a tier (Redis, a local disk, a third) is added without changing ``_cache``.
+``tier2=`` may also be a sequence of tiers, looked up in order: ``TierChain`` below binds each
+and is itself a tier.  This module imports nothing of the package; tiers import it.
 """
 from __future__ import annotations
 

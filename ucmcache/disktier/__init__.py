@@ -1,4 +1,4 @@
-"""The disk tier: blocks on a local directory beneath the shared-memory cache (DESIGN 4.12).
+"""The disk tier: blocks on a local directory beneath the shared-memory cache (DESIGN 4.14).
 
 ``DiskTier(path, capacity_bytes)`` is a tier (ucmcache._tier) like ``RedisTier``, usable alone
 (``tier2=DiskTier(...)``) or above Redis (``tier2=[DiskTier(...), RedisTier(...)]``).  Modules:

@@ -1,4 +1,4 @@
-"""The disk tier's block file: one file per key, its own format and version (DESIGN 4.12).
+"""The disk tier's block file: one file per key, its own format and version (DESIGN 4.14).
 
 A block file is a 64-byte header followed by the payload.  The header carries the key itself
 (the fingerprint is the whole key: 16-byte block id and offset), the payload's length and

@@ -1,5 +1,5 @@
 """DiskTier: a tier on a local directory, shared by every process of the node that uses the
-same path (DESIGN 4.12).
+same path (DESIGN 4.14).
 
 Layout of the directory (``<path>/ucm-disk-v1/``, versioned with the file format):
 
@@ -13,9 +13,9 @@ Layout of the directory (``<path>/ucm-disk-v1/``, versioned with the file format
 
 Reads run on a small per-process pool of threads so that the get waiting for them waits at most
 ``timeout``; write-throughs are copied on the owner's thread and written by one background
-writer thread per process.  A read or write error (ENOSPC, EFBIG, EIO) or a read past the
-timeout counts against a circuit breaker (ucmcache.tier2.breaker); open, the disk is bypassed:
-gets load as if it were absent, write-throughs are dropped.
+writer thread per process.  A read error or a read past the timeout counts against the reads'
+circuit breaker (ucmcache.tier2.breaker; open: gets load as if the disk were absent); a write
+error (ENOSPC, EFBIG, EIO) against the writes' (open: write-throughs are dropped, reads go on).
 """
 from __future__ import annotations
 
