@@ -585,3 +585,25 @@ def test_disk_above_redis_serves_what_redis_has_and_keeps_a_copy(segs, tmp_path,
         assert disk_b.stats()["t2_hits"] == 1
     finally:
         b.close()
+
+
+def test_a_get_timeout_shorter_than_the_disks_is_not_a_disk_fault(segs, tmp_path, gate):
+    """A get's own timeout cuts its wait for the disk short: it loads, and the breaker counts
+    nothing against the disk (a caller in a hurry is not a failing disk)."""
+    tier = DiskTier(tmp_path / "disk", CAP, timeout=30.0, breaker_failures=1, readers=1)
+    c = segs()
+    cc = SlotCache.attach(c.uuid, tier2=tier)
+    g = gate()
+    try:
+        _hooks.arm_python("disk_read_io", "gate", g)
+        k = os.urandom(16)
+        with cc.get(k, timeout=0.05) as h:
+            assert h.owner                      # the disk did not answer in time: we load
+            h.data[:SIZE] = payload_for(k, SIZE)
+            h.ready(SIZE)
+        g.wait_arrived()
+        assert tier.state == "closed" and tier.stats()["t2_bypasses"] == 1
+    finally:
+        _hooks.arm_python("disk_read_io", "none")
+        g.release()
+        cc.close()

@@ -126,8 +126,10 @@ class DiskTier(Tier):
         self._blocks = os.path.join(self.root, "blocks")
         self._tmp = os.path.join(self.root, "tmp")
         self._stats_dir = os.path.join(self.root, "stats")
+        # Directories: the files' read/write bits, each readable one searchable too.
+        self._dir_mode = 0o700 | mode | ((mode & 0o444) >> 2)
         for d in (self._blocks, self._tmp, self._stats_dir):
-            os.makedirs(d, mode=0o700 | mode, exist_ok=True)
+            os.makedirs(d, mode=self._dir_mode, exist_ok=True)
         # Two breakers: a full disk (writes failing) must not stop serving what is on it, and
         # a read's success must not reset the count of failing writes.
         self._breaker = Breaker(breaker_failures, float(breaker_reset), self._clock,
@@ -221,11 +223,15 @@ class DiskTier(Tier):
         out: List[Optional[memoryview]] = [None] * n
         err: Optional[BaseException] = None
         hits = misses = bypasses = bad = nbytes = 0
+        cut_short = False  # by the caller's deadline, shorter than ours: no fault of the disk
         for i, f in enumerate(futs):
             if f not in done:
                 f.cancel()  # not started: never runs; running: its result is dropped
                 bypasses += 1
-                err = err or TimeoutError(f"disk read past {bound:.3f} s")
+                if bound < self.timeout:
+                    cut_short = True
+                else:
+                    err = err or TimeoutError(f"disk read past {bound:.3f} s")
                 continue
             e = f.exception()
             if e is not None:
@@ -245,6 +251,8 @@ class DiskTier(Tier):
         if err is not None:
             b.failure(err)
             log.debug("ucmcache disk tier %s: %s: %s", self.label, type(err).__name__, err)
+        elif cut_short:
+            b.abort()  # no verdict: a probe, if this was one, goes to the next lookup
         else:
             b.success()
         c = self.counters
@@ -387,7 +395,7 @@ class DiskTier(Tier):
             try:
                 os.rename(tmp, final)
             except FileNotFoundError:
-                os.makedirs(os.path.dirname(final), mode=0o700 | self._mode, exist_ok=True)
+                os.makedirs(os.path.dirname(final), mode=self._dir_mode, exist_ok=True)
                 os.rename(tmp, final)
         except Exception as e:
             _unlink_quiet(tmp)
@@ -449,21 +457,22 @@ class DiskTier(Tier):
         with self._usage():
             used = self._read_used()
             if used + size > self.capacity_bytes:
-                used = self._evict_locked(int(self.capacity_bytes * LOW_WATER) - size)
+                used, _ = self._evict_locked(int(self.capacity_bytes * LOW_WATER) - size)
             self._write_used(used + size)
 
     def _unreserve(self, size: int) -> None:
         with self._usage():
             self._write_used(self._read_used() - size)
 
-    def _evict_locked(self, target: int) -> int:
+    def _evict_locked(self, target: int) -> Tuple[int, int]:
         """Under the usage lock: remove least recently used files until the blocks take at
-        most target bytes; returns the bytes they take (measured by the scan, so the record
-        is corrected for whatever a killed process left uncounted)."""
+        most target bytes; returns (the bytes they take, files removed).  The bytes are
+        measured by the scan, so the record is corrected for whatever a killed process left
+        uncounted."""
         files = self._scan()
         used = sum(f.size for f in files)
         if used <= target:
-            return used
+            return used, 0
         files.sort(key=lambda f: f.mtime_ns)
         n = freed = 0
         for f in files:
@@ -477,7 +486,7 @@ class DiskTier(Tier):
             n += 1
         self.counters.add("t2_evictions", n)
         self.counters.add("t2_evicted_bytes", freed)
-        return used - freed
+        return used - freed, n
 
     def _scan(self) -> List[BlockFile]:
         """Every block file (the index, rebuilt from the directory); stale temporary files of
@@ -560,11 +569,10 @@ class DiskTier(Tier):
         if isinstance(target_bytes, bool) or not isinstance(target_bytes, int) or \
                 target_bytes < 0:
             raise ValueError(f"target_bytes must be an int >= 0, got {target_bytes!r}")
-        before = self.stats()["t2_evictions"]
         with self._usage():
-            used = self._evict_locked(target_bytes)
+            used, removed = self._evict_locked(target_bytes)
             self._write_used(used)
-        return self.stats()["t2_evictions"] - before, used
+        return removed, used
 
     # ---------------------------------------------------------------- lifecycle
 
