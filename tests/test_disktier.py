@@ -139,6 +139,11 @@ def test_spill_restore_round_trip_across_processes(segs, tmp_path, procs):
     assert r == {"runs": 12, "ok": True, "flushed": True}
     tier = DiskTier(path, CAP)
     assert len(tier.files()) == 12 and tier.verify().bad == []
+    # A block file is the key and its bytes in the tier's own format, nothing of the segment
+    # (no layout version, no params): any build reading format 1 reads it.
+    for k in keys:
+        with open(tier.key_path(k), "rb") as f:
+            assert f.read() == _block(k)
     c.close()
     SlotCache.unlink(c.uuid)
     c2 = segs(uuid=c.uuid, slots_per_rank=4)
