@@ -316,6 +316,15 @@ def test_a_full_disk_opens_the_write_breaker_and_gets_go_on(segs, tmp_path, proc
     assert tier.used_bytes() == HEADER_SIZE + SIZE  # the failed writes' reservations returned
 
 
+def _leave_gate(tier, g):
+    """The held read is a thread of this process: release the gate (twice: also a read that
+    reached it late) and wait until that thread has left it, before the fixture unmaps the
+    gate's word under it.  With readers=1, a job submitted now runs after the held read."""
+    g.release()
+    g.release()
+    tier._read_pool().submit(int).result(60)
+
+
 def test_a_slow_disk_never_holds_a_get_past_the_timeout(segs, tmp_path, gate):
     """The read pool's thread is held (a gate at "disk_read_io" stands for a disk that does
     not answer); the get bypasses the disk after the tier's timeout and loads; after
@@ -338,7 +347,7 @@ def test_a_slow_disk_never_holds_a_get_past_the_timeout(segs, tmp_path, gate):
         assert s["t2_bypasses"] == 2 and s["t2_hits"] == 0
     finally:
         _hooks.arm_python("disk_read_io", "none")
-        g.release()
+        _leave_gate(tier, g)
         cc.close()
 
 
@@ -610,5 +619,5 @@ def test_a_get_timeout_shorter_than_the_disks_is_not_a_disk_fault(segs, tmp_path
         assert tier.state == "closed" and tier.stats()["t2_bypasses"] == 1
     finally:
         _hooks.arm_python("disk_read_io", "none")
-        g.release()
+        _leave_gate(tier, g)
         cc.close()
