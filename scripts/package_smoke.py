@@ -53,6 +53,35 @@ def value(i: int) -> bytes:
     return f"value-{i}:".encode() * (i + 1)
 
 
+def disk_tier() -> None:
+    """ucmcache.disktier is in the wheel: blocks written through survive the segment, and
+    `ucmcache tier ls` reads the directory."""
+    import json
+    import shutil
+    import tempfile
+    from ucmcache import DiskTier
+    where = tempfile.mkdtemp(prefix="ucmcache-smoke-disk-")
+    u = UUID + "-disk"
+    try:
+        keys = [make_key(f"disk-{i}".encode(), namespace=NS) for i in range(4)]
+        for round_ in range(2):
+            tier = DiskTier(where, 1 << 20)
+            c = SlotCache.create(u, slots_per_rank=8, slot_size=4096, max_ranks=2, tier2=tier)
+            try:
+                runs = []
+                for i, k in enumerate(keys):
+                    assert c.get_or_load(k, lambda i=i: runs.append(i) or value(i)) == value(i)
+                assert runs == ([0, 1, 2, 3] if round_ == 0 else []), (round_, runs)
+            finally:
+                c.close()
+                SlotCache.unlink(u)
+        r = subprocess.run(["ucmcache", "tier", "ls", where, "--json"], capture_output=True,
+                           text=True, timeout=60)
+        assert r.returncode == 0 and json.loads(r.stdout)["files"] == 4, (r.returncode, r.stderr)
+    finally:
+        shutil.rmtree(where, ignore_errors=True)
+
+
 def main() -> None:
     cache = SlotCache.create(UUID, slots_per_rank=32, slot_size=4096, max_ranks=4)
     try:
@@ -106,6 +135,7 @@ def main() -> None:
         pass
     else:
         raise AssertionError("the segment is still there after unlink")
+    disk_tier()
     print(f"smoke ok: ucmcache {ucmcache.__version__} on Python "
           f"{sys.version.split()[0]} from {os.path.dirname(ucmcache.__file__)}")
 

@@ -12,6 +12,7 @@ from ._errors import (CacheFull, CorruptSegment, ForeignSegment, HalfMadeSegment
 from ._handle import Handle, HandleBatch
 from ._keys import Key, chain_keys, make_key
 from .tier2 import RedisTier
+from .disktier import DiskTier
 from ._verify import VerifyReport, verify
 
 __all__ = [
@@ -19,7 +20,7 @@ __all__ = [
     "VerifyReport", "UcmError", "CacheFull", "LoadFailed", "SegmentExists", "SegmentNotFound",
     "IncompatibleSegment", "CorruptSegment", "HalfMadeSegment", "ForeignSegment",
     "SharedMemoryFull", "RankUnavailable", "HandleClosed", "NotAttached", "LockTimeout",
-    "RedisTier", "Unsupported",
+    "RedisTier", "DiskTier", "Unsupported",
 ]
 __version__ = "0.1.0"
 

@@ -48,7 +48,7 @@ from ._locks import Stripes, describe_stripe_holder
 from ._recovery import (RecoveryReport, free_rank, rank_alive, recover_dead_ranks, take_rank)
 from ._results import code_name
 from ._ring import Prefetcher, Prefetching, ring_counters
-from ._tier import BoundTier, Tier, check_tier
+from ._tier import BoundTier, TierArg, check_tier
 from ._segment import Segment
 from . import _stats
 
@@ -158,8 +158,8 @@ class SlotCache(CacheBase, SingleFlight, Batches, Prefetching, Mapping):
     other processes with ``SlotCache.attach``, and remove it with ``SlotCache.unlink``.
     """
 
-    def __init__(self, seg: Segment, rank: Optional[int], tier2: Optional[Tier] = None):
-        check_tier(tier2)
+    def __init__(self, seg: Segment, rank: Optional[int], tier2: TierArg = None):
+        tier2 = check_tier(tier2)  # a sequence of tiers becomes one TierChain
         # None, or the tier beneath this cache, bound to it (see _tier: the calls it gets)
         self._tier: Optional[BoundTier] = \
             None if tier2 is None else tier2.bind(self._count, seg.layout.slot_size)
@@ -201,7 +201,7 @@ class SlotCache(CacheBase, SingleFlight, Batches, Prefetching, Mapping):
     def create(cls, uuid: str, *, slots_per_rank: int, slot_size: int, max_ranks: int = 8,
                n_buckets: Optional[int] = None, n_stripes: int = DEFAULT_STRIPES,
                mode: int = 0o600, exist_ok: bool = False, timeout: float = 10.0,
-               tier2: Optional[Tier] = None) -> "SlotCache":
+               tier2: TierArg = None) -> "SlotCache":
         """Create the segment ``uuid`` and attach to it.  With exist_ok, a segment that exists
         with the same params is attached instead (other params: IncompatibleSegment)."""
         check_tier(tier2)
@@ -222,7 +222,7 @@ class SlotCache(CacheBase, SingleFlight, Batches, Prefetching, Mapping):
 
     @classmethod
     def attach(cls, uuid: str, *, rank: Optional[int] = None, timeout: float = 10.0,
-               allow_other_user: bool = False, tier2: Optional[Tier] = None) -> "SlotCache":
+               allow_other_user: bool = False, tier2: TierArg = None) -> "SlotCache":
         """Attach to an existing segment as ``rank`` (None: any free rank).  Waits up to
         ``timeout`` seconds for a segment that is still being created."""
         seg = Segment.attach(uuid, timeout=timeout, allow_other_user=allow_other_user)

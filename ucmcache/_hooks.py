@@ -39,7 +39,11 @@ C_POINTS = {
 PY_POINTS = ("inside_loader", "before_ready", "after_ready", "before_magic", "after_shm_open",
              # tier 2 (ucmcache.tier2): a get starts waiting for another node's lease (holding
              # none of its own); the background writer is about to send a batch
-             "lease_wait", "before_write")
+             "lease_wait", "before_write",
+             # the disk tier (ucmcache.disktier): an owner is about to read the disk; a read
+             # pool thread is about to open a block file; the writer wrote a block's header
+             # and half its payload into its temporary file
+             "disk_lookup", "disk_read_io", "disk_mid_write")
 POINTS = tuple(C_POINTS) + PY_POINTS
 
 _armed: Dict[str, Tuple[str, Optional["Gate"]]] = {}

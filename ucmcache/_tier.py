@@ -15,15 +15,18 @@ once: ``Tier.bind`` returns the ``BoundTier`` the cache calls, at four points an
 4. ``exist_prefix`` (the keys the cache lacks) and ``close`` (the cache detaches).
 
 Slots name an owner's load from ``lookup`` to ``write_through``/``abandon``; keys are
-``(block_id, offset)``.  A tier reports into the caller's shared counters through the ``count``
-it is bound with (``UCM_ST_T2_*``).  A tier never touches handles, slots or the segment: the
-cache owns every pin and every publish, so a tier (Redis today, a local disk tomorrow) is added
-without changing ``_cache``.  This module imports nothing of the package; tiers import it.
+``(block_id, offset)``.  A tier may report into the caller's shared counters through the ``count``
+it is bound with (``UCM_ST_T2_*``: RedisTier does; DiskTier keeps its own in its directory).
+A tier never touches handles, slots or the segment: the cache owns every pin and every
+publish, so a tier (Redis, a local disk, a third) is added without changing ``_cache``.
+``tier2=`` may also be a sequence of tiers, looked up in order: ``TierChain`` below binds each
+and is itself a tier.  This module imports nothing of the package; tiers import it.
 """
 from __future__ import annotations
 
 import abc
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+import time
+from typing import Any, Callable, List, Optional, Sequence, Tuple, Union
 
 # (slot, block_id, offset): one owned cold key of a get or get_many
 Owned = Tuple[int, bytes, int]
@@ -67,8 +70,89 @@ class Tier(abc.ABC):
         counters; payloads are at most ``slot_size`` bytes."""
 
 
-def check_tier(tier: Any) -> None:
-    """Refuse, before anything is created, a tier2= argument that is not a tier."""
-    if tier is not None and not isinstance(tier, Tier):
-        raise TypeError(f"tier2 must be a ucmcache.RedisTier (a ucmcache tier) or None, got "
-                        f"{type(tier).__name__}")
+class TierChain(Tier):
+    """Tiers looked up in order (``tier2=[DiskTier(...), RedisTier(...)]``): a key the first
+    misses is asked of the second, and so on.  A value found in a later tier is written
+    through to the earlier ones that missed it (they hold its slot from their lookup), and a
+    value the owner loads is written through to every tier that missed it.  No tier knows of
+    the others: each is bound to the cache on its own."""
+
+    def __init__(self, tiers: Sequence[Tier]):
+        tiers = list(tiers)
+        if not tiers:
+            raise ValueError("tier2 is an empty sequence; give a tier, a sequence of tiers or "
+                             "None")
+        for i, t in enumerate(tiers):
+            if not isinstance(t, Tier):
+                raise TypeError(f"tier2[{i}] must be a ucmcache tier (DiskTier, RedisTier), got "
+                                f"{type(t).__name__}")
+        self.tiers = tiers
+
+    def bind(self, count: Callable[[int, int], None], slot_size: int) -> BoundTier:
+        return BoundChain([t.bind(count, slot_size) for t in self.tiers])
+
+    def __repr__(self) -> str:
+        return f"TierChain({self.tiers!r})"
+
+
+class BoundChain(BoundTier):
+    """A TierChain as one cache uses it."""
+
+    def __init__(self, bound: List[BoundTier]):
+        self.bound = bound
+
+    def lookup(self, owned: Sequence[Owned], may_wait: bool,
+               timeout: Optional[float]) -> List[Optional[memoryview]]:
+        out: List[Optional[memoryview]] = [None] * len(owned)
+        rest = list(range(len(owned)))
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for k, tier in enumerate(self.bound):
+            if not rest:
+                break
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            found = tier.lookup([owned[i] for i in rest], may_wait, left)
+            missed = []
+            for i, p in zip(rest, found):
+                if p is None:
+                    missed.append(i)
+                    continue
+                out[i] = p
+                for above in self.bound[:k]:  # they missed it: they keep a copy now
+                    above.write_through(owned[i][0], p)
+            rest = missed
+        return out
+
+    def exist_prefix(self, keys: Sequence[Tuple[bytes, int]]) -> int:
+        n = 0
+        for tier in self.bound:
+            if n == len(keys):
+                break
+            n += tier.exist_prefix(keys[n:])
+        return n
+
+    def write_through(self, slot: int, payload: memoryview) -> None:
+        for tier in self.bound:
+            tier.write_through(slot, payload)
+
+    def abandon(self, slot: int) -> None:
+        for tier in self.bound:
+            tier.abandon(slot)
+
+    def close(self) -> None:
+        for tier in self.bound:
+            tier.close()
+
+
+# What tier2= accepts: a tier, tiers looked up in order, or None.
+TierArg = Union[Tier, Sequence[Tier], None]
+
+
+def check_tier(tier: Any) -> Optional[Tier]:
+    """Refuse, before anything is created, a tier2= argument that is not a tier or a sequence
+    of tiers; returns the one Tier the cache binds (a TierChain for a sequence)."""
+    if tier is None or isinstance(tier, Tier):
+        return tier
+    if isinstance(tier, (list, tuple)):
+        return tier[0] if len(tier) == 1 and isinstance(tier[0], Tier) else TierChain(tier)
+    raise TypeError(f"tier2 must be a ucmcache tier (DiskTier, RedisTier), a sequence of them "
+                    f"(looked up in order) or None, got {type(tier).__name__}")

@@ -21,6 +21,12 @@ Names (all labelled ``segment``; per-rank ones also ``rank``):
   ``ucmcache_slots{state}`` (empty, loading, ready, failed), ``ucmcache_ranks{state}`` (live,
   dead, free), ``ucmcache_arenas{owner}`` (arenas owned by each rank that owns any, and
   ``free``: where each rank may allocate, DESIGN 4.12);
+* with ``tiers=[path, ...]`` (``ucmcache metrics UUID --tier PATH``), each disk tier
+  directory's counters as ``ucmcache_tier_<name>_total{tier="disk:<path>"}`` (``hits``,
+  ``misses``, ``bypasses``, ``bad_values``, ``writes``, ``write_dedups``, ``write_drops``,
+  ``write_failures``, ``evictions``, ``evicted_bytes``, ``read_bytes``, ``written_bytes``: the
+  tier's ``t2_*``, summed over every process that used it) and ``ucmcache_tier_bytes{tier}``
+  (its usage record; no scan of the directory at a scrape);
 * histograms ``ucmcache_load_seconds`` (an owner's get to its publish) and
   ``ucmcache_wait_seconds`` (a join's wait), per rank, with fixed log-scale buckets (10 us
   times powers of 2, up to 41.9 s: no bucket wider than 2x) kept in the segment.
@@ -28,7 +34,7 @@ Names (all labelled ``segment``; per-rank ones also ``rank``):
 from __future__ import annotations
 
 import threading
-from typing import Any, Dict, Iterator, List, Tuple, TypedDict
+from typing import Any, Dict, Iterator, List, Sequence, Tuple, TypedDict
 
 import numpy as np
 
@@ -120,9 +126,10 @@ def _histogram(name: str, help_text: str, uuid: str, snap: Snapshot,
 class SegmentCollector(Collector):
     """A prometheus_client collector for one segment (see the module docs)."""
 
-    def __init__(self, uuid: str, *, timeout: float = 1.0):
+    def __init__(self, uuid: str, *, timeout: float = 1.0, tiers: Sequence[str] = ()):
         self.uuid = uuid
         self.timeout = timeout
+        self.tiers = list(tiers)
 
     def collect(self) -> Iterator[Metric]:
         # A segment removed, half made, foreign or corrupt is a fact to report, not a failed
@@ -147,6 +154,32 @@ class SegmentCollector(Collector):
         info.add_metric([self.uuid], params)
         yield info
         yield from families(self.uuid, snap)
+        if self.tiers:
+            yield from tier_families(self.tiers)
+
+
+def tier_families(paths: Sequence[str]) -> List[Metric]:
+    """The disk tiers' counters and usage (see the module docs), labelled by tier."""
+    from .disktier.counters import NAMES, read_all
+    from .disktier.facts import open_dir
+    rows = []
+    for p in paths:
+        t = open_dir(p)
+        rows.append((t.label, read_all(t._stats_dir), t.used_bytes()))
+        t.close()
+    out: List[Metric] = []
+    for name in NAMES:
+        short = name[len("t2_"):]
+        fam = CounterMetricFamily(f"{PREFIX}_tier_{short}", f"Disk tier {name}", labels=["tier"])
+        for label, counters, _ in rows:
+            fam.add_metric([label], counters[name])
+        out.append(fam)
+    usage = GaugeMetricFamily(f"{PREFIX}_tier_bytes", "Bytes of a disk tier's block files (its "
+                              "usage record)", labels=["tier"])
+    for label, _, used in rows:
+        usage.add_metric([label], used)
+    out.append(usage)
+    return out
 
 
 def _params(seg: Segment) -> Dict[str, str]:
@@ -192,24 +225,30 @@ def families(uuid: str, snap: Snapshot) -> List[Metric]:
     return out
 
 
-def collector(uuid: str, *, timeout: float = 1.0) -> SegmentCollector:
-    """A collector to register: ``prometheus_client.REGISTRY.register(collector(uuid))``."""
+def collector(uuid: str, *, timeout: float = 1.0,
+              tiers: Sequence[str] = ()) -> SegmentCollector:
+    """A collector to register: ``prometheus_client.REGISTRY.register(collector(uuid))``;
+    ``tiers``: disk tier directories to report too."""
     Segment.attach(uuid, timeout=timeout, writable=False).detach()  # fail now, not per scrape
-    return SegmentCollector(uuid, timeout=timeout)
+    if tiers:
+        from .disktier.facts import open_dir
+        for p in tiers:
+            open_dir(p).close()  # not a tier directory: fail now, not per scrape
+    return SegmentCollector(uuid, timeout=timeout, tiers=tiers)
 
 
-def render(uuid: str, *, timeout: float = 1.0) -> str:
+def render(uuid: str, *, timeout: float = 1.0, tiers: Sequence[str] = ()) -> str:
     """One scrape in the Prometheus text format."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(collector(uuid, timeout=timeout))
+    registry.register(collector(uuid, timeout=timeout, tiers=tiers))
     return generate_latest(registry).decode("utf-8")
 
 
 def serve(uuid: str, port: int, addr: str = "0.0.0.0", *,
-          timeout: float = 1.0) -> Tuple[Any, threading.Thread]:
+          timeout: float = 1.0, tiers: Sequence[str] = ()) -> Tuple[Any, threading.Thread]:
     """Answer /metrics on addr:port from a background thread; returns (server, thread)."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(collector(uuid, timeout=timeout))
+    registry.register(collector(uuid, timeout=timeout, tiers=tiers))
     return start_http_server(port, addr=addr, registry=registry)
 
 

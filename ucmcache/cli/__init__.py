@@ -11,6 +11,8 @@ Commands (``ucmcache COMMAND --help`` for each)::
     gc [--prefix P] [--dry-run]      unlink orphan and half-made segments
     create UUID --slots-per-rank N --slot-size B [--max-ranks R]
     metrics UUID (--once | --port P) the Prometheus text format, printed once or served
+    tier ls|verify|trim PATH         a disk tier directory: its blocks and counters, check
+                                     every file, remove least recently used ones
     demo [ARGS...]                   ucmcache.demo:main(ARGS)
     bench [ARGS...]                  bench/run.py ARGS (next to the package, in a source tree)
 
@@ -87,7 +89,12 @@ ignore keys they do not know.  Counter names come from the C core (``UCM_ST_*``)
                 "items": [{"slot": int, "kind": "pin" | "claim" | "loading", "rank": int},
                           ...]},    # the first 100
       "problems": [str, ...],       # ucmcache.verify's list
-      "ok": bool                    # problems is empty
+      "ok": bool,                   # problems is empty
+      "tiers": {"disk:<path>": {    # only with --tier PATH (each given)
+          "tier": str, "path": str, "format_version": int,
+          "files": int, "bytes": int,   # block files found by a scan, their bytes
+          "usage_bytes": int,           # the tier's shared usage record
+          "counters": {"t2_hits": int, ...}}}   # summed over every process that used it
     }
 
 ``ls --json`` gives a list of objects: ``uuid``, ``path``, ``status``, ``size`` (file bytes),

@@ -49,7 +49,65 @@ def cmd_ls(args) -> int:
 def cmd_inspect(args) -> int:
     with attached(args.uuid, timeout=args.timeout) as seg:
         d = inspect_facts(args.uuid, seg)
+    if args.tier:
+        d["tiers"] = _tiers(args.tier)
     return _show(d, args.json, render.inspect_lines)
+
+
+# ------------------------------------------------------------------------- disk tiers
+
+def _tiers(paths: List[str]) -> Dict[str, Any]:
+    from ..disktier.facts import NotATierDirectory, many_tier_facts
+    try:
+        return many_tier_facts(paths)
+    except NotATierDirectory as e:
+        raise CliError(str(e)) from None
+
+
+def _tier_dir(path: str, capacity: Optional[int] = None):
+    from ..disktier.facts import NotATierDirectory, open_dir
+    try:
+        return open_dir(path, capacity)
+    except NotATierDirectory as e:
+        raise CliError(str(e)) from None
+
+
+def cmd_tier_ls(args) -> int:
+    from ..disktier.facts import NotATierDirectory, tier_facts
+    try:
+        d = tier_facts(args.path, files=args.files)
+    except NotATierDirectory as e:
+        raise CliError(str(e)) from None
+    return _show(d, args.json, render.tier_lines)
+
+
+def cmd_tier_verify(args) -> int:
+    t = _tier_dir(args.path)
+    r = t.verify(remove_bad=args.remove_bad)
+    if args.json:
+        print(json.dumps({"tier": t.label, "ok": r.ok, "removed": r.removed,
+                          "bad": [{"path": p, "why": w} for p, w in r.bad]}, indent=2))
+    else:
+        lines = [f"tier {t.label}", f"  {r.ok} block file(s) ok, {len(r.bad)} bad"
+                 + (f", {r.removed} removed" if r.removed else "")]
+        lines += [f"  {os.path.relpath(p, t.root)}: {w}" for p, w in r.bad[:SHOWN_BAD]]
+        if len(r.bad) > SHOWN_BAD:
+            lines.append(f"  ... and {len(r.bad) - SHOWN_BAD} more (--json lists all)")
+        render.out(lines)
+    return 1 if r.bad and not args.remove_bad else 0
+
+
+SHOWN_BAD = 20
+
+
+def cmd_tier_trim(args) -> int:
+    if args.to < 0:
+        raise CliError(f"--to must be >= 0 bytes, got {args.to}")
+    t = _tier_dir(args.path)
+    removed, left = t.trim(args.to)
+    render.out([f"tier {t.label}", f"  removed {removed} block file(s), least recently used "
+                f"first; {render.human_bytes(left)} left"])
+    return 0
 
 
 def cmd_watch(args) -> int:
@@ -119,10 +177,13 @@ def cmd_metrics(args) -> int:
         from .. import metrics
     except ImportError as e:
         raise CliError(str(e)) from None
+    if args.tier:
+        _tiers(args.tier)  # not a tier directory: its one-line error, here
     if args.once:
-        sys.stdout.write(metrics.render(args.uuid, timeout=args.timeout))
+        sys.stdout.write(metrics.render(args.uuid, timeout=args.timeout, tiers=args.tier))
         return 0
-    server, thread = metrics.serve(args.uuid, args.port, args.addr, timeout=args.timeout)
+    server, thread = metrics.serve(args.uuid, args.port, args.addr, timeout=args.timeout,
+                                   tiers=args.tier)
     render.out([f"serving http://{args.addr}:{args.port}/metrics for segment {args.uuid!r} "
                 "(Ctrl-C stops)"])
     try:
@@ -299,6 +360,8 @@ def _segment_commands(cmd, uuid_arg) -> None:
              cmd_inspect)
     uuid_arg(sp)
     sp.add_argument("--json", action="store_true", help="the stable JSON form (schema 1)")
+    sp.add_argument("--tier", action="append", default=[], metavar="PATH",
+                    help="also show this disk tier directory (repeatable)")
 
     sp = cmd("watch", "show a segment's rates (gets/s, hit %%, loads/s, evictions/s) until "
              "Ctrl-C", cmd_watch)
@@ -349,6 +412,32 @@ def _metrics_command(cmd, uuid_arg) -> None:
     sp.add_argument("--addr", default="0.0.0.0", metavar="A", help="default 0.0.0.0")
     sp.add_argument("--once", action="store_true",
                     help="print one scrape and exit (node_exporter's textfile collector)")
+    sp.add_argument("--tier", action="append", default=[], metavar="PATH",
+                    help="also report this disk tier directory's counters (repeatable)")
+
+
+def _tier_command(sub) -> None:
+    """ucmcache tier ls|verify|trim PATH: a disk tier directory (ucmcache.DiskTier)."""
+    tp = sub.add_parser("tier", help="list, verify or trim a disk tier directory",
+                        description="list, verify or trim a disk tier directory "
+                                    "(ucmcache.DiskTier's path)")
+    tsub = tp.add_subparsers(dest="action", metavar="ACTION")
+    tsub.required = True
+    sp = tsub.add_parser("ls", help="its block files, bytes and t2_* counters")
+    sp.add_argument("path", metavar="PATH")
+    sp.add_argument("--files", action="store_true", help="list every block file, newest first")
+    sp.add_argument("--json", action="store_true", help="as JSON")
+    sp.set_defaults(fn=cmd_tier_ls)
+    sp = tsub.add_parser("verify", help="read and check every block file; exit 1 if any is bad")
+    sp.add_argument("path", metavar="PATH")
+    sp.add_argument("--remove-bad", action="store_true", help="remove the bad ones (exit 0)")
+    sp.add_argument("--json", action="store_true", help="as JSON")
+    sp.set_defaults(fn=cmd_tier_verify)
+    sp = tsub.add_parser("trim", help="remove least recently used block files down to a size")
+    sp.add_argument("path", metavar="PATH")
+    sp.add_argument("--to", type=int, required=True, metavar="BYTES",
+                    help="the bytes the block files may take afterwards")
+    sp.set_defaults(fn=cmd_tier_trim)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -376,6 +465,7 @@ def build_parser() -> argparse.ArgumentParser:
     _segment_commands(cmd, uuid_arg)
     _lifecycle_commands(cmd)
     _metrics_command(cmd, uuid_arg)
+    _tier_command(sub)
     sub.add_parser("demo", help="run the demo (ucmcache demo --help for its options)",
                    add_help=False)
     sub.add_parser("bench", help="run the benchmarks in bench/ (ucmcache bench --help)",

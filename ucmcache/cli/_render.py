@@ -239,6 +239,8 @@ def inspect_lines(d: Dict[str, Any]) -> List[str]:
     """The human form of inspect_facts' --json object."""
     lines = (_segment_lines(d) + _chain_lines(d["chains"]) + _rank_table_lines(d["ranks"]) +
              _totals_lines(d["ranks"], d["totals"]) + _arena_lines(d) + _stuck_lines(d))
+    for t in d.get("tiers", {}).values():
+        lines += tier_lines(t)
     if not d["problems"]:
         return lines + ["problems  none: all invariants hold"]
     return (lines + [f"problems  {len(d['problems'])} (from verify)"] +
@@ -317,3 +319,26 @@ def recover_lines(uuid: str, report, after) -> List[str]:
         return lines + ["verify: all invariants hold"]
     return (lines + [f"verify after recovery: {len(after.problems)} problem(s) remain"] +
             _listed(after.problems))
+
+
+# ------------------------------------------------------------------------- disk tiers
+
+
+def tier_lines(t: Dict[str, Any]) -> List[str]:
+    """A disk tier directory (ucmcache.disktier.facts.tier_facts) in a few lines."""
+    c = t["counters"]
+    lines = [f"tier {t['tier']}",
+             f"  format v{t['format_version']}  {t['files']} block file(s)  "
+             f"{human_bytes(t['bytes'])} (usage record {human_bytes(t['usage_bytes'])})",
+             f"  hits {c['t2_hits']}  misses {c['t2_misses']}  bypasses {c['t2_bypasses']}  "
+             f"bad {c['t2_bad_values']}",
+             f"  writes {c['t2_writes']}  dedups {c['t2_write_dedups']}  drops "
+             f"{c['t2_write_drops']}  write failures {c['t2_write_failures']}  evictions "
+             f"{c['t2_evictions']}",
+             f"  read {human_bytes(c['t2_read_bytes'])}  written "
+             f"{human_bytes(c['t2_written_bytes'])}  evicted "
+             f"{human_bytes(c['t2_evicted_bytes'])}"]
+    for b in t.get("blocks", []):
+        lines.append(f"  {b['block_id']}  offset {b['offset']}  {human_bytes(b['size'])}  "
+                     f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(b['mtime_ns'] / 1e9))}")
+    return lines + [""]
