@@ -4,9 +4,8 @@
  * Built by bench/cbuild.py at bench time: gcc -O2 bench/floor.c (which includes csrc/ucm_core.c
  * and bench/baselines/oldlock.c), into a temporary directory.  Each run maps an anonymous shared
  * region (MAP_SHARED|MAP_ANONYMOUS, so forked children share it), lays it out with
- * ucm_layout_compute and initialises it as ucmcache/_segment.py's Segment._initialise does
- * (heads NIL, SlotMeta bucket INVALID and prev/next NIL, robust stripe mutexes, generation 1,
- * everything else zero).  It then times the same protocol steps the Python layer calls:
+ * ucm_layout_compute and initialises it as ucmcache/_segment.py's Segment._initialise does,
+ * with ucm_segment_init and ucm_segment_publish.  It then times the same protocol steps the Python layer calls:
  *
  *   new design: ucm_lookup_pin + ucm_release on a hit; on a miss the slow path of
  *               ucmcache/_cache.py (_pin_slow/_alloc): stripe lock, second lookup, CLOCK claim,
@@ -109,33 +108,10 @@ static seg_t seg_new(int old, uint32_t max_ranks, uint64_t spr, uint64_t slot_si
         if (old_init(g.base, &g.l)) die("old_init");
         return g;
     }
-    /* As Segment._initialise. */
-    char *b = g.base;
-    ucm_store32(b, UCM_H_VERSION, UCM_LAYOUT_VERSION);
-    ucm_store32(b, UCM_H_MAX_RANKS, g.l.max_ranks);
-    ucm_store32(b, UCM_H_N_STRIPES, g.l.n_stripes);
-    ucm_store64(b, UCM_H_SLOTS_PER_RANK, g.l.slots_per_rank);
-    ucm_store64(b, UCM_H_SLOT_SIZE, g.l.slot_size);
-    ucm_store64(b, UCM_H_N_BUCKETS, g.l.n_buckets);
-    ucm_store64(b, UCM_H_TOTAL_SIZE, g.l.total_size);
-    ucm_store64(b, UCM_H_GENERATION, 1);
-#ifdef UCM_H_ACC_ENTRIES /* older layouts kept the accounting words in the header */
-    ucm_store64(b, UCM_H_ACC_ENTRIES, 1ULL << UCM_ACC_VALUE_BITS);
-    ucm_store64(b, UCM_H_ACC_BYTES, 1ULL << UCM_ACC_VALUE_BITS);
-#endif
-    /* Per-rank accounting words (if any) start at zero = generation 0, read as 0: the
-     * anonymous mapping is already zero. */
-    uint32_t *heads = (uint32_t *)(b + g.l.bucket_off);
-    for (uint64_t i = 0; i < g.l.n_buckets; i++) heads[i] = UCM_NIL;
-    for (uint64_t s = 0; s < g.l.n_slots; s++) {
-        char *m = b + g.l.meta_off + s * UCM_META_SIZE;
-        *(uint32_t *)(m + UCM_M_BUCKET) = UCM_INVALID_BUCKET;
-        *(uint32_t *)(m + UCM_M_PREV) = UCM_NIL;
-        *(uint32_t *)(m + UCM_M_NEXT) = UCM_NIL;
-    }
-    for (uint32_t s = 0; s < g.l.n_stripes; s++)
-        if (ucm_mutex_init(b, g.l.stripe_off + (uint64_t)s * UCM_LINE)) die("mutex init");
-    ucm_store64(b, UCM_H_MAGIC, UCM_MAGIC);
+    /* As Segment._initialise: the core's one step that makes a segment, then its magic. */
+    if (ucm_segment_init(g.base, &g.l, (uint32_t)getpid(), (uint32_t)getuid()))
+        die("ucm_segment_init");
+    ucm_segment_publish(g.base);
     return g;
 }
 

@@ -17,7 +17,7 @@ def cdef_source(header_text: str) -> str:
     block = header_text.split("/* CDEF-BEGIN */", 1)[1].split("/* CDEF-END */", 1)[0]
     names = re.findall(r"^#define (UCM_[A-Z0-9_]+)[ \t]+\S", header_text, flags=re.M)
     names += [f"UCM_{prefix}_{name}" for prefix, name
-              in re.findall(r"^[ \t]+F\(([A-Z]), ([A-Z0-9_]+),", header_text, flags=re.M)]
+              in re.findall(r"^[ \t]+F\(([A-Z]+), ([A-Z0-9_]+),", header_text, flags=re.M)]
     names += [f"UCM_{name}"
               for name in re.findall(r"^[ \t]+RESULT\(([A-Z0-9_]+),", header_text, flags=re.M)]
     return "\n".join(f"#define {name} ..." for name in names) + "\n" + block

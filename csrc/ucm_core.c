@@ -169,8 +169,7 @@ int ucm_layout_compute(ucm_layout *l)
     l->bucket_off = l->arena_off + l->n_arenas * UCM_ARENA_SIZE;
     l->stripe_off = l->bucket_off + round_up(l->n_buckets * 4, UCM_LINE);
     l->meta_off = l->stripe_off + (uint64_t)l->n_stripes * UCM_LINE;
-    /* Ring: head line, tail line, dropped/lock line, then 24-byte keys. */
-    l->ring_size = round_up(3 * UCM_LINE + (uint64_t)UCM_RING_DEPTH * 24, UCM_LINE);
+    l->ring_size = UCM_RING_SIZE; /* a whole number of lines (ucm_core.h) */
     l->ring_off = l->meta_off + l->n_slots * UCM_META_SIZE;
     l->data_off = round_up(l->ring_off + (uint64_t)l->max_ranks * l->ring_size, UCM_PAGE);
     if (l->n_slots > (UINT64_MAX - l->data_off) / l->slot_stride) return UCM_EP_TOO_LARGE;
@@ -186,11 +185,13 @@ int ucm_layout_compute(ucm_layout *l)
 #define ucm_table_name_R "rank"
 #define ucm_table_name_A "arena"
 #define ucm_table_name_M "slot_meta"
+#define ucm_table_name_RING "ring"
 static const ucm_field layout_fields[] = {
     UCM_HEADER_TABLE(UCM_FIELD_ROW_)
     UCM_RANK_TABLE(UCM_FIELD_ROW_)
     UCM_ARENA_TABLE(UCM_FIELD_ROW_)
     UCM_SLOT_META_TABLE(UCM_FIELD_ROW_)
+    UCM_RING_TABLE(UCM_FIELD_ROW_)
 };
 #define N_LAYOUT_FIELDS (sizeof layout_fields / sizeof layout_fields[0])
 
@@ -214,10 +215,10 @@ uint32_t ucm_layout_fingerprint(void)
      * this build lays a segment out with.  Two builds that disagree on any of them must not
      * share a segment even if someone forgot to bump the version. */
     static const uint64_t parts[] = {
-        UCM_HEADER_SIZE, UCM_RANK_SIZE, UCM_ARENA_SIZE, UCM_META_SIZE, UCM_ST_COUNT,
-        UCM_ARENAS_PER_RANK,
-        UCM_RING_DEPTH, UCM_RING_HEAD, UCM_RING_TAIL, UCM_RING_LOCK, UCM_RING_SLEEPING,
-        UCM_RING_POSTED, UCM_RING_DROPPED, UCM_RING_PRESENT, UCM_RING_ENTRIES, UCM_ACC_GEN_BITS,
+        UCM_HEADER_SIZE, UCM_RANK_SIZE, UCM_ARENA_SIZE, UCM_META_SIZE, UCM_RING_SIZE,
+        UCM_ST_COUNT, UCM_ARENAS_PER_RANK, UCM_ACC_GEN_BITS,
+        /* how the ring's ENTRIES words divide into entries */
+        UCM_RING_DEPTH, UCM_RING_ENTRY_WORDS,
         UCM_CLAIMED, UCM_NIL, UCM_LINE, UCM_PAGE, sizeof(pthread_mutex_t),
         /* what the flags word's bits mean (a build without DELETING would misread a slot) */
         UCM_F_COUNTED, UCM_F_INSTALLING, UCM_F_DELETING, UCM_F_DELETE_CHECKED,
@@ -2350,31 +2351,34 @@ int ucm_stripe_repair(ucm_ctx *c, uint32_t stripe, uint32_t *dropped_out)
 /* One ring per rank: many producers (any process), one consumer (the rank's prefetcher).
  * Producers serialise on a lock word that names the holder (rank + 1), taken only by CAS:
  * posting never blocks, a busy lock or a full ring drops the batch and counts it.  Positions
- * are free-running u32 counters; DEPTH divides 2^32, so tail - head is the fill level. */
-static inline char *ring_base(ucm_ctx *c, uint32_t ring) { return c->base + c->l.ring_off + (uint64_t)ring * c->l.ring_size; }
+ * are free-running u32 counters; DEPTH divides 2^32 (checked in ucm_core.h), so tail - head is
+ * the fill level. */
+static inline ucm_ring *ring_at(ucm_ctx *c, uint32_t ring) { return (ucm_ring *)(c->base + c->l.ring_off + (uint64_t)ring * UCM_RING_SIZE); }
+/* The words of the entry at a free-running position. */
+static inline uint64_t *ring_entry(ucm_ring *r, uint32_t position) { return r->ENTRIES + (uint64_t)(position % UCM_RING_DEPTH) * UCM_RING_ENTRY_WORDS; }
 
 int ucm_ring_post(ucm_ctx *c, uint32_t ring, const char *ids, const uint64_t *offsets,
                   uint32_t n, uint32_t *posted_out)
 {
     *posted_out = 0;
     if (ring >= c->l.max_ranks || c->rank < 0) return UCM_CORRUPT;
-    char *r = ring_base(c, ring);
+    ucm_ring *r = ring_at(c, ring);
     uint32_t gen = (uint32_t)ucm_generation(c);
     /* Keys already Ready or Loading need no prefetch: skipped before taking the lock. */
     uint32_t keep = 0, present = 0;
-    uint32_t *lock = W32(r, UCM_RING_LOCK);
+    uint32_t *lock = r->LOCK;
     uint32_t free_lock = 0;
     /* Acquire: pairs with the previous holder's release in the unlock below, so its entry and
      * tail writes are visible before we write after them. */
     if (!__atomic_compare_exchange_n(lock, &free_lock, (uint32_t)c->rank + 1, 0, __ATOMIC_ACQUIRE,
                                      __ATOMIC_RELAXED)) {
-        __atomic_fetch_add(W64(r, UCM_RING_DROPPED), n, __ATOMIC_RELAXED); /* a counter */
+        __atomic_fetch_add(r->DROPPED, n, __ATOMIC_RELAXED); /* a counter */
         return UCM_BUSY;
     }
-    uint32_t *tailp = W32(r, UCM_RING_TAIL);
+    uint32_t *tailp = r->TAIL;
     uint32_t tail = RLX(tailp); /* only the lock holder writes the tail */
     /* Acquire: pairs with the consumer's release of head, so the entries it consumed are free. */
-    uint32_t head = (uint32_t)ACQ(W64(r, UCM_RING_HEAD));
+    uint32_t head = (uint32_t)ACQ(r->HEAD);
     int result = UCM_OK;
     for (uint32_t i = 0; i < n; i++) {
         uint64_t key[3];
@@ -2385,11 +2389,11 @@ int ucm_ring_post(ucm_ctx *c, uint32_t ring, const char *ids, const uint64_t *of
             continue;
         }
         if ((uint32_t)(tail - head) >= UCM_RING_DEPTH) {
-            __atomic_fetch_add(W64(r, UCM_RING_DROPPED), n - i, __ATOMIC_RELAXED); /* a counter */
+            __atomic_fetch_add(r->DROPPED, n - i, __ATOMIC_RELAXED); /* a counter */
             result = UCM_FULL;
             break;
         }
-        uint64_t *e = W64(r, UCM_RING_ENTRIES + (uint64_t)(tail % UCM_RING_DEPTH) * 24);
+        uint64_t *e = ring_entry(r, tail);
         SET_RLX(&e[0], key[0]);
         SET_RLX(&e[1], key[1]);
         SET_RLX(&e[2], key[2]);
@@ -2400,12 +2404,12 @@ int ucm_ring_post(ucm_ctx *c, uint32_t ring, const char *ids, const uint64_t *of
     SET_REL(tailp, tail);
     /* Release: hands the ring (and our tail) to the next producer's acquire CAS. */
     SET_REL(lock, 0);
-    __atomic_fetch_add(W64(r, UCM_RING_POSTED), keep, __ATOMIC_RELAXED);   /* counters */
-    __atomic_fetch_add(W64(r, UCM_RING_PRESENT), present, __ATOMIC_RELAXED);
+    __atomic_fetch_add(r->POSTED, keep, __ATOMIC_RELAXED);   /* counters */
+    __atomic_fetch_add(r->PRESENT, present, __ATOMIC_RELAXED);
     /* seq_cst pairs with the consumer's seq_cst store of SLEEPING before its re-check of the
      * tail: either it sees our tail, or we see it sleeping and wake it (no lost wakeup). */
     __atomic_thread_fence(__ATOMIC_SEQ_CST);
-    if (keep && __atomic_load_n(W32(r, UCM_RING_SLEEPING), __ATOMIC_RELAXED))
+    if (keep && __atomic_load_n(r->SLEEPING, __ATOMIC_RELAXED))
         futex_wake_word(tailp, INT32_MAX);
     *posted_out = keep;
     return result;
@@ -2417,26 +2421,26 @@ int ucm_ring_take(ucm_ctx *c, char *ids_out, uint64_t *offsets_out, uint32_t max
     /* The consumer: our own rank's ring only.  Blocks (futex on the tail) while it is empty. */
     *n_out = 0;
     if (c->rank < 0) return UCM_NOT_HELD;
-    char *r = ring_base(c, (uint32_t)c->rank);
-    uint32_t *tailp = W32(r, UCM_RING_TAIL);
-    uint64_t *headp = W64(r, UCM_RING_HEAD);
+    ucm_ring *r = ring_at(c, (uint32_t)c->rank);
+    uint32_t *tailp = r->TAIL;
+    uint64_t *headp = r->HEAD;
     uint32_t head = (uint32_t)RLX(headp); /* only the consumer writes the head */
     /* Acquire: pairs with the producer's release of the tail (entries visible). */
     uint32_t tail = ACQ(tailp);
     if (tail == head) {
         if (timeout_ns == 0) return UCM_OK;
-        __atomic_store_n(W32(r, UCM_RING_SLEEPING), 1, __ATOMIC_SEQ_CST); /* see ucm_ring_post */
+        __atomic_store_n(r->SLEEPING, 1, __ATOMIC_SEQ_CST); /* see ucm_ring_post */
         __atomic_thread_fence(__ATOMIC_SEQ_CST);
         tail = ACQ(tailp);
         if (tail == head) futex_wait_word(tailp, tail, timeout_ns);
-        __atomic_store_n(W32(r, UCM_RING_SLEEPING), 0, __ATOMIC_RELAXED); /* only a hint now */
+        __atomic_store_n(r->SLEEPING, 0, __ATOMIC_RELAXED); /* only a hint now */
         tail = ACQ(tailp);
     }
     uint32_t avail = tail - head;
     if (avail > UCM_RING_DEPTH) return UCM_CORRUPT; /* positions from a corrupt ring */
     uint32_t n = avail < max ? avail : max;
     for (uint32_t i = 0; i < n; i++) {
-        const uint64_t *e = W64(r, UCM_RING_ENTRIES + (uint64_t)((head + i) % UCM_RING_DEPTH) * 24);
+        const uint64_t *e = ring_entry(r, head + i);
         uint64_t k0 = RLX(&e[0]), k1 = RLX(&e[1]);
         memcpy(ids_out + 16 * (uint64_t)i, &k0, 8);
         memcpy(ids_out + 16 * (uint64_t)i + 8, &k1, 8);
@@ -2452,7 +2456,7 @@ int ucm_ring_wake(ucm_ctx *c, uint32_t ring)
 {
     /* Wake a consumer sleeping on its ring (used to stop it promptly). */
     if (ring >= c->l.max_ranks) return UCM_CORRUPT;
-    futex_wake_word(W32(ring_base(c, ring), UCM_RING_TAIL), INT32_MAX);
+    futex_wake_word(ring_at(c, ring)->TAIL, INT32_MAX);
     return UCM_OK;
 }
 
@@ -2489,7 +2493,7 @@ static uint32_t recover_pins(ucm_ctx *c, uint32_t dead, uint32_t *pins_out, uint
     for (uint32_t ring = 0; ring < c->l.max_ranks; ring++) {
         uint32_t held = dead + 1;
         /* Release: as the producer's own unlock would have. */
-        __atomic_compare_exchange_n(W32(ring_base(c, ring), UCM_RING_LOCK), &held, 0, 0,
+        __atomic_compare_exchange_n(ring_at(c, ring)->LOCK, &held, 0, 0,
                                     __ATOMIC_RELEASE, __ATOMIC_RELAXED);
     }
     *pins_out = pins;

@@ -36,12 +36,13 @@
 #define UCM_PIN_SLOT(r)      ((uint32_t)((r) & UCM_PIN_SLOT_MASK))
 #define UCM_PIN_LEN(r)       ((uint32_t)(((r) >> UCM_PIN_LEN_SHIFT) & UCM_PIN_SLOT_MASK))
 
-/* The shared layouts: header, RankDesc, ArenaDesc and SlotMeta, each declared once, here.
+/* The shared layouts: header, RankDesc, ArenaDesc, SlotMeta and PrefetchRing, each declared
+ * once, here.
  *
  * A table is one row per word: F(prefix, NAME, type, count, align), in address order.  The
  * compiler lays each table out as a struct (ucm_header, ucm_rank_desc, ucm_arena_desc,
- * ucm_slot_meta: members NAME[count], `align` = UCM_LINE starts a new cache line, 0 keeps the
- * type's own alignment) and from it come:
+ * ucm_slot_meta, ucm_ring: members NAME[count], `align` = UCM_LINE starts a new cache line, 0
+ * keeps the type's own alignment) and from it come:
  *   - the offsets UCM_<prefix>_<NAME> (offsetof), which C, cffi (`...`) and Python use;
  *   - the checks below: each struct is exactly its region's size (a word past UCM_META_SIZE, or
  *     a line that grew, does not compile), aligned no wider than a line;
@@ -130,6 +131,24 @@
                                  * changed the chain (recovery finishes such a delete; a mark
                                  * without it changed nothing and is only cleared) */
 
+/* PrefetchRing: one per rank (DESIGN 4.9).  Line 0 the consumer's HEAD; line 1 the TAIL (a
+ * futex word), the producers' LOCK (0 free, else rank + 1 of the posting producer) and the
+ * consumer's SLEEPING flag (it sleeps on the tail word); line 2 the counters; then
+ * UCM_RING_DEPTH entries of UCM_RING_ENTRY_WORDS words each: a key's k0, k1, offset.  HEAD and
+ * TAIL are free-running positions; each sits on a line of its own, as the consumer and the
+ * producers write them. */
+#define UCM_RING_ENTRY_WORDS 3
+#define UCM_RING_TABLE(F) \
+    F(RING, HEAD,        uint64_t, 1, UCM_LINE) \
+    F(RING, TAIL,        uint32_t, 1, UCM_LINE) \
+    F(RING, LOCK,        uint32_t, 1, 0) \
+    F(RING, SLEEPING,    uint32_t, 1, 0) \
+    F(RING, POSTED,      uint64_t, 1, UCM_LINE) \
+    F(RING, DROPPED,     uint64_t, 1, 0) \
+    F(RING, PRESENT,     uint64_t, 1, 0) \
+    F(RING, ENTRIES,     uint64_t, UCM_RING_DEPTH * UCM_RING_ENTRY_WORDS, UCM_LINE)
+#define UCM_RING_SIZE        (3 * UCM_LINE + UCM_RING_DEPTH * UCM_RING_ENTRY_WORDS * 8)
+
 /* Slot states (low bits of the state word); the top bit says a waiter sleeps on it. */
 #define UCM_EMPTY            0
 #define UCM_LOADING          1
@@ -164,16 +183,6 @@ enum { UCM_RESULT_TABLE(UCM_RESULT_ENUM_) };
 #define UCM_EP_N_STRIPES     105
 #define UCM_EP_TOO_LARGE     106
 
-/* PrefetchRing: line 0 head (consumer's), line 1 tail (u32 futex word) + producer lock + the
- * consumer's sleeping flag, line 2 counters, then UCM_RING_DEPTH keys of 24 bytes. */
-#define UCM_RING_HEAD        0
-#define UCM_RING_TAIL        64
-#define UCM_RING_LOCK        68   /* u32: 0 free, else rank + 1 of the posting producer */
-#define UCM_RING_SLEEPING    72   /* u32: the consumer sleeps on the tail word */
-#define UCM_RING_POSTED      128
-#define UCM_RING_DROPPED     136
-#define UCM_RING_PRESENT     144
-#define UCM_RING_ENTRIES     192
 
 /* Per-rank stats counters, each a u64 in the rank's stats lines.  A lock-free hit adds one
  * counter only (FAST_HITS); the outer requests and hits that stats() reports are
@@ -260,23 +269,31 @@ typedef struct { UCM_HEADER_TABLE(UCM_MEMBER_) } ucm_header;
 typedef struct { UCM_RANK_TABLE(UCM_MEMBER_) } ucm_rank_desc;
 typedef struct { UCM_ARENA_TABLE(UCM_MEMBER_) } ucm_arena_desc;
 typedef struct { UCM_SLOT_META_TABLE(UCM_MEMBER_) } ucm_slot_meta;
+typedef struct { UCM_RING_TABLE(UCM_MEMBER_) } ucm_ring;
 #define ucm_struct_of_H ucm_header /* lower case: not constants, so not handed to cffi */
 #define ucm_struct_of_R ucm_rank_desc
 #define ucm_struct_of_A ucm_arena_desc
 #define ucm_struct_of_M ucm_slot_meta
+#define ucm_struct_of_RING ucm_ring
 enum {
     UCM_HEADER_TABLE(UCM_OFFSET_)
     UCM_RANK_TABLE(UCM_OFFSET_)
     UCM_ARENA_TABLE(UCM_OFFSET_)
     UCM_SLOT_META_TABLE(UCM_OFFSET_)
+    UCM_RING_TABLE(UCM_OFFSET_)
 };
 /* Every bound of every table, checked by the compiler. */
 _Static_assert(sizeof(ucm_header) == UCM_HEADER_SIZE, "the header's words must fill exactly UCM_HEADER_SIZE");
 _Static_assert(sizeof(ucm_rank_desc) == UCM_RANK_SIZE, "a RankDesc's words must fill exactly UCM_RANK_SIZE");
 _Static_assert(sizeof(ucm_arena_desc) == UCM_ARENA_SIZE, "an ArenaDesc's words must fill exactly UCM_ARENA_SIZE");
 _Static_assert(sizeof(ucm_slot_meta) == UCM_META_SIZE, "a SlotMeta's words must fill exactly UCM_META_SIZE");
+_Static_assert(sizeof(ucm_ring) == UCM_RING_SIZE, "a PrefetchRing's words must fill exactly UCM_RING_SIZE");
+_Static_assert(UCM_RING_SIZE % UCM_LINE == 0, "rings follow each other: each starts on a line");
+_Static_assert((1ULL << 32) % UCM_RING_DEPTH == 0,
+               "the depth divides 2^32, so tail - head of the free-running u32 positions is the fill");
 _Static_assert(_Alignof(ucm_header) == UCM_LINE && _Alignof(ucm_rank_desc) == UCM_LINE
-               && _Alignof(ucm_arena_desc) == UCM_LINE && _Alignof(ucm_slot_meta) == UCM_LINE,
+               && _Alignof(ucm_arena_desc) == UCM_LINE && _Alignof(ucm_slot_meta) == UCM_LINE
+               && _Alignof(ucm_ring) == UCM_LINE,
                "each table starts on its own line (its first row says UCM_LINE)");
 _Static_assert(UCM_H_PARAMS_CRC == 3 * UCM_LINE && UCM_H_GENERATION == UCM_LINE,
                "the params crc covers line 0 from VERSION on, and nothing else is on line 0");
@@ -317,8 +334,9 @@ typedef struct {
 
 /* One row of the layout tables above (UCM_HEADER_TABLE, ...), as data for Python's readers. */
 typedef struct {
-    const char *table;     /* "header", "rank", "arena" or "slot_meta" */
-    uint32_t table_size;   /* UCM_HEADER_SIZE, UCM_RANK_SIZE, UCM_ARENA_SIZE or UCM_META_SIZE */
+    const char *table;     /* "header", "rank", "arena", "slot_meta" or "ring" */
+    uint32_t table_size;   /* UCM_HEADER_SIZE, UCM_RANK_SIZE, UCM_ARENA_SIZE, UCM_META_SIZE or
+                            * UCM_RING_SIZE */
     const char *name;      /* the row's NAME ("SLOTS_PER_RANK"); its offset is UCM_<prefix>_NAME */
     uint32_t offset;
     uint32_t item_size;    /* bytes of one item (an unsigned little-endian int) */

@@ -2,9 +2,9 @@
 
 The formula lives once, in ``ucm_layout_compute`` (csrc/ucm_core.c); this module turns its answer
 into a Python object and its error codes into messages.  The words of each fixed-size table
-(header, RankDesc, ArenaDesc, SlotMeta) are declared once too, in ucm_core.h's layout tables;
+(header, RankDesc, ArenaDesc, SlotMeta, PrefetchRing) are declared once too, in ucm_core.h's layout tables;
 ``ucm_layout_fields()`` hands their rows to this module, which makes of them the numpy dtypes
-every whole-table reader uses (HEADER, RANK_DESC, ARENA_DESC, SLOT_META).  The fields of
+every whole-table reader uses (HEADER, RANK_DESC, ARENA_DESC, SLOT_META, RING).  The fields of
 ``Layout`` are those of the C struct ``ucm_layout``, read from cffi.
 """
 from __future__ import annotations
@@ -39,7 +39,7 @@ class LayoutError(ValueError):
 
 def _table_dtypes() -> Dict[str, np.dtype]:
     """One dtype per layout table of ucm_core.h, by its name ("header", "rank", "arena",
-    "slot_meta"); a field's name is its row's NAME in lower case."""
+    "slot_meta", "ring"); a field's name is its row's NAME in lower case."""
     n = ffi.new("uint32_t *")
     rows = lib.ucm_layout_fields(n)
     fields: Dict[str, List[Tuple[str, object, int]]] = {}
@@ -65,6 +65,7 @@ HEADER: np.dtype = _DTYPES["header"]          # the header's words (UCM_HEADER_T
 RANK_DESC: np.dtype = _DTYPES["rank"]         # one RankDesc (UCM_RANK_TABLE)
 ARENA_DESC: np.dtype = _DTYPES["arena"]       # one ArenaDesc (UCM_ARENA_TABLE)
 SLOT_META: np.dtype = _DTYPES["slot_meta"]    # one SlotMeta line (UCM_SLOT_META_TABLE)
+RING: np.dtype = _DTYPES["ring"]              # one PrefetchRing (UCM_RING_TABLE)
 
 _L = TypeVar("_L", bound="_LayoutOps")
 

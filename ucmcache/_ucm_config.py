@@ -22,7 +22,7 @@ from __future__ import annotations
 import hashlib
 import os
 import re
-from typing import Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple, overload
 
 import numpy as np
 
@@ -45,11 +45,20 @@ def shm_free_bytes() -> int:
     return st.f_bavail * st.f_frsize
 
 
+@overload
+def _int(config: Dict[str, object], name: str, default: int, minimum: int = 0) -> int: ...
+@overload
+def _int(config: Dict[str, object], name: str, default: None = None,
+         minimum: int = 0) -> Optional[int]: ...
 def _int(config: Dict[str, object], name: str, default: Optional[int] = None,
          minimum: int = 0) -> Optional[int]:
-    v = config.get(name, default)
-    if v is None:
-        return None
+    """The int under name (default when absent or None), checked; None only for a None
+    default."""
+    v = config.get(name)
+    if v is None:  # absent, or given as None (a YAML key left empty)
+        if default is None:
+            return None
+        v = default
     if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
         raise ValueError(f"config {name!r} must be an int, got {type(v).__name__} {v!r}")
     v = int(v)
@@ -106,78 +115,20 @@ def default_segment(config: Dict[str, object]) -> Tuple[str, str]:
     return segment_name(str(uid)), "unique_id" if config.get("unique_id") else "engine_id"
 
 
-class _Config:
-    """The config keys this store reads, checked.  Unknown keys are ignored (UCM's connectors
-    pass keys meant for other stores: storage_backends, store_pipeline, posix_gc_enable...)."""
+class _WorkerSizes:
+    """A worker store's sizes (device_id >= 0): its slots, the shards of a block, the bytes
+    behind each raw address, and the bytes of slots it asks for.  A scheduler-side store has
+    none: it only looks up, in a segment the workers made, whatever its slot size."""
 
-    def __init__(self, config: Dict[str, object]):
-        if not isinstance(config, dict):
-            raise TypeError(f"config must be a dict, got {type(config).__name__}")
-        self.device_id = _int(config, "device_id", -1, minimum=-(1 << 31))
-        named = config.get("ucmcache_segment")
-        if named is not None and named != "":
-            self.segment, self.segment_from = segment_name(str(named)), "ucmcache_segment"
-        else:
-            self.segment, self.segment_from = default_segment(config)
-        # Sizes: a worker needs them; a scheduler-side store attaches to what the workers made
-        # and takes the slot size from the segment (UCM gives its scheduler no shard_size, and
-        # block_size only on data-parallel rank 0).
-        shard = _int(config, "shard_size", minimum=1)
-        block = _int(config, "block_size", minimum=1)
-        if self.device_id >= 0 and shard is None and block is None:
-            raise ValueError(f"UcmCacheStore config is missing shard_size (or block_size); got "
-                             f"keys {sorted(map(str, config))}")
-        self.slot_size: Optional[int] = shard if shard is not None else block
-        # Shards per block: UCM's layerwise connector stores layer l of a block as shard l and
-        # passes block_size = n_layers x shard_size; the direct one, one shard per block.
-        self.shards = 1
-        if shard is not None and block is not None and self.device_id >= 0:
-            if block % shard:
-                raise ValueError(f"config block_size {block} is not a multiple of shard_size "
-                                 f"{shard}: a block is a whole number of shards")
-            self.shards = block // shard
-        sizes = config.get("tensor_size_list")
-        if sizes is not None:
-            try:
-                sizes = [int(s) for s in sizes]
-            except (TypeError, ValueError):
-                raise ValueError(f"config 'tensor_size_list' must be a list of ints, got "
-                                 f"{sizes!r}") from None
-            if not sizes or min(sizes) <= 0:
-                raise ValueError(f"config 'tensor_size_list' must be non-empty sizes > 0, got "
-                                 f"{sizes}")
-        self.tensor_sizes: Optional[List[int]] = sizes
-        self.tensor_size = _int(config, "tensor_size", minimum=1)
-        self.buffer_size, self.buffer_key = self._buffer(config)
-        self.share = _bool(config, "share_buffer_enable", True)
-        self.local_rank_size = _int(config, "local_rank_size", 1, minimum=1)
-        self.max_ranks = _int(config, "ucmcache_max_ranks", DEFAULT_MAX_RANKS, minimum=1)
-        if self.max_ranks > 63:
-            raise ValueError(f"config 'ucmcache_max_ranks' must be at most 63, got "
-                             f"{self.max_ranks}")
-        tkey = "transfer_timeout_ms" if "transfer_timeout_ms" in config else "timeout_ms"
-        ms = _int(config, tkey, minimum=1)
-        self.timeout = DEFAULT_TIMEOUT_S if ms is None else ms / 1000.0
-        nkey = "transfer_stream_number" if "transfer_stream_number" in config else "stream_number"
-        threads = _int(config, nkey, minimum=1)
-        self.threads = DEFAULT_THREADS if threads is None else min(16, threads)
-        if self.device_id >= 0:
-            self.slots_per_rank_for(self.buffer_size)  # a size too small for a slot: say now
-
-    @staticmethod
-    def _buffer(config: Dict[str, object]) -> Tuple[int, str]:
-        """(bytes of slots asked for, the key that asked).  buffer_size (bytes, this store's
-        own key) wins over UCM's cache_buffer_capacity_gb (GiB, as UCM counts it: x 2**30)."""
-        if config.get("buffer_size") is not None:
-            return _int(config, "buffer_size", minimum=1), "buffer_size"
-        gb = config.get("cache_buffer_capacity_gb")
-        if gb is not None:
-            if isinstance(gb, bool) or not isinstance(gb, (int, float, np.integer, np.floating)) \
-                    or not gb > 0:
-                raise ValueError(f"config 'cache_buffer_capacity_gb' must be a number of GiB > 0, "
-                                 f"got {gb!r}")
-            return int(float(gb) * (1 << 30)), f"cache_buffer_capacity_gb={gb}"
-        return DEFAULT_BUFFER_SIZE, "the default size"
+    def __init__(self, slot_size: int, shards: int, tensor_sizes: Optional[List[int]],
+                 tensor_size: Optional[int], buffer_size: int, buffer_key: str, max_ranks: int):
+        self.slot_size = slot_size
+        self.shards = shards
+        self.tensor_sizes = tensor_sizes
+        self.tensor_size = tensor_size
+        self.buffer_size, self.buffer_key = buffer_size, buffer_key
+        self.max_ranks = max_ranks   # the config's, which a new segment's slots are split among
+        self.slots_per_rank_for(buffer_size)  # a size too small for a slot: say now
 
     @property
     def stride(self) -> int:
@@ -234,3 +185,82 @@ class _Config:
                              f"tensor_size_list in the config (shard_size {self.slot_size} is "
                              f"not a multiple of {m})")
         return [self.slot_size // m] * m
+
+
+class _Config:
+    """The config keys this store reads, checked.  Unknown keys are ignored (UCM's connectors
+    pass keys meant for other stores: storage_backends, store_pipeline, posix_gc_enable...).
+    The size keys are checked on either side, and held (``worker_sizes``) by a worker's only."""
+
+    def __init__(self, config: Dict[str, object]):
+        if not isinstance(config, dict):
+            raise TypeError(f"config must be a dict, got {type(config).__name__}")
+        self.device_id = _int(config, "device_id", -1, minimum=-(1 << 31))
+        named = config.get("ucmcache_segment")
+        if named is not None and named != "":
+            self.segment, self.segment_from = segment_name(str(named)), "ucmcache_segment"
+        else:
+            self.segment, self.segment_from = default_segment(config)
+        # Sizes: a worker needs them; a scheduler-side store attaches to what the workers made
+        # and takes the slot size from the segment (UCM gives its scheduler no shard_size, and
+        # block_size only on data-parallel rank 0).
+        shard = _int(config, "shard_size", minimum=1)
+        block = _int(config, "block_size", minimum=1)
+        slot_size = shard if shard is not None else block
+        # Shards per block: UCM's layerwise connector stores layer l of a block as shard l and
+        # passes block_size = n_layers x shard_size; the direct one, one shard per block.
+        shards = 1
+        if shard is not None and block is not None and self.device_id >= 0:
+            if block % shard:
+                raise ValueError(f"config block_size {block} is not a multiple of shard_size "
+                                 f"{shard}: a block is a whole number of shards")
+            shards = block // shard
+        given: Any = config.get("tensor_size_list")   # whatever the caller passed
+        tensor_sizes: Optional[List[int]] = None
+        if given is not None:
+            try:
+                tensor_sizes = [int(s) for s in given]
+            except (TypeError, ValueError):
+                raise ValueError(f"config 'tensor_size_list' must be a list of ints, got "
+                                 f"{given!r}") from None
+            if not tensor_sizes or min(tensor_sizes) <= 0:
+                raise ValueError(f"config 'tensor_size_list' must be non-empty sizes > 0, got "
+                                 f"{tensor_sizes}")
+        tensor_size = _int(config, "tensor_size", minimum=1)
+        buffer_size, buffer_key = self._buffer(config)
+        self.share = _bool(config, "share_buffer_enable", True)
+        self.local_rank_size = _int(config, "local_rank_size", 1, minimum=1)
+        self.max_ranks = _int(config, "ucmcache_max_ranks", DEFAULT_MAX_RANKS, minimum=1)
+        if self.max_ranks > 63:
+            raise ValueError(f"config 'ucmcache_max_ranks' must be at most 63, got "
+                             f"{self.max_ranks}")
+        tkey = "transfer_timeout_ms" if "transfer_timeout_ms" in config else "timeout_ms"
+        ms = _int(config, tkey, minimum=1)
+        self.timeout = DEFAULT_TIMEOUT_S if ms is None else ms / 1000.0
+        nkey = "transfer_stream_number" if "transfer_stream_number" in config else "stream_number"
+        threads = _int(config, nkey, minimum=1)
+        self.threads = DEFAULT_THREADS if threads is None else min(16, threads)
+        # A worker's sizes; None on the scheduler side (device_id -1).
+        self.worker_sizes: Optional[_WorkerSizes] = None
+        if self.device_id >= 0:
+            if slot_size is None:
+                raise ValueError(f"UcmCacheStore config is missing shard_size (or block_size); "
+                                 f"got keys {sorted(map(str, config))}")
+            self.worker_sizes = _WorkerSizes(slot_size, shards, tensor_sizes, tensor_size,
+                                             buffer_size, buffer_key, self.max_ranks)
+
+    @staticmethod
+    def _buffer(config: Dict[str, object]) -> Tuple[int, str]:
+        """(bytes of slots asked for, the key that asked).  buffer_size (bytes, this store's
+        own key) wins over UCM's cache_buffer_capacity_gb (GiB, as UCM counts it: x 2**30)."""
+        nbytes = _int(config, "buffer_size", minimum=1)
+        if nbytes is not None:
+            return nbytes, "buffer_size"
+        gb = config.get("cache_buffer_capacity_gb")
+        if gb is not None:
+            if isinstance(gb, bool) or not isinstance(gb, (int, float, np.integer, np.floating)) \
+                    or not gb > 0:
+                raise ValueError(f"config 'cache_buffer_capacity_gb' must be a number of GiB > 0, "
+                                 f"got {gb!r}")
+            return int(float(gb) * (1 << 30)), f"cache_buffer_capacity_gb={gb}"
+        return DEFAULT_BUFFER_SIZE, "the default size"

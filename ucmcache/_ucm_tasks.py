@@ -29,12 +29,15 @@ MISSING = "missing (not stored, evicted, or still being dumped)"
 
 
 class _Plan:
-    """A task's blocks: keys and, for each block, its pieces (tensors) in order."""
+    """A task's blocks: keys and, for each block, its pieces (tensors) in order; and the
+    worker's cache they are loaded from or dumped to."""
 
-    __slots__ = ("ids", "shards", "n_shards", "keys", "pieces", "totals", "keep", "any_device",
+    __slots__ = ("cache", "ids", "shards", "n_shards", "keys", "pieces", "totals", "keep", "any_device",
                  "event", "not_found")
 
-    def __init__(self, ids, shards, pieces, keep, n_shards: int = 1, event: int = 0):
+    def __init__(self, cache: SlotCache, ids, shards, pieces, keep, n_shards: int = 1,
+                 event: int = 0):
+        self.cache = cache
         self.ids = ids
         self.shards = shards
         self.n_shards = n_shards
@@ -74,11 +77,11 @@ Failures = Dict[int, Optional[str]]
 
 
 class TaskBodies:
-    """UcmCacheStore's task bodies.  A mixin: it uses the store's _cache, _cfg, _local (each
-    pool thread's staging buffer), _cuda and _test_points, and adds no state of its own."""
+    """UcmCacheStore's task bodies.  A mixin: it uses the store's _cfg, _local (each pool
+    thread's staging buffer), _cuda and _test_points, and adds no state of its own; the cache
+    is the plan's (a worker's, set before its pool takes any task)."""
 
-    if TYPE_CHECKING:   # the store's (UcmCacheStore.__init__); tasks run on a worker only,
-        _cache: SlotCache   # whose cache is set before its pool takes any
+    if TYPE_CHECKING:   # the store's (UcmCacheStore.__init__)
         _cfg: _Config
         _local: threading.local
         _cuda: bool
@@ -128,7 +131,7 @@ class TaskBodies:
             # pin and set no bit).
             done = [plan.ids[i] for i in range(n) if failures.get(i, "") is None]
             if done:
-                self._cache.touch(list(dict.fromkeys(done)))
+                plan.cache.touch(list(dict.fromkeys(done)))
 
     def _load_pinned(self, plan: _Plan, base: int, failures: Failures) -> List[int]:
         """A contiguous destination (block i at base + i * row): the stored blocks (one exist
@@ -138,7 +141,7 @@ class TaskBodies:
         get_many made us its loader) is failed at once, as missing: the one case where a load
         installs an entry, for an instant.  Returns the blocks left for the staged path (a
         chunk that met CacheFull)."""
-        cache = self._cache
+        cache = plan.cache
         row = plan.totals[0]
         left: List[int] = []
         stored = cache.exist(plan.keys)
@@ -185,7 +188,7 @@ class TaskBodies:
         """Blocks `which` through this thread's staging buffer: one read_many C call per chunk,
         each block's length checked in staging, then one copy per tensor of the good ones (a
         refused block's tensors are never written)."""
-        slot = self._cache.slot_size
+        slot = plan.cache.slot_size
         totals = [plan.totals[i] for i in which]
         # Staging rows as long as the blocks when they are all alike, else slot-long rows.
         row = totals[0] if min(totals) == max(totals) and totals[0] > 0 else slot
@@ -194,7 +197,8 @@ class TaskBodies:
                                          plan.any_device and self._cuda)
         for start in range(0, len(which), per):
             chunk = which[start:start + per]
-            lens, at_row = self._read_chunk([plan.keys[i] for i in chunk], stage_addr, row, slot)
+            lens, at_row = self._read_chunk(plan.cache, [plan.keys[i] for i in chunk], stage_addr,
+                                            row, slot)
             for r, i in enumerate(chunk):
                 if self._check_len(i, int(lens[r]), plan, failures):
                     at = stage_addr + r * at_row
@@ -203,19 +207,20 @@ class TaskBodies:
                         at += p.nbytes
         del keep
 
-    def _read_chunk(self, keys, stage_addr: int, row: int, slot: int) -> Tuple[np.ndarray, int]:
+    def _read_chunk(self, cache: SlotCache, keys, stage_addr: int, row: int,
+                    slot: int) -> Tuple[np.ndarray, int]:
         """read_many of keys into staging rows of `row` bytes: (lengths, row).  A payload
         longer than a short row is a ValueError with nothing copied: read the chunk again into
         slot-long rows, where every payload fits, to learn each one's length."""
         k = len(keys)
         out = ffi.buffer(ffi.cast("char *", stage_addr), k * row)
         try:
-            return self._cache.read_many(keys, out), row  # one C call, GIL released
+            return cache.read_many(keys, out), row  # one C call, GIL released
         except ValueError:
             if row >= slot:
                 raise
         out = ffi.buffer(ffi.cast("char *", stage_addr), k * slot)
-        return self._cache.read_many(keys, out), slot
+        return cache.read_many(keys, out), slot
 
     @staticmethod
     def _check_len(i: int, got: int, plan: _Plan, failures: Failures) -> bool:
@@ -251,7 +256,7 @@ class TaskBodies:
     def _run_dump(self, plan: _Plan, failures: Failures) -> None:
         if plan.event:
             self._wait_prerequisite(plan.event)  # raises: every block fails, none copied
-        cache = self._cache
+        cache = plan.cache
         n = len(plan.keys)
         for start in range(0, n, DUMP_CHUNK):
             chunk = list(range(start, min(n, start + DUMP_CHUNK)))
@@ -293,7 +298,7 @@ class TaskBodies:
         in any process, finds all of them Ready here; a block still missing shards is left to
         the dump that brings them.  Looks at one shard of each candidate per round, starting
         after the task's own shard, so the usual in-order layer dumps stop after one look."""
-        cache = self._cache
+        cache = plan.cache
         n = plan.n_shards
         todo: Dict[bytes, int] = {}
         for i, b in enumerate(plan.ids):
@@ -329,7 +334,7 @@ class TaskBodies:
     def _dump_one(self, i: int, plan: _Plan, failures: Failures) -> None:
         """A block another caller was dumping: wait for it; if that dump failed (or its worker
         died), take it over.  Bounded by the timeout and JOIN_ROUNDS."""
-        cache = self._cache
+        cache = plan.cache
         timeout = self._cfg.timeout
         self._point("joined", i)
         for _ in range(JOIN_ROUNDS):

@@ -84,7 +84,7 @@ import logging
 import os
 import multiprocessing.util as _mp_util
 import threading
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, NamedTuple, Optional
 
 import numpy as np
 
@@ -95,7 +95,7 @@ from ._errors import (CorruptSegment, IncompatibleSegment, NotAttached, SegmentN
 # The names this module defined before its parts moved out stay importable from here (UCM's
 # configs name ucmcache.ucm; bench/ucm_store.py takes _memcpy from it).
 from ._ucm_config import (DEFAULT_BUFFER_SIZE, DEFAULT_MAX_RANKS, DEFAULT_THREADS,  # noqa: F401
-                          DEFAULT_TIMEOUT_S, _Config, segment_name)
+                          DEFAULT_TIMEOUT_S, _Config, _WorkerSizes, segment_name)
 from ._ucm_memory import UVA, _block_id, _memcpy, _Piece, _piece, _shards  # noqa: F401
 from ._ucm_tasks import DUMP_CHUNK, JOIN_ROUNDS, STAGING_BYTES, TaskBodies, _Plan  # noqa: F401
 
@@ -158,6 +158,15 @@ class UcmCacheTask(_TaskBase):
 
 
 # ---------------------------------------------------------------- the store
+
+class _Worker(NamedTuple):
+    """What a worker store (device_id >= 0) has from its start and a scheduler-side store never
+    has: its sizes, its cache and the pool its tasks run on."""
+
+    sizes: _WorkerSizes
+    cache: SlotCache
+    pool: concurrent.futures.ThreadPoolExecutor
+
 
 class _Parts:
     """What a store holds that must be let go of when the store goes: its pool and its cache.
@@ -229,8 +238,8 @@ class UcmCacheStore(TaskBodies, _StoreBase):
         self._lock = threading.Lock()
         self._local = threading.local()  # each pool thread's staging buffer
         self._parts = parts = _Parts()
-        self._cache: Optional[SlotCache] = None
-        self._pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
+        self._cache: Optional[SlotCache] = None   # a scheduler-side store's, once attached
+        self._work: Optional[_Worker] = None      # a worker store's (None: scheduler side)
         self._closed = False
         self._test_points: Dict[str, Callable[[int], None]] = {}
         self._cuda = False
@@ -240,25 +249,27 @@ class UcmCacheStore(TaskBodies, _StoreBase):
         # os._exit after running multiprocessing's finalizers, so atexit never runs there;
         # these run there, at atexit in any other process, and on collection.
         self._finalizer = _mp_util.Finalize(self, parts.release, exitpriority=10)
-        if cfg.device_id < 0:
+        sizes = cfg.worker_sizes
+        if sizes is None:
             self._try_attach()  # the scheduler side: attach if the segment exists, never create
             return
         if cfg.share:
-            self._set_cache(self._open_shared())
+            cache = self._open_shared(sizes)
         else:
             name = f"{cfg.segment[:40]}-p{os.getpid()}-{next(_private_seq)}"
-            self._set_cache(SlotCache.create(name, slots_per_rank=cfg.fitted_slots_per_rank(log)
-                                             * cfg.max_ranks, slot_size=cfg.slot_size,
-                                             max_ranks=1))
+            cache = SlotCache.create(name, slots_per_rank=sizes.fitted_slots_per_rank(log)
+                                     * cfg.max_ranks, slot_size=sizes.slot_size, max_ranks=1)
             SlotCache.unlink(name)  # private: its mapping lives as long as this store
-        self._pool = parts.pool = concurrent.futures.ThreadPoolExecutor(
+        self._set_cache(cache)
+        pool = parts.pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=cfg.threads, thread_name_prefix=f"ucmcache-ucm-{cfg.segment[:16]}")
-        self._register_cuda()
+        self._work = _Worker(sizes, cache, pool)
+        self._register_cuda(cache)
 
     def _set_cache(self, cache: SlotCache) -> None:
         self._cache = self._parts.cache = cache
 
-    def _open_shared(self) -> SlotCache:
+    def _open_shared(self, sizes: _WorkerSizes) -> SlotCache:
         """Attach to the named segment if it exists (whatever capacity its maker chose: engines
         configured differently still share it), else create it with the capacity that fits
         /dev/shm now.  Its slots must be this store's shard size."""
@@ -270,18 +281,18 @@ class UcmCacheStore(TaskBodies, _StoreBase):
             pass  # none yet, or half-made (create() replaces it), or being made (create waits)
         if cache is None:
             try:
-                cache = SlotCache.create(cfg.segment, slots_per_rank=cfg.fitted_slots_per_rank(log),
-                                         slot_size=cfg.slot_size, max_ranks=cfg.max_ranks,
+                cache = SlotCache.create(cfg.segment, slots_per_rank=sizes.fitted_slots_per_rank(log),
+                                         slot_size=sizes.slot_size, max_ranks=cfg.max_ranks,
                                          exist_ok=True, timeout=cfg.timeout)
             except IncompatibleSegment:
                 # Made meanwhile by another store with another capacity: attach to it.
                 cache = SlotCache.attach(cfg.segment, timeout=cfg.timeout)
-        if cache.slot_size != cfg.slot_size:
+        if cache.slot_size != sizes.slot_size:
             have = cache.slot_size
             cache.close()
             raise IncompatibleSegment(
                 f"segment {cfg.segment!r} ({cfg.segment_from}) holds slots of {have} bytes, this "
-                f"store's shard_size is {cfg.slot_size}: engines whose shards differ (another "
+                f"store's shard_size is {sizes.slot_size}: engines whose shards differ (another "
                 f"model or layout) cannot share a segment; set ucmcache_segment to name one for "
                 f"this engine")
         return cache
@@ -430,14 +441,14 @@ class UcmCacheStore(TaskBodies, _StoreBase):
         return pieces, keep
 
     def _addr_pieces(self, block_ids, addrs):
-        self._worker()
+        work = self._worker()
         arr = np.asarray(addrs, dtype=np.uint64)
         if arr.ndim == 1:
             arr = arr.reshape(-1, 1)
         if arr.ndim != 2 or arr.shape[0] != len(block_ids):
             raise ValueError(f"addresses must be n_blocks x n_tensors, got shape {arr.shape} "
                              f"for {len(block_ids)} block ids")
-        sizes = self._cfg.column_sizes(arr.shape[1])
+        sizes = work.sizes.column_sizes(arr.shape[1])
         on_device = self._cuda
         pieces = []
         for row in arr.tolist():
@@ -447,30 +458,32 @@ class UcmCacheStore(TaskBodies, _StoreBase):
                 pieces.append([_Piece(a, n) for a, n in zip(row, sizes)])
         return pieces, [addrs]
 
-    def _worker(self) -> None:
+    def _worker(self) -> _Worker:
+        """What a load or dump needs: the worker's parts, if this is an open worker store."""
         if self._closed:
             raise UcmError("this UcmCacheStore is closed")
-        if self._pool is None:
+        if self._work is None:
             raise UcmError("a scheduler-side store (device_id -1) only looks up: load and dump "
                            "need a worker store (device_id >= 0)")
+        return self._work
 
     def _submit(self, kind: str, block_ids, shard_index, pieces_keep,
                 event: int = 0) -> UcmCacheTask:
-        self._worker()
+        work = self._worker()
         pieces, keep = pieces_keep
         ids = [_block_id(b) for b in block_ids]
-        cfg = self._cfg
-        why = (f"block_size {cfg.slot_size * cfg.shards} / shard_size {cfg.slot_size}"
-               if cfg.shards > 1 else "block_size = shard_size, or only one of them given")
-        plan = _Plan(ids, _shards(shard_index, len(ids), cfg.shards, why), pieces, keep,
-                     cfg.shards, event)
+        sizes = work.sizes
+        why = (f"block_size {sizes.slot_size * sizes.shards} / shard_size {sizes.slot_size}"
+               if sizes.shards > 1 else "block_size = shard_size, or only one of them given")
+        plan = _Plan(work.cache, ids, _shards(shard_index, len(ids), sizes.shards, why), pieces,
+                     keep, sizes.shards, event)
         if kind == "dump":
             for i, total in enumerate(plan.totals):
-                if total > self._cfg.slot_size:
+                if total > sizes.slot_size:
                     raise ValueError(f"block {i}'s tensors hold {total} bytes, more than a slot "
-                                     f"(shard_size {self._cfg.slot_size})")
+                                     f"(shard_size {sizes.slot_size})")
         run = self._run_dump if kind == "dump" else self._run_load
-        future = self._pool.submit(self._guard, run, plan)
+        future = work.pool.submit(self._guard, run, plan)
         return UcmCacheTask(next(_task_seq), kind, ids, plan.shards, future)
 
     def wait(self, task: UcmCacheTask) -> None:
@@ -497,7 +510,7 @@ class UcmCacheStore(TaskBodies, _StoreBase):
 
     # ---------------------------------------------------------------- CUDA (untested here)
 
-    def _register_cuda(self) -> None:
+    def _register_cuda(self, cache: SlotCache) -> None:
         """On a machine with CUDA and a worker store: page-lock the segment so that device
         copies through a slot are DMA (cudaHostRegister).  This machine has no GPU: the path is
         written and documented but has never run."""
@@ -509,7 +522,7 @@ class UcmCacheStore(TaskBodies, _StoreBase):
         except Exception:
             return
         self._cuda = True
-        seg = self._cache._seg
+        seg = cache._seg
         try:
             addr = int(ffi.cast("uintptr_t", seg.base))
             torch.cuda.cudart().cudaHostRegister(addr, seg.layout.total_size, 0)
@@ -534,7 +547,8 @@ class UcmCacheStore(TaskBodies, _StoreBase):
         self.close()
 
     def __repr__(self) -> str:
-        role = "scheduler" if self._cfg.device_id < 0 else f"worker device {self._cfg.device_id}"
+        work = self._work
+        role = ("scheduler" if work is None else f"worker device {self._cfg.device_id} "
+                f"slot={work.sizes.slot_size}B x {work.sizes.shards} shard(s)")
         return (f"<UcmCacheStore segment={self._cfg.segment!r} {role} "
-                f"slot={self._cfg.slot_size}B x {self._cfg.shards} shard(s) "
                 f"{'closed' if self._closed else 'open'}>")

@@ -16,12 +16,11 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 
-from .._core import lib
 from .._errors import SegmentNotFound, SharedMemoryFull, UcmError
-from .._layout import Layout, LayoutError
+from .._layout import LayoutError
 from .._recovery import recover_dead_ranks
-from .._segment import (MAX_MODE, PREFIX, Segment, check_mode, held_for_removal, names_file,
-                        shm_path, unlink_if_same)
+from ..lowlevel import (MAX_MODE, PREFIX, Layout, Segment, check_mode, held_for_removal, lib,
+                        names_file, shm_path, unlink_if_same)
 from .._stats import rank_counters
 from .._table import reader_context
 from .._verify import verify_segment

@@ -14,15 +14,14 @@ from typing import Any, Dict, Iterator, List, Optional
 
 import numpy as np
 
-from .._core import lib
 from .._errors import CorruptSegment, IncompatibleSegment, SegmentNotFound, UcmError
 from .._ring import ring_counters
-from .._segment import (PREFIX, SHM_DIR, Segment, check_uuid, file_kind, not_ours_error, probe,
-                        probed_error, shm_path)
 from .._stats import named, rank_counters
 from .._table import (accounting, arena_owners, claimant, claimed, current, pin_bits, rank_rows, slot_fields,
                       slot_table, state_counts)
 from .._verify import verify_segment
+from ..lowlevel import (PREFIX, SHM_DIR, Segment, check_uuid, file_kind, lib, not_ours_error,
+                        probe, probed_error, shm_path)
 
 CHAIN_TARGET = 2            # DESIGN 2: n_buckets is sized so the mean chain is at most 2
 STUCK_ITEMS = 100           # stuck items listed in --json (counts are always complete)
