@@ -262,6 +262,8 @@ static void futex_wake_word(uint32_t *w, int32_t n)
     syscall(SYS_futex, w, FUTEX_WAKE, n, NULL, NULL, 0);
 }
 
+int64_t ucm_now_ns(void) { return now_ns(); } /* the clock of the load and wait histograms */
+
 int ucm_futex_wait(char *base, uint64_t off, uint32_t expected, int64_t timeout_ns)
 {
     return futex_wait_word(W32(base, off), expected, timeout_ns);
@@ -1942,6 +1944,51 @@ void ucm_batch_token_release(void *keep, uint32_t *slots, uint8_t *owner, ucm_to
 {
     /* The cffi destructor; `keep` as in ucm_token_release. */
     ucm_batch_token_drop(slots, owner, t, collected_msg, sizeof collected_msg - 1);
+}
+
+/* The far side of an owner's load in one call (DESIGN 4.4, "finish"): ucmcache/_hit's
+ * get_or_load took the slot by ucm_get_slow into a token of its own (its C frame is the owner
+ * object, DESIGN 5.5) and ran the loader; here the loader's value (Ready) or its error's
+ * message (Failed) is copied into the slot, published (counted: ucm_publish), its load time
+ * observed (t0_ns: ucm_now_ns when the slot was ours), the pin dropped and the token
+ * disarmed.  The steps in order, each prefix safe for a survivor (5.8):
+ *   copy -> [load_copied] -> publish (COUNTED, [counted_not_ready], state exchange, wake) ->
+ *   observe -> [load_published] -> unpin.
+ * A kill before the exchange leaves a pinned Loading slot whose loader is dead: waiters
+ * recover it (Failed, uncounted); after it, a pin bit on a published entry: recovery clears
+ * it.  A context closed under the loader (its close's recovery failed the load and dropped the
+ * pin) or a forked child's copy touches nothing shared: UCM_NOT_HELD.  One cleanup path: the
+ * token is disarmed and its context reference dropped whatever the answer. */
+int ucm_load_finish(ucm_token *t, uint32_t state, const char *src, uint64_t n, int64_t t0_ns)
+{
+    if (!t->armed) return UCM_NOT_HELD;
+    ucm_ctx *c = t->c;
+    uint32_t s = t->slot;
+    int r = UCM_NOT_HELD;
+    t->armed = 0;
+    if (!ctx_live(c)) goto out;
+    if (state == UCM_FAILED && n > c->l.slot_size) n = c->l.slot_size; /* a message, cut */
+    if (!t->owner || s >= c->l.n_slots || (state != UCM_READY && state != UCM_FAILED)
+        || n > c->l.slot_size) {
+        r = UCM_CORRUPT;
+        abandon_one(c, s, (int)t->owner, NULL, 0); /* fails it unpublished, drops the pin */
+        goto out;
+    }
+    /* Plain stores: the slot is Loading and ours (no reader reads its bytes before acquiring
+     * the state our publish releases). */
+    if (n) memcpy(slot_bytes(c, s), src, n);
+    POINT(c, UCM_PT_LOAD_COPIED);
+    r = ucm_publish(c, s, state, (uint32_t)n);
+    if (r == UCM_OK) {
+        ucm_observe(c, UCM_HIST_LOAD, (uint64_t)(now_ns() - t0_ns));
+        POINT(c, UCM_PT_LOAD_PUBLISHED);
+        unpin(c, s);
+    } else {
+        abandon_one(c, s, (int)t->owner, NULL, 0); /* not held or published already */
+    }
+out:
+    ctx_put(c);
+    return r;
 }
 
 int ucm_wait_loaded(ucm_ctx *c, uint32_t s, int64_t timeout_ns, uint32_t *state_out)

@@ -209,7 +209,11 @@
 #define UCM_PT_DELETE_MARKED 13 /* delete: pinned, marked DELETING, the arena's owner not yet
                                  * checked again, nothing unlinked */
 #define UCM_PT_DELETE_UNCOUNTED 14 /* delete: unlinked, INVALID, uncounted, still marked */
-#define UCM_PT_COUNT         15
+#define UCM_PT_LOAD_COPIED   15 /* an owner's finish (ucm_load_finish): the value copied into the
+                                 * slot, still Loading, nothing counted or published */
+#define UCM_PT_LOAD_PUBLISHED 16 /* an owner's finish: published (Ready or Failed) and observed,
+                                 * its pin not yet dropped */
+#define UCM_PT_COUNT         17
 #define UCM_ACT_NONE         0
 #define UCM_ACT_GATE         1
 #define UCM_ACT_KILL         2
@@ -331,6 +335,8 @@ int ucm_clock_claim(ucm_ctx *c, uint64_t max_scan, uint32_t *slot_out);
 int ucm_install(ucm_ctx *c, uint32_t slot, const char *id, uint64_t offset, uint32_t held_stripe);
 int ucm_publish(ucm_ctx *c, uint32_t slot, uint32_t state, uint32_t length);
 int ucm_wait_loaded(ucm_ctx *c, uint32_t slot, int64_t timeout_ns, uint32_t *state_out);
+int64_t ucm_now_ns(void);
+int ucm_load_finish(ucm_token *t, uint32_t state, const char *src, uint64_t n, int64_t t0_ns);
 int ucm_abandon_many(ucm_ctx *c, uint32_t *slots, const uint8_t *owner, uint32_t n,
                      const char *msg, uint32_t len);
 int ucm_abandon_inflight(ucm_ctx *c, uint64_t ticket);

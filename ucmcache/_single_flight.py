@@ -51,6 +51,27 @@ class SingleFlight:
         except CacheFull:
             lib.ucm_stat_add(self._ctx, lib.UCM_ST_BYPASSES, 1)
             return as_value_view(loader(), self._layout.slot_size).tobytes()
+        return self._load_or_wait(h, loader, timeout)
+
+    def _get_or_load_cold(self, key: bytes, loader: Callable[[], Any], *,
+                          timeout: None = None) -> bytes:
+        """get_or_load() of a plain id the C path looked for, missed and counted as a request:
+        the slow path at once (no second look), where the C step's answer was not a pin (or a
+        tier is beneath the cache) and the full path decides."""
+        try:
+            h = self._get_missed(key)
+        except CacheFull:
+            lib.ucm_stat_add(self._ctx, lib.UCM_ST_BYPASSES, 1)
+            return as_value_view(loader(), self._layout.slot_size).tobytes()
+        return self._load_or_wait(h, loader, None)
+
+    def _get_or_load_joined(self, h: Any) -> bytes:
+        """get_or_load() whose C slow step joined another caller's load: h holds the pin."""
+        return self._load_or_wait(h, None, None)
+
+    def _load_or_wait(self, h: Any, loader: Optional[Callable[[], Any]],
+                      timeout: Optional[float]) -> bytes:
+        """An owner loads and publishes; any other waits (bounded) and reads.  Closes h."""
         with h:
             if not h.owner:
                 h.wait(timeout)
