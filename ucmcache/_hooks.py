@@ -33,6 +33,8 @@ C_POINTS = {
     "mid_delete": lib.UCM_PT_MID_DELETE,
     "delete_marked": lib.UCM_PT_DELETE_MARKED,
     "delete_uncounted": lib.UCM_PT_DELETE_UNCOUNTED,
+    "load_copied": lib.UCM_PT_LOAD_COPIED,
+    "load_published": lib.UCM_PT_LOAD_PUBLISHED,
 }
 PY_POINTS = ("inside_loader", "before_ready", "after_ready", "before_magic", "after_shm_open",
              # tier 2 (ucmcache.tier2): a get starts waiting for another node's lease (holding
