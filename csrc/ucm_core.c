@@ -2022,6 +2022,44 @@ int ucm_wait_loaded(ucm_ctx *c, uint32_t s, int64_t timeout_ns, uint32_t *state_
     }
 }
 
+/* A joined caller's whole wait, one call with no Python in it (DESIGN 4.5): the futex wait in
+ * slices of slice_ns, and after each slice that ends with the slot still Loading, the loader's
+ * life lock looked at (its OFD lock on lock_fd, byte life_byte0 + rank: free means the loader
+ * died) and the deadline (deadline_ns on ucm_now_ns's clock, < 0: none).  Answers: UCM_OK with
+ * the final state (Ready or Failed; Empty once a recovery reclaimed it); UCM_TIMEOUT (still
+ * Loading at the deadline); UCM_OWNERDEAD (the loader's life lock is free, or could not be
+ * read: the caller recovers, or finds it alive, and calls again; the state then answers at
+ * once); UCM_CORRUPT.  Counted when t0_ns >= 0 (the wait's start, on the same clock) and the
+ * answer is final (OK, TIMEOUT): its time into wait_ns and the wait histogram, and a timeout;
+ * the caller counts the wait itself (`waits`) when it begins, so a wait that recovers its
+ * loader and calls again is still one wait. */
+int ucm_wait_ready(ucm_ctx *c, uint32_t s, int64_t deadline_ns, int64_t slice_ns,
+                   int lock_fd, uint64_t life_byte0, int64_t t0_ns, uint32_t *state_out)
+{
+    if (s >= c->l.n_slots || slice_ns <= 0) return UCM_CORRUPT;
+    int r;
+    for (;;) {
+        int64_t now = now_ns(), wait = slice_ns;
+        if (deadline_ns >= 0 && deadline_ns - now < wait) wait = deadline_ns - now;
+        r = ucm_wait_loaded(c, s, wait > 0 ? wait : 0, state_out);
+        if (r != UCM_TIMEOUT) break; /* OK: left Loading */
+        if (deadline_ns >= 0 && now_ns() >= deadline_ns) {
+            if (t0_ns >= 0) STAT(c, UCM_ST_WAIT_TIMEOUTS, 1);
+            break;
+        }
+        uint32_t loader = ucm_slot_loader(c, s);
+        if (loader != (uint32_t)c->rank && loader < c->l.max_ranks && lock_fd >= 0
+            && ucm_ofd_held_by_other(lock_fd, life_byte0 + loader) != 1)
+            return UCM_OWNERDEAD; /* uncounted: the caller calls again */
+    }
+    if (t0_ns >= 0 && r != UCM_CORRUPT) {
+        uint64_t waited = (uint64_t)(now_ns() - t0_ns);
+        STAT(c, UCM_ST_WAIT_NS, waited);
+        ucm_observe(c, UCM_HIST_WAIT, waited);
+    }
+    return r;
+}
+
 /* ---------------------------------------------------------------- the slow path, whole */
 
 int64_t ucm_get_slow(ucm_ctx *c, const char *id, uint64_t offset, uint32_t spin_budget,

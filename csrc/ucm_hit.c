@@ -803,7 +803,9 @@ static PyObject *cold_load(CacheBase *c, PyObject *const *args, Py_ssize_t nargs
     if (r < 0) /* the full path's decisions (its loop runs the same step again) */
         return forward((PyObject *)c, s_get_or_load_cold, args, nargs, kwnames);
     uint32_t slot = UCM_PIN_SLOT(r);
-    if (r & UCM_PIN_OWNER) return own_load(c, ctx, &tok, slot, args[1]);
+    /* READY first: a Ready answer's length overlaps the OWNER bit (UCM_PIN_* in the header). */
+    if (!(r & UCM_PIN_READY) && (r & UCM_PIN_OWNER))
+        return own_load(c, ctx, &tok, slot, args[1]);
     PyObject *v = NULL;
     if (r & UCM_PIN_READY) {
         /* Found Ready under the stripe (another caller's load landed meanwhile): a copy. */
