@@ -631,7 +631,7 @@ static int wait_for(struct worker *w, uint32_t key, uint32_t slot)
         uint32_t st = 0;
         /* The whole wait as one step (ucm_wait_ready: slices, deadline, counted) half the
          * time; no life locks here (threads as ranks), so lock_fd -1: the loop below recovers. */
-        int r = chance(&w->rng, 2)
+        int r = chance(&w->rng, 500)
                     ? ucm_wait_ready(w->c, slot, ucm_now_ns() + 5000000, 1000000, -1, 0,
                                      ucm_now_ns(), &st)
                     : ucm_wait_loaded(w->c, slot, 5000000, &st);
