@@ -2033,6 +2033,22 @@ int ucm_wait_loaded(ucm_ctx *c, uint32_t s, int64_t timeout_ns, uint32_t *state_
  * answer is final (OK, TIMEOUT): its time into wait_ns and the wait histogram, and a timeout;
  * the caller counts the wait itself (`waits`) when it begins, so a wait that recovers its
  * loader and calls again is still one wait. */
+/* ready() of an owner's Handle whose pin its token holds (ucmcache/_hit's get of a cold key):
+ * ucm_publish (Ready or Failed, counted) and the load time observed in one call; the token
+ * stays armed (the handle stays open, a reader of its entry) but no longer owns a load, so its
+ * drop only unpins.  Answers ucm_publish's (nothing changed unless UCM_OK), or UCM_NOT_HELD for
+ * a token that holds nothing or whose context is closed or another epoch's. */
+int ucm_token_publish(ucm_token *t, uint32_t state, uint32_t n, int64_t t0_ns)
+{
+    if (!t->armed || !t->owner || !ctx_live(t->c)) return UCM_NOT_HELD;
+    int r = ucm_publish(t->c, t->slot, state, n);
+    if (r == UCM_OK) {
+        ucm_observe(t->c, UCM_HIST_LOAD, (uint64_t)(now_ns() - t0_ns));
+        t->owner = 0;
+    }
+    return r;
+}
+
 int ucm_wait_ready(ucm_ctx *c, uint32_t s, int64_t deadline_ns, int64_t slice_ns,
                    int lock_fd, uint64_t life_byte0, int64_t t0_ns, uint32_t *state_out)
 {

@@ -339,6 +339,7 @@ int ucm_wait_ready(ucm_ctx *c, uint32_t slot, int64_t deadline_ns, int64_t slice
                    int lock_fd, uint64_t life_byte0, int64_t t0_ns, uint32_t *state_out);
 int64_t ucm_now_ns(void);
 int ucm_load_finish(ucm_token *t, uint32_t state, const char *src, uint64_t n, int64_t t0_ns);
+int ucm_token_publish(ucm_token *t, uint32_t state, uint32_t n, int64_t t0_ns);
 int ucm_abandon_many(ucm_ctx *c, uint32_t *slots, const uint8_t *owner, uint32_t n,
                      const char *msg, uint32_t len);
 int ucm_abandon_inflight(ucm_ctx *c, uint64_t ticket);

@@ -44,6 +44,8 @@ static struct {
     __typeof__(ucm_load_finish) *load_finish;
     __typeof__(ucm_token_drop) *token_drop;
     __typeof__(ucm_now_ns) *now_ns;
+    __typeof__(ucm_token_publish) *token_publish;
+    __typeof__(ucm_token_release) *token_release;
 } core;
 static int bound;
 /* No spinning here: a claimed slot answers BUSY at once and the full path (which spins with
@@ -75,7 +77,7 @@ static PyObject *s_get_full, *s_hit_bytes_full, *s_get_or_load_full, *s_read_man
     *s_get_many_full, *s_gather_full, *s_close_with, *s_get_or_load_missed,
     *s_aget_or_load_full, *s_aget_or_load_missed, *s_get_missed, *s_after_drop, *s_tier,
     *s_copy, *s_get_or_load_cold, *s_get_or_load_joined, *s_check_usable, *s_inside_loader,
-    *s_before_ready, *s_after_ready;
+    *s_before_ready, *s_after_ready, *s_ready_full;
 
 /* ---------------------------------------------------------------- CacheBase */
 
@@ -527,6 +529,9 @@ struct HandleBase {
     PyObject *owner;
     PyObject *published;
     PyObject *weakreflist;
+    ucm_token ctok;     /* the pin of a get's cold key taken in C (cold_handle): the C twin of
+                         * _token (zeroed by tp_alloc: unarmed), dropped by handle_drop, by
+                         * dealloc if still armed ("collected without ready()") */
 };
 
 /* A new handle's fields: inert (closed), no cache, no owner.  No allocation (None, bools and
@@ -593,6 +598,8 @@ static PyObject *hit_handle(CacheBase *c, PyObject *key, int *missed)
     return (PyObject *)h;
 }
 
+static PyObject *cold_handle(CacheBase *c, PyObject *key);
+
 static PyObject *cache_get(CacheBase *self, PyObject *const *args, Py_ssize_t nargs,
                            PyObject *kwnames)
 {
@@ -600,7 +607,10 @@ static PyObject *cache_get(CacheBase *self, PyObject *const *args, Py_ssize_t na
         int missed = 0;
         PyObject *h = hit_handle(self, args[0], &missed);
         if (h || PyErr_Occurred()) return h;
-        if (missed) return PyObject_CallMethodOneArg((PyObject *)self, s_get_missed, args[0]);
+        if (missed) { /* counted as a request: the slow path at once */
+            if (loads_bound && !HAS(self->tier)) return cold_handle(self, args[0]);
+            return PyObject_CallMethodOneArg((PyObject *)self, s_get_missed, args[0]);
+        }
     }
     return forward((PyObject *)self, s_get_full, args, nargs, kwnames);
 }
@@ -658,6 +668,8 @@ static PyObject *cache_hit_bytes(CacheBase *self, PyObject *key)
 static PyObject *exit_message_of(PyObject *typ, PyObject *exc, PyObject **err_t,
                                  PyObject **err_v, PyObject **err_tb);
 static void owned_discard(PyObject *owned, PyObject *slot);
+static PyObject *handle_close_with(HandleBase *h, PyObject *msg, PyObject *et, PyObject *ev,
+                                   PyObject *tb);
 
 /* The owned-slot record's set for cache c in the current context, as _slots._owned_slots
  * makes it (a new reference), or NULL with an exception. */
@@ -788,6 +800,63 @@ done:
     c->loads_out--;
     add_open(c, -1);
     return result;
+}
+
+/* get() of a plain id the hit path looked for, missed and counted as a request: the slow step
+ * (ucm_get_slow) straight into the C token of a new Handle, made inert before the step, so the
+ * pin has its owner object from the moment it is taken (DESIGN 5.5).  An owner's handle
+ * records its load's start and its slot in its context's owned set (Handle.own's work); its
+ * data is the slot, writable (handle_data), and its ready() one core step (handle_ready).  Any
+ * answer but a pin: the full path (_get_missed), which runs the step in its loop. */
+static PyObject *cold_handle(CacheBase *c, PyObject *key)
+{
+    ucm_ctx *ctx = c->ctx;
+    HandleBase *h = (HandleBase *)handle_type->tp_alloc(handle_type, 0);
+    if (!h) return NULL;
+    handle_init(h);
+    if (c->ctx != ctx || !ctx) { /* a finalizer of the allocation closed the cache */
+        Py_DECREF(h);
+        return PyObject_CallMethodOneArg((PyObject *)c, s_get_missed, key);
+    }
+    int64_t r;
+    WITHOUT_GIL(c, r = core.get_slow(ctx, PyBytes_AS_STRING(key), 0, slow_spin, max_rollbacks,
+                                     stripe_wait_ns, &h->ctok, NULL, NULL));
+    if (r < 0) { /* nothing armed: the full path decides */
+        Py_DECREF(h);
+        return PyObject_CallMethodOneArg((PyObject *)c, s_get_missed, key);
+    }
+    int ready = (r & UCM_PIN_READY) != 0, owner = !ready && (r & UCM_PIN_OWNER);
+    /* Ints are not tracked by the collector: making them runs no Python code. */
+    PyObject *slot_o = PyLong_FromUnsignedLong(UCM_PIN_SLOT(r));
+    PyObject *len_o = slot_o ? PyLong_FromLongLong(ready ? (long long)UCM_PIN_LEN(r) : -1) : NULL;
+    PyObject *t0_o = len_o && owner ? PyLong_FromLongLong(core.now_ns()) : NULL;
+    if (!len_o || (owner && !t0_o)) {
+        Py_XDECREF(slot_o);
+        Py_XDECREF(len_o);
+        Py_DECREF(h); /* dealloc drops the armed token: an owner's load fails at once */
+        return NULL;
+    }
+    /* The pin is the handle's already (its token); the fields in plain stores. */
+    Py_SETREF(h->cache, Py_NewRef(c));
+    Py_SETREF(h->slot, slot_o);
+    Py_SETREF(h->nbytes, len_o);
+    SET_FLAG(h->owner, owner);
+    SET_FLAG(h->closed, 0);
+    add_open(c, 1);
+    if (owner) {
+        Py_SETREF(h->t0, t0_o);
+        /* may run a collection (finalizers): the handle is open and owns its pin by now */
+        PyObject *owned = owned_set((PyObject *)c);
+        if (!owned || PySet_Add(owned, h->slot) < 0) {
+            Py_XDECREF(owned);
+            PyObject *x = handle_close_with(h, unpublished, NULL, NULL, NULL);
+            Py_XDECREF(x);
+            Py_DECREF(h);
+            return NULL;
+        }
+        Py_SETREF(h->owned, owned);
+    }
+    return (PyObject *)h;
 }
 
 /* get_or_load of a plain id the hit path looked for, missed and counted as a request. */
@@ -1340,7 +1409,14 @@ static int handle_drop(HandleBase *h, PyObject *msg)
      * thread sharing this owned set could own the freed slot's next load meanwhile. */
     if (h->owner == Py_True) owned_discard(h->owned, h->slot);
     int rc = 1;
-    if (HAS(h->token)) {
+    if (h->ctok.armed) {
+        /* With test points set, the GIL released (a gate may hold a process-local lock). */
+        if (__builtin_expect(core.ctx_points_set(h->ctok.c), 0))
+            WITHOUT_GIL(c, core.token_drop(&h->ctok, PyBytes_AS_STRING(msg),
+                                           (uint32_t)PyBytes_GET_SIZE(msg)));
+        else
+            core.token_drop(&h->ctok, PyBytes_AS_STRING(msg), (uint32_t)PyBytes_GET_SIZE(msg));
+    } else if (HAS(h->token)) {
         PyObject *len = PyLong_FromSsize_t(PyBytes_GET_SIZE(msg));
         /* cffi releases the GIL around the call: counted, so close() cannot take the context
          * away under it (as WITHOUT_GIL). */
@@ -1405,7 +1481,9 @@ static PyObject *close_rest(PyObject *self, int r, int after, PyObject *et, PyOb
 static PyObject *handle_close_with(HandleBase *h, PyObject *msg, PyObject *et, PyObject *ev,
                                    PyObject *tb)
 {
-    int after = h->owner != Py_False || HAS(h->views) || HAS(h->owned);
+    /* (an owner published by ready() in C has no owned set or views left: nothing after) */
+    int after = (h->owner != Py_False && h->published != Py_True) || HAS(h->views) ||
+                HAS(h->owned);
     return close_rest((PyObject *)h, handle_drop(h, msg), after, et, ev, tb);
 }
 
@@ -1432,6 +1510,57 @@ static PyObject *handle_close(HandleBase *h, PyObject *unused)
     if (tier_owner(h->owner, h->cache))
         return PyObject_CallMethodOneArg((PyObject *)h, s_close_with, unpublished);
     return handle_close_with(h, unpublished, NULL, NULL, NULL);
+}
+
+/* ready(nbytes=None): an owner's handle made by cold_handle publishes in one core step
+ * (ucm_token_publish: publish, count, observe), then leaves its owned set and releases its
+ * writable views (as Handle._ready_full does).  Everything else, and every error to name,
+ * goes to _ready_full: another handle, an argument that is not None or an int in range, a
+ * tier beneath the cache (its write-through), an armed test hook, an answer but UCM_OK (it
+ * changed nothing: the full path's ucm_publish answers the same and raises). */
+static PyObject *handle_ready(HandleBase *h, PyObject *const *args, Py_ssize_t nargs)
+{
+    CacheBase *c = cache_of(h->cache);
+    Py_ssize_t n = -1;
+    if (c && c->ctx && nargs <= 1 && IS_OPEN(h->closed) && h->ctok.armed && h->ctok.owner &&
+        h->owner == Py_True && h->published == Py_False && !HAS(c->tier) &&
+        !PyDict_GET_SIZE(hooks_armed) && h->t0 && PyLong_CheckExact(h->t0)) {
+        if (nargs == 0 || args[0] == Py_None) n = c->value_max;
+        else if (PyLong_CheckExact(args[0])) {
+            n = PyLong_AsSsize_t(args[0]);
+            if (n == -1) PyErr_Clear();
+        }
+    }
+    if (n < 0 || n > c->value_max)
+        return forward((PyObject *)h, s_ready_full, args, nargs, NULL);
+    int64_t t0 = PyLong_AsLongLong(h->t0);
+    int r;
+    if (__builtin_expect(core.ctx_points_set(c->ctx), 0))
+        WITHOUT_GIL(c, r = core.token_publish(&h->ctok, UCM_READY, (uint32_t)n, t0));
+    else
+        r = core.token_publish(&h->ctok, UCM_READY, (uint32_t)n, t0);
+    if (r != UCM_OK) return forward((PyObject *)h, s_ready_full, args, nargs, NULL);
+    SET_FLAG(h->published, 1);
+    owned_discard(h->owned, h->slot);
+    Py_SETREF(h->owned, Py_NewRef(Py_None));
+    Py_SETREF(h->view, Py_NewRef(Py_None));
+    PyObject *views = h->views;
+    h->views = Py_NewRef(Py_None);
+    if (HAS(views) && PyList_Check(views)) {
+        /* The owner's writable views end with the load: released, unless an export (a numpy
+         * array) still holds one, whose own pin then keeps the slot (_slots.release_views). */
+        for (Py_ssize_t i = 0; i < PyList_GET_SIZE(views); i++) {
+            PyObject *x = PyObject_CallMethodNoArgs(PyList_GET_ITEM(views, i), s_release);
+            if (x) Py_DECREF(x);
+            else if (PyErr_ExceptionMatches(PyExc_BufferError)) PyErr_Clear();
+            else {
+                Py_DECREF(views);
+                return NULL;
+            }
+        }
+    }
+    Py_XDECREF(views);
+    Py_RETURN_NONE;
 }
 
 static PyObject *handle_drop_pins(HandleBase *h, PyObject *msg)
@@ -1473,6 +1602,25 @@ static PyObject *handle_data(HandleBase *h, void *closure)
             }
             /* making it ran a finalizer that closed h (or read data): not ours to give */
             Py_XDECREF(v);
+        } else if (h->ctok.armed && h->ctok.owner && h->owner == Py_True &&
+                   h->published == Py_False && slot <= UCM_PIN_SLOT_MASK) {
+            /* An owner's slot, Loading and ours (cold_handle): writable, the whole slot, kept
+             * in its views (released when the load ends), as _data_slow makes it. */
+            if (!HAS(h->views)) {
+                PyObject *l = PyList_New(0);
+                if (!l) return NULL;
+                Py_XSETREF(h->views, l);
+            }
+            PyObject *views = Py_NewRef(h->views);
+            PyObject *v = slot_view(c, c->ctx, (uint32_t)slot, c->value_max, 1);
+            if (v && IS_OPEN(h->closed) && PyList_Append(views, v) == 0) {
+                Py_DECREF(views);
+                return v;
+            }
+            Py_DECREF(views);
+            if (!v && PyErr_Occurred()) return NULL;
+            Py_XDECREF(v);
+            PyErr_Clear(); /* closed meanwhile: the full path says so */
         }
     }
     return PyObject_CallMethodNoArgs((PyObject *)h, s_data_slow);
@@ -1537,6 +1685,8 @@ static int handle_clear(HandleBase *h)
 static void handle_dealloc(HandleBase *h)
 {
     PyObject_GC_UnTrack(h);
+    /* A close cut short (see finalize_by_close): the C token drops its pin as cffi's would. */
+    if (h->ctok.armed) core.token_release(NULL, &h->ctok);
     if (h->weakreflist) PyObject_ClearWeakRefs((PyObject *)h);
     handle_clear(h);
     Py_TYPE(h)->tp_free((PyObject *)h);
@@ -1544,6 +1694,8 @@ static void handle_dealloc(HandleBase *h)
 
 static PyMethodDef handle_methods[] = {
     {"__enter__", handle_enter, METH_NOARGS, NULL},
+    {"ready", (PyCFunction)(void (*)(void))handle_ready, METH_FASTCALL,
+     "Publish the slot as Ready with nbytes of payload (default: the whole slot)."},
     {"__exit__", (PyCFunction)(void (*)(void))handle_exit, METH_FASTCALL, NULL},
     {"close", (PyCFunction)handle_close, METH_NOARGS,
      "Unpin the slot (idempotent).  An owner that did not publish publishes Failed."},
@@ -2206,7 +2358,8 @@ static PyObject *mod_bind_loads(PyObject *m, PyObject *args, PyObject *kw)
         return NULL;
     }
 #define STEP(f) if (bind_step(steps, "ucm_" #f, (void **)&core.f) < 0) return NULL
-    STEP(get_slow); STEP(load_finish); STEP(token_drop); STEP(now_ns);
+    STEP(get_slow); STEP(load_finish); STEP(token_drop); STEP(now_ns); STEP(token_publish);
+    STEP(token_release);
 #undef STEP
     Py_XSETREF(owning, Py_NewRef(ow));
     Py_XSETREF(as_value_view, Py_NewRef(avv));
@@ -2295,6 +2448,7 @@ PyMODINIT_FUNC PyInit__hit(void)
     INTERN(s_get_or_load_joined, "_get_or_load_joined");
     INTERN(s_check_usable, "_check_usable"); INTERN(s_inside_loader, "inside_loader");
     INTERN(s_before_ready, "before_ready"); INTERN(s_after_ready, "after_ready");
+    INTERN(s_ready_full, "_ready_full");
 #undef INTERN
     PyObject *m = PyModule_Create(&hit_module);
     if (!m) return NULL;

@@ -102,7 +102,7 @@ def test_a_failed_cold_load_reaches_a_waiter_in_another_process(make_cache, proc
         c.get_or_load(key, loader)
     assert procs.result(loader.q) == ("failed", "RuntimeError: boom")
     assert c.get_or_load(key, lambda: b"again") == b"again"  # no negative caching
-    assert c.stats()["loads_failed"] == 1 and c.stats()["waits"] == 0  # (ours: no wait)
+    assert c.stats()["loads_failed"] == 1 and c.stats()["waits"] == 1  # (the waiter's, once)
 
 
 def test_a_loader_asking_for_its_own_key_is_refused(make_cache):
@@ -239,3 +239,86 @@ def test_an_owner_held_inside_the_finish_is_waited_for_then_seen(make_cache, pro
     assert workers.check_payload(key, procs.result(q))
     assert c.get_or_load(key, lambda: b"never") == workers.payload_for(key, 64)
     assert c.stats()["loads_ready"] == 2
+
+
+# ---------------------------------------------------------------- get()'s owner path in C
+
+def run_owner_ops(c, kw):
+    """get()'s owner path and put() through either path (kw as run_ops')."""
+    out = []
+    for k in K[:30]:                                   # cold owners, evicting
+        with c.get(k, **kw) as h:
+            out.append((h.owner, h.state))
+            h.data[:16] = k
+            h.ready(16)
+            out.append((h.state, bytes(h.data)))
+    for k in K[25:30]:                                 # hits
+        with c.get(k, **kw) as h:
+            out.append((h.owner, bytes(h.data)))
+    with c.get(K[60], **kw) as h:                      # closed without ready(): Failed
+        out.append(h.owner)
+    with pytest.raises(KeyError):
+        with c.get(K[61], **kw) as h:                  # the with-block raised: Failed
+            raise KeyError("gone")
+    with c.get(K[62], **kw) as h:
+        h.fail("no")
+    with c.get(K[63], **kw) as h:
+        h.ready()                                      # the whole slot
+        with pytest.raises(UcmError, match="already published"):
+            h.ready(1)
+    for bad, err in [(-1, ValueError), (65, ValueError), (True, TypeError), (1.0, TypeError)]:
+        with c.get(K[64], **kw) as h:
+            with pytest.raises(err):
+                h.ready(bad)
+    out.append(c.put(K[70], b"put", **kw))
+    out.append(c.put(K[70], b"again", **kw))
+    out.append(c.get_or_load(K[70], lambda: b"never"))
+    return out
+
+
+def test_gets_owner_path_counts_what_the_full_path_counts(uuid):
+    full_uuid = run_uuid()
+    a = warm(SlotCache.create(uuid, slots_per_rank=16, slot_size=64, max_ranks=1))
+    b = warm(SlotCache.create(full_uuid, slots_per_rank=16, slot_size=64, max_ranks=1))
+    try:
+        assert run_owner_ops(a, {}) == run_owner_ops(b, {"timeout": 30.0})
+        ca, cb = counters(a), counters(b)
+        assert ca == cb
+        assert ca["loads_failed"] == 7 and ca["load_count"] == ca["loads_started"] - 6  # (abandons: unobserved)
+        assert a.entry_count() == b.entry_count() and a.size_bytes() == b.size_bytes()
+        assert a._open_handles == 0 and ucmcache.verify(a.uuid).ok
+    finally:
+        a.close()
+        b.close()
+        SlotCache.unlink(full_uuid)
+
+
+def test_an_owner_handle_made_in_c_publishes_in_c(make_cache, monkeypatch):
+    c = warm(make_cache(slots_per_rank=8, slot_size=64, max_ranks=1))
+    for name in ("_get_missed", "_pin_handle", "_get_full"):
+        monkeypatch.setattr(SlotCache, name, lambda *a, **k: pytest.fail("the full path ran"))
+    monkeypatch.setattr(ucmcache.Handle, "_ready_full", lambda *a: pytest.fail("Python ready"))
+    monkeypatch.setattr(ucmcache.Handle, "_after_drop", lambda *a: pytest.fail("Python close"))
+    with c.get(K[3]) as h:
+        assert h.owner and h._token is None
+        arr = np.frombuffer(h.data, dtype=np.uint8)    # an export of the writable view
+        arr[:4] = 7
+        h.ready(4)
+        assert bytes(h.data) == b"\x07" * 4
+    assert arr[0] == 7                                 # the array keeps its own pin, and bytes
+    del arr
+    assert c.get_or_load(K[3], lambda: b"never") == b"\x07" * 4
+
+
+def test_an_owner_handle_made_in_c_and_dropped_fails_its_load(make_cache, procs, gate):
+    import gc
+    c = warm(make_cache(slots_per_rank=8, slot_size=64, max_ranks=2))
+    joined = gate()
+    h = c.get(K[5])
+    assert h.owner
+    p, q = procs.start(workers.wait_for_load, c.uuid, K[5], joined.path, 30)
+    joined.wait_value(1)
+    del h
+    gc.collect()
+    assert procs.result(q) == ("failed", "the owner closed its handle without calling ready()")
+    assert c._open_handles == 0

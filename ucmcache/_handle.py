@@ -155,8 +155,11 @@ class Handle(HandleBase, _Pins):
 
     # ---------------------------------------------------------------- owner
 
-    def ready(self, nbytes: Optional[int] = None) -> None:
-        """Publish the slot as Ready with nbytes of payload (default: the whole slot)."""
+    # ready(nbytes=None) is HandleBase's (csrc/ucm_hit.c): one core step for an owner whose get
+    # took its cold key in C, anything else here.
+
+    def _ready_full(self, nbytes: Optional[int] = None) -> None:
+        """ready() (HandleBase) for everything but a C-made owner's plain publish."""
         self._check_open()
         n = publish_ready(self._cache, self._slot, self._owner, nbytes)
         self._published = True
