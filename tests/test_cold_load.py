@@ -102,7 +102,8 @@ def test_a_failed_cold_load_reaches_a_waiter_in_another_process(make_cache, proc
         c.get_or_load(key, loader)
     assert procs.result(loader.q) == ("failed", "RuntimeError: boom")
     assert c.get_or_load(key, lambda: b"again") == b"again"  # no negative caching
-    assert c.stats()["loads_failed"] == 1 and c.stats()["waits"] == 1  # (the waiter's, once)
+    # the waiter waited once, or found it Failed already (it says "joined" before its wait)
+    assert c.stats()["loads_failed"] == 1 and c.stats()["waits"] in (0, 1)
 
 
 def test_a_loader_asking_for_its_own_key_is_refused(make_cache):
