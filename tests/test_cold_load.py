@@ -10,7 +10,6 @@ import pytest
 
 import ucmcache
 from ucmcache import SlotCache, UcmError
-from ucmcache._core import lib
 from ucmcache._verify import slot_fields, snapshot
 
 import workers
