@@ -46,6 +46,9 @@ static struct {
     __typeof__(ucm_now_ns) *now_ns;
     __typeof__(ucm_token_publish) *token_publish;
     __typeof__(ucm_token_release) *token_release;
+    __typeof__(ucm_wait_ready) *wait_ready;
+    __typeof__(ucm_slot_state) *slot_state;
+    __typeof__(ucm_stat_add) *stat_add;
 } core;
 static int bound;
 /* No spinning here: a claimed slot answers BUSY at once and the full path (which spins with
@@ -71,13 +74,15 @@ static PyObject *hooks_armed;    /* ucmcache._hooks._armed (a dict) and _hooks.f
 static PyObject *hooks_fire;
 static uint32_t slow_spin, max_rollbacks; /* _cache.SLOW_SPIN, MAX_ROLLBACKS, STRIPE_WAIT */
 static int64_t stripe_wait_ns;
+static int64_t liveness_ns;      /* _single_flight.LIVENESS_NS, _segment.LIFE_LOCK_BYTE0 */
+static uint64_t life_byte0;
 
 static PyObject *s_get_full, *s_hit_bytes_full, *s_get_or_load_full, *s_read_many_full,
     *s_read_checked, *s_data_slow, *s_exit_slow, *s_close, *s_release, *s_timeout,
     *s_get_many_full, *s_gather_full, *s_close_with, *s_get_or_load_missed,
     *s_aget_or_load_full, *s_aget_or_load_missed, *s_get_missed, *s_after_drop, *s_tier,
     *s_copy, *s_get_or_load_cold, *s_get_or_load_joined, *s_check_usable, *s_inside_loader,
-    *s_before_ready, *s_after_ready, *s_ready_full;
+    *s_before_ready, *s_after_ready, *s_ready_full, *s_wait_full;
 
 /* ---------------------------------------------------------------- CacheBase */
 
@@ -97,6 +102,8 @@ typedef struct {
     PyObject *tier;           /* _tier: None, or the BoundTier beneath (its misses take the
                                * full path: the tier is asked before an owner loads) */
     Py_ssize_t value_max;     /* _value_max: the slot size (the longest value a load stores) */
+    int lock_fd;              /* _lock_fd: the segment's fd of the OFD life locks (a waiter's
+                               * liveness check of the loader, ucm_wait_ready) */
     Py_ssize_t loads_out;     /* cold get_or_loads of this cache whose loader runs now, each
                                * owning a Loading slot through a token in its C frame (see
                                * cold_load): close() refuses while any runs, as it does for
@@ -1298,6 +1305,7 @@ static PyMemberDef cache_members[] = {
     {"_stride", T_PYSSIZET, offsetof(CacheBase, stride), 0, NULL},
     {"_tier", T_OBJECT, offsetof(CacheBase, tier), 0, NULL},
     {"_value_max", T_PYSSIZET, offsetof(CacheBase, value_max), 0, NULL},
+    {"_lock_fd", T_INT, offsetof(CacheBase, lock_fd), 0, NULL},
     {"_loads_out", T_PYSSIZET, offsetof(CacheBase, loads_out), READONLY,
      "Cold get_or_loads whose loader runs now (each owns a load); close() refuses while any is."},
     {"_exports", T_PYSSIZET, offsetof(CacheBase, exports), READONLY,
@@ -1518,8 +1526,11 @@ static PyObject *handle_close(HandleBase *h, PyObject *unused)
  * goes to _ready_full: another handle, an argument that is not None or an int in range, a
  * tier beneath the cache (its write-through), an armed test hook, an answer but UCM_OK (it
  * changed nothing: the full path's ucm_publish answers the same and raises). */
-static PyObject *handle_ready(HandleBase *h, PyObject *const *args, Py_ssize_t nargs)
+static PyObject *handle_ready(HandleBase *h, PyObject *const *args, Py_ssize_t nargs,
+                              PyObject *kwnames)
 {
+    if (kwnames) /* ready(nbytes=...): the full path reads its keywords */
+        return forward((PyObject *)h, s_ready_full, args, nargs, kwnames);
     CacheBase *c = cache_of(h->cache);
     Py_ssize_t n = -1;
     if (c && c->ctx && nargs <= 1 && IS_OPEN(h->closed) && h->ctok.armed && h->ctok.owner &&
@@ -1561,6 +1572,83 @@ static PyObject *handle_ready(HandleBase *h, PyObject *const *args, Py_ssize_t n
     }
     Py_XDECREF(views);
     Py_RETURN_NONE;
+}
+
+/* wait(timeout=None): a reader's wait on a slot another caller loads, one core step with the
+ * GIL released (ucm_wait_ready: futex slices, the loader's life lock, the deadline, the wait's
+ * time and a timeout counted), so a wake-up returns self with no Python frame.  It counts the
+ * wait (`waits`) when it begins, as _wait_ready does; a loader that looks dead is recovered by
+ * SlotCache._recover_loader (Python) and the step runs again.  Everything else goes to
+ * _wait_full: a closed handle or cache, an owner, keywords, a timeout that is not a plain
+ * number >= 0 (to be named), a slot not Loading (Failed: its message), a slot this context
+ * loads itself (refused there), another answer of the step. */
+static PyObject *handle_wait(HandleBase *h, PyObject *const *args, Py_ssize_t nargs,
+                             PyObject *kwnames)
+{
+    if (kwnames) /* wait(timeout=...): the full path reads its keywords */
+        return forward((PyObject *)h, s_wait_full, args, nargs, kwnames);
+    CacheBase *c = cache_of(h->cache);
+    PyObject *t = nargs ? args[0] : Py_None, *owned = NULL;
+    double secs = -1.0;
+    unsigned long slot = (unsigned long)-1;
+    if (t == Py_None) t = h->timeout;
+    if (!loads_bound || !c || !c->ctx || nargs > 1 || !IS_OPEN(h->closed) ||
+        h->owner != Py_False || !h->slot || !PyLong_CheckExact(h->slot))
+        goto full;
+    if (t && t != Py_None) {
+        if (PyFloat_CheckExact(t)) secs = PyFloat_AS_DOUBLE(t);
+        else if (PyLong_CheckExact(t)) secs = PyLong_AsDouble(t);
+        else goto full;
+        if (!(secs >= 0.0) || secs > 1e9) { /* NaN, negative, an overflow: named there */
+            PyErr_Clear();
+            goto full;
+        }
+    }
+    slot = PyLong_AsUnsignedLong(h->slot);
+    if (slot > UCM_PIN_SLOT_MASK) {
+        PyErr_Clear();
+        goto full;
+    }
+    ucm_ctx *ctx = c->ctx;
+    uint32_t st = core.slot_state(ctx, (uint32_t)slot);
+    if (st == UCM_READY) return Py_NewRef(h);
+    if (st != UCM_LOADING) goto full;
+    if (!(owned = owned_set((PyObject *)c))) return NULL;
+    int mine = PySet_Contains(owned, h->slot);
+    Py_DECREF(owned);
+    if (mine != 0) {
+        if (mine < 0) return NULL;
+        goto full;
+    }
+    core.stat_add(ctx, UCM_ST_WAITS, 1);
+    int64_t t0 = core.now_ns();
+    int64_t deadline = secs < 0 ? -1 : t0 + (int64_t)(secs * 1e9);
+    for (;;) {
+        int r;
+        if (c->ctx != ctx) goto full; /* closed by Python code run below: named there */
+        WITHOUT_GIL(c, r = core.wait_ready(ctx, (uint32_t)slot, deadline, liveness_ns,
+                                           c->lock_fd, life_byte0, t0, &st));
+        if (r == UCM_OK) {
+            if (st == UCM_READY) return Py_NewRef(h);
+            goto full; /* Failed (or reclaimed): its message */
+        }
+        if (r == UCM_TIMEOUT) {
+            PyObject *secs_o = PyFloat_FromDouble(secs);
+            if (secs_o) {
+                PyErr_Format(PyExc_TimeoutError, "key still loading after %R s (the load goes "
+                             "on; get() again to wait more)", secs_o);
+                Py_DECREF(secs_o);
+            }
+            return NULL;
+        }
+        if (r != UCM_OWNERDEAD) goto full;
+        PyObject *x = PyObject_CallMethod((PyObject *)c, "_recover_loader", "kL", slot,
+                                          (long long)deadline);
+        if (!x) return NULL;
+        Py_DECREF(x);
+    }
+full:
+    return forward((PyObject *)h, s_wait_full, args, nargs, NULL);
 }
 
 static PyObject *handle_drop_pins(HandleBase *h, PyObject *msg)
@@ -1694,7 +1782,11 @@ static void handle_dealloc(HandleBase *h)
 
 static PyMethodDef handle_methods[] = {
     {"__enter__", handle_enter, METH_NOARGS, NULL},
-    {"ready", (PyCFunction)(void (*)(void))handle_ready, METH_FASTCALL,
+    {"wait", (PyCFunction)(void (*)(void))handle_wait, METH_FASTCALL | METH_KEYWORDS,
+     "Block while another caller loads the slot.  Returns self when Ready; raises\n"
+     "LoadFailed when the owner failed (or died), TimeoutError when timeout passes first\n"
+     "(the load goes on)."},
+    {"ready", (PyCFunction)(void (*)(void))handle_ready, METH_FASTCALL | METH_KEYWORDS,
      "Publish the slot as Ready with nbytes of payload (default: the whole slot)."},
     {"__exit__", (PyCFunction)(void (*)(void))handle_exit, METH_FASTCALL, NULL},
     {"close", (PyCFunction)handle_close, METH_NOARGS,
@@ -2345,13 +2437,21 @@ static PyObject *mod_bind(PyObject *m, PyObject *args, PyObject *kw)
 static PyObject *mod_bind_loads(PyObject *m, PyObject *args, PyObject *kw)
 {
     static char *names[] = {"steps", "owning", "as_value_view", "hooks_armed", "hooks_fire",
-                            "slow_spin", "max_rollbacks", "stripe_wait", NULL};
+                            "slow_spin", "max_rollbacks", "stripe_wait", "liveness_ns",
+                            "life_byte0", NULL};
     PyObject *steps, *ow, *avv, *ha, *hf;
     unsigned int spin, rollbacks;
     double wait;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "O!OOO!OIId", names, &PyDict_Type, &steps, &ow,
-                                     &avv, &PyDict_Type, &ha, &hf, &spin, &rollbacks, &wait))
+    long long live;
+    unsigned long long byte0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O!OOO!OIIdLK", names, &PyDict_Type, &steps,
+                                     &ow, &avv, &PyDict_Type, &ha, &hf, &spin, &rollbacks, &wait,
+                                     &live, &byte0))
         return NULL;
+    if (live <= 0) {
+        PyErr_SetString(PyExc_ValueError, "bind_loads(): liveness_ns must be > 0");
+        return NULL;
+    }
     if (!PyContextVar_CheckExact(ow) || !PyCallable_Check(avv) || !PyCallable_Check(hf)) {
         PyErr_SetString(PyExc_TypeError, "bind_loads(): owning must be a ContextVar, "
                         "as_value_view and hooks_fire callables");
@@ -2359,7 +2459,7 @@ static PyObject *mod_bind_loads(PyObject *m, PyObject *args, PyObject *kw)
     }
 #define STEP(f) if (bind_step(steps, "ucm_" #f, (void **)&core.f) < 0) return NULL
     STEP(get_slow); STEP(load_finish); STEP(token_drop); STEP(now_ns); STEP(token_publish);
-    STEP(token_release);
+    STEP(token_release); STEP(wait_ready); STEP(slot_state); STEP(stat_add);
 #undef STEP
     Py_XSETREF(owning, Py_NewRef(ow));
     Py_XSETREF(as_value_view, Py_NewRef(avv));
@@ -2368,6 +2468,8 @@ static PyObject *mod_bind_loads(PyObject *m, PyObject *args, PyObject *kw)
     slow_spin = spin;
     max_rollbacks = rollbacks;
     stripe_wait_ns = (int64_t)(wait * 1e9);
+    liveness_ns = live;
+    life_byte0 = byte0;
     loads_bound = bound;
     Py_RETURN_NONE;
 }
@@ -2448,7 +2550,7 @@ PyMODINIT_FUNC PyInit__hit(void)
     INTERN(s_get_or_load_joined, "_get_or_load_joined");
     INTERN(s_check_usable, "_check_usable"); INTERN(s_inside_loader, "inside_loader");
     INTERN(s_before_ready, "before_ready"); INTERN(s_after_ready, "after_ready");
-    INTERN(s_ready_full, "_ready_full");
+    INTERN(s_ready_full, "_ready_full"); INTERN(s_wait_full, "_wait_full");
 #undef INTERN
     PyObject *m = PyModule_Create(&hit_module);
     if (!m) return NULL;

@@ -270,6 +270,10 @@ def run_owner_ops(c, kw):
         with c.get(K[64], **kw) as h:
             with pytest.raises(err):
                 h.ready(bad)
+    with c.get(K[65], **kw) as h:                      # a keyword
+        h.data[:1] = b"k"
+        h.ready(nbytes=1)
+        out.append(bytes(h.data))
     out.append(c.put(K[70], b"put", **kw))
     out.append(c.put(K[70], b"again", **kw))
     out.append(c.get_or_load(K[70], lambda: b"never"))
@@ -322,3 +326,58 @@ def test_an_owner_handle_made_in_c_and_dropped_fails_its_load(make_cache, procs,
     gc.collect()
     assert procs.result(q) == ("failed", "the owner closed its handle without calling ready()")
     assert c._open_handles == 0
+
+
+# ---------------------------------------------------------------- the wait in C
+
+def test_a_readers_wait_is_one_c_step_and_counts_as_the_full_paths(make_cache, monkeypatch):
+    import threading
+    c = warm(make_cache(slots_per_rank=8, slot_size=64, max_ranks=1))
+    monkeypatch.setattr(ucmcache.Handle, "_wait_full", lambda *a: pytest.fail("Python wait"))
+    owner = c.get(K[20])
+    assert owner.owner
+    got, joined = [], threading.Event()
+
+    def reader():
+        with c.get(K[20]) as h:                       # a join (the full path makes it)
+            assert not h.owner
+            joined.set()
+            got.append(bytes(h.wait(30.0).data))
+    t = threading.Thread(target=reader)
+    t.start()
+    assert joined.wait(30)
+    owner.data[:2] = b"ok"
+    owner.ready(2)
+    owner.close()
+    t.join(30)
+    assert got == [b"ok"]
+    st = c.stats()
+    assert st["waits"] in (0, 1) and st["wait_count"] == st["waits"]
+
+
+def test_a_c_wait_past_its_deadline_raises_as_the_full_path(make_cache):
+    c = warm(make_cache(slots_per_rank=8, slot_size=64, max_ranks=1))
+    import threading
+    owner = c.get(K[21])
+    errs = []
+
+    def reader():
+        with c.get(K[21]) as h:
+            for t in (0.01, 0):                        # a float and an int deadline
+                try:
+                    h.wait(timeout=t) if t == 0 else h.wait(t)
+                except TimeoutError as e:
+                    errs.append(str(e))
+    t = threading.Thread(target=reader)
+    t.start()
+    t.join(30)
+    owner.close()
+    assert errs == [f"key still loading after {t} s (the load goes on; get() again to wait "
+                    "more)" for t in (0.01, 0.0)]
+    st = c.stats()
+    assert st["waits"] == st["wait_timeouts"] == st["wait_count"] == 2
+    with c.get(K[21]) as h:                            # the owner closed unpublished: Failed
+        assert h.owner                                 # (no negative caching)
+    with pytest.raises(ValueError, match="timeout must be None or a number"):
+        with c.get(K[22]) as h:
+            c.get(K[22]).wait(-1)

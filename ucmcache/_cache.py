@@ -48,8 +48,8 @@ from ._recovery import (RecoveryReport, free_rank, rank_alive, recover_dead_rank
 from ._results import code_name
 from ._ring import Prefetcher, Prefetching, ring_counters
 from ._tier import BoundTier, Tier, check_tier
-from ._segment import Segment
-from . import _hit, _slots, _stats
+from ._segment import LIFE_LOCK_BYTE0, Segment
+from . import _hit, _single_flight, _slots, _stats
 
 SLOW_SPIN = 64          # under the stripe a live claimant of our chain rolls back at once; a
                         # claim that stays is a dead rank's, recovered without the stripe held
@@ -76,10 +76,12 @@ _live_caches: "weakref.WeakSet[SlotCache]" = weakref.WeakSet()
 # owned-slot record, the value checks and the test hooks are the full path's.
 _hit.bind_loads(steps={name: int(ffi.cast("uintptr_t", ffi.addressof(lib, name)))
                        for name in ("ucm_get_slow", "ucm_load_finish", "ucm_token_drop",
-                                    "ucm_now_ns", "ucm_token_publish", "ucm_token_release")},
+                                    "ucm_now_ns", "ucm_token_publish", "ucm_token_release",
+                                    "ucm_wait_ready", "ucm_slot_state", "ucm_stat_add")},
                 owning=_slots._owning, as_value_view=_slots.as_value_view,
                 hooks_armed=_hooks._armed, hooks_fire=_hooks.fire, slow_spin=SLOW_SPIN,
-                max_rollbacks=MAX_ROLLBACKS, stripe_wait=STRIPE_WAIT)
+                max_rollbacks=MAX_ROLLBACKS, stripe_wait=STRIPE_WAIT,
+                liveness_ns=_single_flight.LIVENESS_NS, life_byte0=LIFE_LOCK_BYTE0)
 
 
 # A fork (DESIGN 5.6).  Views the child inherits must keep showing their key's bytes, so the
@@ -170,6 +172,7 @@ class SlotCache(CacheBase, SingleFlight, Batches, Prefetching, Mapping):
         check_tier(tier2)
         # None, or the tier beneath this cache, bound to it (see _tier: the calls it gets)
         self._value_max = seg.layout.slot_size  # the longest value a load stores (C's copy)
+        self._lock_fd = seg.lock_fd  # the life locks' fd: a waiter's liveness check in C
         self._tier: Optional[BoundTier] = \
             None if tier2 is None else tier2.bind(self._count, seg.layout.slot_size)
         self._seg = seg

@@ -190,10 +190,13 @@ class Handle(HandleBase, _Pins):
 
     # ---------------------------------------------------------------- waiting
 
-    def wait(self, timeout: Optional[float] = None) -> "Handle":
-        """Block while another caller loads the slot.  Returns self when Ready; raises
-        LoadFailed when the owner failed (or died), TimeoutError when timeout passes first
-        (the load goes on)."""
+    # wait(timeout=None) is HandleBase's (csrc/ucm_hit.c): a reader's wait on a Loading slot is
+    # one C step there (ucm_wait_ready, the GIL released), and the wake-up returns self with no
+    # Python frame; anything else here.
+
+    def _wait_full(self, timeout: Optional[float] = None) -> "Handle":
+        """wait() (HandleBase) for everything but a reader's plain wait: a closed handle, an
+        owner, a timeout to name, a slot this context loads, a Failed load."""
         self._check_open()
         timeout = self._timeout if timeout is None else check_timeout(timeout)
         st = lib.ucm_slot_state(self._cache._ctx, self._slot)

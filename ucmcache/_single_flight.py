@@ -153,12 +153,18 @@ class SingleFlight:
             if r != lib.UCM_OWNERDEAD:
                 raise CorruptSegment(f"segment {self.uuid!r}: a wait found slot {slot} out of "
                                      f"range ({code_name(r)})")
-            loader = lib.ucm_slot_loader(ctx, slot)
-            if loader != self._rank and loader < self._layout.max_ranks \
-                    and not rank_alive(self._seg, loader):
-                # Fails its loads, this one included, waking us; bounded by our deadline.
-                self._recover(LIVENESS_SLICE if deadline < 0
-                              else (deadline - lib.ucm_now_ns()) / 1e9)
+            self._recover_loader(slot, deadline)
+
+    def _recover_loader(self, slot: int, deadline: int) -> None:
+        """ucm_wait_ready answered OWNERDEAD (the loader's life lock looked free): if the
+        loader is another rank and really dead, recover it (which fails its loads, this one
+        included, waking every waiter), bounded by the wait's deadline (ucm_now_ns; < 0:
+        none).  Called by _wait_ready and by HandleBase.wait in C, which then wait again."""
+        loader = lib.ucm_slot_loader(self._ctx, slot)
+        if loader != self._rank and loader < self._layout.max_ranks \
+                and not rank_alive(self._seg, loader):
+            self._recover(LIVENESS_SLICE if deadline < 0
+                          else (deadline - lib.ucm_now_ns()) / 1e9)
 
     def _wait_loaded(self, slot: int, timeout: Optional[float],
                      cancel: Optional[threading.Event] = None, counted: bool = True) -> int:
