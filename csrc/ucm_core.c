@@ -315,6 +315,8 @@ static void futex_wake_word(uint32_t *w, int32_t n)
     syscall(SYS_futex, w, FUTEX_WAKE, n, NULL, NULL, 0);
 }
 
+int64_t ucm_now_ns(void) { return now_ns(); } /* the clock of the load and wait histograms */
+
 int ucm_futex_wait(char *base, uint64_t off, uint32_t expected, int64_t timeout_ns)
 {
     return futex_wait_word(W32(base, off), expected, timeout_ns);
@@ -2052,6 +2054,51 @@ void ucm_batch_token_release(void *keep, uint32_t *slots, uint8_t *owner, ucm_to
     ucm_batch_token_drop(slots, owner, t, collected_msg, sizeof collected_msg - 1);
 }
 
+/* The far side of an owner's load in one call (DESIGN 4.4, "finish"): ucmcache/_hit's
+ * get_or_load took the slot by ucm_get_slow into a token of its own (its C frame is the owner
+ * object, DESIGN 5.5) and ran the loader; here the loader's value (Ready) or its error's
+ * message (Failed) is copied into the slot, published (counted: ucm_publish), its load time
+ * observed (t0_ns: ucm_now_ns when the slot was ours), the pin dropped and the token
+ * disarmed.  The steps in order, each prefix safe for a survivor (5.8):
+ *   copy -> [load_copied] -> publish (COUNTED, [counted_not_ready], state exchange, wake) ->
+ *   observe -> [load_published] -> unpin.
+ * A kill before the exchange leaves a pinned Loading slot whose loader is dead: waiters
+ * recover it (Failed, uncounted); after it, a pin bit on a published entry: recovery clears
+ * it.  A context closed under the loader (its close's recovery failed the load and dropped the
+ * pin) or a forked child's copy touches nothing shared: UCM_NOT_HELD.  One cleanup path: the
+ * token is disarmed and its context reference dropped whatever the answer. */
+int ucm_load_finish(ucm_token *t, uint32_t state, const char *src, uint64_t n, int64_t t0_ns)
+{
+    if (!t->armed) return UCM_NOT_HELD;
+    ucm_ctx *c = t->c;
+    uint32_t s = t->slot;
+    int r = UCM_NOT_HELD;
+    t->armed = 0;
+    if (!ctx_live(c)) goto out;
+    if (state == UCM_FAILED && n > c->l.slot_size) n = c->l.slot_size; /* a message, cut */
+    if (!t->owner || s >= c->l.n_slots || (state != UCM_READY && state != UCM_FAILED)
+        || n > c->l.slot_size) {
+        r = UCM_CORRUPT;
+        abandon_one(c, s, (int)t->owner, NULL, 0); /* fails it unpublished, drops the pin */
+        goto out;
+    }
+    /* Plain stores: the slot is Loading and ours (no reader reads its bytes before acquiring
+     * the state our publish releases). */
+    if (n) memcpy(slot_bytes(c, s), src, n);
+    POINT(c, UCM_PT_LOAD_COPIED);
+    r = ucm_publish(c, s, state, (uint32_t)n);
+    if (r == UCM_OK) {
+        ucm_observe(c, UCM_HIST_LOAD, (uint64_t)(now_ns() - t0_ns));
+        POINT(c, UCM_PT_LOAD_PUBLISHED);
+        unpin(c, s);
+    } else {
+        abandon_one(c, s, (int)t->owner, NULL, 0); /* not held or published already */
+    }
+out:
+    ctx_put(c);
+    return r;
+}
+
 int ucm_wait_loaded(ucm_ctx *c, uint32_t s, int64_t timeout_ns, uint32_t *state_out)
 {
     /* Block on the state word until it leaves Loading.  The WAITERS bit is set before sleeping
@@ -2081,6 +2128,60 @@ int ucm_wait_loaded(ucm_ctx *c, uint32_t s, int64_t timeout_ns, uint32_t *state_
         }
         futex_wait_word(w, v, left);
     }
+}
+
+/* A joined caller's whole wait, one call with no Python in it (DESIGN 4.5): the futex wait in
+ * slices of slice_ns, and after each slice that ends with the slot still Loading, the loader's
+ * life lock looked at (its OFD lock on lock_fd, byte life_byte0 + rank: free means the loader
+ * died) and the deadline (deadline_ns on ucm_now_ns's clock, < 0: none).  Answers: UCM_OK with
+ * the final state (Ready or Failed; Empty once a recovery reclaimed it); UCM_TIMEOUT (still
+ * Loading at the deadline); UCM_OWNERDEAD (the loader's life lock is free, or could not be
+ * read: the caller recovers, or finds it alive, and calls again; the state then answers at
+ * once); UCM_CORRUPT.  Counted when t0_ns >= 0 (the wait's start, on the same clock) and the
+ * answer is final (OK, TIMEOUT): its time into wait_ns and the wait histogram, and a timeout;
+ * the caller counts the wait itself (`waits`) when it begins, so a wait that recovers its
+ * loader and calls again is still one wait. */
+/* ready() of an owner's Handle whose pin its token holds (ucmcache/_hit's get of a cold key):
+ * ucm_publish (Ready or Failed, counted) and the load time observed in one call; the token
+ * stays armed (the handle stays open, a reader of its entry) but no longer owns a load, so its
+ * drop only unpins.  Answers ucm_publish's (nothing changed unless UCM_OK), or UCM_NOT_HELD for
+ * a token that holds nothing or whose context is closed or another epoch's. */
+int ucm_token_publish(ucm_token *t, uint32_t state, uint32_t n, int64_t t0_ns)
+{
+    if (!t->armed || !t->owner || !ctx_live(t->c)) return UCM_NOT_HELD;
+    int r = ucm_publish(t->c, t->slot, state, n);
+    if (r == UCM_OK) {
+        ucm_observe(t->c, UCM_HIST_LOAD, (uint64_t)(now_ns() - t0_ns));
+        t->owner = 0;
+    }
+    return r;
+}
+
+int ucm_wait_ready(ucm_ctx *c, uint32_t s, int64_t deadline_ns, int64_t slice_ns,
+                   int lock_fd, uint64_t life_byte0, int64_t t0_ns, uint32_t *state_out)
+{
+    if (s >= c->l.n_slots || slice_ns <= 0) return UCM_CORRUPT;
+    int r;
+    for (;;) {
+        int64_t now = now_ns(), wait = slice_ns;
+        if (deadline_ns >= 0 && deadline_ns - now < wait) wait = deadline_ns - now;
+        r = ucm_wait_loaded(c, s, wait > 0 ? wait : 0, state_out);
+        if (r != UCM_TIMEOUT) break; /* OK: left Loading */
+        if (deadline_ns >= 0 && now_ns() >= deadline_ns) {
+            if (t0_ns >= 0) STAT(c, UCM_ST_WAIT_TIMEOUTS, 1);
+            break;
+        }
+        uint32_t loader = ucm_slot_loader(c, s);
+        if (loader != (uint32_t)c->rank && loader < c->l.max_ranks && lock_fd >= 0
+            && ucm_ofd_held_by_other(lock_fd, life_byte0 + loader) != 1)
+            return UCM_OWNERDEAD; /* uncounted: the caller calls again */
+    }
+    if (t0_ns >= 0 && r != UCM_CORRUPT) {
+        uint64_t waited = (uint64_t)(now_ns() - t0_ns);
+        STAT(c, UCM_ST_WAIT_NS, waited);
+        ucm_observe(c, UCM_HIST_WAIT, waited);
+    }
+    return r;
 }
 
 /* ---------------------------------------------------------------- the slow path, whole */

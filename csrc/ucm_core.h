@@ -253,7 +253,11 @@ enum { UCM_RESULT_TABLE(UCM_RESULT_ENUM_) };
 #define UCM_PT_DELETE_USABLE 15 /* delete: pinned, its arena found ours and verified, not marked */
 #define UCM_PT_DELETE_CHECKED 16 /* delete: marked, the owner check passed (DELETE_CHECKED set),
                                   * nothing unlinked */
-#define UCM_PT_COUNT         17
+#define UCM_PT_LOAD_COPIED   17 /* an owner's finish (ucm_load_finish): the value copied into the
+                                 * slot, still Loading, nothing counted or published */
+#define UCM_PT_LOAD_PUBLISHED 18 /* an owner's finish: published (Ready or Failed) and observed,
+                                 * its pin not yet dropped */
+#define UCM_PT_COUNT         19
 #define UCM_ACT_NONE         0
 #define UCM_ACT_GATE         1
 #define UCM_ACT_KILL         2
@@ -429,6 +433,11 @@ int ucm_clock_claim(ucm_ctx *c, uint64_t max_scan, uint32_t *slot_out);
 int ucm_install(ucm_ctx *c, uint32_t slot, const char *id, uint64_t offset, uint32_t held_stripe);
 int ucm_publish(ucm_ctx *c, uint32_t slot, uint32_t state, uint32_t length);
 int ucm_wait_loaded(ucm_ctx *c, uint32_t slot, int64_t timeout_ns, uint32_t *state_out);
+int ucm_wait_ready(ucm_ctx *c, uint32_t slot, int64_t deadline_ns, int64_t slice_ns,
+                   int lock_fd, uint64_t life_byte0, int64_t t0_ns, uint32_t *state_out);
+int64_t ucm_now_ns(void);
+int ucm_load_finish(ucm_token *t, uint32_t state, const char *src, uint64_t n, int64_t t0_ns);
+int ucm_token_publish(ucm_token *t, uint32_t state, uint32_t n, int64_t t0_ns);
 int ucm_abandon_many(ucm_ctx *c, uint32_t *slots, const uint8_t *owner, uint32_t n,
                      const char *msg, uint32_t len);
 int ucm_abandon_inflight(ucm_ctx *c, uint64_t ticket);

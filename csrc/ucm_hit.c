@@ -39,6 +39,16 @@ static struct {
     __typeof__(ucm_pin_again) *pin_again;
     __typeof__(ucm_pin_again_many) *pin_again_many;
     __typeof__(ucm_hold_pins) *hold_pins;
+    /* the cold get_or_load (bind_loads) */
+    __typeof__(ucm_get_slow) *get_slow;
+    __typeof__(ucm_load_finish) *load_finish;
+    __typeof__(ucm_token_drop) *token_drop;
+    __typeof__(ucm_now_ns) *now_ns;
+    __typeof__(ucm_token_publish) *token_publish;
+    __typeof__(ucm_token_release) *token_release;
+    __typeof__(ucm_wait_ready) *wait_ready;
+    __typeof__(ucm_slot_state) *slot_state;
+    __typeof__(ucm_stat_add) *stat_add;
 } core;
 static int bound;
 /* No spinning here: a claimed slot answers BUSY at once and the full path (which spins with
@@ -56,11 +66,23 @@ static PyObject *unpublished;    /* the Failed message of an owner closed withou
 static PyObject *token_drop;     /* lib.ucm_token_drop, lib.ucm_batch_token_drop: cffi's C */
 static PyObject *batch_token_drop; /* functions (calling them runs no Python code) */
 
+/* The cold get_or_load's pieces (bind_loads, from ucmcache/_cache.py): 0 until bound. */
+static int loads_bound;
+static PyObject *owning;         /* ucmcache._slots._owning: the owned-slot record (a ContextVar) */
+static PyObject *as_value_view;  /* ucmcache._slots.as_value_view: a value's checks and messages */
+static PyObject *hooks_armed;    /* ucmcache._hooks._armed (a dict) and _hooks.fire */
+static PyObject *hooks_fire;
+static uint32_t slow_spin, max_rollbacks; /* _cache.SLOW_SPIN, MAX_ROLLBACKS, STRIPE_WAIT */
+static int64_t stripe_wait_ns;
+static int64_t liveness_ns;      /* _single_flight.LIVENESS_NS, _segment.LIFE_LOCK_BYTE0 */
+static uint64_t life_byte0;
+
 static PyObject *s_get_full, *s_hit_bytes_full, *s_get_or_load_full, *s_read_many_full,
     *s_read_checked, *s_data_slow, *s_exit_slow, *s_close, *s_release, *s_timeout,
     *s_get_many_full, *s_gather_full, *s_close_with, *s_get_or_load_missed,
     *s_aget_or_load_full, *s_aget_or_load_missed, *s_get_missed, *s_after_drop, *s_tier,
-    *s_copy;
+    *s_copy, *s_get_or_load_cold, *s_get_or_load_joined, *s_check_usable, *s_inside_loader,
+    *s_before_ready, *s_after_ready, *s_ready_full, *s_wait_full;
 
 /* ---------------------------------------------------------------- CacheBase */
 
@@ -77,6 +99,15 @@ typedef struct {
     Py_ssize_t calls_out;     /* core calls running with the GIL released (see WITHOUT_GIL) */
     Py_ssize_t exports;       /* SlotBuffers holding a pin of this cache: close() refuses while
                                * any lives (their pins must outlast the views made of them) */
+    PyObject *tier;           /* _tier: None, or the BoundTier beneath (its misses take the
+                               * full path: the tier is asked before an owner loads) */
+    Py_ssize_t value_max;     /* _value_max: the slot size (the longest value a load stores) */
+    int lock_fd;              /* _lock_fd: the segment's fd of the OFD life locks (a waiter's
+                               * liveness check of the loader, ucm_wait_ready) */
+    Py_ssize_t loads_out;     /* cold get_or_loads of this cache whose loader runs now, each
+                               * owning a Loading slot through a token in its C frame (see
+                               * cold_load): close() refuses while any runs, as it does for
+                               * an open owner's handle */
     Py_ssize_t forks_out;     /* forks of this process whose parent side holds pins through ctx
                                * until the child has copied them (_fork_hold): the context is
                                * not taken away meanwhile (cache_detach) */
@@ -505,6 +536,9 @@ struct HandleBase {
     PyObject *owner;
     PyObject *published;
     PyObject *weakreflist;
+    ucm_token ctok;     /* the pin of a get's cold key taken in C (cold_handle): the C twin of
+                         * _token (zeroed by tp_alloc: unarmed), dropped by handle_drop, by
+                         * dealloc if still armed ("collected without ready()") */
 };
 
 /* A new handle's fields: inert (closed), no cache, no owner.  No allocation (None, bools and
@@ -571,6 +605,8 @@ static PyObject *hit_handle(CacheBase *c, PyObject *key, int *missed)
     return (PyObject *)h;
 }
 
+static PyObject *cold_handle(CacheBase *c, PyObject *key);
+
 static PyObject *cache_get(CacheBase *self, PyObject *const *args, Py_ssize_t nargs,
                            PyObject *kwnames)
 {
@@ -578,19 +614,26 @@ static PyObject *cache_get(CacheBase *self, PyObject *const *args, Py_ssize_t na
         int missed = 0;
         PyObject *h = hit_handle(self, args[0], &missed);
         if (h || PyErr_Occurred()) return h;
-        if (missed) return PyObject_CallMethodOneArg((PyObject *)self, s_get_missed, args[0]);
+        if (missed) { /* counted as a request: the slow path at once */
+            if (loads_bound && !HAS(self->tier)) return cold_handle(self, args[0]);
+            return PyObject_CallMethodOneArg((PyObject *)self, s_get_missed, args[0]);
+        }
     }
     return forward((PyObject *)self, s_get_full, args, nargs, kwnames);
 }
 
 /* A Ready entry's bytes, copied under the pin, the pin dropped: NULL with no exception for
- * anything but a hit (nothing counted). */
-static PyObject *hit_bytes(CacheBase *c, PyObject *key)
+ * anything but a hit.  `missed` NULL: nothing but a hit counted; else *missed says the key was
+ * not found, which is counted then as a request (the caller goes to the slow path directly). */
+static PyObject *hit_bytes(CacheBase *c, PyObject *key, int *missed)
 {
     ucm_ctx *ctx = c->ctx;
     if (!ctx) return NULL;
-    int64_t r = lookup(c, ctx, PyBytes_AS_STRING(key), 2);
-    if (r < 0) return NULL;
+    int64_t r = lookup(c, ctx, PyBytes_AS_STRING(key), missed ? 3 : 2);
+    if (r < 0) {
+        if (missed) *missed = r == -(int64_t)UCM_MISS;
+        return NULL;
+    }
     uint32_t slot = UCM_PIN_SLOT(r);
     PyObject *v = NULL;
     if (r & UCM_PIN_READY) {
@@ -607,11 +650,260 @@ static PyObject *hit_bytes(CacheBase *c, PyObject *key)
 static PyObject *cache_hit_bytes(CacheBase *self, PyObject *key)
 {
     if (bound && self->ctx && plain_id(key)) {
-        PyObject *v = hit_bytes(self, key);
+        PyObject *v = hit_bytes(self, key, NULL);
         if (v || PyErr_Occurred()) return v;
         Py_RETURN_NONE;
     }
     return PyObject_CallMethodOneArg((PyObject *)self, s_hit_bytes_full, key);
+}
+
+/* ---------------------------------------------------------------- the cold get_or_load
+ *
+ * A cold key's get_or_load is one core step on each side of the loader, with no Handle: the
+ * slow path (ucm_get_slow: stripe, look again, claim, evict, install; the pin handed to a
+ * token on this C frame's stack) and the finish (ucm_load_finish: copy in, publish, count,
+ * observe, unpin).  The owner object of the pin between them (DESIGN 5.5) is this C frame:
+ * no signal handler runs inside it except through the loader and the test hooks, whose
+ * exceptions are caught here and turned into a Failed load, as the full path's except does.
+ * The token keeps the context allocated while the loader runs (a forked child's copy, or a
+ * close in another thread, makes the finish touch nothing); close() refuses while a load
+ * runs (CacheBase.loads_out, counted in _live_handles), as it refuses for an owner's handle.
+ * What the full path decides stays there: any answer of the slow step but a pin (MOVED, FULL,
+ * ROLLBACK, BUSY, TIMEOUT, CORRUPT) goes to _get_or_load_cold, which runs the same step in
+ * SlotCache._pin_slow's loop; a join goes to _get_or_load_joined with a Handle of its pin. */
+
+static PyObject *exit_message_of(PyObject *typ, PyObject *exc, PyObject **err_t,
+                                 PyObject **err_v, PyObject **err_tb);
+static void owned_discard(PyObject *owned, PyObject *slot);
+static PyObject *handle_close_with(HandleBase *h, PyObject *msg, PyObject *et, PyObject *ev,
+                                   PyObject *tb);
+
+/* The owned-slot record's set for cache c in the current context, as _slots._owned_slots
+ * makes it (a new reference), or NULL with an exception. */
+static PyObject *owned_set(PyObject *cache)
+{
+    PyObject *d = NULL, *set = NULL;
+    if (PyContextVar_Get(owning, NULL, &d) < 0) return NULL;
+    if (!d) {
+        PyObject *tok;
+        if (!(d = PyDict_New()) || !(tok = PyContextVar_Set(owning, d))) goto done;
+        Py_DECREF(tok);
+    }
+    PyObject *id = PyLong_FromVoidPtr(cache); /* id(cache) */
+    if (!id) goto done;
+    set = PyDict_GetItemWithError(d, id);
+    if (set) Py_INCREF(set);
+    else if (!PyErr_Occurred() && (set = PySet_New(NULL)) && PyDict_SetItem(d, id, set) < 0)
+        Py_CLEAR(set);
+    Py_DECREF(id);
+done:
+    Py_XDECREF(d);
+    return set;
+}
+
+/* A test point of ucmcache._hooks, fired when any is armed (one dict size read otherwise). */
+static inline int fire_hook(PyObject *name)
+{
+    if (!PyDict_GET_SIZE(hooks_armed)) return 0;
+    PyObject *r = PyObject_CallOneArg(hooks_fire, name);
+    Py_XDECREF(r);
+    return r ? 0 : -1;
+}
+
+/* A Handle over a pin of a slot another caller loads (a join), made as hit_handle makes one:
+ * the pin becomes the handle's in plain stores, and is dropped here if the handle cannot be
+ * made.  Not Ready when pinned (nbytes -1), not an owner, no token (ucm_release drops it). */
+static PyObject *join_handle(CacheBase *c, ucm_ctx *ctx, uint32_t slot)
+{
+    HandleBase *h = (HandleBase *)handle_type->tp_alloc(handle_type, 0);
+    if (h) handle_init(h);
+    PyObject *slot_o = h ? PyLong_FromUnsignedLong(slot) : NULL;
+    if (!slot_o || c->ctx != ctx) {
+        Py_XDECREF(slot_o);
+        Py_XDECREF(h);
+        if (c->ctx == ctx) release_pin(c, ctx, slot); /* else closed: its recovery dropped it */
+        return NULL;
+    }
+    Py_SETREF(h->cache, Py_NewRef(c));
+    Py_SETREF(h->slot, slot_o);
+    SET_FLAG(h->closed, 0);
+    add_open(c, 1);
+    return (PyObject *)h;
+}
+
+/* The loader run by the owner of `slot` (pinned through tok), and the finish.  The value: a
+ * bytes object as it is; anything else through _slots.as_value_view (its checks and messages
+ * are the full path's); an exception of either, or of a test hook, fails the load with
+ * "Type: message" and is raised again. */
+static PyObject *own_load(CacheBase *c, ucm_ctx *ctx, ucm_token *tok, uint32_t slot,
+                          PyObject *loader)
+{
+    PyObject *value = NULL, *view_o = NULL, *result = NULL, *owned = NULL, *slot_o = NULL;
+    Py_buffer view = {0};
+    const char *src = NULL;
+    Py_ssize_t n = 0;
+    int r;
+    c->loads_out++;
+    add_open(c, 1);
+    int64_t t0 = core.now_ns();
+    /* The owned-slot record first: a loader that asks for its own key must be refused, not
+     * wait for itself (Handle.wait). */
+    if ((slot_o = PyLong_FromUnsignedLong(slot)) && (owned = owned_set((PyObject *)c)) &&
+        PySet_Add(owned, slot_o) == 0 && fire_hook(s_inside_loader) == 0 &&
+        (value = PyObject_CallNoArgs(loader))) {
+        if (PyBytes_CheckExact(value) && (uint64_t)PyBytes_GET_SIZE(value) <= (uint64_t)c->value_max) {
+            src = PyBytes_AS_STRING(value);
+            n = PyBytes_GET_SIZE(value);
+        } else if ((view_o = PyObject_CallFunction(as_value_view, "OK", value,
+                                                   (unsigned long long)(uint64_t)c->value_max)) &&
+                   PyObject_GetBuffer(view_o, &view, PyBUF_SIMPLE) == 0) {
+            src = view.buf;
+            n = view.len;
+        }
+    }
+    if (src && fire_hook(s_before_ready) < 0) src = NULL;
+    if (!src) {
+        /* The load failed: its message published Failed, the exception raised again. */
+        PyObject *et, *ev, *etb, *ft = NULL, *fv = NULL, *ftb = NULL;
+        PyErr_Fetch(&et, &ev, &etb);
+        PyErr_NormalizeException(&et, &ev, &etb);
+        PyObject *msg = et ? exit_message_of(et, ev ? ev : Py_None, &ft, &fv, &ftb)
+                           : Py_NewRef(unpublished);
+        Py_XDECREF(ft);
+        Py_XDECREF(fv);
+        Py_XDECREF(ftb);
+        if (msg) {
+            WITHOUT_GIL(c, r = core.load_finish(tok, UCM_FAILED, PyBytes_AS_STRING(msg),
+                                                (uint64_t)PyBytes_GET_SIZE(msg), t0));
+            Py_DECREF(msg);
+        } else {
+            core.token_drop(tok, NULL, 0);
+        }
+        PyErr_Restore(et, ev, etb);
+        goto done;
+    }
+    if (__builtin_expect(core.ctx_points_set(ctx), 0) || n > 65536)
+        WITHOUT_GIL(c, r = core.load_finish(tok, UCM_READY, src, (uint64_t)n, t0));
+    else
+        r = core.load_finish(tok, UCM_READY, src, (uint64_t)n, t0);
+    if (r != UCM_OK) {
+        if (c->ctx != ctx) /* closed under the loader, or a forked child: NotAttached */
+            result = PyObject_CallMethodNoArgs((PyObject *)c, s_check_usable);
+        if (!result && !PyErr_Occurred())
+            PyErr_Format(PyExc_RuntimeError, "get_or_load: the load of slot %u was lost before "
+                         "its publish (step answer %d)", slot, r);
+        Py_CLEAR(result);
+        goto done;
+    }
+    if (fire_hook(s_after_ready) < 0) goto done;
+    result = view_o ? PyBytes_FromStringAndSize(src, n) : Py_NewRef(value);
+done:
+    if (owned && slot_o) owned_discard(owned, slot_o);
+    if (view.obj) PyBuffer_Release(&view);
+    Py_XDECREF(view_o);
+    Py_XDECREF(value);
+    Py_XDECREF(owned);
+    Py_XDECREF(slot_o);
+    c->loads_out--;
+    add_open(c, -1);
+    return result;
+}
+
+/* get() of a plain id the hit path looked for, missed and counted as a request: the slow step
+ * (ucm_get_slow) straight into the C token of a new Handle, made inert before the step, so the
+ * pin has its owner object from the moment it is taken (DESIGN 5.5).  An owner's handle
+ * records its load's start and its slot in its context's owned set (Handle.own's work); its
+ * data is the slot, writable (handle_data), and its ready() one core step (handle_ready).  Any
+ * answer but a pin: the full path (_get_missed), which runs the step in its loop. */
+static PyObject *cold_handle(CacheBase *c, PyObject *key)
+{
+    ucm_ctx *ctx = c->ctx;
+    HandleBase *h = (HandleBase *)handle_type->tp_alloc(handle_type, 0);
+    if (!h) return NULL;
+    handle_init(h);
+    if (c->ctx != ctx || !ctx) { /* a finalizer of the allocation closed the cache */
+        Py_DECREF(h);
+        return PyObject_CallMethodOneArg((PyObject *)c, s_get_missed, key);
+    }
+    int64_t r;
+    WITHOUT_GIL(c, r = core.get_slow(ctx, PyBytes_AS_STRING(key), 0, slow_spin, max_rollbacks,
+                                     stripe_wait_ns, &h->ctok, NULL, NULL));
+    if (r < 0) { /* nothing armed: the full path decides */
+        Py_DECREF(h);
+        return PyObject_CallMethodOneArg((PyObject *)c, s_get_missed, key);
+    }
+    int ready = (r & UCM_PIN_READY) != 0, owner = !ready && (r & UCM_PIN_OWNER);
+    /* Ints are not tracked by the collector: making them runs no Python code. */
+    PyObject *slot_o = PyLong_FromUnsignedLong(UCM_PIN_SLOT(r));
+    PyObject *len_o = slot_o ? PyLong_FromLongLong(ready ? (long long)UCM_PIN_LEN(r) : -1) : NULL;
+    PyObject *t0_o = len_o && owner ? PyLong_FromLongLong(core.now_ns()) : NULL;
+    if (!len_o || (owner && !t0_o)) {
+        Py_XDECREF(slot_o);
+        Py_XDECREF(len_o);
+        Py_DECREF(h); /* dealloc drops the armed token: an owner's load fails at once */
+        return NULL;
+    }
+    /* The pin is the handle's already (its token); the fields in plain stores. */
+    Py_SETREF(h->cache, Py_NewRef(c));
+    Py_SETREF(h->slot, slot_o);
+    Py_SETREF(h->nbytes, len_o);
+    SET_FLAG(h->owner, owner);
+    SET_FLAG(h->closed, 0);
+    add_open(c, 1);
+    if (owner) {
+        Py_SETREF(h->t0, t0_o);
+        /* may run a collection (finalizers): the handle is open and owns its pin by now */
+        PyObject *owned = owned_set((PyObject *)c);
+        if (!owned || PySet_Add(owned, h->slot) < 0) {
+            Py_XDECREF(owned);
+            PyObject *x = handle_close_with(h, unpublished, NULL, NULL, NULL);
+            Py_XDECREF(x);
+            Py_DECREF(h);
+            return NULL;
+        }
+        Py_SETREF(h->owned, owned);
+    }
+    return (PyObject *)h;
+}
+
+/* get_or_load of a plain id the hit path looked for, missed and counted as a request. */
+static PyObject *cold_load(CacheBase *c, PyObject *const *args, Py_ssize_t nargs,
+                           PyObject *kwnames)
+{
+    ucm_ctx *ctx = c->ctx;
+    ucm_token tok = {0};
+    int64_t r;
+    if (!ctx) return forward((PyObject *)c, s_get_or_load_full, args, nargs, kwnames);
+    WITHOUT_GIL(c, r = core.get_slow(ctx, PyBytes_AS_STRING(args[0]), 0, slow_spin,
+                                     max_rollbacks, stripe_wait_ns, &tok, NULL, NULL));
+    if (r < 0) /* the full path's decisions (its loop runs the same step again) */
+        return forward((PyObject *)c, s_get_or_load_cold, args, nargs, kwnames);
+    uint32_t slot = UCM_PIN_SLOT(r);
+    /* READY first: a Ready answer's length overlaps the OWNER bit (UCM_PIN_* in the header). */
+    if (!(r & UCM_PIN_READY) && (r & UCM_PIN_OWNER))
+        return own_load(c, ctx, &tok, slot, args[1]);
+    PyObject *v = NULL;
+    if (r & UCM_PIN_READY) {
+        /* Found Ready under the stripe (another caller's load landed meanwhile): a copy. */
+        v = PyBytes_FromStringAndSize(NULL, UCM_PIN_LEN(r));
+        char *src = core.slot_data(ctx, slot);
+        if (v && src) core.copy_payload(PyBytes_AS_STRING(v), src, UCM_PIN_LEN(r));
+        core.token_drop(&tok, NULL, 0);
+        return v;
+    }
+    /* A join: the pin moves from the token to a Handle (one more local hold, then the
+     * token's dropped), which waits in the full path. */
+    PyObject *h = NULL;
+    if (core.pin_again(ctx, slot) == UCM_OK) h = join_handle(c, ctx, slot);
+    core.token_drop(&tok, NULL, 0);
+    if (!h) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, "get_or_load: the joined "
+                                               "slot's pin was lost (the cache closed?)");
+        return NULL;
+    }
+    v = PyObject_CallMethodOneArg((PyObject *)c, s_get_or_load_joined, h);
+    Py_DECREF(h);
+    return v;
 }
 
 static PyObject *cache_get_or_load(CacheBase *self, PyObject *const *args, Py_ssize_t nargs,
@@ -619,9 +911,14 @@ static PyObject *cache_get_or_load(CacheBase *self, PyObject *const *args, Py_ss
 {
     if (bound && self->ctx && nargs == 2 && plain_id(args[0]) && PyCallable_Check(args[1]) &&
         no_timeout(args, 2, kwnames)) {
-        PyObject *v = hit_bytes(self, args[0]);
+        int missed = 0;
+        PyObject *v = hit_bytes(self, args[0], &missed);
         if (v || PyErr_Occurred()) return v;
-        /* looked and missed: the full path without a second look */
+        if (missed) { /* counted as a request: the slow path at once, no second look */
+            if (loads_bound && !HAS(self->tier)) return cold_load(self, args, nargs, kwnames);
+            return forward((PyObject *)self, s_get_or_load_cold, args, nargs, kwnames);
+        }
+        /* a join or a claimed slot: the full path looks again and counts it */
         return forward((PyObject *)self, s_get_or_load_missed, args, nargs, kwnames);
     }
     return forward((PyObject *)self, s_get_or_load_full, args, nargs, kwnames);
@@ -726,7 +1023,7 @@ static PyObject *cache_aget_or_load(CacheBase *self, PyObject *const *args, Py_s
 {
     if (bound && self->ctx && nargs == 2 && plain_id(args[0]) && PyCallable_Check(args[1]) &&
         no_timeout(args, 2, kwnames)) {
-        PyObject *v = hit_bytes(self, args[0]);
+        PyObject *v = hit_bytes(self, args[0], NULL);
         if (v) return ready_new_value(v);
         if (PyErr_Occurred()) return NULL;
         return forward((PyObject *)self, s_aget_or_load_missed, args, nargs, kwnames);
@@ -829,6 +1126,7 @@ static PyObject *cache_new(PyTypeObject *type, PyObject *args, PyObject *kw)
 static void cache_dealloc(CacheBase *c)
 {
     Py_CLEAR(c->open_handles);
+    Py_CLEAR(c->tier);
     Py_CLEAR(c->ctx_obj);
     Py_CLEAR(c->ro);
     Py_TYPE(c)->tp_free((PyObject *)c);
@@ -1005,6 +1303,11 @@ static PyMemberDef cache_members[] = {
     {"_open_handles", T_OBJECT_EX, offsetof(CacheBase, open_handles), 0, NULL},
     {"_data_off", T_PYSSIZET, offsetof(CacheBase, data_off), 0, NULL},
     {"_stride", T_PYSSIZET, offsetof(CacheBase, stride), 0, NULL},
+    {"_tier", T_OBJECT, offsetof(CacheBase, tier), 0, NULL},
+    {"_value_max", T_PYSSIZET, offsetof(CacheBase, value_max), 0, NULL},
+    {"_lock_fd", T_INT, offsetof(CacheBase, lock_fd), 0, NULL},
+    {"_loads_out", T_PYSSIZET, offsetof(CacheBase, loads_out), READONLY,
+     "Cold get_or_loads whose loader runs now (each owns a load); close() refuses while any is."},
     {"_exports", T_PYSSIZET, offsetof(CacheBase, exports), READONLY,
      "Views of slot bytes alive now (each keeps its slot pinned); close() refuses while any is."},
     {NULL},
@@ -1114,7 +1417,14 @@ static int handle_drop(HandleBase *h, PyObject *msg)
      * thread sharing this owned set could own the freed slot's next load meanwhile. */
     if (h->owner == Py_True) owned_discard(h->owned, h->slot);
     int rc = 1;
-    if (HAS(h->token)) {
+    if (h->ctok.armed) {
+        /* With test points set, the GIL released (a gate may hold a process-local lock). */
+        if (__builtin_expect(core.ctx_points_set(h->ctok.c), 0))
+            WITHOUT_GIL(c, core.token_drop(&h->ctok, PyBytes_AS_STRING(msg),
+                                           (uint32_t)PyBytes_GET_SIZE(msg)));
+        else
+            core.token_drop(&h->ctok, PyBytes_AS_STRING(msg), (uint32_t)PyBytes_GET_SIZE(msg));
+    } else if (HAS(h->token)) {
         PyObject *len = PyLong_FromSsize_t(PyBytes_GET_SIZE(msg));
         /* cffi releases the GIL around the call: counted, so close() cannot take the context
          * away under it (as WITHOUT_GIL). */
@@ -1179,7 +1489,9 @@ static PyObject *close_rest(PyObject *self, int r, int after, PyObject *et, PyOb
 static PyObject *handle_close_with(HandleBase *h, PyObject *msg, PyObject *et, PyObject *ev,
                                    PyObject *tb)
 {
-    int after = h->owner != Py_False || HAS(h->views) || HAS(h->owned);
+    /* (an owner published by ready() in C has no owned set or views left: nothing after) */
+    int after = (h->owner != Py_False && h->published != Py_True) || HAS(h->views) ||
+                HAS(h->owned);
     return close_rest((PyObject *)h, handle_drop(h, msg), after, et, ev, tb);
 }
 
@@ -1206,6 +1518,137 @@ static PyObject *handle_close(HandleBase *h, PyObject *unused)
     if (tier_owner(h->owner, h->cache))
         return PyObject_CallMethodOneArg((PyObject *)h, s_close_with, unpublished);
     return handle_close_with(h, unpublished, NULL, NULL, NULL);
+}
+
+/* ready(nbytes=None): an owner's handle made by cold_handle publishes in one core step
+ * (ucm_token_publish: publish, count, observe), then leaves its owned set and releases its
+ * writable views (as Handle._ready_full does).  Everything else, and every error to name,
+ * goes to _ready_full: another handle, an argument that is not None or an int in range, a
+ * tier beneath the cache (its write-through), an armed test hook, an answer but UCM_OK (it
+ * changed nothing: the full path's ucm_publish answers the same and raises). */
+static PyObject *handle_ready(HandleBase *h, PyObject *const *args, Py_ssize_t nargs,
+                              PyObject *kwnames)
+{
+    if (kwnames) /* ready(nbytes=...): the full path reads its keywords */
+        return forward((PyObject *)h, s_ready_full, args, nargs, kwnames);
+    CacheBase *c = cache_of(h->cache);
+    Py_ssize_t n = -1;
+    if (c && c->ctx && nargs <= 1 && IS_OPEN(h->closed) && h->ctok.armed && h->ctok.owner &&
+        h->owner == Py_True && h->published == Py_False && !HAS(c->tier) &&
+        !PyDict_GET_SIZE(hooks_armed) && h->t0 && PyLong_CheckExact(h->t0)) {
+        if (nargs == 0 || args[0] == Py_None) n = c->value_max;
+        else if (PyLong_CheckExact(args[0])) {
+            n = PyLong_AsSsize_t(args[0]);
+            if (n == -1) PyErr_Clear();
+        }
+    }
+    if (n < 0 || n > c->value_max)
+        return forward((PyObject *)h, s_ready_full, args, nargs, NULL);
+    int64_t t0 = PyLong_AsLongLong(h->t0);
+    int r;
+    if (__builtin_expect(core.ctx_points_set(c->ctx), 0))
+        WITHOUT_GIL(c, r = core.token_publish(&h->ctok, UCM_READY, (uint32_t)n, t0));
+    else
+        r = core.token_publish(&h->ctok, UCM_READY, (uint32_t)n, t0);
+    if (r != UCM_OK) return forward((PyObject *)h, s_ready_full, args, nargs, NULL);
+    SET_FLAG(h->published, 1);
+    owned_discard(h->owned, h->slot);
+    Py_SETREF(h->owned, Py_NewRef(Py_None));
+    Py_SETREF(h->view, Py_NewRef(Py_None));
+    PyObject *views = h->views;
+    h->views = Py_NewRef(Py_None);
+    if (HAS(views) && PyList_Check(views)) {
+        /* The owner's writable views end with the load: released, unless an export (a numpy
+         * array) still holds one, whose own pin then keeps the slot (_slots.release_views). */
+        for (Py_ssize_t i = 0; i < PyList_GET_SIZE(views); i++) {
+            PyObject *x = PyObject_CallMethodNoArgs(PyList_GET_ITEM(views, i), s_release);
+            if (x) Py_DECREF(x);
+            else if (PyErr_ExceptionMatches(PyExc_BufferError)) PyErr_Clear();
+            else {
+                Py_DECREF(views);
+                return NULL;
+            }
+        }
+    }
+    Py_XDECREF(views);
+    Py_RETURN_NONE;
+}
+
+/* wait(timeout=None): a reader's wait on a slot another caller loads, one core step with the
+ * GIL released (ucm_wait_ready: futex slices, the loader's life lock, the deadline, the wait's
+ * time and a timeout counted), so a wake-up returns self with no Python frame.  It counts the
+ * wait (`waits`) when it begins, as _wait_ready does; a loader that looks dead is recovered by
+ * SlotCache._recover_loader (Python) and the step runs again.  Everything else goes to
+ * _wait_full: a closed handle or cache, an owner, keywords, a timeout that is not a plain
+ * number >= 0 (to be named), a slot not Loading (Failed: its message), a slot this context
+ * loads itself (refused there), another answer of the step. */
+static PyObject *handle_wait(HandleBase *h, PyObject *const *args, Py_ssize_t nargs,
+                             PyObject *kwnames)
+{
+    if (kwnames) /* wait(timeout=...): the full path reads its keywords */
+        return forward((PyObject *)h, s_wait_full, args, nargs, kwnames);
+    CacheBase *c = cache_of(h->cache);
+    PyObject *t = nargs ? args[0] : Py_None, *owned = NULL;
+    double secs = -1.0;
+    unsigned long slot = (unsigned long)-1;
+    if (t == Py_None) t = h->timeout;
+    if (!loads_bound || !c || !c->ctx || nargs > 1 || !IS_OPEN(h->closed) ||
+        h->owner != Py_False || !h->slot || !PyLong_CheckExact(h->slot))
+        goto full;
+    if (t && t != Py_None) {
+        if (PyFloat_CheckExact(t)) secs = PyFloat_AS_DOUBLE(t);
+        else if (PyLong_CheckExact(t)) secs = PyLong_AsDouble(t);
+        else goto full;
+        if (!(secs >= 0.0) || secs > 1e9) { /* NaN, negative, an overflow: named there */
+            PyErr_Clear();
+            goto full;
+        }
+    }
+    slot = PyLong_AsUnsignedLong(h->slot);
+    if (slot > UCM_PIN_SLOT_MASK) {
+        PyErr_Clear();
+        goto full;
+    }
+    ucm_ctx *ctx = c->ctx;
+    uint32_t st = core.slot_state(ctx, (uint32_t)slot);
+    if (st == UCM_READY) return Py_NewRef(h);
+    if (st != UCM_LOADING) goto full;
+    if (!(owned = owned_set((PyObject *)c))) return NULL;
+    int mine = PySet_Contains(owned, h->slot);
+    Py_DECREF(owned);
+    if (mine != 0) {
+        if (mine < 0) return NULL;
+        goto full;
+    }
+    core.stat_add(ctx, UCM_ST_WAITS, 1);
+    int64_t t0 = core.now_ns();
+    int64_t deadline = secs < 0 ? -1 : t0 + (int64_t)(secs * 1e9);
+    for (;;) {
+        int r;
+        if (c->ctx != ctx) goto full; /* closed by Python code run below: named there */
+        WITHOUT_GIL(c, r = core.wait_ready(ctx, (uint32_t)slot, deadline, liveness_ns,
+                                           c->lock_fd, life_byte0, t0, &st));
+        if (r == UCM_OK) {
+            if (st == UCM_READY) return Py_NewRef(h);
+            goto full; /* Failed (or reclaimed): its message */
+        }
+        if (r == UCM_TIMEOUT) {
+            PyObject *secs_o = PyFloat_FromDouble(secs);
+            if (secs_o) {
+                PyErr_Format(PyExc_TimeoutError, "key still loading after %R s (the load goes "
+                             "on; get() again to wait more)", secs_o);
+                Py_DECREF(secs_o);
+            }
+            return NULL;
+        }
+        if (r != UCM_OWNERDEAD) goto full;
+        PyObject *x = PyObject_CallMethod((PyObject *)c, "_recover_loader", "kL", slot,
+                                          (long long)deadline);
+        if (!x) return NULL;
+        Py_DECREF(x);
+    }
+full:
+    return forward((PyObject *)h, s_wait_full, args, nargs, NULL);
 }
 
 static PyObject *handle_drop_pins(HandleBase *h, PyObject *msg)
@@ -1247,6 +1690,25 @@ static PyObject *handle_data(HandleBase *h, void *closure)
             }
             /* making it ran a finalizer that closed h (or read data): not ours to give */
             Py_XDECREF(v);
+        } else if (h->ctok.armed && h->ctok.owner && h->owner == Py_True &&
+                   h->published == Py_False && slot <= UCM_PIN_SLOT_MASK) {
+            /* An owner's slot, Loading and ours (cold_handle): writable, the whole slot, kept
+             * in its views (released when the load ends), as _data_slow makes it. */
+            if (!HAS(h->views)) {
+                PyObject *l = PyList_New(0);
+                if (!l) return NULL;
+                Py_XSETREF(h->views, l);
+            }
+            PyObject *views = Py_NewRef(h->views);
+            PyObject *v = slot_view(c, c->ctx, (uint32_t)slot, c->value_max, 1);
+            if (v && IS_OPEN(h->closed) && PyList_Append(views, v) == 0) {
+                Py_DECREF(views);
+                return v;
+            }
+            Py_DECREF(views);
+            if (!v && PyErr_Occurred()) return NULL;
+            Py_XDECREF(v);
+            PyErr_Clear(); /* closed meanwhile: the full path says so */
         }
     }
     return PyObject_CallMethodNoArgs((PyObject *)h, s_data_slow);
@@ -1311,6 +1773,8 @@ static int handle_clear(HandleBase *h)
 static void handle_dealloc(HandleBase *h)
 {
     PyObject_GC_UnTrack(h);
+    /* A close cut short (see finalize_by_close): the C token drops its pin as cffi's would. */
+    if (h->ctok.armed) core.token_release(NULL, &h->ctok);
     if (h->weakreflist) PyObject_ClearWeakRefs((PyObject *)h);
     handle_clear(h);
     Py_TYPE(h)->tp_free((PyObject *)h);
@@ -1318,6 +1782,12 @@ static void handle_dealloc(HandleBase *h)
 
 static PyMethodDef handle_methods[] = {
     {"__enter__", handle_enter, METH_NOARGS, NULL},
+    {"wait", (PyCFunction)(void (*)(void))handle_wait, METH_FASTCALL | METH_KEYWORDS,
+     "Block while another caller loads the slot.  Returns self when Ready; raises\n"
+     "LoadFailed when the owner failed (or died), TimeoutError when timeout passes first\n"
+     "(the load goes on)."},
+    {"ready", (PyCFunction)(void (*)(void))handle_ready, METH_FASTCALL | METH_KEYWORDS,
+     "Publish the slot as Ready with nbytes of payload (default: the whole slot)."},
     {"__exit__", (PyCFunction)(void (*)(void))handle_exit, METH_FASTCALL, NULL},
     {"close", (PyCFunction)handle_close, METH_NOARGS,
      "Unpin the slot (idempotent).  An owner that did not publish publishes Failed."},
@@ -1964,6 +2434,46 @@ static PyObject *mod_bind(PyObject *m, PyObject *args, PyObject *kw)
     Py_RETURN_NONE;
 }
 
+static PyObject *mod_bind_loads(PyObject *m, PyObject *args, PyObject *kw)
+{
+    static char *names[] = {"steps", "owning", "as_value_view", "hooks_armed", "hooks_fire",
+                            "slow_spin", "max_rollbacks", "stripe_wait", "liveness_ns",
+                            "life_byte0", NULL};
+    PyObject *steps, *ow, *avv, *ha, *hf;
+    unsigned int spin, rollbacks;
+    double wait;
+    long long live;
+    unsigned long long byte0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O!OOO!OIIdLK", names, &PyDict_Type, &steps,
+                                     &ow, &avv, &PyDict_Type, &ha, &hf, &spin, &rollbacks, &wait,
+                                     &live, &byte0))
+        return NULL;
+    if (live <= 0) {
+        PyErr_SetString(PyExc_ValueError, "bind_loads(): liveness_ns must be > 0");
+        return NULL;
+    }
+    if (!PyContextVar_CheckExact(ow) || !PyCallable_Check(avv) || !PyCallable_Check(hf)) {
+        PyErr_SetString(PyExc_TypeError, "bind_loads(): owning must be a ContextVar, "
+                        "as_value_view and hooks_fire callables");
+        return NULL;
+    }
+#define STEP(f) if (bind_step(steps, "ucm_" #f, (void **)&core.f) < 0) return NULL
+    STEP(get_slow); STEP(load_finish); STEP(token_drop); STEP(now_ns); STEP(token_publish);
+    STEP(token_release); STEP(wait_ready); STEP(slot_state); STEP(stat_add);
+#undef STEP
+    Py_XSETREF(owning, Py_NewRef(ow));
+    Py_XSETREF(as_value_view, Py_NewRef(avv));
+    Py_XSETREF(hooks_armed, Py_NewRef(ha));
+    Py_XSETREF(hooks_fire, Py_NewRef(hf));
+    slow_spin = spin;
+    max_rollbacks = rollbacks;
+    stripe_wait_ns = (int64_t)(wait * 1e9);
+    liveness_ns = live;
+    life_byte0 = byte0;
+    loads_bound = bound;
+    Py_RETURN_NONE;
+}
+
 static PyObject *mod_row_size(PyObject *m, PyObject *const *args, Py_ssize_t nargs)
 {
     Py_ssize_t v[4];
@@ -2001,6 +2511,10 @@ static PyMethodDef mod_methods[] = {
      "(rows: its first dimension), or ValueError (the rule of gather and read_many)."},
     {"buffer_row", (PyCFunction)(void (*)(void))mod_buffer_row, METH_FASTCALL,
      "buffer_row(out, n): row_size of a buffer-protocol out, its item format checked."},
+    {"bind_loads", (PyCFunction)(void (*)(void))mod_bind_loads, METH_VARARGS | METH_KEYWORDS,
+     "bind_loads(steps, owning, as_value_view, hooks_armed, hooks_fire, slow_spin,\n"
+     "max_rollbacks, stripe_wait): what the cold get_or_load needs (after bind(); called once\n"
+     "by ucmcache/_cache.py, where the slow path's budgets are)."},
     {"bind", (PyCFunction)(void (*)(void))mod_bind, METH_VARARGS | METH_KEYWORDS,
      "bind(steps, addr_of, handle_type, batch_type, new_lengths, new_slots, new_owner,\n"
      "no_owned, unpublished, token_drop, batch_token_drop): the core's step addresses and the\n"
@@ -2032,6 +2546,11 @@ PyMODINIT_FUNC PyInit__hit(void)
     INTERN(s_aget_or_load_missed, "_aget_or_load_missed");
     INTERN(s_get_missed, "_get_missed"); INTERN(s_after_drop, "_after_drop");
     INTERN(s_tier, "_tier"); INTERN(s_copy, "copy");
+    INTERN(s_get_or_load_cold, "_get_or_load_cold");
+    INTERN(s_get_or_load_joined, "_get_or_load_joined");
+    INTERN(s_check_usable, "_check_usable"); INTERN(s_inside_loader, "inside_loader");
+    INTERN(s_before_ready, "before_ready"); INTERN(s_after_ready, "after_ready");
+    INTERN(s_ready_full, "_ready_full"); INTERN(s_wait_full, "_wait_full");
 #undef INTERN
     PyObject *m = PyModule_Create(&hit_module);
     if (!m) return NULL;

@@ -411,3 +411,29 @@ def _load_then_publish_at(uuid, key, gate_path, point, own_first):
 
 def load_then_publish_at(q, *args):
     run(_load_then_publish_at, q, *args)
+
+
+def _cold_load_at(uuid, key, gate_path, point, action):
+    """get_or_load(key) through the C path (a plain id, no timeout), its loader held at the
+    `inside_loader` gate until the test opens it, then `point` (a C point of the finish, or a
+    Python point after the loader) armed with `action` ("kill", or "gate" on the same gate)."""
+    c = SlotCache.attach(uuid)
+    gate = Gate(gate_path)
+    try:
+        c.get_or_load(b"own-first-" + key[:6], lambda: b"mine")  # our share of the arenas
+        ucmcache._hooks.arm_python("inside_loader", "gate", gate)
+
+        def loader():
+            if point in ucmcache._hooks.PY_POINTS:
+                ucmcache._hooks.arm_python(point, action, gate if action == "gate" else None)
+            else:
+                c._arm(point, action, gate if action == "gate" else None)
+            return payload_for(key, 64)
+        return c.get_or_load(key, loader)
+    finally:
+        gate.close()
+        c.close()
+
+
+def cold_load_at(q, *args):
+    run(_cold_load_at, q, *args)

@@ -49,8 +49,8 @@ from ._recovery import (RecoveryReport, free_rank, rank_alive, recover_dead_rank
 from ._results import code_name
 from ._ring import Prefetcher, Prefetching, ring_counters
 from ._tier import BoundTier, TierArg, check_tier
-from ._segment import Segment
-from . import _stats
+from ._segment import LIFE_LOCK_BYTE0, Segment
+from . import _hit, _single_flight, _slots, _stats
 
 SLOW_SPIN = 64          # under the stripe a live claimant of our chain rolls back at once; a
                         # claim that stays is a dead rank's, recovered without the stripe held
@@ -72,6 +72,17 @@ MIN_LOCK_WAIT = 0.05    # a get's timeout below this still waits this long for a
                         # stripe or a claim held that long is not contention any more
 
 _live_caches: "weakref.WeakSet[SlotCache]" = weakref.WeakSet()
+
+# The cold get_or_load in C (csrc/ucm_hit.c, cold_load): the slow step's budgets are these, the
+# owned-slot record, the value checks and the test hooks are the full path's.
+_hit.bind_loads(steps={name: int(ffi.cast("uintptr_t", ffi.addressof(lib, name)))
+                       for name in ("ucm_get_slow", "ucm_load_finish", "ucm_token_drop",
+                                    "ucm_now_ns", "ucm_token_publish", "ucm_token_release",
+                                    "ucm_wait_ready", "ucm_slot_state", "ucm_stat_add")},
+                owning=_slots._owning, as_value_view=_slots.as_value_view,
+                hooks_armed=_hooks._armed, hooks_fire=_hooks.fire, slow_spin=SLOW_SPIN,
+                max_rollbacks=MAX_ROLLBACKS, stripe_wait=STRIPE_WAIT,
+                liveness_ns=_single_flight.LIVENESS_NS, life_byte0=LIFE_LOCK_BYTE0)
 
 
 # A fork (DESIGN 5.6).  Views the child inherits must keep showing their key's bytes, so the
@@ -161,6 +172,8 @@ class SlotCache(CacheBase, SingleFlight, Batches, Prefetching, Mapping):
     def __init__(self, seg: Segment, rank: Optional[int], tier2: TierArg = None):
         tier2 = check_tier(tier2)  # a sequence of tiers becomes one TierChain
         # None, or the tier beneath this cache, bound to it (see _tier: the calls it gets)
+        self._value_max = seg.layout.slot_size  # the longest value a load stores (C's copy)
+        self._lock_fd = seg.lock_fd  # the life locks' fd: a waiter's liveness check in C
         self._tier: Optional[BoundTier] = \
             None if tier2 is None else tier2.bind(self._count, seg.layout.slot_size)
         self._seg = seg
@@ -354,7 +367,7 @@ class SlotCache(CacheBase, SingleFlight, Batches, Prefetching, Mapping):
         """Handles and batches of this cache that still exist and are open.  The counter can
         stay above it when a signal handler raised inside both a handle's __exit__ and its
         finalizer; such a handle is gone, and free_rank removes the pin it leaked."""
-        n = 0
+        n = self._loads_out  # cold get_or_loads running their loader (no Handle: see C)
         for o in gc.get_referrers(self):
             if isinstance(o, _Pins):  # (their _cache is a C member: found through them)
                 n += not getattr(o, "_closed", True)

@@ -162,8 +162,11 @@ class Handle(HandleBase, _Pins):
 
     # ---------------------------------------------------------------- owner
 
-    def ready(self, nbytes: Optional[int] = None) -> None:
-        """Publish the slot as Ready with nbytes of payload (default: the whole slot)."""
+    # ready(nbytes=None) is HandleBase's (csrc/ucm_hit.c): one core step for an owner whose get
+    # took its cold key in C, anything else here.
+
+    def _ready_full(self, nbytes: Optional[int] = None) -> None:
+        """ready() (HandleBase) for everything but a C-made owner's plain publish."""
         self._check_open()
         n = publish_ready(self._cache, self._slot, self._owner, nbytes)
         self._published = True
@@ -194,10 +197,13 @@ class Handle(HandleBase, _Pins):
 
     # ---------------------------------------------------------------- waiting
 
-    def wait(self, timeout: Optional[float] = None) -> "Handle":
-        """Block while another caller loads the slot.  Returns self when Ready; raises
-        LoadFailed when the owner failed (or died), TimeoutError when timeout passes first
-        (the load goes on)."""
+    # wait(timeout=None) is HandleBase's (csrc/ucm_hit.c): a reader's wait on a Loading slot is
+    # one C step there (ucm_wait_ready, the GIL released), and the wake-up returns self with no
+    # Python frame; anything else here.
+
+    def _wait_full(self, timeout: Optional[float] = None) -> "Handle":
+        """wait() (HandleBase) for everything but a reader's plain wait: a closed handle, an
+        owner, a timeout to name, a slot this context loads, a Failed load."""
         self._check_open()
         timeout = self._timeout if timeout is None else check_timeout(timeout)
         st = lib.ucm_slot_state(self._cache._ctx, self._slot)

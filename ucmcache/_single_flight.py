@@ -12,12 +12,15 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from . import _hooks
 from ._core import ffi, lib
-from ._errors import CacheFull
+from ._errors import CacheFull, CorruptSegment
+from ._results import code_name
+from ._segment import LIFE_LOCK_BYTE0
 from ._keys import Key
 from ._recovery import rank_alive
 from ._slots import as_value_view, isolate_owned
 
 LIVENESS_SLICE = 0.5    # a waiter checks that the loader still lives this often (seconds)
+LIVENESS_NS = int(LIVENESS_SLICE * 1e9)
 CANCEL_SLICE = 0.02     # an async wait's thread looks at its cancel flag this often (seconds)
 
 
@@ -57,10 +60,33 @@ class SingleFlight(CacheCore):
         except CacheFull:
             lib.ucm_stat_add(self._ctx, lib.UCM_ST_BYPASSES, 1)
             return as_value_view(loader(), self._layout.slot_size).tobytes()
+        return self._load_or_wait(h, loader, timeout)
+
+    def _get_or_load_cold(self, key: bytes, loader: Callable[[], Any], *,
+                          timeout: None = None) -> bytes:
+        """get_or_load() of a plain id the C path looked for, missed and counted as a request:
+        the slow path at once (no second look), where the C step's answer was not a pin (or a
+        tier is beneath the cache) and the full path decides."""
+        try:
+            h = self._get_missed(key)
+        except CacheFull:
+            lib.ucm_stat_add(self._ctx, lib.UCM_ST_BYPASSES, 1)
+            return as_value_view(loader(), self._layout.slot_size).tobytes()
+        return self._load_or_wait(h, loader, None)
+
+    def _get_or_load_joined(self, h: Any) -> bytes:
+        """get_or_load() whose C slow step joined another caller's load: h holds the pin."""
+        return self._load_or_wait(h, None, None)
+
+    def _load_or_wait(self, h: Any, loader: Optional[Callable[[], Any]],
+                      timeout: Optional[float]) -> bytes:
+        """An owner loads and publishes; any other waits (bounded) and reads.  Closes h."""
         with h:
             if not h.owner:
                 h.wait(timeout)
                 return bytes(h.data)
+            # an owner always came with its loader: a join (loader None) never owns its slot
+            assert loader is not None
             if _hooks._armed:
                 _hooks.fire("inside_loader")
             try:
@@ -112,6 +138,42 @@ class SingleFlight(CacheCore):
             h.ready(mv.nbytes)
             return mv.tobytes()
 
+    def _wait_ready(self, slot: int, timeout: Optional[float], counted: bool) -> int:
+        """_wait_loaded without a cancel flag: the whole wait is one C step (ucm_wait_ready:
+        futex slices, the loader's life lock, the deadline, the wait's counters), so nothing
+        but this frame's return runs between the wake-up and the caller.  The step answers
+        OWNERDEAD when the loader's life lock looks free: recovered here (it fails the load,
+        waking everyone), then the step again, which answers the new state at once."""
+        ctx = self._ctx
+        state = ffi.new("uint32_t *")
+        t0 = lib.ucm_now_ns()
+        deadline = -1 if timeout is None else t0 + int(timeout * 1e9)
+        if counted:
+            lib.ucm_stat_add(ctx, lib.UCM_ST_WAITS, 1)
+        while True:
+            r = lib.ucm_wait_ready(ctx, slot, deadline, LIVENESS_NS, self._seg.lock_fd,
+                                   LIFE_LOCK_BYTE0, t0 if counted else -1, state)
+            if r == lib.UCM_OK:
+                return state[0]
+            if r == lib.UCM_TIMEOUT:
+                raise TimeoutError(f"key still loading after {timeout} s (the load goes on; "
+                                   "get() again to wait more)")
+            if r != lib.UCM_OWNERDEAD:
+                raise CorruptSegment(f"segment {self.uuid!r}: a wait found slot {slot} out of "
+                                     f"range ({code_name(r)})")
+            self._recover_loader(slot, deadline)
+
+    def _recover_loader(self, slot: int, deadline: int) -> None:
+        """ucm_wait_ready answered OWNERDEAD (the loader's life lock looked free): if the
+        loader is another rank and really dead, recover it (which fails its loads, this one
+        included, waking every waiter), bounded by the wait's deadline (ucm_now_ns; < 0:
+        none).  Called by _wait_ready and by HandleBase.wait in C, which then wait again."""
+        loader = lib.ucm_slot_loader(self._ctx, slot)
+        if loader != self._rank and loader < self._layout.max_ranks \
+                and not rank_alive(self._seg, loader):
+            self._recover(LIVENESS_SLICE if deadline < 0
+                          else (deadline - lib.ucm_now_ns()) / 1e9)
+
     def _wait_loaded(self, slot: int, timeout: Optional[float],
                      cancel: Optional[threading.Event] = None, counted: bool = True) -> int:
         """Block on the slot's state word until it leaves Loading, never past ``timeout`` and
@@ -119,6 +181,8 @@ class SingleFlight(CacheCore):
         loader is recovered rather than waited for.  ``cancel`` (set, then the state word
         woken): returns UCM_LOADING at once (an abandoned async wait).  ``counted`` False: the
         shared wait of a loop's tasks, each of which counts its own (wait_loaded_async)."""
+        if cancel is None:
+            return self._wait_ready(slot, timeout, counted)
         ctx = self._ctx
         state = ffi.new("uint32_t *")
         start = time.monotonic()

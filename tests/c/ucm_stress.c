@@ -254,7 +254,7 @@ enum {
     C_READ_ROWS, C_GATHERS, C_GATHER_ROWS, C_ALL_READY, C_EXISTS, C_CLEARS, C_FULL, C_ROLLBACK,
     C_BUSY, C_TIMEOUT, C_MOVED, C_GAVE_UP, C_TAKES, C_GIVEN_BACK, C_DEATHS, C_PARKED,
     C_RECOVERIES, C_REC_PINS, C_REC_LOADS, C_REC_CLAIMS, C_REC_TIMEOUT, C_RING_POSTED,
-    C_RING_TAKEN, C_LIVES, C_DELETES, C_DELETE_TAKES, C_EXITED_AT_POINT, C_N
+    C_RING_TAKEN, C_LIVES, C_DELETES, C_DELETE_TAKES, C_EXITED_AT_POINT, C_FINISHED, C_N
 };
 static const char *counter_names[C_N] = {
     "gets", "fast_hits", "slow_hits", "loads", "ready", "failed_pub", "abandoned", "joins",
@@ -262,7 +262,8 @@ static const char *counter_names[C_N] = {
     "read_rows", "gathers", "gather_rows", "all_ready", "exists", "clears", "full", "rollback",
     "busy", "timeout", "moved", "gave_up", "arena_takes", "arenas_given_back", "deaths", "parked",
     "recoveries", "rec_pins", "rec_loads", "rec_claims", "rec_timeouts", "ring_posted",
-    "ring_taken", "lives", "deletes", "delete_takes", "exited_at_point"};
+    "ring_taken", "lives", "deletes", "delete_takes", "exited_at_point", "finished",
+};
 static uint64_t counters[C_N];
 #define COUNT(i, n) __atomic_fetch_add(&counters[i], (n), __ATOMIC_RELAXED)
 
@@ -593,7 +594,12 @@ static int wait_for(struct worker *w, uint32_t key, uint32_t slot)
     int64_t give_up = now_ns() + GIVE_UP_NS;
     for (;;) {
         uint32_t st = 0;
-        int r = ucm_wait_loaded(w->c, slot, 5000000, &st);
+        /* The whole wait as one step (ucm_wait_ready: slices, deadline, counted) half the
+         * time; no life locks here (threads as ranks), so lock_fd -1: the loop below recovers. */
+        int r = chance(&w->rng, 500)
+                    ? ucm_wait_ready(w->c, slot, ucm_now_ns() + 5000000, 1000000, -1, 0,
+                                     ucm_now_ns(), &st)
+                    : ucm_wait_loaded(w->c, slot, 5000000, &st);
         if (r == UCM_OK && st == UCM_READY) {
             COUNT(C_WAIT_READY, 1);
             uint64_t len = ucm_load32(base, meta_off(slot) + UCM_M_LENGTH);
@@ -657,7 +663,7 @@ static void took(struct worker *w, uint32_t key, int64_t a, int slow)
 }
 
 /* The slow path as _cache._pin_slow decides it.  Returns a pin answer, or -1 (gave up). */
-static int64_t get_slow(struct worker *w, uint32_t key)
+static int64_t get_slow(struct worker *w, uint32_t key, ucm_token *tok)
 {
     char id[16];
     uint64_t off;
@@ -668,8 +674,10 @@ static int64_t get_slow(struct worker *w, uint32_t key)
     for (;;) {
         uint32_t slot = UCM_NIL;
         uint8_t owner = 0;
-        int64_t r = ucm_get_slow(w->c, id, off, 64, 64, STRIPE_WAIT_NS, NULL, &slot, &owner);
+        int64_t r = ucm_get_slow(w->c, id, off, 64, 64, STRIPE_WAIT_NS, tok, &slot, &owner);
         if (r >= 0) {
+            if (tok && (!tok->armed || tok->slot != slot || tok->owner != owner))
+                die("ucm_get_slow's token disagrees with its answer");
             if (slot != UCM_PIN_SLOT(r) || owner != !!((r & UCM_PIN_OWNER) && !(r & UCM_PIN_READY)))
                 die("ucm_get_slow's slot_out/owner_out disagree with its answer");
             return r;
@@ -722,6 +730,40 @@ static int64_t get_slow(struct worker *w, uint32_t key)
     }
 }
 
+/* ucmcache/_hit's cold get_or_load: the slow step into a token, and for an owner the finish
+ * at once (ucm_load_finish: copy, publish, observe, unpin); any other pin moves from the token
+ * to this thread's holds (pin_again, then the token dropped) and is taken as a get's. */
+static void cold_load(struct worker *w, uint32_t key)
+{
+    ucm_token tok = {0};
+    int64_t r = get_slow(w, key, &tok);
+    if (r < 0) return;
+    uint32_t slot = UCM_PIN_SLOT(r);
+    if (!(r & UCM_PIN_READY) && (r & UCM_PIN_OWNER)) { /* (a Ready length overlaps OWNER) */
+        COUNT(C_LOADS, 1);
+        if (ucm_slot_state(w->c, slot) != UCM_LOADING || ucm_slot_loader(w->c, slot) != w->rank)
+            die("a cold load's slot %u is not Loading for us", slot);
+        char buf[4096];
+        uint32_t len = exp_len(key);
+        if (len > sizeof buf) die("slot_size %u is above the cold load's buffer", len);
+        int fail = chance(&w->rng, 20);
+        if (fail) {
+            len = sizeof MSG_FAILED - 1;
+            memcpy(buf, MSG_FAILED, len);
+        } else {
+            for (uint32_t j = 0; j < len; j++) buf[j] = (char)exp_byte(key, j);
+        }
+        int f = ucm_load_finish(&tok, fail ? UCM_FAILED : UCM_READY, buf, len, ucm_now_ns());
+        if (f != UCM_OK || tok.armed) die("ucm_load_finish(slot %u) answered %d", slot, f);
+        COUNT(fail ? C_FAILED_PUB : C_READY, 1);
+        COUNT(C_FINISHED, 1);
+        return;
+    }
+    if (ucm_pin_again(w->c, slot) != UCM_OK) die("ucm_pin_again(slot %u) of a token's pin", slot);
+    ucm_token_drop(&tok, NULL, 0);
+    took(w, key, r, 1);
+}
+
 static void op_get(struct worker *w, uint32_t key)
 {
     if (w->n_held >= opt_hold + 1) return;
@@ -736,7 +778,11 @@ static void op_get(struct worker *w, uint32_t key)
     }
     if (-r != UCM_MISS && -r != UCM_BUSY) die("ucm_lookup_pin answered %" PRId64, r);
     if (owned_loads(w) >= 2) return; /* no more loads of ours at once */
-    r = get_slow(w, key);
+    if (chance(&w->rng, 333)) {
+        cold_load(w, key);
+        return;
+    }
+    r = get_slow(w, key, NULL);
     if (r >= 0) took(w, key, r, 1);
 }
 

@@ -1,0 +1,383 @@
+"""The cold get_or_load in C (DESIGN 4.4 "finish", 5.8): one core step each side of the loader
+(ucm_get_slow into a token of the C frame, ucm_load_finish), no Handle.  Its counters are the
+full path's, its loader errors and value checks are the full path's, and a process killed at
+each point of the finish leaves what 5.8 says, repaired by a survivor."""
+import re
+import signal
+
+import numpy as np
+import pytest
+
+import ucmcache
+from ucmcache import SlotCache, UcmError
+from ucmcache._verify import slot_fields, snapshot
+
+import workers
+from conftest import run_uuid
+
+K = [i.to_bytes(8, "little") * 2 for i in range(200)]
+TIMING = ("wait_ns", "load_sum_ns", "wait_sum_ns", "wait_seconds")
+
+
+def counters(c):
+    s = c.stats()
+    return {k: v for k, v in s.items() if isinstance(v, int) and k not in TIMING}
+
+
+def warm(c):
+    """The first miss of a rank takes its share of the arenas (UCM_MOVED: the full path's
+    decision); after it, cold keys take the C path."""
+    c.get_or_load(K[199], lambda: b"first")
+    return c
+
+
+def run_ops(c, kw):
+    """The same operations through either path: kw {} is the C path (a plain id, no timeout);
+    {"timeout": 30.0} sends every call to the full path (_get_or_load_full)."""
+    out = []
+    for k in K[:40]:                                   # cold: fill, then evict (16 slots)
+        out.append(c.get_or_load(k, lambda k=k: k * 4, **kw))
+    for k in K[30:40]:                                 # hits
+        out.append(c.get_or_load(k, lambda: b"never", **kw))
+    for bad, err in [(lambda: 1 / 0, ZeroDivisionError), (lambda: "text", TypeError),
+                     (lambda: b"x" * 65, ValueError),
+                     (lambda: np.zeros((4, 4))[:, 0], ValueError)]:
+        with pytest.raises(err):
+            c.get_or_load(K[100 + len(out)], bad, **kw)
+        out.append(err.__name__)
+    out.append(c.get_or_load(K[150], lambda: bytearray(b"ba"), **kw))
+    out.append(c.get_or_load(K[151], lambda: np.arange(4, dtype=np.uint8), **kw))
+    out.append(c.get_or_load(K[152], lambda: memoryview(b"mv"), **kw))
+    out.append(c.get_or_load(K[153], lambda: b"", **kw))
+    out.append(c.get_or_load(K[153], lambda: b"never", **kw))
+    return out
+
+
+def test_the_c_path_counts_what_the_full_path_counts(uuid):
+    full_uuid = run_uuid()
+    a = SlotCache.create(uuid, slots_per_rank=16, slot_size=64, max_ranks=1)
+    b = SlotCache.create(full_uuid, slots_per_rank=16, slot_size=64, max_ranks=1)
+    try:
+        assert run_ops(a, {}) == run_ops(b, {"timeout": 30.0})
+        ca, cb = counters(a), counters(b)
+        assert ca == cb
+        assert ca["loads_started"] == 48 and ca["evictions"] > 0 and ca["loads_failed"] == 4
+        assert ca["load_count"] == 48  # every owner's load observed once, Ready or Failed
+        assert a.entry_count() == b.entry_count() and a.size_bytes() == b.size_bytes()
+        assert ucmcache.verify(a.uuid).ok
+    finally:
+        a.close()
+        b.close()
+        SlotCache.unlink(full_uuid)
+
+
+def test_a_cold_get_or_load_makes_no_handle_and_runs_no_full_path(make_cache, monkeypatch):
+    c = make_cache(slots_per_rank=8, slot_size=64, max_ranks=1)
+    warm(c)
+    made = []
+    orig = ucmcache.Handle.__new__
+    monkeypatch.setattr(ucmcache.Handle, "__new__",
+                        staticmethod(lambda cls, *a: made.append(1) or orig(cls)))
+    for name in ("_get_or_load_missed", "_get_or_load_cold", "_get_or_load_full", "_pin_handle"):
+        monkeypatch.setattr(SlotCache, name, lambda *a, **k: pytest.fail("the full path ran"))
+    for k in K[:20]:                                   # 8 slots: evicts
+        assert c.get_or_load(k, lambda k=k: k) == k
+    assert made == []
+    assert c.get_or_load(K[19], lambda: b"never") == K[19]
+
+
+def test_a_failed_cold_load_reaches_a_waiter_in_another_process(make_cache, procs, gate):
+    c = make_cache(slots_per_rank=8, slot_size=64, max_ranks=2)
+    warm(c)
+    joined = gate()
+    key = K[7]
+
+    def loader():
+        p, q = procs.start(workers.wait_for_load, c.uuid, key, joined.path, 30)
+        joined.wait_value(1)                           # it holds a handle on our Loading slot
+        loader.q = q
+        raise RuntimeError("boom")
+    with pytest.raises(RuntimeError, match="^boom$"):
+        c.get_or_load(key, loader)
+    assert procs.result(loader.q) == ("failed", "RuntimeError: boom")
+    assert c.get_or_load(key, lambda: b"again") == b"again"  # no negative caching
+    # the waiter waited once, or found it Failed already (it says "joined" before its wait)
+    assert c.stats()["loads_failed"] == 1 and c.stats()["waits"] in (0, 1)
+
+
+def test_a_loader_asking_for_its_own_key_is_refused(make_cache):
+    c = make_cache(slots_per_rank=8, slot_size=64, max_ranks=1)
+    warm(c)
+    seen = []
+
+    def loader():
+        with pytest.raises(UcmError, match="loading this key itself"):
+            c.get_or_load(K[1], lambda: b"inner")
+        seen.append(1)
+        return b"outer"
+    assert c.get_or_load(K[1], loader) == b"outer" and seen == [1]
+    assert c.get_or_load(K[1], lambda: b"never") == b"outer"
+
+
+def test_close_refuses_while_a_cold_loader_runs(make_cache):
+    c = make_cache(slots_per_rank=8, slot_size=64, max_ranks=1)
+    warm(c)
+
+    def loader():
+        assert c._loads_out == 1
+        with pytest.raises(UcmError, match=re.escape("1 handle(s) or batch(es) are still open")):
+            c.close()
+        return b"v"
+    assert c.get_or_load(K[2], loader) == b"v"
+    assert c._loads_out == 0 and c._open_handles == 0
+    c.close()
+
+
+def test_a_forked_loader_child_touches_nothing_of_the_parent(make_cache):
+    import os
+    c = make_cache(slots_per_rank=8, slot_size=64, max_ranks=1)
+    warm(c)
+    r, w = os.pipe()
+
+    def loader():
+        pid = os.fork()
+        if pid == 0:  # the child returns into the C frame, whose context is not its own
+            code = 0
+            try:
+                c.get_or_load(K[4], lambda: b"child")  # (a new call: NotAttached too)
+                code = 3
+            except ucmcache.NotAttached:
+                code = 1
+            os.write(w, bytes([code]))
+            os._exit(0)
+        os.waitpid(pid, 0)
+        return b"parent"
+    assert c.get_or_load(K[3], loader) == b"parent"
+    assert os.read(r, 1) == b"\x01"
+    os.close(r)
+    os.close(w)
+    assert c.get_or_load(K[3], lambda: b"never") == b"parent"
+    f = slot_fields(snapshot(c._seg)["metas"])
+    assert int((f["reference"] != 0).sum()) == 0
+
+
+def test_a_child_forked_inside_the_loader_raises_not_attached_there(make_cache):
+    import os
+    c = make_cache(slots_per_rank=8, slot_size=64, max_ranks=1)
+    warm(c)
+    r, w = os.pipe()
+    pid = -1
+
+    def loader():
+        nonlocal pid
+        pid = os.fork()
+        return b"v"
+    try:
+        v = c.get_or_load(K[5], loader)
+    except ucmcache.NotAttached:
+        os.write(w, b"N")  # the child: its copy of the load went nowhere
+        os._exit(0)
+    except BaseException:
+        if pid == 0:
+            os.write(w, b"E")
+            os._exit(0)
+        raise
+    if pid == 0:
+        os.write(w, b"V")
+        os._exit(0)
+    os.waitpid(pid, 0)
+    assert v == b"v" and os.read(r, 1) == b"N"
+    os.close(r)
+    os.close(w)
+    assert c.get_or_load(K[5], lambda: b"never") == b"v"
+
+
+# The finish's crash windows (DESIGN 5.8): a waiter in a third process holds a handle on the
+# Loading slot while the owner dies at the point; a survivor's recovery leaves the words whole.
+@pytest.mark.parametrize("point,waiter_gets", [
+    ("load_copied", "failed"), ("counted_not_ready", "failed"), ("before_ready", "failed"),
+    ("load_published", "ready"), ("after_ready", "ready")])
+def test_an_owner_killed_inside_the_finish_is_recovered(make_cache, procs, gate, point,
+                                                        waiter_gets):
+    c = make_cache(slots_per_rank=4, slot_size=64, max_ranks=3)
+    key = K[9]
+    g, joined = gate(), gate()
+    p, q = procs.start(workers.cold_load_at, c.uuid, key, g.path, point, "kill")
+    g.wait_arrived()                                   # the owner is inside its loader
+    w, wq = procs.start(workers.wait_for_load, c.uuid, key, joined.path, 30)
+    joined.wait_value(1)                               # the waiter holds a handle on it
+    g.release()
+    p.join(30)
+    assert p.exitcode == -signal.SIGKILL, f"the owner was not killed at {point}"
+    state, value = procs.result(wq)
+    assert state == waiter_gets, (state, value)
+    if state == "ready":
+        assert workers.check_payload(key, value)
+    c.recover()
+    rep = ucmcache.verify(c.uuid)
+    assert rep.ok, rep
+    f = slot_fields(snapshot(c._seg)["metas"])
+    assert int((f["reference"] != 0).sum()) == 0, "a pin or claim survived recovery"
+    present = c.exist([key])[0]
+    assert present == (waiter_gets == "ready")
+    assert c.entry_count() == 1 + present             # the owner's own_first entry, and key's
+
+
+@pytest.mark.parametrize("point", ["load_copied", "load_published"])
+def test_an_owner_held_inside_the_finish_is_waited_for_then_seen(make_cache, procs, gate, point):
+    c = make_cache(slots_per_rank=4, slot_size=64, max_ranks=3)
+    key = K[11]
+    g = gate()
+    p, q = procs.start(workers.cold_load_at, c.uuid, key, g.path, point, "gate")
+    g.wait_value(1)                                    # inside the loader
+    g.release()                                        # (value 2) on to the point
+    g.wait_value(3)                                    # held at the point
+    published = point == "load_published"
+    assert c.exist([key]) == [published]               # copied, not yet published: invisible
+    assert c.entry_count() == 1 + published            # counted only once published
+    g.release()
+    assert workers.check_payload(key, procs.result(q))
+    assert c.get_or_load(key, lambda: b"never") == workers.payload_for(key, 64)
+    assert c.stats()["loads_ready"] == 2
+
+
+# ---------------------------------------------------------------- get()'s owner path in C
+
+def run_owner_ops(c, kw):
+    """get()'s owner path and put() through either path (kw as run_ops')."""
+    out = []
+    for k in K[:30]:                                   # cold owners, evicting
+        with c.get(k, **kw) as h:
+            out.append((h.owner, h.state))
+            h.data[:16] = k
+            h.ready(16)
+            out.append((h.state, bytes(h.data)))
+    for k in K[25:30]:                                 # hits
+        with c.get(k, **kw) as h:
+            out.append((h.owner, bytes(h.data)))
+    with c.get(K[60], **kw) as h:                      # closed without ready(): Failed
+        out.append(h.owner)
+    with pytest.raises(KeyError):
+        with c.get(K[61], **kw) as h:                  # the with-block raised: Failed
+            raise KeyError("gone")
+    with c.get(K[62], **kw) as h:
+        h.fail("no")
+    with c.get(K[63], **kw) as h:
+        h.ready()                                      # the whole slot
+        with pytest.raises(UcmError, match="already published"):
+            h.ready(1)
+    for bad, err in [(-1, ValueError), (65, ValueError), (True, TypeError), (1.0, TypeError)]:
+        with c.get(K[64], **kw) as h:
+            with pytest.raises(err):
+                h.ready(bad)
+    with c.get(K[65], **kw) as h:                      # a keyword
+        h.data[:1] = b"k"
+        h.ready(nbytes=1)
+        out.append(bytes(h.data))
+    out.append(c.put(K[70], b"put", **kw))
+    out.append(c.put(K[70], b"again", **kw))
+    out.append(c.get_or_load(K[70], lambda: b"never"))
+    return out
+
+
+def test_gets_owner_path_counts_what_the_full_path_counts(uuid):
+    full_uuid = run_uuid()
+    a = warm(SlotCache.create(uuid, slots_per_rank=16, slot_size=64, max_ranks=1))
+    b = warm(SlotCache.create(full_uuid, slots_per_rank=16, slot_size=64, max_ranks=1))
+    try:
+        assert run_owner_ops(a, {}) == run_owner_ops(b, {"timeout": 30.0})
+        ca, cb = counters(a), counters(b)
+        assert ca == cb
+        assert ca["loads_failed"] == 7 and ca["load_count"] == ca["loads_started"] - 6  # (abandons: unobserved)
+        assert a.entry_count() == b.entry_count() and a.size_bytes() == b.size_bytes()
+        assert a._open_handles == 0 and ucmcache.verify(a.uuid).ok
+    finally:
+        a.close()
+        b.close()
+        SlotCache.unlink(full_uuid)
+
+
+def test_an_owner_handle_made_in_c_publishes_in_c(make_cache, monkeypatch):
+    c = warm(make_cache(slots_per_rank=8, slot_size=64, max_ranks=1))
+    for name in ("_get_missed", "_pin_handle", "_get_full"):
+        monkeypatch.setattr(SlotCache, name, lambda *a, **k: pytest.fail("the full path ran"))
+    monkeypatch.setattr(ucmcache.Handle, "_ready_full", lambda *a: pytest.fail("Python ready"))
+    monkeypatch.setattr(ucmcache.Handle, "_after_drop", lambda *a: pytest.fail("Python close"))
+    with c.get(K[3]) as h:
+        assert h.owner and h._token is None
+        arr = np.frombuffer(h.data, dtype=np.uint8)    # an export of the writable view
+        arr[:4] = 7
+        h.ready(4)
+        assert bytes(h.data) == b"\x07" * 4
+    assert arr[0] == 7                                 # the array keeps its own pin, and bytes
+    del arr
+    assert c.get_or_load(K[3], lambda: b"never") == b"\x07" * 4
+
+
+def test_an_owner_handle_made_in_c_and_dropped_fails_its_load(make_cache, procs, gate):
+    import gc
+    c = warm(make_cache(slots_per_rank=8, slot_size=64, max_ranks=2))
+    joined = gate()
+    h = c.get(K[5])
+    assert h.owner
+    p, q = procs.start(workers.wait_for_load, c.uuid, K[5], joined.path, 30)
+    joined.wait_value(1)
+    del h
+    gc.collect()
+    assert procs.result(q) == ("failed", "the owner closed its handle without calling ready()")
+    assert c._open_handles == 0
+
+
+# ---------------------------------------------------------------- the wait in C
+
+def test_a_readers_wait_is_one_c_step_and_counts_as_the_full_paths(make_cache, monkeypatch):
+    import threading
+    c = warm(make_cache(slots_per_rank=8, slot_size=64, max_ranks=1))
+    monkeypatch.setattr(ucmcache.Handle, "_wait_full", lambda *a: pytest.fail("Python wait"))
+    owner = c.get(K[20])
+    assert owner.owner
+    got, joined = [], threading.Event()
+
+    def reader():
+        with c.get(K[20]) as h:                       # a join (the full path makes it)
+            assert not h.owner
+            joined.set()
+            got.append(bytes(h.wait(30.0).data))
+    t = threading.Thread(target=reader)
+    t.start()
+    assert joined.wait(30)
+    owner.data[:2] = b"ok"
+    owner.ready(2)
+    owner.close()
+    t.join(30)
+    assert got == [b"ok"]
+    st = c.stats()
+    assert st["waits"] in (0, 1) and st["wait_count"] == st["waits"]
+
+
+def test_a_c_wait_past_its_deadline_raises_as_the_full_path(make_cache):
+    c = warm(make_cache(slots_per_rank=8, slot_size=64, max_ranks=1))
+    import threading
+    owner = c.get(K[21])
+    errs = []
+
+    def reader():
+        with c.get(K[21]) as h:
+            for t in (0.01, 0):                        # a float and an int deadline
+                try:
+                    h.wait(timeout=t) if t == 0 else h.wait(t)
+                except TimeoutError as e:
+                    errs.append(str(e))
+    t = threading.Thread(target=reader)
+    t.start()
+    t.join(30)
+    owner.close()
+    assert errs == [f"key still loading after {t} s (the load goes on; get() again to wait "
+                    "more)" for t in (0.01, 0.0)]
+    st = c.stats()
+    assert st["waits"] == st["wait_timeouts"] == st["wait_count"] == 2
+    with c.get(K[21]) as h:                            # the owner closed unpublished: Failed
+        assert h.owner                                 # (no negative caching)
+    with pytest.raises(ValueError, match="timeout must be None or a number"):
+        with c.get(K[22]) as h:
+            c.get(K[22]).wait(-1)
