@@ -295,9 +295,10 @@ static int64_t now_ns(void)
     return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
 }
 
-static int futex_wait_word(uint32_t *w, uint32_t expected, int64_t timeout_ns)
+static int futex_wait_intr(uint32_t *w, uint32_t expected, int64_t timeout_ns)
 {
-    /* timeout_ns < 0: no timeout.  Returns 0 (woken or value changed), UCM_TIMEOUT. */
+    /* timeout_ns < 0: no timeout.  Returns 0 (woken or value changed), UCM_TIMEOUT, or
+     * UCM_SLICE (a signal interrupted the sleep: its handler, if Python's, wants to run). */
     struct timespec ts, *tsp = NULL;
     if (timeout_ns >= 0) {
         ts.tv_sec = timeout_ns / 1000000000LL;
@@ -307,7 +308,15 @@ static int futex_wait_word(uint32_t *w, uint32_t expected, int64_t timeout_ns)
     /* Shared (not FUTEX_PRIVATE) futex: waiters and wakers are in different processes. */
     long r = syscall(SYS_futex, w, FUTEX_WAIT, expected, tsp, NULL, 0);
     if (r == -1 && errno == ETIMEDOUT) return UCM_TIMEOUT;
+    if (r == -1 && errno == EINTR) return UCM_SLICE;
     return UCM_OK;
+}
+
+static int futex_wait_word(uint32_t *w, uint32_t expected, int64_t timeout_ns)
+{
+    /* As futex_wait_intr, a signal taken as a wake-up (the callers look at the word again). */
+    int r = futex_wait_intr(w, expected, timeout_ns);
+    return r == UCM_SLICE ? UCM_OK : r;
 }
 
 static void futex_wake_word(uint32_t *w, int32_t n)
@@ -2099,10 +2108,12 @@ out:
     return r;
 }
 
-int ucm_wait_loaded(ucm_ctx *c, uint32_t s, int64_t timeout_ns, uint32_t *state_out)
+static int wait_loaded(ucm_ctx *c, uint32_t s, int64_t timeout_ns, int stop_on_signal,
+                       uint32_t *state_out)
 {
     /* Block on the state word until it leaves Loading.  The WAITERS bit is set before sleeping
-     * so that publish, which swaps the whole word, knows a wake is needed. */
+     * so that publish, which swaps the whole word, knows a wake is needed.  stop_on_signal: a
+     * sleep a signal interrupts answers UCM_SLICE (still Loading) instead of sleeping again. */
     if (s >= c->l.n_slots) return UCM_CORRUPT;
     int64_t deadline = timeout_ns >= 0 ? now_ns() + timeout_ns : -1;
     uint32_t *w = state_w(c, s);
@@ -2126,21 +2137,20 @@ int ucm_wait_loaded(ucm_ctx *c, uint32_t s, int64_t timeout_ns, uint32_t *state_
                 return UCM_TIMEOUT;
             }
         }
-        futex_wait_word(w, v, left);
+        if (futex_wait_intr(w, v, left) == UCM_SLICE && stop_on_signal) {
+            /* Acquire: as above; the load may have ended while the handler's signal came. */
+            v = ACQ(w);
+            *state_out = v & UCM_STATE_MASK;
+            return (v & UCM_STATE_MASK) != UCM_LOADING ? UCM_OK : UCM_SLICE;
+        }
     }
 }
 
-/* A joined caller's whole wait, one call with no Python in it (DESIGN 4.5): the futex wait in
- * slices of slice_ns, and after each slice that ends with the slot still Loading, the loader's
- * life lock looked at (its OFD lock on lock_fd, byte life_byte0 + rank: free means the loader
- * died) and the deadline (deadline_ns on ucm_now_ns's clock, < 0: none).  Answers: UCM_OK with
- * the final state (Ready or Failed; Empty once a recovery reclaimed it); UCM_TIMEOUT (still
- * Loading at the deadline); UCM_OWNERDEAD (the loader's life lock is free, or could not be
- * read: the caller recovers, or finds it alive, and calls again; the state then answers at
- * once); UCM_CORRUPT.  Counted when t0_ns >= 0 (the wait's start, on the same clock) and the
- * answer is final (OK, TIMEOUT): its time into wait_ns and the wait histogram, and a timeout;
- * the caller counts the wait itself (`waits`) when it begins, so a wait that recovers its
- * loader and calls again is still one wait. */
+int ucm_wait_loaded(ucm_ctx *c, uint32_t s, int64_t timeout_ns, uint32_t *state_out)
+{
+    return wait_loaded(c, s, timeout_ns, 0, state_out);
+}
+
 /* ready() of an owner's Handle whose pin its token holds (ucmcache/_hit's get of a cold key):
  * ucm_publish (Ready or Failed, counted) and the load time observed in one call; the token
  * stays armed (the handle stays open, a reader of its entry) but no longer owns a load, so its
@@ -2157,26 +2167,44 @@ int ucm_token_publish(ucm_token *t, uint32_t state, uint32_t n, int64_t t0_ns)
     return r;
 }
 
+/* A joined caller's wait, one slice per call with no Python in it (DESIGN 4.5): the futex
+ * wait for at most slice_ns (or to the deadline: deadline_ns on ucm_now_ns's clock, < 0:
+ * none); a slice that ends with the slot still Loading looks at the loader's life lock (its
+ * OFD lock on lock_fd, byte life_byte0 + rank: free means the loader died).  Answers: UCM_OK
+ * with the final state (Ready or Failed; Empty once a recovery reclaimed it); UCM_TIMEOUT
+ * (still Loading at the deadline); UCM_SLICE (still Loading, the loader alive, at the slice's
+ * end or when a signal interrupted the sleep: the caller runs its signal handlers, with the
+ * GIL, and calls again with the same t0_ns and deadline, so a thread waiting with no deadline
+ * can still be interrupted); UCM_OWNERDEAD (the loader's life lock is free, or could not be
+ * read: the caller recovers, or finds it alive, and calls again; the state then answers at
+ * once); UCM_CORRUPT.  Counted when t0_ns >= 0 (the wait's start, on the same clock) and the
+ * answer is final (OK, TIMEOUT): its time into wait_ns and the wait histogram, and a timeout;
+ * SLICE and OWNERDEAD are not.  The caller counts the wait itself (`waits`) when it begins, so
+ * a wait of many calls is still one wait, and counts its time (wait_ns, the histogram) itself
+ * when it ends on no final answer (an exception of its own: a handler's, a recovery's). */
 int ucm_wait_ready(ucm_ctx *c, uint32_t s, int64_t deadline_ns, int64_t slice_ns,
                    int lock_fd, uint64_t life_byte0, int64_t t0_ns, uint32_t *state_out)
 {
     if (s >= c->l.n_slots || slice_ns <= 0) return UCM_CORRUPT;
-    int r;
-    for (;;) {
-        int64_t now = now_ns(), wait = slice_ns;
-        if (deadline_ns >= 0 && deadline_ns - now < wait) wait = deadline_ns - now;
-        r = ucm_wait_loaded(c, s, wait > 0 ? wait : 0, state_out);
-        if (r != UCM_TIMEOUT) break; /* OK: left Loading */
+    int64_t now = now_ns(), wait = slice_ns;
+    if (deadline_ns >= 0 && deadline_ns - now < wait) wait = deadline_ns - now;
+    int r = wait_loaded(c, s, wait > 0 ? wait : 0, 1, state_out);
+    if (r == UCM_CORRUPT) return r;
+    if (r != UCM_OK) { /* TIMEOUT (the slice ended) or SLICE (a signal), still Loading */
         if (deadline_ns >= 0 && now_ns() >= deadline_ns) {
+            r = UCM_TIMEOUT;
             if (t0_ns >= 0) STAT(c, UCM_ST_WAIT_TIMEOUTS, 1);
-            break;
+            goto counted;
         }
+        if (r == UCM_SLICE) return UCM_SLICE; /* uncounted: the caller calls again */
         uint32_t loader = ucm_slot_loader(c, s);
         if (loader != (uint32_t)c->rank && loader < c->l.max_ranks && lock_fd >= 0
             && ucm_ofd_held_by_other(lock_fd, life_byte0 + loader) != 1)
             return UCM_OWNERDEAD; /* uncounted: the caller calls again */
+        return UCM_SLICE; /* uncounted: the caller runs its signal handlers and calls again */
     }
-    if (t0_ns >= 0 && r != UCM_CORRUPT) {
+counted:
+    if (t0_ns >= 0) {
         uint64_t waited = (uint64_t)(now_ns() - t0_ns);
         STAT(c, UCM_ST_WAIT_NS, waited);
         ucm_observe(c, UCM_HIST_WAIT, waited);

@@ -171,7 +171,9 @@
     RESULT(NOT_HELD,     8) \
     RESULT(PUBLISHED,    9)  /* publish: the slot left Loading already */ \
     RESULT(MOVED,        10) /* the slow path: the arena epoch moved since we last looked */ \
-    RESULT(IN_FLIGHT,    11) /* delete: the key is being loaded (Loading): not deleted */
+    RESULT(IN_FLIGHT,    11) /* delete: the key is being loaded (Loading): not deleted */ \
+    RESULT(SLICE,        12) /* wait_ready: a slice ended, or a signal came, still Loading: the
+                                caller runs its signal handlers and calls again */
 #define UCM_RESULT_ENUM_(name, value) UCM_##name = value,
 enum { UCM_RESULT_TABLE(UCM_RESULT_ENUM_) };
 

@@ -49,6 +49,7 @@ static struct {
     __typeof__(ucm_wait_ready) *wait_ready;
     __typeof__(ucm_slot_state) *slot_state;
     __typeof__(ucm_stat_add) *stat_add;
+    __typeof__(ucm_observe) *observe;
 } core;
 static int bound;
 /* No spinning here: a claimed slot answers BUSY at once and the full path (which spins with
@@ -1641,12 +1642,25 @@ static PyObject *handle_wait(HandleBase *h, PyObject *const *args, Py_ssize_t na
             }
             return NULL;
         }
+        if (r == UCM_SLICE) { /* a slice's end or a signal: the handlers run here */
+            if (PyErr_CheckSignals() < 0) goto raised;
+            continue;
+        }
         if (r != UCM_OWNERDEAD) goto full;
         PyObject *x = PyObject_CallMethod((PyObject *)c, "_recover_loader", "kL", slot,
                                           (long long)deadline);
-        if (!x) return NULL;
+        if (!x) goto raised;
         Py_DECREF(x);
     }
+raised:
+    /* The wait ends on our own exception, with no final answer of the step: its time counted
+     * here, once (c->ctx: a handler may have closed the cache, whose counters went with it). */
+    if (c->ctx == ctx) {
+        uint64_t waited = (uint64_t)(core.now_ns() - t0);
+        core.stat_add(ctx, UCM_ST_WAIT_NS, waited);
+        core.observe(ctx, UCM_HIST_WAIT, waited);
+    }
+    return NULL;
 full:
     return forward((PyObject *)h, s_wait_full, args, nargs, NULL);
 }
@@ -2460,6 +2474,7 @@ static PyObject *mod_bind_loads(PyObject *m, PyObject *args, PyObject *kw)
 #define STEP(f) if (bind_step(steps, "ucm_" #f, (void **)&core.f) < 0) return NULL
     STEP(get_slow); STEP(load_finish); STEP(token_drop); STEP(now_ns); STEP(token_publish);
     STEP(token_release); STEP(wait_ready); STEP(slot_state); STEP(stat_add);
+    STEP(observe);
 #undef STEP
     Py_XSETREF(owning, Py_NewRef(ow));
     Py_XSETREF(as_value_view, Py_NewRef(avv));

@@ -381,3 +381,66 @@ def test_a_c_wait_past_its_deadline_raises_as_the_full_path(make_cache):
     with pytest.raises(ValueError, match="timeout must be None or a number"):
         with c.get(K[22]) as h:
             c.get(K[22]).wait(-1)
+
+
+class Interrupted(Exception):
+    pass
+
+
+@pytest.mark.parametrize("how", ["get_or_load", "wait", "wait_full"])
+@pytest.mark.parametrize("send", ["sigint_to_process", "sigalrm_to_main_thread"])
+def test_a_signal_ends_a_wait_with_no_timeout_on_a_live_loader(make_cache, procs, gate, how,
+                                                                send):
+    """A wait with no deadline on a loader that lives (another process, held at a gate) ends
+    within about a slice when the main thread's signal handler raises: ucm_wait_ready answers
+    SLICE at each slice's end and on EINTR, and its callers (HandleBase.wait in C, _wait_ready)
+    run the handlers.  The waiter's pin goes with its handle; the load goes on."""
+    import os
+    import threading
+    import time
+    c = make_cache(slots_per_rank=8, slot_size=64, max_ranks=2)
+    warm(c)
+    key, g = K[3], gate()
+    p, q = procs.start(workers.load_held, c.uuid, key, None, g.path, b"loaded", None)
+    g.wait_arrived()                                   # the loader owns key's slot, and lives
+    waits0, main = c.stats()["waits"], threading.get_ident()
+    done, gave_up = threading.Event(), []
+
+    def sender():
+        deadline = time.monotonic() + 10
+        while c.stats()["waits"] == waits0 and time.monotonic() < deadline:
+            time.sleep(0.005)                          # until the main thread waits (bounded)
+        if send == "sigint_to_process":
+            os.kill(os.getpid(), signal.SIGINT)        # any thread may take it
+        else:
+            signal.pthread_kill(main, signal.SIGALRM)
+        if not done.wait(10):                          # not interrupted: end the wait, fail
+            gave_up.append(1)
+            g.release()
+
+    def on_alarm(signum, frame):
+        raise Interrupted()
+    old = signal.signal(signal.SIGALRM, on_alarm)
+    t = threading.Thread(target=sender)
+    t.start()
+    try:
+        with pytest.raises(KeyboardInterrupt if send == "sigint_to_process" else Interrupted):
+            if how == "get_or_load":
+                c.get_or_load(key, lambda: b"never")
+            else:
+                with c.get(key) as h:
+                    assert not h.owner
+                    h.wait() if how == "wait" else h.wait(timeout=None)
+    finally:
+        done.set()
+        t.join(15)
+        signal.signal(signal.SIGALRM, old)
+    assert gave_up == [] and c._open_handles == 0
+    assert c.stats()["waits"] == waits0 + 1
+    g.release()                                        # the load goes on and completes
+    assert procs.result(q) == "ready"
+    assert c.get_or_load(key, lambda: b"never") == b"loaded"
+    s = c.stats()
+    assert s["wait_count"] == s["waits"]               # the interrupted wait's time counted once
+    assert int((slot_fields(snapshot(c._seg)["metas"])["reference"] != 0).sum()) == 0
+    assert ucmcache.verify(c.uuid).ok

@@ -78,7 +78,8 @@ _live_caches: "weakref.WeakSet[SlotCache]" = weakref.WeakSet()
 _hit.bind_loads(steps={name: int(ffi.cast("uintptr_t", ffi.addressof(lib, name)))
                        for name in ("ucm_get_slow", "ucm_load_finish", "ucm_token_drop",
                                     "ucm_now_ns", "ucm_token_publish", "ucm_token_release",
-                                    "ucm_wait_ready", "ucm_slot_state", "ucm_stat_add")},
+                                    "ucm_wait_ready", "ucm_slot_state", "ucm_stat_add",
+                                    "ucm_observe")},
                 owning=_slots._owning, as_value_view=_slots.as_value_view,
                 hooks_armed=_hooks._armed, hooks_fire=_hooks.fire, slow_spin=SLOW_SPIN,
                 max_rollbacks=MAX_ROLLBACKS, stripe_wait=STRIPE_WAIT,

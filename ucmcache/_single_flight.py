@@ -139,29 +139,45 @@ class SingleFlight(CacheCore):
             return mv.tobytes()
 
     def _wait_ready(self, slot: int, timeout: Optional[float], counted: bool) -> int:
-        """_wait_loaded without a cancel flag: the whole wait is one C step (ucm_wait_ready:
-        futex slices, the loader's life lock, the deadline, the wait's counters), so nothing
-        but this frame's return runs between the wake-up and the caller.  The step answers
-        OWNERDEAD when the loader's life lock looks free: recovered here (it fails the load,
-        waking everyone), then the step again, which answers the new state at once."""
+        """_wait_loaded without a cancel flag: the wait is one C step per liveness slice
+        (ucm_wait_ready: the futex slice, the loader's life lock, the deadline, a final
+        answer's counters), so nothing but this frame's return runs between the wake-up and the
+        caller.  The step answers SLICE at each slice's end, or when a signal interrupted it,
+        with the loader alive: back here, so the interpreter runs the signal handlers (a
+        KeyboardInterrupt ends the wait), then the step again with the same start and deadline.
+        It answers OWNERDEAD when the loader's life lock looks free: recovered here (it fails
+        the load, waking everyone), then the step again, which answers the new state at once.
+        A wait that counted ``waits`` counts its time once: in C on a final answer (Ready,
+        Failed, the deadline), here when it ends on an exception of its own."""
         ctx = self._ctx
         state = ffi.new("uint32_t *")
         t0 = lib.ucm_now_ns()
         deadline = -1 if timeout is None else t0 + int(timeout * 1e9)
         if counted:
             lib.ucm_stat_add(ctx, lib.UCM_ST_WAITS, 1)
-        while True:
-            r = lib.ucm_wait_ready(ctx, slot, deadline, LIVENESS_NS, self._seg.lock_fd,
-                                   LIFE_LOCK_BYTE0, t0 if counted else -1, state)
-            if r == lib.UCM_OK:
-                return state[0]
-            if r == lib.UCM_TIMEOUT:
-                raise TimeoutError(f"key still loading after {timeout} s (the load goes on; "
-                                   "get() again to wait more)")
-            if r != lib.UCM_OWNERDEAD:
-                raise CorruptSegment(f"segment {self.uuid!r}: a wait found slot {slot} out of "
-                                     f"range ({code_name(r)})")
-            self._recover_loader(slot, deadline)
+        timed = not counted  # the wait's time is counted (or need not be)
+        try:
+            while True:
+                r = lib.ucm_wait_ready(ctx, slot, deadline, LIVENESS_NS, self._seg.lock_fd,
+                                       LIFE_LOCK_BYTE0, t0 if counted else -1, state)
+                if r == lib.UCM_OK:
+                    timed = True
+                    return state[0]
+                if r == lib.UCM_TIMEOUT:
+                    timed = True
+                    raise TimeoutError(f"key still loading after {timeout} s (the load goes "
+                                       "on; get() again to wait more)")
+                if r == lib.UCM_SLICE:
+                    continue  # the signal handlers run here, between two steps
+                if r != lib.UCM_OWNERDEAD:
+                    raise CorruptSegment(f"segment {self.uuid!r}: a wait found slot {slot} out "
+                                         f"of range ({code_name(r)})")
+                self._recover_loader(slot, deadline)
+        finally:
+            if not timed:  # ended by our own exception (a handler's, a recovery's, corruption)
+                waited = lib.ucm_now_ns() - t0
+                lib.ucm_stat_add(ctx, lib.UCM_ST_WAIT_NS, waited)
+                lib.ucm_observe(ctx, lib.UCM_HIST_WAIT, waited)
 
     def _recover_loader(self, slot: int, deadline: int) -> None:
         """ucm_wait_ready answered OWNERDEAD (the loader's life lock looked free): if the

@@ -613,7 +613,8 @@ static int wait_for(struct worker *w, uint32_t key, uint32_t slot)
             release_or_die(w->c, slot);
             return 0;
         }
-        if (r != UCM_TIMEOUT) die("ucm_wait_loaded answered %d", r);
+        /* SLICE: ucm_wait_ready's slice ended with the loader alive (no signals here). */
+        if (r != UCM_TIMEOUT && r != UCM_SLICE) die("ucm_wait_loaded answered %d", r);
         uint32_t loader = ucm_slot_loader(w->c, slot);
         if (loader < L.max_ranks && loader != w->rank) try_recover(w->c, (int32_t)w->rank);
         if (now_ns() > give_up) {
