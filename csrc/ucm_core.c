@@ -71,6 +71,9 @@ struct ucm_ctx {
     uint64_t stats_sink[UCM_ST_COUNT];
     uint64_t walk_limit;
     uint32_t *local_pins;    /* process-local: how many handles of this process share our pin */
+    uint8_t *local_done;     /* process-local, per slot: 1 once a thread of ours took the right
+                              * to finish the load our install began (take_finish), 0 from the
+                              * install's handover; changed under the local lock */
     uint32_t *arena_seen;    /* process-local, per arena: serial << 1 | verified (see "Arenas") */
     uint64_t epoch_seen;     /* the arena epoch our rank last looked at its share in */
     uint32_t local_locks[LOCAL_LOCKS]; /* process-local spinlocks, see local_lock() */
@@ -607,9 +610,11 @@ ucm_ctx *ucm_ctx_new(char *base, uint64_t map_size, const ucm_layout *l)
      * the lock a chain can never be longer than the number of slots. */
     c->walk_limit = l->n_slots + 1;
     c->local_pins = calloc(l->n_slots, sizeof(uint32_t));
+    c->local_done = calloc(l->n_slots, 1);
     c->arena_seen = calloc(l->n_arenas, sizeof(uint32_t));
-    if (!c->local_pins || !c->arena_seen) {
+    if (!c->local_pins || !c->local_done || !c->arena_seen) {
         free(c->local_pins);
+        free(c->local_done);
         free(c->arena_seen);
         free(c);
         return NULL;
@@ -618,6 +623,7 @@ ucm_ctx *ucm_ctx_new(char *base, uint64_t map_size, const ucm_layout *l)
     c->repair_seen = calloc((l->n_slots + 7) / 8, 1);
     if (!c->repair_seen) {
         free(c->local_pins);
+        free(c->local_done);
         free(c->arena_seen);
         free(c);
         return NULL;
@@ -636,6 +642,7 @@ static void ctx_put(ucm_ctx *c)
     pthread_mutex_destroy(&c->repair_lock);
     free(c->repair_seen);
     free(c->local_pins);
+    free(c->local_done);
     free(c->arena_seen);
     free(c);
 }
@@ -1885,6 +1892,7 @@ int ucm_install(ucm_ctx *c, uint32_t s, const char *id, uint64_t offset, uint32_
      * that acquires the reference sees every word written above. */
     local_lock(c, s);
     c->local_pins[s] = 1;
+    c->local_done[s] = 0; /* nobody has finished this load yet (take_finish) */
     SET_REL(ref_w(c, s), c->rank_bit);
     local_unlock(c, s);
     STAT(c, UCM_ST_MISSES, 1);
@@ -1892,17 +1900,36 @@ int ucm_install(ucm_ctx *c, uint32_t s, const char *id, uint64_t offset, uint32_
     return UCM_OK;
 }
 
-int ucm_publish(ucm_ctx *c, uint32_t s, uint32_t state, uint32_t length)
+/* The right to finish a load: an owner's publish (Ready or Failed, ucm_publish, ucm_fail_load,
+ * so ucm_token_publish and ucm_load_finish too) and the fail of an owner's drop (abandon_one)
+ * may run at once in two threads of the owner's process (h.ready() and h.close() on one
+ * handle); each checks "pinned and Loading" and then swaps the state, so without this the
+ * second could overwrite the first's answer (a Failed message published over a Ready value
+ * already counted: I4).  Whichever side finishes first sets the slot's process-local done byte
+ * (reset by the install's handover) under the local lock, so exactly one of them runs; the
+ * publish also takes one more local hold for its duration, so a drop that lost the right
+ * (it only unpins) cannot leave the slot unpinned, claimable, under the publish.  Answers
+ * UCM_OK (taken, with the hold: the caller drops it by unpin), UCM_NOT_HELD (we hold no pin),
+ * UCM_PUBLISHED (another thread of ours took it). */
+static int take_finish(ucm_ctx *c, uint32_t s, int hold)
 {
-    /* The owner, holding its pin on a Loading slot, makes it Ready (counted if its generation
-     * is still current) or Failed, and wakes waiters only if one said it sleeps. */
-    if (s >= c->l.n_slots || (state != UCM_READY && state != UCM_FAILED)) return UCM_CORRUPT;
     local_lock(c, s);
+    /* Relaxed: our own bit, set by this process (ordered by the local lock). */
     int held = (RLX(ref_w(c, s)) & c->rank_bit) && c->local_pins[s] != 0;
+    int r = !held ? UCM_NOT_HELD : c->local_done[s] ? UCM_PUBLISHED : UCM_OK;
+    if (r == UCM_OK) {
+        c->local_done[s] = 1;
+        if (hold) c->local_pins[s]++;
+    }
     local_unlock(c, s);
-    if (!held) return UCM_NOT_HELD;
+    return r;
+}
+
+/* The owner's publish once it holds the right (take_finish): Ready (counted if its generation
+ * is still current) or Failed, waking waiters only if one said it sleeps. */
+static int publish_taken(ucm_ctx *c, uint32_t s, uint32_t state, uint32_t length)
+{
     if ((RLX(state_w(c, s)) & UCM_STATE_MASK) != UCM_LOADING) return UCM_PUBLISHED;
-    if ((uint64_t)length > c->l.slot_size) return UCM_CORRUPT;
     SET_RLX(len_w(c, s), length);
     if (state == UCM_READY) {
         uint32_t g = RLX(gen_w(c, s));
@@ -1930,6 +1957,40 @@ int ucm_publish(ucm_ctx *c, uint32_t s, uint32_t state, uint32_t length)
     return UCM_OK;
 }
 
+int ucm_publish(ucm_ctx *c, uint32_t s, uint32_t state, uint32_t length)
+{
+    /* The owner, holding its pin on a Loading slot, makes it Ready or Failed, once: the right
+     * to finish first (take_finish), its extra hold dropped after. */
+    if (s >= c->l.n_slots || (state != UCM_READY && state != UCM_FAILED)
+        || (uint64_t)length > c->l.slot_size)
+        return UCM_CORRUPT;
+    int r = take_finish(c, s, 1);
+    if (r != UCM_OK) return r;
+    r = publish_taken(c, s, state, length);
+    unpin(c, s);
+    return r;
+}
+
+int ucm_fail_load(ucm_ctx *c, uint32_t s, const char *msg, uint32_t len)
+{
+    /* fail() of an owner's handle: the right to finish first, then the message copied into
+     * the slot (cut to the slot) and the Failed publish, so a ready() of another thread that
+     * took the right is never written over.  Answers as ucm_publish. */
+    if (s >= c->l.n_slots) return UCM_CORRUPT;
+    if ((uint64_t)len > c->l.slot_size) len = (uint32_t)c->l.slot_size;
+    int r = take_finish(c, s, 1);
+    if (r != UCM_OK) return r;
+    if ((RLX(state_w(c, s)) & UCM_STATE_MASK) != UCM_LOADING) {
+        r = UCM_PUBLISHED;
+    } else {
+        /* Plain stores: the slot is Loading and ours to finish; readers acquire the state. */
+        if (len) memcpy(slot_bytes(c, s), msg, len);
+        r = publish_taken(c, s, UCM_FAILED, len);
+    }
+    unpin(c, s);
+    return r;
+}
+
 /* A Loading slot becomes Failed with a message, waking its waiters.  Called by its owner (an
  * abandon) or by recovery, either way by whoever the slot's pin or loader rank makes
  * responsible for it.  COUNTED is cleared first: an owner that died inside publish after
@@ -1954,10 +2015,9 @@ static int abandon_one(ucm_ctx *c, uint32_t s, int owner, const char *msg, uint3
     if (s >= c->l.n_slots) return UCM_CORRUPT;
     if (!ctx_live(c)) return UCM_OK; /* closed, or a forked child's copy: not ours to touch */
     if (owner && c->rank >= 0) {
-        local_lock(c, s);
-        /* Relaxed: our own bit, set by this process (ordered by the local lock). */
-        int held = (RLX(ref_w(c, s)) & c->rank_bit) && c->local_pins[s] != 0;
-        local_unlock(c, s);
+        /* The right to finish (take_finish): a publish of another thread of ours that took it
+         * first finishes the load; this drop then only unpins. */
+        int held = take_finish(c, s, 0) == UCM_OK;
         /* Acquire: pairs with a publish's release exchange by another thread of ours.  The
          * loader word is relaxed: written by our own install before the handover that gave us
          * this pin (ordered by it). */
@@ -2069,8 +2129,8 @@ void ucm_batch_token_release(void *keep, uint32_t *slots, uint8_t *owner, ucm_to
  * message (Failed) is copied into the slot, published (counted: ucm_publish), its load time
  * observed (t0_ns: ucm_now_ns when the slot was ours), the pin dropped and the token
  * disarmed.  The steps in order, each prefix safe for a survivor (5.8):
- *   copy -> [load_copied] -> publish (COUNTED, [counted_not_ready], state exchange, wake) ->
- *   observe -> [load_published] -> unpin.
+ *   the right to finish (take_finish) -> copy -> [load_copied] -> publish (COUNTED,
+ *   [counted_not_ready], state exchange, wake) -> observe -> [load_published] -> unpin.
  * A kill before the exchange leaves a pinned Loading slot whose loader is dead: waiters
  * recover it (Failed, uncounted); after it, a pin bit on a published entry: recovery clears
  * it.  A context closed under the loader (its close's recovery failed the load and dropped the
@@ -2091,18 +2151,23 @@ int ucm_load_finish(ucm_token *t, uint32_t state, const char *src, uint64_t n, i
         abandon_one(c, s, (int)t->owner, NULL, 0); /* fails it unpublished, drops the pin */
         goto out;
     }
+    /* The right to finish first (take_finish, with one more hold), then the copy. */
+    r = take_finish(c, s, 1);
+    if (r != UCM_OK) { /* not held (closed under us), or finished already: only unpins */
+        abandon_one(c, s, (int)t->owner, NULL, 0);
+        goto out;
+    }
     /* Plain stores: the slot is Loading and ours (no reader reads its bytes before acquiring
      * the state our publish releases). */
     if (n) memcpy(slot_bytes(c, s), src, n);
     POINT(c, UCM_PT_LOAD_COPIED);
-    r = ucm_publish(c, s, state, (uint32_t)n);
+    r = publish_taken(c, s, state, (uint32_t)n);
     if (r == UCM_OK) {
         ucm_observe(c, UCM_HIST_LOAD, (uint64_t)(now_ns() - t0_ns));
         POINT(c, UCM_PT_LOAD_PUBLISHED);
-        unpin(c, s);
-    } else {
-        abandon_one(c, s, (int)t->owner, NULL, 0); /* not held or published already */
     }
+    unpin(c, s); /* take_finish's hold */
+    unpin(c, s); /* the token's pin (published, or left Loading by nobody: ours took the right) */
 out:
     ctx_put(c);
     return r;

@@ -434,6 +434,8 @@ int64_t ucm_get_slow(ucm_ctx *c, const char *id, uint64_t offset, uint32_t spin_
 int ucm_clock_claim(ucm_ctx *c, uint64_t max_scan, uint32_t *slot_out);
 int ucm_install(ucm_ctx *c, uint32_t slot, const char *id, uint64_t offset, uint32_t held_stripe);
 int ucm_publish(ucm_ctx *c, uint32_t slot, uint32_t state, uint32_t length);
+/* fail() of an owner: the right to finish, the message copied in (cut to the slot), Failed. */
+int ucm_fail_load(ucm_ctx *c, uint32_t slot, const char *msg, uint32_t len);
 int ucm_wait_loaded(ucm_ctx *c, uint32_t slot, int64_t timeout_ns, uint32_t *state_out);
 int ucm_wait_ready(ucm_ctx *c, uint32_t slot, int64_t deadline_ns, int64_t slice_ns,
                    int lock_fd, uint64_t life_byte0, int64_t t0_ns, uint32_t *state_out);

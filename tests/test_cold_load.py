@@ -444,3 +444,48 @@ def test_a_signal_ends_a_wait_with_no_timeout_on_a_live_loader(make_cache, procs
     assert s["wait_count"] == s["waits"]               # the interrupted wait's time counted once
     assert int((slot_fields(snapshot(c._seg)["metas"])["reference"] != 0).sum()) == 0
     assert ucmcache.verify(c.uuid).ok
+
+
+@pytest.mark.parametrize("made", ["c", "full"])
+@pytest.mark.parametrize("second", ["close", "fail"])
+def test_a_ready_and_a_close_of_one_handle_at_once_finish_the_load_once(make_cache, gate, made,
+                                                                          second):
+    """h.ready() in one thread held at counted_not_ready (COUNTED, the Ready exchange still to
+    come) and h.close() or h.fail() in another: the right to finish (take_finish) is the
+    ready's, so the close only unpins and the fail refuses; the slot ends Ready with the
+    owner's bytes, counted once (I4), unpinned."""
+    import threading
+    c = make_cache(slots_per_rank=8, slot_size=64, max_ranks=1)
+    warm(c)
+    g = gate()
+    h = c.get(K[1]) if made == "c" else c.get(K[1], timeout=30.0)
+    assert h.owner and (h._token is None) == (made == "c")   # C-made: its token is in C
+    h.data[:16] = b"V" * 16
+    c._arm("counted_not_ready", "gate", g)
+    errors = []
+
+    def ready():
+        try:
+            h.ready(16)
+        except BaseException as e:
+            errors.append(e)
+    t = threading.Thread(target=ready)
+    t.start()
+    try:
+        g.wait_arrived()
+        if second == "close":
+            h.close()
+        else:
+            with pytest.raises(UcmError, match=r"^fail\(\): the slot was already published$"):
+                h.fail("late")
+    finally:
+        c._arm("counted_not_ready", "none")
+        g.release()
+        t.join(30)
+    assert errors == []
+    h.close()
+    assert c.get_or_load(K[1], lambda: b"fresh") == b"V" * 16
+    s = c.stats()
+    assert (s["loads_ready"], s["loads_failed"]) == (2, 0) and c.entry_count() == 2
+    assert int((slot_fields(snapshot(c._seg)["metas"])["reference"] != 0).sum()) == 0
+    assert ucmcache.verify(c.uuid).ok

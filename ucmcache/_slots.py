@@ -178,13 +178,16 @@ def publish_failed(cache: "SlotCache", slot: int, owner: bool, message: str) -> 
     if lib.ucm_slot_state(cache._ctx, slot) != lib.UCM_LOADING:  # before the message lands
         raise UcmError("fail(): the slot was already published")
     raw = str(message).encode("utf-8", "replace")[: cache._layout.slot_size]
-    off = cache._layout.data(slot)
-    cache._seg.view[off:off + len(raw)] = raw
-    _publish(cache, slot, lib.UCM_FAILED, len(raw), "fail")
+    # One core step takes the right to finish the load before the message lands (a ready()
+    # of another thread that took it first is never written over: I4), then publishes Failed.
+    _check_answer(lib.ucm_fail_load(cache._ctx, slot, raw, len(raw)), "fail")
 
 
 def _publish(cache: "SlotCache", slot: int, state: int, nbytes: int, what: str) -> None:
-    r = lib.ucm_publish(cache._ctx, slot, state, nbytes)
+    _check_answer(lib.ucm_publish(cache._ctx, slot, state, nbytes), what)
+
+
+def _check_answer(r: int, what: str) -> None:
     if r != lib.UCM_OK:
         if r == lib.UCM_PUBLISHED:
             raise UcmError(f"{what}(): the slot was already published")
