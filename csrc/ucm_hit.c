@@ -758,8 +758,17 @@ static PyObject *own_load(CacheBase *c, ucm_ctx *ctx, ucm_token *tok, uint32_t s
         } else if ((view_o = PyObject_CallFunction(as_value_view, "OK", value,
                                                    (unsigned long long)(uint64_t)c->value_max)) &&
                    PyObject_GetBuffer(view_o, &view, PyBUF_SIMPLE) == 0) {
-            src = view.buf;
-            n = view.len;
+            /* A value that is not bytes may be writable (a bytearray, a numpy array) and
+             * rewritten by another thread: its immutable copy is made now, under the GIL, and
+             * is what the slot gets and what we return (the same bytes; two copies, as the
+             * full path makes). */
+            PyObject *b = PyBytes_FromStringAndSize(view.buf, view.len);
+            PyBuffer_Release(&view);
+            Py_SETREF(value, b);
+            if (b) {
+                src = PyBytes_AS_STRING(b);
+                n = PyBytes_GET_SIZE(b);
+            }
         }
     }
     if (src && fire_hook(s_before_ready) < 0) src = NULL;
@@ -770,9 +779,10 @@ static PyObject *own_load(CacheBase *c, ucm_ctx *ctx, ucm_token *tok, uint32_t s
         PyErr_NormalizeException(&et, &ev, &etb);
         PyObject *msg = et ? exit_message_of(et, ev ? ev : Py_None, &ft, &fv, &ftb)
                            : Py_NewRef(unpublished);
-        Py_XDECREF(ft);
-        Py_XDECREF(fv);
-        Py_XDECREF(ftb);
+        /* Out of the owned set before the finish, which may unpin with the GIL released: a
+         * thread sharing this set (asyncio.to_thread copies the context) could own the freed
+         * slot's next load meanwhile, and must keep its record (handle_drop does the same). */
+        if (owned && slot_o) owned_discard(owned, slot_o);
         if (msg) {
             WITHOUT_GIL(c, r = core.load_finish(tok, UCM_FAILED, PyBytes_AS_STRING(msg),
                                                 (uint64_t)PyBytes_GET_SIZE(msg), t0));
@@ -780,9 +790,22 @@ static PyObject *own_load(CacheBase *c, ucm_ctx *ctx, ucm_token *tok, uint32_t s
         } else {
             core.token_drop(tok, NULL, 0);
         }
-        PyErr_Restore(et, ev, etb);
+        if (ft) {
+            /* Naming the error raised (str(e) raised, or a signal handler's exception came
+             * meanwhile): that one goes up once the load is failed, the loader's error its
+             * context, as the full path's except raises it. */
+            PyErr_NormalizeException(&ft, &fv, &ftb);
+            if (fv && ev) PyException_SetContext(fv, Py_NewRef(ev));
+            Py_XDECREF(et);
+            Py_XDECREF(ev);
+            Py_XDECREF(etb);
+            PyErr_Restore(ft, fv, ftb);
+        } else {
+            PyErr_Restore(et, ev, etb);
+        }
         goto done;
     }
+    if (owned && slot_o) owned_discard(owned, slot_o); /* before the finish, as above */
     if (__builtin_expect(core.ctx_points_set(ctx), 0) || n > 65536)
         WITHOUT_GIL(c, r = core.load_finish(tok, UCM_READY, src, (uint64_t)n, t0));
     else
@@ -797,9 +820,8 @@ static PyObject *own_load(CacheBase *c, ucm_ctx *ctx, ucm_token *tok, uint32_t s
         goto done;
     }
     if (fire_hook(s_after_ready) < 0) goto done;
-    result = view_o ? PyBytes_FromStringAndSize(src, n) : Py_NewRef(value);
+    result = Py_NewRef(value); /* bytes: the loader's, or the copy the slot got */
 done:
-    if (owned && slot_o) owned_discard(owned, slot_o);
     if (view.obj) PyBuffer_Release(&view);
     Py_XDECREF(view_o);
     Py_XDECREF(value);

@@ -489,3 +489,96 @@ def test_a_ready_and_a_close_of_one_handle_at_once_finish_the_load_once(make_cac
     assert (s["loads_ready"], s["loads_failed"]) == (2, 0) and c.entry_count() == 2
     assert int((slot_fields(snapshot(c._seg)["metas"])["reference"] != 0).sum()) == 0
     assert ucmcache.verify(c.uuid).ok
+
+
+@pytest.mark.parametrize("kind", ["bytearray", "numpy"])
+@pytest.mark.parametrize("path", ["c", "full"])
+def test_a_writable_value_rewritten_during_the_finish_leaves_what_the_owner_returned(
+        make_cache, gate, kind, path):
+    """A loader's bytearray or numpy array rewritten by another thread while the finish runs
+    (held at load_copied in C, the GIL released; at before_ready on the full path): the value
+    the owner returns and the slot's bytes are one and the same (the immutable copy is made
+    first, under the GIL, and published from)."""
+    import threading
+    from ucmcache._hooks import arm_python
+    n = 4096
+    c = make_cache(slots_per_rank=8, slot_size=n, max_ranks=1)
+    warm(c)
+    g = gate()
+    buf = bytearray(b"A" * n) if kind == "bytearray" else np.full(n, ord("A"), dtype=np.uint8)
+    if path == "c":
+        c._arm("load_copied", "gate", g)
+    else:
+        arm_python("before_ready", "gate", g)
+    out = []
+    kw = {} if path == "c" else {"timeout": 30.0}
+    t = threading.Thread(target=lambda: out.append(c.get_or_load(K[4], lambda: buf, **kw)))
+    t.start()
+    try:
+        g.wait_arrived()
+        buf[:] = b"B" * n if kind == "bytearray" else ord("B")   # the other thread's rewrite
+    finally:
+        c._arm("load_copied", "none")
+        arm_python("before_ready", "none")
+        g.release()
+        t.join(30)
+    assert out == [b"A" * n]
+    with c.get(K[4]) as h:
+        assert bytes(h.data) == b"A" * n
+    assert ucmcache.verify(c.uuid).ok
+
+
+def test_a_cold_loads_slot_leaves_the_owned_set_before_the_finish(make_cache, gate):
+    """The owned-set record goes before ucm_load_finish, which may unpin with the GIL released
+    (at load_published the finish has published and not yet unpinned): a thread sharing the
+    set that owns the freed slot's next load keeps its record."""
+    import contextvars
+    import threading
+    from ucmcache import _slots
+    c = make_cache(slots_per_rank=8, slot_size=64, max_ranks=1)
+    warm(c)
+    g = gate()
+    seen = []
+
+    def loader():
+        seen.append(set(_slots._owning.get()[id(c)]))   # recorded while the loader runs
+        return b"v"
+    c._arm("load_published", "gate", g)
+    if _slots._owning.get(None) is None:
+        _slots._owning.set({})
+    records = _slots._owning.get()
+    ctx = contextvars.copy_context()                    # shares the owned set (its dict)
+    t = threading.Thread(target=lambda: ctx.run(c.get_or_load, K[6], loader))
+    t.start()
+    try:
+        g.wait_arrived()
+        owned = set(records.get(id(c), ()))
+    finally:
+        c._arm("load_published", "none")
+        g.release()
+        t.join(30)
+    assert len(seen) == 1 and len(seen[0]) == 1         # the loader's slot was recorded
+    assert owned == set()                               # and left before the finish
+    assert c.get_or_load(K[6], lambda: b"never") == b"v"
+
+
+class BadStr(Exception):
+    def __str__(self):
+        raise LookupError("str of the loader's error failed")
+
+
+@pytest.mark.parametrize("kw", [{}, {"timeout": 30.0}])
+def test_an_error_naming_the_loaders_error_is_raised_after_the_finish(make_cache, kw):
+    """str(e) of the loader's error raises: the C path raises that error (the loader's its
+    context) once the load is failed, as the full path's except does."""
+    c = make_cache(slots_per_rank=8, slot_size=64, max_ranks=1)
+    warm(c)
+
+    def loader():
+        raise BadStr()
+    with pytest.raises(LookupError, match="^str of the loader's error failed$") as ei:
+        c.get_or_load(K[8], loader, **kw)
+    assert isinstance(ei.value.__context__, BadStr)
+    assert c._open_handles == 0 and c.stats()["loads_failed"] == 1
+    assert c.get_or_load(K[8], lambda: b"again", **kw) == b"again"
+    assert ucmcache.verify(c.uuid).ok

@@ -91,13 +91,15 @@ class SingleFlight(CacheCore):
                 _hooks.fire("inside_loader")
             try:
                 value = loader()
-                mv = as_value_view(value, self._layout.slot_size)
+                # The immutable bytes first: a writable value (bytearray, numpy) another thread
+                # rewrites cannot make the slot differ from what we return.
+                data = as_value_view(value, self._layout.slot_size).tobytes()
             except BaseException as e:
                 h.fail(f"{type(e).__name__}: {e}")
                 raise
-            h.data[: mv.nbytes] = mv
-            h.ready(mv.nbytes)
-            return mv.tobytes()
+            h.data[: len(data)] = data
+            h.ready(len(data))
+            return data
 
     # aget_or_load(key, loader, *, timeout=None) -> bytes (a coroutine) is CacheBase's
     # (csrc/ucm_hit.c): a hit in C, a coroutine finished in its first step; anything else here.
@@ -130,13 +132,14 @@ class SingleFlight(CacheCore):
                 value = loader()
                 if inspect.isawaitable(value):
                     value = await value
-                mv = as_value_view(value, self._layout.slot_size)
+                # The immutable bytes first (a writable value may be rewritten meanwhile).
+                data = as_value_view(value, self._layout.slot_size).tobytes()
             except BaseException as e:  # CancelledError included: the load fails, waiters learn
                 h.fail(f"{type(e).__name__}: {e}")
                 raise
-            h.data[: mv.nbytes] = mv
-            h.ready(mv.nbytes)
-            return mv.tobytes()
+            h.data[: len(data)] = data
+            h.ready(len(data))
+            return data
 
     def _wait_ready(self, slot: int, timeout: Optional[float], counted: bool) -> int:
         """_wait_loaded without a cancel flag: the wait is one C step per liveness slice
