@@ -670,8 +670,10 @@ static PyObject *cache_hit_bytes(CacheBase *self, PyObject *key)
  * close in another thread, makes the finish touch nothing); close() refuses while a load
  * runs (CacheBase.loads_out, counted in _live_handles), as it refuses for an owner's handle.
  * What the full path decides stays there: any answer of the slow step but a pin (MOVED, FULL,
- * ROLLBACK, BUSY, TIMEOUT, CORRUPT) goes to _get_or_load_cold, which runs the same step in
- * SlotCache._pin_slow's loop; a join goes to _get_or_load_joined with a Handle of its pin. */
+ * ROLLBACK, BUSY, TIMEOUT, CORRUPT) goes to _get_or_load_cold with the step's start, and
+ * SlotCache._pin_slow takes it as its own first step (one deadline from that start, no step
+ * counted twice) before it runs the step again in its loop; a join goes to
+ * _get_or_load_joined with a Handle of its pin. */
 
 static PyObject *exit_message_of(PyObject *typ, PyObject *exc, PyObject **err_t,
                                  PyObject **err_v, PyObject **err_tb);
@@ -848,12 +850,13 @@ static PyObject *cold_handle(CacheBase *c, PyObject *key)
         Py_DECREF(h);
         return PyObject_CallMethodOneArg((PyObject *)c, s_get_missed, key);
     }
-    int64_t r;
+    int64_t r, since = core.now_ns();
     WITHOUT_GIL(c, r = core.get_slow(ctx, PyBytes_AS_STRING(key), 0, slow_spin, max_rollbacks,
                                      stripe_wait_ns, &h->ctok, NULL, NULL));
-    if (r < 0) { /* nothing armed: the full path decides */
+    if (r < 0) { /* nothing armed: the full path decides, this step its first (_pin_slow) */
         Py_DECREF(h);
-        return PyObject_CallMethodOneArg((PyObject *)c, s_get_missed, key);
+        return PyObject_CallMethod((PyObject *)c, "_get_missed", "OLL", key, (long long)-r,
+                                   (long long)since);
     }
     int ready = (r & UCM_PIN_READY) != 0, owner = !ready && (r & UCM_PIN_OWNER);
     /* Ints are not tracked by the collector: making them runs no Python code. */
@@ -895,12 +898,15 @@ static PyObject *cold_load(CacheBase *c, PyObject *const *args, Py_ssize_t nargs
 {
     ucm_ctx *ctx = c->ctx;
     ucm_token tok = {0};
-    int64_t r;
+    int64_t r, since;
     if (!ctx) return forward((PyObject *)c, s_get_or_load_full, args, nargs, kwnames);
+    since = core.now_ns();
     WITHOUT_GIL(c, r = core.get_slow(ctx, PyBytes_AS_STRING(args[0]), 0, slow_spin,
                                      max_rollbacks, stripe_wait_ns, &tok, NULL, NULL));
-    if (r < 0) /* the full path's decisions (its loop runs the same step again) */
-        return forward((PyObject *)c, s_get_or_load_cold, args, nargs, kwnames);
+    if (r < 0) /* the full path's decisions, this step its first (_pin_slow: one deadline,
+                * the same counters); timeout is None here (cache_get_or_load) */
+        return PyObject_CallMethod((PyObject *)c, "_get_or_load_cold", "OOLL", args[0], args[1],
+                                   (long long)-r, (long long)since);
     uint32_t slot = UCM_PIN_SLOT(r);
     /* READY first: a Ready answer's length overlaps the OWNER bit (UCM_PIN_* in the header). */
     if (!(r & UCM_PIN_READY) && (r & UCM_PIN_OWNER))

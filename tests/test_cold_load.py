@@ -582,3 +582,55 @@ def test_an_error_naming_the_loaders_error_is_raised_after_the_finish(make_cache
     assert c._open_handles == 0 and c.stats()["loads_failed"] == 1
     assert c.get_or_load(K[8], lambda: b"again", **kw) == b"again"
     assert ucmcache.verify(c.uuid).ok
+
+
+class CountingLib:
+    """ucmcache._cache's lib with its ucm_get_slow calls counted (the full path's steps)."""
+
+    def __init__(self, lib):
+        self._lib, self.slow_steps = lib, 0
+
+    def __getattr__(self, name):
+        return getattr(self._lib, name)
+
+    def ucm_get_slow(self, *args):
+        self.slow_steps += 1
+        return self._lib.ucm_get_slow(*args)
+
+
+@pytest.mark.parametrize("call", ["get_or_load", "get"])
+def test_a_held_stripe_times_out_once_after_the_c_step(make_cache, monkeypatch, call):
+    """The C slow step (cold_load, cold_handle) answering TIMEOUT hands its answer and start to
+    _pin_slow, which raises at once: one STRIPE_WAIT, not the C step's and then its own."""
+    import threading
+    import time
+    from ucmcache import _cache, LockTimeout
+    from ucmcache._core import lib
+    c = make_cache(slots_per_rank=8, slot_size=64, max_ranks=1)
+    warm(c)
+    monkeypatch.setattr(_cache, "STRIPE_WAIT", 0.3)
+    _cache._bind_loads()                               # the C step's budget too
+    counting = CountingLib(lib)
+    monkeypatch.setattr(_cache, "lib", counting)
+    stripe = lib.ucm_stripe_of(c._ctx, lib.ucm_bucket_of(c._ctx, K[9], 0))
+    out = []
+
+    def getter():
+        t0 = time.monotonic()
+        try:
+            c.get_or_load(K[9], lambda: b"v") if call == "get_or_load" else c.get(K[9])
+        except LockTimeout as e:
+            out.append((time.monotonic() - t0, str(e)))
+    try:
+        assert lib.ucm_stripe_lock(c._ctx, stripe, 10**9) == lib.UCM_OK  # held by this thread
+        t = threading.Thread(target=getter)
+        t.start()
+        t.join(30)
+    finally:
+        lib.ucm_stripe_unlock(c._ctx, stripe)
+        monkeypatch.undo()
+        _cache._bind_loads()
+    assert len(out) == 1 and re.search(r"stayed held for 0\.[34] s", out[0][1]), out
+    assert counting.slow_steps == 0                    # the C step was the only one
+    assert out[0][0] < 0.3 * 1.9                       # one wait, not two
+    assert c.get_or_load(K[9], lambda: b"v") == b"v"

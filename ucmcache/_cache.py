@@ -74,16 +74,21 @@ MIN_LOCK_WAIT = 0.05    # a get's timeout below this still waits this long for a
 _live_caches: "weakref.WeakSet[SlotCache]" = weakref.WeakSet()
 
 # The cold get_or_load in C (csrc/ucm_hit.c, cold_load): the slow step's budgets are these, the
-# owned-slot record, the value checks and the test hooks are the full path's.
-_hit.bind_loads(steps={name: int(ffi.cast("uintptr_t", ffi.addressof(lib, name)))
-                       for name in ("ucm_get_slow", "ucm_load_finish", "ucm_token_drop",
-                                    "ucm_now_ns", "ucm_token_publish", "ucm_token_release",
-                                    "ucm_wait_ready", "ucm_slot_state", "ucm_stat_add",
-                                    "ucm_observe")},
-                owning=_slots._owning, as_value_view=_slots.as_value_view,
-                hooks_armed=_hooks._armed, hooks_fire=_hooks.fire, slow_spin=SLOW_SPIN,
-                max_rollbacks=MAX_ROLLBACKS, stripe_wait=STRIPE_WAIT,
-                liveness_ns=_single_flight.LIVENESS_NS, life_byte0=LIFE_LOCK_BYTE0)
+# owned-slot record, the value checks and the test hooks are the full path's.  A function so a
+# test that changes a budget (STRIPE_WAIT) binds it again.
+def _bind_loads() -> None:
+    _hit.bind_loads(steps={name: int(ffi.cast("uintptr_t", ffi.addressof(lib, name)))
+                           for name in ("ucm_get_slow", "ucm_load_finish", "ucm_token_drop",
+                                        "ucm_now_ns", "ucm_token_publish", "ucm_token_release",
+                                        "ucm_wait_ready", "ucm_slot_state", "ucm_stat_add",
+                                        "ucm_observe")},
+                    owning=_slots._owning, as_value_view=_slots.as_value_view,
+                    hooks_armed=_hooks._armed, hooks_fire=_hooks.fire, slow_spin=SLOW_SPIN,
+                    max_rollbacks=MAX_ROLLBACKS, stripe_wait=STRIPE_WAIT,
+                    liveness_ns=_single_flight.LIVENESS_NS, life_byte0=LIFE_LOCK_BYTE0)
+
+
+_bind_loads()
 
 
 # A fork (DESIGN 5.6).  Views the child inherits must keep showing their key's bytes, so the
@@ -460,13 +465,15 @@ class SlotCache(CacheBase, SingleFlight, Batches, Prefetching, Mapping):
             block_id, offset = split_key(key)
         return self._pin_handle(block_id, offset, timeout, True)
 
-    def _get_missed(self, key: bytes) -> Handle:
+    def _get_missed(self, key: bytes, answer: int = 0, since_ns: int = -1) -> Handle:
         """get() of a plain id the C hit path looked for, missed and counted as a request:
-        the slow path at once (a look less for every cold key)."""
-        return self._pin_handle(key, 0, None, False)
+        the slow path at once (a look less for every cold key).  ``answer``: the C slow step
+        (cold_handle) ran already, started at ``since_ns`` (ucm_now_ns), and answered
+        -answer: _pin_slow takes it as its own first step (see there)."""
+        return self._pin_handle(key, 0, None, False, answer, since_ns)
 
     def _pin_handle(self, block_id: bytes, offset: int, timeout: Optional[float],
-                    look: bool) -> Handle:
+                    look: bool, answer: int = 0, since_ns: int = -1) -> Handle:
         """A Handle holding key's pin: looked up first (``look``), else the slow path at once."""
         # No window without an owner object (a signal handler may raise at any call): the
         # handle exists, inert, before the pin, and so does the call's ticket; the pin becomes
@@ -487,7 +494,8 @@ class SlotCache(CacheBase, SingleFlight, Batches, Prefetching, Mapping):
                 else -lib.UCM_MISS
             if r < 0:
                 token = ffi.gc(ffi.new("ucm_token *"), self._token_release)
-                r = self._pin_slow(block_id, offset, -r, timeout, token, ffi.NULL, ffi.NULL)
+                r = self._pin_slow(block_id, offset, -r, timeout, token, ffi.NULL, ffi.NULL,
+                                   answer, since_ns)
             # The pin's answer says what a reader needs (UCM_PIN_*): slot, and for a Ready
             # slot its length, so data needs no further C call.
             owner = (r & _PIN_OWNER_OR_READY) == _PIN_OWNER
@@ -519,7 +527,7 @@ class SlotCache(CacheBase, SingleFlight, Batches, Prefetching, Mapping):
         return h
 
     def _pin_slow(self, block_id: bytes, offset: int, code: int, timeout: Optional[float],
-                  token, slot_out, owner_out) -> int:
+                  token, slot_out, owner_out, answer: int = 0, since_ns: int = -1) -> int:
         """The slow path for one key (one C step: lock, look again, allocate); returns the
         pin's answer (UCM_PIN_*), the pin also handed inside the step to its owner object: the
         token, or slot_out/owner_out (a batch's arrays, covered by the batch's token).  What to
@@ -527,7 +535,11 @@ class SlotCache(CacheBase, SingleFlight, Batches, Prefetching, Mapping):
         a dead rank's pins may be what fills the cache, and a key's slot that stays claimed
         under its stripe has a dead claimant: both are recovered and the step is tried again.  Never
         CacheFull for a claim, never a spin with a stripe held, never a wait past the deadline
-        (``timeout``, or STRIPE_WAIT for the stripe and CLAIM_WAIT for a dead claim)."""
+        (``timeout``, or STRIPE_WAIT for the stripe and CLAIM_WAIT for a dead claim).
+        ``answer`` > 0: the C path (cold_load, cold_handle) ran this step already, from
+        ``since_ns`` (ucm_now_ns), and it answered -answer: that is our first step's answer and
+        our deadlines count from its start, so the waits, retries and counters are the full
+        path's, not one step more."""
         if code == lib.UCM_CORRUPT:
             raise CorruptSegment(f"segment {self.uuid!r}: a chain points outside the slot table")
         ctx = self._ctx
@@ -535,13 +547,18 @@ class SlotCache(CacheBase, SingleFlight, Batches, Prefetching, Mapping):
         rollback_rounds = grown = moved = 0
         tried_recovery = looked_again = False
         start = time.monotonic()
+        if answer and since_ns >= 0:  # the C step's start (monotonic clocks both)
+            start -= max(0, lib.ucm_now_ns() - since_ns) / 1e9
         stripe_deadline = start + (STRIPE_WAIT if timeout is None else max(timeout, MIN_LOCK_WAIT))
         claim_deadline = start + (CLAIM_WAIT if timeout is None else max(timeout, MIN_LOCK_WAIT))
         delay = 0.0005
         while True:
-            left = max(0.0, stripe_deadline - time.monotonic())
-            r = lib.ucm_get_slow(ctx, block_id, offset, SLOW_SPIN, MAX_ROLLBACKS,
-                                 max(1, int(left * 1e9)), token, slot_out, owner_out)
+            if answer:  # the C path's step was our first
+                r, answer = -answer, 0
+            else:
+                left = max(0.0, stripe_deadline - time.monotonic())
+                r = lib.ucm_get_slow(ctx, block_id, offset, SLOW_SPIN, MAX_ROLLBACKS,
+                                     max(1, int(left * 1e9)), token, slot_out, owner_out)
             if r >= 0:
                 return r
             code = -r

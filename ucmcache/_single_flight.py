@@ -62,13 +62,14 @@ class SingleFlight(CacheCore):
             return as_value_view(loader(), self._layout.slot_size).tobytes()
         return self._load_or_wait(h, loader, timeout)
 
-    def _get_or_load_cold(self, key: bytes, loader: Callable[[], Any], *,
-                          timeout: None = None) -> bytes:
+    def _get_or_load_cold(self, key: bytes, loader: Callable[[], Any], answer: int = 0,
+                          since_ns: int = -1, *, timeout: None = None) -> bytes:
         """get_or_load() of a plain id the C path looked for, missed and counted as a request:
         the slow path at once (no second look), where the C step's answer was not a pin (or a
-        tier is beneath the cache) and the full path decides."""
+        tier is beneath the cache) and the full path decides.  ``answer``/``since_ns``: the C
+        step's (cold_load), its first step's (see _pin_slow)."""
         try:
-            h = self._get_missed(key)
+            h = self._get_missed(key, answer, since_ns)
         except CacheFull:
             lib.ucm_stat_add(self._ctx, lib.UCM_ST_BYPASSES, 1)
             return as_value_view(loader(), self._layout.slot_size).tobytes()
