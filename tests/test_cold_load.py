@@ -634,3 +634,31 @@ def test_a_held_stripe_times_out_once_after_the_c_step(make_cache, monkeypatch, 
     assert counting.slow_steps == 0                    # the C step was the only one
     assert out[0][0] < 0.3 * 1.9                       # one wait, not two
     assert c.get_or_load(K[9], lambda: b"v") == b"v"
+
+
+def test_a_c_made_owner_killed_at_counted_not_ready_in_its_ready_is_recovered(make_cache, procs,
+                                                                              gate):
+    """DESIGN 5.8: get()'s owner handle made in C dies inside ready() (ucm_token_publish) at
+    counted_not_ready (COUNTED set, still Loading, its token on a dead stack): the waiter in a
+    third process learns Failed, a survivor's recovery uncounts it and drops the pin."""
+    c = make_cache(slots_per_rank=4, slot_size=64, max_ranks=3)
+    key = K[12]
+    g, joined = gate(), gate()
+    p, q = procs.start(workers.load_then_publish_at, c.uuid, key, g.path, "counted_not_ready",
+                       K[13], True)
+    g.wait_arrived()                                   # the owner holds its C-made handle
+    w, wq = procs.start(workers.wait_for_load, c.uuid, key, joined.path, 30)
+    joined.wait_value(1)                               # the waiter holds a handle on it
+    g.release()                                        # on to ready(): killed inside it
+    p.join(30)
+    assert p.exitcode == -signal.SIGKILL, "the owner was not killed at counted_not_ready"
+    state, value = procs.result(wq)
+    assert state == "failed", (state, value)
+    c.recover()
+    rep = ucmcache.verify(c.uuid)
+    assert rep.ok, rep
+    f = slot_fields(snapshot(c._seg)["metas"])
+    assert int((f["reference"] != 0).sum()) == 0, "a pin or claim survived recovery"
+    assert c.exist([key, K[13]]) == [False, True]
+    assert c.entry_count() == 1                        # the owner's own_first entry only
+    assert c.get_or_load(key, lambda: b"again") == b"again"

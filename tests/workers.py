@@ -388,15 +388,19 @@ def attach_and_recover(q, *args):
     run(_attach_and_recover, q, *args)
 
 
-def _load_then_publish_at(uuid, key, gate_path, point, own_first):
+def _load_then_publish_at(uuid, key, gate_path, point, own_first, in_c=None):
     """Take our share (load own_first), then own `key`'s load, arrive at the gate, wait for the
-    test's release, then publish with `point` armed to kill (None: publish and return)."""
+    test's release, then publish with `point` armed to kill (None: publish and return).
+    in_c True: the owner's handle must be get()'s C-made one (its token in C, its ready()
+    ucm_token_publish)."""
     c = SlotCache.attach(uuid)
     gate = Gate(gate_path)
     try:
         c.get_or_load(own_first, lambda: b"mine")
         with c.get(key) as h:
             assert h.owner
+            if in_c:
+                assert h._token is None, "not the C-made owner's handle"
             gate.release()          # arrived (value 1)
             gate.wait_value(2)      # released by the test
             if point:
