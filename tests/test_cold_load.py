@@ -662,3 +662,33 @@ def test_a_c_made_owner_killed_at_counted_not_ready_in_its_ready_is_recovered(ma
     assert c.exist([key, K[13]]) == [False, True]
     assert c.entry_count() == 1                        # the owner's own_first entry only
     assert c.get_or_load(key, lambda: b"again") == b"again"
+
+
+@pytest.mark.parametrize("how", ["wait", "wait_full"])
+def test_a_wait_ended_by_its_recovery_raising_counts_its_time_once(make_cache, procs, gate,
+                                                                   monkeypatch, how):
+    """A wait that counted `waits` and ends on an exception of its own (here the recovery of
+    its dead loader raising) counts its time once: wait_ns and a wait histogram entry."""
+    c = make_cache(slots_per_rank=8, slot_size=64, max_ranks=2)
+    warm(c)
+    key, g = K[14], gate()
+    p, q = procs.start(workers.load_held, c.uuid, key, None, g.path, b"v", None)
+    g.wait_arrived()
+    p.kill()                                           # the loader dies owning key's slot
+    p.join(30)
+
+    def broken(self, slot, deadline):
+        raise RuntimeError("recovery failed")
+    monkeypatch.setattr(SlotCache, "_recover_loader", broken)
+    before = c.stats()
+    with c.get(key) as h:
+        assert not h.owner
+        with pytest.raises(RuntimeError, match="^recovery failed$"):
+            h.wait() if how == "wait" else h.wait(timeout=None)
+    s = c.stats()
+    assert s["waits"] - before["waits"] == 1
+    assert s["wait_count"] - before["wait_count"] == 1
+    assert s["wait_ns"] > before["wait_ns"]
+    monkeypatch.undo()
+    c.recover()
+    assert c.get_or_load(key, lambda: b"again") == b"again"
