@@ -974,3 +974,39 @@ def test_two_tiers_on_one_path_in_one_process_never_collide(tmp_path, gate):
         g.release()
         a.close()
         b.close()
+
+
+def test_the_tier_gets_what_the_gets_deadline_leaves(segs, tmp_path, monkeypatch):
+    """A get(timeout=1) whose pin took 0.8 s (a clock moved on by the slow path here) gives
+    the tier at most the 0.2 s left, not the whole timeout; get_many likewise."""
+    import types
+    import time as real_time
+    import ucmcache._batches as batches_mod
+    import ucmcache._cache as cache_mod
+    shift = [0.0]
+    fake = types.SimpleNamespace(monotonic=lambda: real_time.monotonic() + shift[0])
+    monkeypatch.setattr(cache_mod, "time", fake)
+    monkeypatch.setattr(batches_mod, "time", fake, raising=False)
+    tier = DiskTier(tmp_path / "disk", CAP, timeout=30.0)
+    asked = []
+    read_many = tier._read_many
+    tier._read_many = lambda keys, limit, timeout: (asked.append(timeout),
+                                                    read_many(keys, limit, timeout))[1]
+    c = segs()
+    cc = SlotCache.attach(c.uuid, tier2=tier)
+    pin_slow = cc._pin_slow
+
+    def slow_pin(*a, **kw):
+        r = pin_slow(*a, **kw)
+        shift[0] += 0.8
+        return r
+
+    cc._pin_slow = slow_pin
+    try:
+        with cc.get(os.urandom(16), timeout=1.0) as h:
+            h.fail("x")
+        with cc.get_many([os.urandom(16)], timeout=1.0) as b:
+            b.fail(0, "x")
+        assert len(asked) == 2 and all(0.0 <= t <= 0.2 + 1e-6 for t in asked), asked
+    finally:
+        cc.close()
