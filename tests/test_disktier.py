@@ -812,10 +812,11 @@ def test_a_forked_child_does_not_keep_a_dead_parents_usage_lock(tmp_path):
             held.wait()
             c = os.fork()
             if c == 0:  # C: lives on, never touches the tier
+                # Said from C: its after-fork handlers have run (os.fork returned here).
+                os.write(w, str(os.getpid()).encode())
                 os.close(w)
                 os.read(hold_r, 1)
                 os._exit(0)
-            os.write(w, str(c).encode())
             os.read(hold_r, 1)  # never returns: the test kills P
         finally:
             os._exit(1)
@@ -926,7 +927,9 @@ def test_exist_prefix_is_bounded_and_counts_only_servable_files(segs, tmp_path, 
     """exist_prefix (vLLM's scheduler asks it) stats on the read threads under the tier's
     timeout: a disk that does not answer gives 0 in time.  A file a lookup would refuse
     (larger than this cache's slots) is not counted."""
-    tier = DiskTier(tmp_path / "disk", CAP, timeout=0.2, breaker_failures=100, readers=1)
+    # A generous timeout while counting (a loaded machine may take long to run the thread),
+    # a short one while the stat is held (it always runs out).
+    tier = DiskTier(tmp_path / "disk", CAP, timeout=30.0, breaker_failures=100, readers=1)
     c = segs()
     cc = SlotCache.attach(c.uuid, tier2=tier)
     k_ok, k_big, k_after = _keys(3)
@@ -938,6 +941,7 @@ def test_exist_prefix_is_bounded_and_counts_only_servable_files(segs, tmp_path, 
     try:
         assert cc.exist_prefix([k_ok, k_big, k_after]) == 1
         assert cc.exist_prefix([k_ok, k_after]) == 2
+        tier.timeout = 0.2
         _hooks.arm_python("disk_read_io", "gate", g)
         assert cc.exist_prefix([k_ok, k_after]) == 0   # held: past the timeout
         g.wait_arrived()
@@ -1010,3 +1014,21 @@ def test_the_tier_gets_what_the_gets_deadline_leaves(segs, tmp_path, monkeypatch
         assert len(asked) == 2 and all(0.0 <= t <= 0.2 + 1e-6 for t in asked), asked
     finally:
         cc.close()
+
+
+def test_a_disk_probe_out_too_long_expires(tmp_path):
+    """A probe whose verdict never comes (its caller died mid-way, by whatever path) expires
+    after the tier's probe_expiry: the next lookup probes again instead of the disk staying
+    bypassed for the life of the process."""
+    now = [0.0]
+    tier = DiskTier(tmp_path / "disk", CAP, timeout=1.0, breaker_failures=1,
+                    breaker_reset=10.0, clock=lambda: now[0])
+    b = tier._breaker
+    b.failure(OSError("a read error"))
+    now[0] += 10
+    assert b.allow() and tier.state == "half-open"   # the probe, never resolved
+    assert not b.allow()                             # one probe at a time
+    now[0] += 10
+    assert b.allow()                                 # expired: probing again
+    b.success()
+    assert tier.state == "closed"

@@ -163,7 +163,9 @@ class DiskTier(Tier):
         self._breaker.probe_expiry = max(2 * self.timeout, self._breaker.reset, 1.0)
         self.counters = ProcessCounters(self._stats_dir, self._mode)
         self._res = _Files(self.counters)
-        weakref.finalize(self, _Files.release, self._res)  # fds and map of a dropped tier
+        # The fd and map of a tier dropped without close().  Not at exit: the kernel closes
+        # them, and a daemon thread may still be using them then.
+        weakref.finalize(self, _Files.release, self._res).atexit = False
         self._cond = threading.Condition()
         self._queue: deque = deque()
         self._queued_bytes = 0
