@@ -1032,3 +1032,23 @@ def test_a_disk_probe_out_too_long_expires(tmp_path):
     assert b.allow()                                 # expired: probing again
     b.success()
     assert tier.state == "closed"
+
+
+def test_a_dead_writers_temp_file_and_reservation_go_without_an_eviction(segs, tmp_path,
+                                                                          procs):
+    """A writer SIGKILLed mid-write on a tier far below capacity: the next DiskTier on the
+    directory removes its temporary file at once, and its first write corrects the usage
+    record (the dead writer's reservation) from a scan; no eviction pass is needed."""
+    path = str(tmp_path / "disk")
+    c = segs()
+    p, q = procs.start(dw.die_mid_write, c.uuid, path, CAP, os.urandom(16))
+    p.join(60)
+    assert p.exitcode == -signal.SIGKILL
+    tier = DiskTier(path, CAP)
+    assert os.listdir(tier._tmp) == []
+    k = os.urandom(16)
+    tier._put(k, 0, memoryview(payload_for(k, SIZE)))
+    assert tier.flush(30)
+    assert tier.used_bytes() == sum(f.size for f in tier.files()) == HEADER_SIZE + SIZE
+    assert tier.stats()["t2_evictions"] == 0
+    tier.close()

@@ -13,8 +13,9 @@ Layout of the directory (``<path>/ucm-disk-v1/``, versioned with the file format
 * ``stats/``: the counters (ucmcache.disktier.counters).
 
 Reads run on a few per-process daemon threads so that the get waiting for them waits at most
-``timeout`` (and a read that never returns holds neither the get nor process exit); write-throughs are copied on the owner's thread and written by one background
-writer thread per process.  A read error or a read past the timeout counts against the reads'
+``timeout`` (and a read that never returns holds neither the get nor process exit);
+write-throughs are copied on the owner's thread and written by one background writer thread
+per process.  A read error or a read past the timeout counts against the reads'
 circuit breaker (ucmcache.tier2.breaker; open: gets load as if the disk were absent); a write
 error (ENOSPC, EFBIG, EIO) against the writes' (open: write-throughs are dropped, reads go on).
 """
@@ -28,10 +29,10 @@ import os
 import struct
 import threading
 import time
-import weakref
-from collections import deque
 import secrets
 import stat as stat_mod
+import weakref
+from collections import deque
 from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 from .. import _hooks
