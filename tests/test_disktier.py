@@ -163,14 +163,20 @@ def test_a_writer_killed_mid_write_leaves_a_miss_never_wrong_bytes(segs, tmp_pat
     p, q = procs.start(dw.die_mid_write, c.uuid, path, CAP, k)
     p.join(60)
     assert p.exitcode == -signal.SIGKILL
+    tmp_dir = os.path.join(path, "ucm-disk-v1", "tmp")
+    (tmp,) = os.listdir(tmp_dir)                         # the half-written file, unnamed
+    assert os.path.getsize(os.path.join(tmp_dir, tmp)) == HEADER_SIZE + SIZE // 2
+    half = os.path.join(str(tmp_path), "half")
+    shutil.copy(os.path.join(tmp_dir, tmp), half)
+    # The next DiskTier on the directory removes the dead writer's temporary file at once
+    # (its flock died with it), not only at an eviction pass.
     tier = DiskTier(path, CAP)
-    (tmp,) = os.listdir(tier._tmp)                       # the half-written file, unnamed
-    assert os.path.getsize(os.path.join(tier._tmp, tmp)) == HEADER_SIZE + SIZE // 2
+    assert os.listdir(tier._tmp) == []
     assert not os.path.exists(tier.key_path(k))
     # Worse than a kill: the half-written bytes under the block's name (a rename that reached
     # the disk before the data did).  The checks on read refuse it: a miss, the file removed.
     os.makedirs(os.path.dirname(tier.key_path(k)), exist_ok=True)
-    shutil.copy(os.path.join(tier._tmp, tmp), tier.key_path(k))
+    shutil.copy(half, tier.key_path(k))
     c.close()
     SlotCache.unlink(c.uuid)
     segs(uuid=c.uuid)
@@ -182,9 +188,6 @@ def test_a_writer_killed_mid_write_leaves_a_miss_never_wrong_bytes(segs, tmp_pat
         assert tier.stats()["t2_bad_values"] == 1
         assert tier.flush(30)
         assert tier.verify().bad == [] and len(tier.files()) == 1  # written again, whole
-        # The next process's scan removes the dead writer's temporary file.
-        tier.trim()
-        assert os.listdir(tier._tmp) == []
     finally:
         c2_t.close()
 
@@ -621,3 +624,431 @@ def test_a_get_timeout_shorter_than_the_disks_is_not_a_disk_fault(segs, tmp_path
         _hooks.arm_python("disk_read_io", "none")
         _leave_gate(tier, g)
         cc.close()
+
+
+# ---------------------------------------------------------------- review of issue 28
+
+
+def _fork(child):
+    """Run child() in a forked process; its exit code (0: child returned True)."""
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            code = 0 if child() else 2
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status)
+
+
+def test_counters_that_cannot_be_kept_never_fail_a_get_or_a_publish(segs, tmp_path):
+    """The counter file cannot be made (its directory is a file here: the same path as
+    EACCES, EMFILE): the get, its load and the write-through go on; the counts are kept in
+    this process's memory and stats() reports them."""
+    path = tmp_path / "disk"
+    tier = DiskTier(path, CAP)
+    os.rmdir(tier._stats_dir)
+    open(tier._stats_dir, "w").close()
+    c = segs()
+    cc = SlotCache.attach(c.uuid, tier2=tier)
+    try:
+        runs = []
+        k = os.urandom(16)
+        _load(cc, k, runs)
+        assert runs == [k] and tier.flush(30)
+        assert [f.block_id for f in tier.files()] == [k]
+        s = tier.stats()
+        assert (s["t2_misses"], s["t2_writes"]) == (1, 1) and tier.counters.off
+    finally:
+        cc.close()
+
+
+def test_a_counter_file_that_cannot_grow_never_kills_or_fails_a_get(segs, tmp_path):
+    """A real process whose files cannot grow past 1 KiB (RLIMIT_FSIZE: the kernel's EFBIG,
+    as a full disk gives ENOSPC; a sparse counter file written through its map would be
+    SIGBUS there): its gets load, publish and return the right bytes."""
+    import resource
+    path = str(tmp_path / "disk")
+    DiskTier(path, CAP).close()
+    c = segs()
+
+    def child():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1024, 1024))
+        tier = DiskTier(path, CAP)
+        cc = SlotCache.attach(c.uuid, tier2=tier)
+        k = os.urandom(16)
+        v = cc.get_or_load(k, lambda: payload_for(k, SIZE), timeout=30)
+        ok = check_payload(k, bytes(v)) and tier.counters.off
+        cc.close()
+        return ok
+
+    assert _fork(child) == 0
+    assert os.listdir(os.path.join(path, "ucm-disk-v1", "stats")) == []  # no torn file left
+
+
+def test_a_counter_file_on_a_full_tmpfs_never_kills_the_process(segs, small_tmpfs):
+    """A real full filesystem: the counter file's pages cannot be allocated.  A sparse file
+    written through a map is SIGBUS; allocated for real first, it is an error, and counting
+    goes on in memory."""
+    path = os.path.join(small_tmpfs, "disk")
+    DiskTier(path, CAP).close()
+    fill = os.open(os.path.join(small_tmpfs, "fill"), os.O_WRONLY | os.O_CREAT)
+    try:
+        while os.write(fill, b"\0" * 4096) > 0:
+            pass
+    except OSError:
+        pass                              # ENOSPC: the filesystem is full
+    finally:
+        os.close(fill)
+    c = segs()
+
+    def child():
+        tier = DiskTier(path, CAP)
+        cc = SlotCache.attach(c.uuid, tier2=tier)
+        k = os.urandom(16)
+        v = cc.get_or_load(k, lambda: payload_for(k, SIZE), timeout=30)
+        ok = check_payload(k, bytes(v)) and tier.counters.off
+        cc.close()
+        return ok
+
+    assert _fork(child) == 0
+
+
+def test_a_read_that_never_returns_does_not_hold_process_exit(segs, tmp_path):
+    """A FIFO under a key's name: the read thread blocks in open() forever (a hung NFS/FUSE
+    mount).  The get bypasses the disk after the timeout, and the process still exits (its
+    read threads are daemons: nothing joins them at exit)."""
+    import subprocess
+    import sys
+    path = str(tmp_path / "disk")
+    c = segs()
+    script = f"""
+import os, sys
+from ucmcache import SlotCache, DiskTier
+t = DiskTier({path!r}, {CAP}, timeout=0.2)
+c = SlotCache.attach({c.uuid!r}, tier2=t)
+key = os.urandom(16)
+os.makedirs(os.path.dirname(t.key_path(key)), exist_ok=True)
+os.mkfifo(t.key_path(key))
+h = c.get(key, timeout=30)
+assert h.state == "loading"
+h.fail("x"); h.close(); c.close(); t.close()
+print("closed", flush=True)
+"""
+    p = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline().strip() == "closed"
+        assert p.wait(60) == 0
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
+def _fds():
+    return len(os.listdir("/proc/self/fd"))
+
+
+def _maps_of(d):
+    with open("/proc/self/maps") as f:
+        return [line for line in f if d in line]
+
+
+def test_tools_and_closed_tiers_keep_no_fd_or_map(segs, tmp_path):
+    """metrics' scrapes and the tools read a tier directory without building a writing tier
+    (nothing kept open); a closed DiskTier, or one dropped, holds no fd and no map."""
+    import gc
+    from ucmcache.disktier.facts import tier_facts
+    from ucmcache.metrics import tier_families
+    path = str(tmp_path / "disk")
+    t = DiskTier(path, CAP)
+    t._put(os.urandom(16), 0, memoryview(b"x" * 100))
+    assert t.flush(30) and t.used_bytes() == HEADER_SIZE + 100
+    t.close()
+    gc.collect()
+    before = _fds()
+    for _ in range(20):
+        assert tier_facts(path)["usage_bytes"] == HEADER_SIZE + 100
+        tier_families([path])
+    assert _fds() == before
+    for _ in range(5):
+        t = DiskTier(path, CAP)
+        t._put(os.urandom(16), 0, memoryview(b"x" * 100))
+        assert t.flush(30) and t.used_bytes() > 0
+        t.close()
+        assert _fds() == before and _maps_of(t._stats_dir) == []
+    t = DiskTier(path, CAP)
+    assert t.used_bytes() > 0 and t.stats()["t2_writes"] == 6
+    t.counters.add("t2_hits", 0)
+    del t
+    gc.collect()
+    assert _fds() == before
+
+
+def test_a_forked_child_does_not_keep_a_dead_parents_usage_lock(tmp_path):
+    """P's thread holds the usage lock when P forks C; P is killed.  The lock goes with P:
+    C closed the inherited fd (same open file description) right after the fork."""
+    import fcntl
+    import threading
+    path = str(tmp_path / "disk")
+    r, w = os.pipe()
+    hold_r, hold_w = os.pipe()   # C waits on it; the test closes its end to let C go
+    p = os.fork()
+    if p == 0:  # P
+        try:
+            os.close(r)
+            os.close(hold_w)
+            t = DiskTier(path, CAP)
+            held = threading.Event()
+
+            def writer():
+                with t._usage():
+                    held.set()
+                    threading.Event().wait()
+
+            threading.Thread(target=writer, daemon=True).start()
+            held.wait()
+            c = os.fork()
+            if c == 0:  # C: lives on, never touches the tier
+                # Said from C: its after-fork handlers have run (os.fork returned here).
+                os.write(w, str(os.getpid()).encode())
+                os.close(w)
+                os.read(hold_r, 1)
+                os._exit(0)
+            os.read(hold_r, 1)  # never returns: the test kills P
+        finally:
+            os._exit(1)
+    os.close(w)
+    os.close(hold_r)
+    cpid = int(os.read(r, 32))
+    os.close(r)
+    try:
+        os.kill(p, signal.SIGKILL)
+        os.waitpid(p, 0)
+        fd = os.open(os.path.join(path, "ucm-disk-v1", "usage"), os.O_RDWR)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # BlockingIOError: C holds it
+        finally:
+            os.close(fd)
+    finally:
+        os.close(hold_w)
+        try:
+            os.kill(cpid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def test_a_stopped_usage_lock_holder_never_holds_a_writer_or_a_tool(tmp_path):
+    """Another holder keeps the usage lock (a SIGSTOPped process: its own open file, so the
+    same as another process for flock).  A write-through waits lock_wait, is dropped and
+    counted; used_bytes() reads the record without the lock; close() returns."""
+    import fcntl
+    import threading
+    t = DiskTier(tmp_path / "disk", CAP)
+    t.lock_wait = 0.2
+    assert t.used_bytes() == 0
+    fd = os.open(os.path.join(t.root, "usage"), os.O_RDWR)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        t._put(os.urandom(16), 0, memoryview(b"x" * 100))
+        assert t.flush(30)
+        s = t.stats()
+        assert (s["t2_writes"], s["t2_write_drops"], s["t2_write_failures"]) == (0, 1, 0)
+        assert t.write_state == "closed"        # not the disk's fault
+        got = []
+        th = threading.Thread(target=lambda: got.append(t.used_bytes()), daemon=True)
+        th.start()
+        th.join(30)
+        assert got == [0]
+        assert os.listdir(t._tmp) == []
+        t.close()
+    finally:
+        os.close(fd)   # releases the lock (and a taker blocked on it before the fix)
+
+
+def test_a_signal_handlers_exception_during_the_probe_leaves_the_disk_usable(segs, tmp_path,
+                                                                             gate):
+    """The read breaker is open; the next lookup is its half-open probe and, while its read
+    is held, a signal handler raises (a timeout alarm, KeyboardInterrupt).  The exception
+    reaches the caller (not swallowed as a disk fault) and the probe is resolved: a later
+    lookup probes again and serves a block the disk has."""
+    import threading
+    now = [0.0]
+    tier = DiskTier(tmp_path / "disk", CAP, timeout=30.0, breaker_failures=1,
+                    breaker_reset=10.0, readers=1, clock=lambda: now[0])
+    c = segs()
+    cc = SlotCache.attach(c.uuid, tier2=tier)
+    k_bad, k_held, k_good = _keys(3)
+    bad = tier.key_path(k_bad)
+    os.makedirs(os.path.dirname(bad), exist_ok=True)
+    os.symlink(bad, bad)                  # ELOOP: a read error
+    good = tier.key_path(k_good)
+    os.makedirs(os.path.dirname(good), exist_ok=True)
+    with open(good, "wb") as f:
+        f.write(_block(k_good))
+
+    class Interrupted(Exception):
+        pass
+
+    def on_signal(*a):
+        raise Interrupted()
+
+    old = signal.signal(signal.SIGUSR1, on_signal)
+    g = gate()
+    main = threading.get_ident()
+    try:
+        runs = []
+        _load(cc, k_bad, runs)
+        assert tier.state == "open"
+        now[0] += 11
+        _hooks.arm_python("disk_read_io", "gate", g)
+        kicker = threading.Thread(target=lambda: (g.wait_arrived(),
+                                                  signal.pthread_kill(main, signal.SIGUSR1)))
+        kicker.start()
+        with pytest.raises(Interrupted):
+            cc.get_or_load(k_held, lambda: payload_for(k_held, SIZE), timeout=30)
+        kicker.join(30)
+        _leave_gate(tier, g)
+        now[0] += 11
+        _load(cc, k_good, runs)
+        assert runs == [k_bad] and tier.state == "closed"
+        assert tier.stats()["t2_hits"] == 1
+    finally:
+        signal.signal(signal.SIGUSR1, old)
+        _hooks.arm_python("disk_read_io", "none")
+        g.release()
+        g.release()
+        cc.close()
+
+
+def test_exist_prefix_is_bounded_and_counts_only_servable_files(segs, tmp_path, gate):
+    """exist_prefix (vLLM's scheduler asks it) stats on the read threads under the tier's
+    timeout: a disk that does not answer gives 0 in time.  A file a lookup would refuse
+    (larger than this cache's slots) is not counted."""
+    # A generous timeout while counting (a loaded machine may take long to run the thread),
+    # a short one while the stat is held (it always runs out).
+    tier = DiskTier(tmp_path / "disk", CAP, timeout=30.0, breaker_failures=100, readers=1)
+    c = segs()
+    cc = SlotCache.attach(c.uuid, tier2=tier)
+    k_ok, k_big, k_after = _keys(3)
+    for k, size in ((k_ok, SIZE), (k_big, 1000), (k_after, SIZE)):
+        os.makedirs(os.path.dirname(tier.key_path(k)), exist_ok=True)
+        with open(tier.key_path(k), "wb") as f:
+            f.write(_block(k, size=size))
+    g = gate(timeout=10.0)
+    try:
+        assert cc.exist_prefix([k_ok, k_big, k_after]) == 1
+        assert cc.exist_prefix([k_ok, k_after]) == 2
+        tier.timeout = 0.2
+        _hooks.arm_python("disk_read_io", "gate", g)
+        assert cc.exist_prefix([k_ok, k_after]) == 0   # held: past the timeout
+        g.wait_arrived()
+    finally:
+        _hooks.arm_python("disk_read_io", "none")
+        _leave_gate(tier, g)
+        cc.close()
+
+
+def test_two_tiers_on_one_path_in_one_process_never_collide(tmp_path, gate):
+    """Two DiskTiers on one directory in one process (two caches, one disk): while one
+    writer holds its temporary file, the other writes its own (no shared name) and a clean
+    leaves the held one alone (its writer's flock says it is alive)."""
+    a = DiskTier(tmp_path / "disk", CAP)
+    b = DiskTier(tmp_path / "disk", CAP)
+    g = gate()
+    ka, kb = _keys(2)
+    try:
+        _hooks.arm_python("disk_mid_write", "gate", g)
+        a._put(ka, 0, memoryview(payload_for(ka, SIZE)))
+        g.wait_arrived()                      # a's temp file is half written
+        (held,) = os.listdir(a._tmp)
+        b._put(kb, 0, memoryview(payload_for(kb, SIZE)))
+        assert b.flush(30) and b.stats()["t2_write_failures"] == 0
+        assert b._clean_tmp() == 0 and os.listdir(a._tmp) == [held]
+        g.release()
+        assert a.flush(30)
+        s = a.stats()
+        assert (s["t2_writes"], s["t2_write_failures"]) == (2, 0)
+        assert {f.block_id for f in a.files()} == {ka, kb} and os.listdir(a._tmp) == []
+        assert a.verify().bad == []
+    finally:
+        _hooks.arm_python("disk_mid_write", "none")
+        g.release()
+        a.close()
+        b.close()
+
+
+def test_the_tier_gets_what_the_gets_deadline_leaves(segs, tmp_path, monkeypatch):
+    """A get(timeout=1) whose pin took 0.8 s (a clock moved on by the slow path here) gives
+    the tier at most the 0.2 s left, not the whole timeout; get_many likewise."""
+    import types
+    import time as real_time
+    import ucmcache._batches as batches_mod
+    import ucmcache._cache as cache_mod
+    shift = [0.0]
+    fake = types.SimpleNamespace(monotonic=lambda: real_time.monotonic() + shift[0])
+    monkeypatch.setattr(cache_mod, "time", fake)
+    monkeypatch.setattr(batches_mod, "time", fake, raising=False)
+    tier = DiskTier(tmp_path / "disk", CAP, timeout=30.0)
+    asked = []
+    read_many = tier._read_many
+    tier._read_many = lambda keys, limit, timeout: (asked.append(timeout),
+                                                    read_many(keys, limit, timeout))[1]
+    c = segs()
+    cc = SlotCache.attach(c.uuid, tier2=tier)
+    pin_slow = cc._pin_slow
+
+    def slow_pin(*a, **kw):
+        r = pin_slow(*a, **kw)
+        shift[0] += 0.8
+        return r
+
+    cc._pin_slow = slow_pin
+    try:
+        with cc.get(os.urandom(16), timeout=1.0) as h:
+            h.fail("x")
+        with cc.get_many([os.urandom(16)], timeout=1.0) as b:
+            b.fail(0, "x")
+        assert len(asked) == 2 and all(0.0 <= t <= 0.2 + 1e-6 for t in asked), asked
+    finally:
+        cc.close()
+
+
+def test_a_disk_probe_out_too_long_expires(tmp_path):
+    """A probe whose verdict never comes (its caller died mid-way, by whatever path) expires
+    after the tier's probe_expiry: the next lookup probes again instead of the disk staying
+    bypassed for the life of the process."""
+    now = [0.0]
+    tier = DiskTier(tmp_path / "disk", CAP, timeout=1.0, breaker_failures=1,
+                    breaker_reset=10.0, clock=lambda: now[0])
+    b = tier._breaker
+    b.failure(OSError("a read error"))
+    now[0] += 10
+    assert b.allow() and tier.state == "half-open"   # the probe, never resolved
+    assert not b.allow()                             # one probe at a time
+    now[0] += 10
+    assert b.allow()                                 # expired: probing again
+    b.success()
+    assert tier.state == "closed"
+
+
+def test_a_dead_writers_temp_file_and_reservation_go_without_an_eviction(segs, tmp_path,
+                                                                          procs):
+    """A writer SIGKILLed mid-write on a tier far below capacity: the next DiskTier on the
+    directory removes its temporary file at once, and its first write corrects the usage
+    record (the dead writer's reservation) from a scan; no eviction pass is needed."""
+    path = str(tmp_path / "disk")
+    c = segs()
+    p, q = procs.start(dw.die_mid_write, c.uuid, path, CAP, os.urandom(16))
+    p.join(60)
+    assert p.exitcode == -signal.SIGKILL
+    tier = DiskTier(path, CAP)
+    assert os.listdir(tier._tmp) == []
+    k = os.urandom(16)
+    tier._put(k, 0, memoryview(payload_for(k, SIZE)))
+    assert tier.flush(30)
+    assert tier.used_bytes() == sum(f.size for f in tier.files()) == HEADER_SIZE + SIZE
+    assert tier.stats()["t2_evictions"] == 0
+    tier.close()

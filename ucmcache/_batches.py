@@ -6,6 +6,7 @@ payloads out with no handle; ``exist``/``exist_prefix`` and ``touch`` take no pi
 from __future__ import annotations
 
 import functools
+import time
 from typing import TYPE_CHECKING, Any, Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -55,6 +56,7 @@ class Batches(CacheCore):
             self._check_usable()
         if timeout is not None:
             timeout = check_timeout(timeout)
+        t0 = time.monotonic() if timeout is not None else 0.0  # the tier gets what is left
         ids, offsets, split = pack_keys(keys)
         n = len(split)
         slots = np.full(n, lib.UCM_NIL, dtype=np.uint32)
@@ -106,7 +108,8 @@ class Batches(CacheCore):
             if any_owner:
                 batch.own()
                 if self._tier is not None:  # the batch owns the pins: a raise here closes it
-                    self._ask_tier_many(batch, split, timeout)
+                    self._ask_tier_many(batch, split, timeout if timeout is None else
+                                        max(0.0, timeout - (time.monotonic() - t0)))
         except BaseException as e:
             if batch._closed:  # the token still holds every pin: drop them, failing owned loads
                 message, length = ABANDONED, ABANDONED_LEN

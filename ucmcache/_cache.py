@@ -475,6 +475,7 @@ class SlotCache(CacheBase, SingleFlight, Batches, Prefetching, Mapping):
     def _pin_handle(self, block_id: bytes, offset: int, timeout: Optional[float],
                     look: bool, answer: int = 0, since_ns: int = -1) -> Handle:
         """A Handle holding key's pin: looked up first (``look``), else the slow path at once."""
+        t0 = time.monotonic() if timeout is not None else 0.0  # the tier gets what is left
         # No window without an owner object (a signal handler may raise at any call): the
         # handle exists, inert, before the pin, and so does the call's ticket; the pin becomes
         # the handle's in plain stores, with no call in between (CPython >= 3.10 runs signal
@@ -514,7 +515,8 @@ class SlotCache(CacheBase, SingleFlight, Batches, Prefetching, Mapping):
             if owner:  # the handle holds the load now: cut short, closing it fails the load
                 h.own()
                 if self._tier is not None:  # the handle owns the pin: a raise here closes it
-                    self._ask_tier(h, block_id, offset, timeout)
+                    self._ask_tier(h, block_id, offset, timeout if timeout is None else
+                                   max(0.0, timeout - (time.monotonic() - t0)))
         except BaseException:
             if h._closed:
                 if token is None:

@@ -160,13 +160,9 @@ class SegmentCollector(Collector):
 
 def tier_families(paths: Sequence[str]) -> List[Metric]:
     """The disk tiers' counters and usage (see the module docs), labelled by tier."""
-    from .disktier.counters import NAMES, read_all
-    from .disktier.facts import open_dir
-    rows = []
-    for p in paths:
-        t = open_dir(p)
-        rows.append((t.label, read_all(t._stats_dir), t.used_bytes()))
-        t.close()
+    from .disktier.counters import NAMES
+    from .disktier.facts import tier_usage
+    rows = [tier_usage(p) for p in paths]  # read only: a scrape builds no DiskTier, keeps no fd
     out: List[Metric] = []
     for name in NAMES:
         short = name[len("t2_"):]
@@ -231,9 +227,9 @@ def collector(uuid: str, *, timeout: float = 1.0,
     ``tiers``: disk tier directories to report too."""
     Segment.attach(uuid, timeout=timeout, writable=False).detach()  # fail now, not per scrape
     if tiers:
-        from .disktier.facts import open_dir
+        from .disktier.facts import tier_usage
         for p in tiers:
-            open_dir(p).close()  # not a tier directory: fail now, not per scrape
+            tier_usage(p)  # not a tier directory: fail now, not per scrape
     return SegmentCollector(uuid, timeout=timeout, tiers=tiers)
 
 

@@ -10,6 +10,8 @@ Readers sum every file.  A file is 16 bytes of header (magic, count) and int64 c
 """
 from __future__ import annotations
 
+import errno
+import logging
 import mmap
 import os
 import secrets
@@ -18,6 +20,8 @@ import threading
 from typing import Dict, Optional
 
 import numpy as np
+
+log = logging.getLogger("ucmcache.disktier")
 
 NAMES = (
     "t2_hits",            # an owner's cold key served from the disk
@@ -40,7 +44,11 @@ assert _HEAD.size + 8 * len(NAMES) <= _SIZE
 
 
 class ProcessCounters:
-    """This process's counter file in ``stats_dir`` (made on the first add)."""
+    """This process's counter file in ``stats_dir`` (made on the first add).
+
+    Best effort: counting must never fail or kill a get or a publish.  Any OSError making or
+    writing the file (ENOSPC, EACCES, EMFILE, EFBIG...) switches the file off for this process;
+    its counts go on in memory (``local``), which ``DiskTier.stats`` adds in this process."""
 
     def __init__(self, stats_dir: str, mode: int):
         self._dir = stats_dir
@@ -48,28 +56,76 @@ class ProcessCounters:
         self._lock = threading.Lock()
         self._arr: Optional[np.ndarray] = None
         self._mm: Optional[mmap.mmap] = None
+        self.off = False            # the file could not be made: counting in memory only
+        self.local = np.zeros(len(NAMES), dtype=np.int64)
 
     def add(self, name: str, n: int = 1) -> None:
         if not n:
             return
         i = NAMES.index(name)
         with self._lock:
-            arr = self._arr if self._arr is not None else self._open()
-            arr[i] += n
+            arr = self._arr
+            if arr is None and not self.off:
+                try:
+                    arr = self._open()
+                except OSError as e:
+                    self.off = True
+                    log.warning("ucmcache disk tier: cannot keep counters in %s (%s: %s); "
+                                "counting in this process's memory", self._dir,
+                                type(e).__name__, e)
+            if arr is None:
+                self.local[i] += n
+            else:
+                arr[i] += n
+
+    def memory_counts(self) -> Dict[str, int]:
+        """What this process counted in memory (its file is off), by name."""
+        return {n: int(v) for n, v in zip(NAMES, self.local)}
 
     def _open(self) -> np.ndarray:
         os.makedirs(self._dir, exist_ok=True)
         path = os.path.join(self._dir, f"{os.getpid()}-{secrets.token_hex(4)}.cnt")
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, self._mode)
         try:
-            os.ftruncate(fd, _SIZE)
+            # The pages are allocated for real before the map: a sparse file (ftruncate) on a
+            # full disk would be SIGBUS at the first store through the map, killing the process.
+            head = _HEAD.pack(_MAGIC, len(NAMES))
+            data = head + bytes(_SIZE - len(head))
+            done = 0
+            while done < _SIZE:
+                n = os.pwrite(fd, data[done:], done)
+                if n <= 0:
+                    raise OSError(errno.ENOSPC, "counter file: short write")
+                done += n
+            try:
+                os.posix_fallocate(fd, 0, _SIZE)  # where supported: the blocks are reserved
+            except (AttributeError, OSError) as e:
+                if isinstance(e, OSError) and e.errno not in (errno.EOPNOTSUPP, errno.EINVAL,
+                                                              errno.ENOSYS):
+                    raise
             mm = mmap.mmap(fd, _SIZE)
-        finally:
+        except BaseException:
             os.close(fd)
-        mm[:_HEAD.size] = _HEAD.pack(_MAGIC, len(NAMES))
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+            raise
+        os.close(fd)
         self._mm = mm
         self._arr = np.frombuffer(mm, dtype=np.int64, count=len(NAMES), offset=_HEAD.size)
         return self._arr
+
+    def close(self) -> None:
+        """Unmap the file: a closed tier holds no mapping (a later add makes a new file;
+        readers sum every file, so nothing counted is lost)."""
+        with self._lock:
+            mm, self._mm, self._arr = self._mm, None, None
+            if mm is not None:
+                try:
+                    mm.close()
+                except BufferError:
+                    pass  # a view of it is still exported somewhere: the finalizer gets it
 
 
 def read_all(stats_dir: str) -> Dict[str, int]:
@@ -77,7 +133,7 @@ def read_all(stats_dir: str) -> Dict[str, int]:
     total = np.zeros(len(NAMES), dtype=np.int64)
     try:
         names = os.listdir(stats_dir)
-    except FileNotFoundError:
+    except OSError:  # missing, or not a directory: no counter files
         names = []
     for name in names:
         if not name.endswith(".cnt"):
@@ -94,3 +150,14 @@ def read_all(stats_dir: str) -> Dict[str, int]:
             continue
         total[:count] += np.frombuffer(raw, dtype=np.int64, count=count, offset=_HEAD.size)
     return {n: int(v) for n, v in zip(NAMES, total)}
+
+
+def drop_inherited(c: ProcessCounters) -> None:
+    """In a forked child: unmap the parent's counter file without its lock (a parent thread
+    may have held it at the fork; it never comes back in the child)."""
+    mm, c._mm, c._arr = c._mm, None, None
+    if mm is not None:
+        try:
+            mm.close()
+        except BufferError:
+            pass

@@ -5,15 +5,17 @@ Layout of the directory (``<path>/ucm-disk-v1/``, versioned with the file format
 
 * ``blocks/<xx>/<block id hex>-<offset hex>.ucb``: one file per key (ucmcache.disktier.fileformat);
   the filesystem is the index: a lookup opens the key's name, nothing is loaded at start;
-* ``tmp/<pid>.<n>.tmp``: files being written; renamed into ``blocks/`` when complete, so a
-  writer killed mid-write leaves only a temporary file (removed by the next scan);
+* ``tmp/<pid>.<random>.tmp``: files being written, each under its writer's ``flock``; renamed
+  into ``blocks/`` when complete, so a writer killed mid-write leaves only an unlocked
+  temporary file (removed at the next start, scan or periodic clean);
 * ``usage``: the bytes the blocks take (a u64), read and written under ``flock`` on it, the
   lock also serialising eviction passes across processes;
 * ``stats/``: the counters (ucmcache.disktier.counters).
 
-Reads run on a small per-process pool of threads so that the get waiting for them waits at most
-``timeout``; write-throughs are copied on the owner's thread and written by one background
-writer thread per process.  A read error or a read past the timeout counts against the reads'
+Reads run on a few per-process daemon threads so that the get waiting for them waits at most
+``timeout`` (and a read that never returns holds neither the get nor process exit);
+write-throughs are copied on the owner's thread and written by one background writer thread
+per process.  A read error or a read past the timeout counts against the reads'
 circuit breaker (ucmcache.tier2.breaker; open: gets load as if the disk were absent); a write
 error (ENOSPC, EFBIG, EIO) against the writes' (open: write-throughs are dropped, reads go on).
 """
@@ -27,15 +29,16 @@ import os
 import struct
 import threading
 import time
+import secrets
+import stat as stat_mod
 import weakref
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 from .. import _hooks
 from .._tier import BoundTier, Owned, Tier
 from ..tier2.breaker import Breaker
-from .counters import ProcessCounters, read_all
+from .counters import ProcessCounters, drop_inherited, read_all
 from .fileformat import HEADER_SIZE, BadBlock, decode, encode_header, file_name, parse_name
 
 log = logging.getLogger("ucmcache.disktier")
@@ -43,7 +46,8 @@ log = logging.getLogger("ucmcache.disktier")
 DIR_NAME = "ucm-disk-v1"
 LOW_WATER = 0.9       # an eviction pass frees down to this fraction of capacity_bytes
 TOUCH_AFTER_NS = 1_000_000_000  # a hit refreshes its file's mtime (the LRU clock) at most 1/s
-_STALE_TMP_NS = 3600 * 1_000_000_000  # a temporary file this old is a dead writer's
+LOCK_WAIT = 5.0      # seconds a usage-lock taker waits (a stopped holder): then it gives up
+CLEAN_TMP_EVERY = 60.0  # seconds between a writer's cleans of dead writers' temporary files
 _U64 = struct.Struct("<Q")
 
 _live_tiers: "weakref.WeakSet[DiskTier]" = weakref.WeakSet()
@@ -136,14 +140,33 @@ class DiskTier(Tier):
                                 self.label + " (reads)")
         self._write_breaker = Breaker(breaker_failures, float(breaker_reset), self._clock,
                                       self.label + " (writes)")
+        self.lock_wait = LOCK_WAIT
+        self._res: Optional[_Files] = None
         self._reset_process_state()
         _live_tiers.add(self)
+        try:
+            # A crash-looping worker's temp files go at its next start; their reservations
+            # are taken out of the usage record by this process's writer (a scan, off the
+            # caller's thread).
+            self._resync = self._clean_tmp() > 0
+        except OSError:
+            pass
 
     def _reset_process_state(self) -> None:
+        if self._res is not None:
+            # A forked child: the parent's usage fd shares the parent's open file description,
+            # so keeping it would keep the parent's flock held after the parent dies.
+            self._res.drop_inherited()
         self._pid = os.getpid()
         self._breaker._lock = threading.Lock()
         self._write_breaker._lock = threading.Lock()
+        # Expire a probe that never got its verdict (the probing get died mid-way).
+        self._breaker.probe_expiry = max(2 * self.timeout, self._breaker.reset, 1.0)
         self.counters = ProcessCounters(self._stats_dir, self._mode)
+        self._res = _Files(self.counters)
+        # The fd and map of a tier dropped without close().  Not at exit: the kernel closes
+        # them, and a daemon thread may still be using them then.
+        weakref.finalize(self, _Files.release, self._res).atexit = False
         self._cond = threading.Condition()
         self._queue: deque = deque()
         self._queued_bytes = 0
@@ -151,11 +174,11 @@ class DiskTier(Tier):
         self._done = 0
         self._writer: Optional[threading.Thread] = None
         self._stopping = False
-        self._pool: Optional[ThreadPoolExecutor] = None
+        self._pool: Optional[_Readers] = None
         self._pool_lock = threading.Lock()
         self._usage_lock = threading.Lock()  # flock does not exclude threads sharing the fd
-        self._usage_fd: Optional[int] = None
-        self._tmp_seq = 0
+        self._next_clean = time.monotonic() + CLEAN_TMP_EVERY
+        self._resync = False
 
     def _check_pid(self) -> None:
         if self._pid != os.getpid():
@@ -176,13 +199,23 @@ class DiskTier(Tier):
         return self._write_breaker.state
 
     def stats(self) -> Dict[str, int]:
-        """The tier's ``t2_*`` counters, summed over every process that used this directory."""
-        return read_all(self._stats_dir)
+        """The tier's ``t2_*`` counters, summed over every process that used this directory
+        (plus what this process counted in memory where it could not keep its file)."""
+        out = read_all(self._stats_dir)
+        if self.counters.off:
+            for k, v in self.counters.memory_counts().items():
+                out[k] += v
+        return out
 
     def used_bytes(self) -> int:
-        """The bytes the block files take, as the shared usage record says."""
-        with self._usage():
-            return self._read_used()
+        """The bytes the block files take, as the shared usage record says (read without the
+        lock when a stopped process holds it past ``lock_wait``)."""
+        try:
+            with self._usage():
+                return self._read_used()
+        except UsageLockBusy:
+            used = read_usage_record(self.root)
+            return used if used is not None else sum(f.size for f in scan_blocks(self._blocks))
 
     def key_path(self, key: Any) -> str:
         """The file that holds a key's block (whether or not it exists)."""
@@ -213,48 +246,51 @@ class DiskTier(Tier):
             self.counters.add("t2_bypasses", n)
             return [None] * n
         bound = self.timeout if timeout is None else max(0.0, min(self.timeout, timeout))
+        out: List[Optional[memoryview]] = [None] * n
+        hits = misses = bypasses = bad = nbytes = 0
+        # From allow() to the verdict, anything raised here (a signal handler's exception
+        # landing in the wait: a timeout alarm, KeyboardInterrupt) resolves the probe without
+        # a verdict, so the next lookup probes again instead of the disk staying off.
         try:
             pool = self._read_pool()
-            futs = [pool.submit(self._read_one, bid, off, limit) for bid, off in keys]
+            batch = _Batch(n)
+            jobs = [pool.submit(self._read_one, bid, off, limit, batch=batch)
+                    for bid, off in keys]
+            finished = batch.wait(jobs, bound)
+            err: Optional[BaseException] = None
+            cut_short = False  # by the caller's deadline, shorter than ours: no fault of the disk
+            for i, (j, ok) in enumerate(zip(jobs, finished)):
+                if not ok:
+                    bypasses += 1  # not started: never runs; running: its result is dropped
+                    if bound < self.timeout:
+                        cut_short = True
+                    else:
+                        err = err or TimeoutError(f"disk read past {bound:.3f} s")
+                    continue
+                if j.error is not None:
+                    bypasses += 1
+                    err = err or j.error
+                    continue
+                r = j.value
+                if r is None:
+                    misses += 1
+                elif isinstance(r, str):
+                    misses += 1
+                    bad += 1
+                else:
+                    out[i] = r
+                    hits += 1
+                    nbytes += r.nbytes
+            if err is not None:
+                b.failure(err)
+                log.debug("ucmcache disk tier %s: %s: %s", self.label, type(err).__name__, err)
+            elif cut_short:
+                b.abort()  # no verdict: a probe, if this was one, goes to the next lookup
+            else:
+                b.success()
         except BaseException:
             b.abort()
             raise
-        done, _ = wait(futs, timeout=bound)
-        out: List[Optional[memoryview]] = [None] * n
-        err: Optional[BaseException] = None
-        hits = misses = bypasses = bad = nbytes = 0
-        cut_short = False  # by the caller's deadline, shorter than ours: no fault of the disk
-        for i, f in enumerate(futs):
-            if f not in done:
-                f.cancel()  # not started: never runs; running: its result is dropped
-                bypasses += 1
-                if bound < self.timeout:
-                    cut_short = True
-                else:
-                    err = err or TimeoutError(f"disk read past {bound:.3f} s")
-                continue
-            e = f.exception()
-            if e is not None:
-                bypasses += 1
-                err = err or e
-                continue
-            r = f.result()
-            if r is None:
-                misses += 1
-            elif isinstance(r, str):
-                misses += 1
-                bad += 1
-            else:
-                out[i] = r
-                hits += 1
-                nbytes += r.nbytes
-        if err is not None:
-            b.failure(err)
-            log.debug("ucmcache disk tier %s: %s: %s", self.label, type(err).__name__, err)
-        elif cut_short:
-            b.abort()  # no verdict: a probe, if this was one, goes to the next lookup
-        else:
-            b.success()
         c = self.counters
         c.add("t2_hits", hits)
         c.add("t2_misses", misses)
@@ -263,14 +299,13 @@ class DiskTier(Tier):
         c.add("t2_read_bytes", nbytes)
         return out
 
-    def _read_pool(self) -> ThreadPoolExecutor:
+    def _read_pool(self) -> "_Readers":
         p = self._pool
         if p is None:
             with self._pool_lock:
                 p = self._pool
                 if p is None:
-                    p = self._pool = ThreadPoolExecutor(self._readers,
-                                                        thread_name_prefix="ucmcache-disk-read")
+                    p = self._pool = _Readers(self._readers, "ucmcache-disk-read")
         return p
 
     def _read_one(self, block_id: bytes, offset: int, limit: int) -> Any:
@@ -306,12 +341,43 @@ class DiskTier(Tier):
                 pass
         return payload
 
-    def _exist_prefix(self, keys: Sequence[Tuple[bytes, int]]) -> int:
-        if not self._breaker.would_allow():
+    def _exist_prefix(self, keys: Sequence[Tuple[bytes, int]], limit: int) -> int:
+        """How many leading keys have a file a lookup would serve.  The stats run on the read
+        threads under ``timeout`` (the caller may be a scheduler: a hung disk must not hold
+        it); past it, or on an error, 0 (and the reads' breaker counts it)."""
+        self._check_pid()
+        b = self._breaker
+        if not keys or not b.would_allow():
             return 0
+        try:
+            batch = _Batch(1)
+            job = self._read_pool().submit(self._stat_prefix, list(keys), limit, batch=batch)
+            if not batch.wait([job], self.timeout)[0]:
+                b.failure(TimeoutError(f"disk stat past {self.timeout:.3f} s"))
+                return 0
+        except OSError as e:  # no read thread could start
+            log.debug("ucmcache disk tier %s: exist_prefix: %s", self.label, e)
+            return 0
+        if job.error is not None:
+            if not isinstance(job.error, OSError):
+                raise job.error
+            b.failure(job.error)
+            return 0
+        return int(job.value)
+
+    def _stat_prefix(self, keys: Sequence[Tuple[bytes, int]], limit: int) -> int:
+        if _hooks._armed:
+            _hooks.fire("disk_read_io")  # a test holds this stat: a disk that does not answer
         n = 0
         for bid, off in keys:
-            if not os.path.exists(self._path_of(bid, off)):
+            try:
+                st = os.stat(self._path_of(bid, off))
+            except (FileNotFoundError, NotADirectoryError):
+                break
+            # What _read_one would refuse (larger than this cache's slots, shorter than a
+            # header, not a file) is not there for this cache.
+            if not stat_mod.S_ISREG(st.st_mode) or not \
+                    HEADER_SIZE <= st.st_size <= HEADER_SIZE + limit:
                 break
             n += 1
         return n
@@ -371,15 +437,28 @@ class DiskTier(Tier):
         if not b.allow():
             self.counters.add("t2_write_drops", 1)
             return
+        if time.monotonic() >= self._next_clean:
+            self._next_clean = time.monotonic() + CLEAN_TMP_EVERY
+            try:
+                # Dead writers' temp files, on a tier that never evicts.
+                self._resync = self._clean_tmp() > 0 or self._resync
+            except OSError:
+                pass
+        if self._resync:
+            self._resync = False
+            try:
+                with self._usage():  # their reservations: the record from a scan
+                    self._write_used(sum(f.size for f in scan_blocks(self._blocks)))
+            except OSError:
+                pass
         header = encode_header(block_id, offset, data)
         size = HEADER_SIZE + len(data)
-        self._tmp_seq += 1
-        tmp = os.path.join(self._tmp, f"{self._pid}.{self._tmp_seq}.tmp")
+        tmp = ""
         reserved = False
         try:
             self._reserve(size)
             reserved = True
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, self._mode)
+            tmp, fd = self._make_tmp()
             try:
                 if _hooks._armed and "disk_mid_write" in _hooks._armed:
                     # A test kills the writer here: the header and half the payload written.
@@ -397,10 +476,23 @@ class DiskTier(Tier):
             except FileNotFoundError:
                 os.makedirs(os.path.dirname(final), mode=self._dir_mode, exist_ok=True)
                 os.rename(tmp, final)
+        except UsageLockBusy as e:
+            # Another process holds the lock past lock_wait (stopped, or a long pass): not a
+            # fault of the disk; this write is dropped.
+            if tmp:
+                _unlink_quiet(tmp)
+            b.abort()
+            self.counters.add("t2_write_drops", 1)
+            log.debug("ucmcache disk tier %s: write dropped: %s", self.label, e)
+            return
         except Exception as e:
-            _unlink_quiet(tmp)
+            if tmp:
+                _unlink_quiet(tmp)
             if reserved:
-                self._unreserve(size)
+                try:
+                    self._unreserve(size)
+                except UsageLockBusy:
+                    pass  # the record over-counts until the next eviction pass's scan
             b.failure(e)
             self.counters.add("t2_write_failures", 1)
             log.debug("ucmcache disk tier %s: write: %s: %s", self.label, type(e).__name__, e)
@@ -411,6 +503,28 @@ class DiskTier(Tier):
         b.success()
         self.counters.add("t2_writes", 1)
         self.counters.add("t2_written_bytes", size)
+
+    def _make_tmp(self) -> Tuple[str, int]:
+        """A new temporary file, flocked by this writer for its life: a cleaner removes a temp
+        file only when it can take that lock (its writer is gone), which needs no pid (pids
+        repeat across pid namespaces sharing the directory).  Random names: two DiskTiers on
+        one path in one process never collide."""
+        for _ in range(8):
+            tmp = os.path.join(self._tmp, f"{os.getpid()}.{secrets.token_hex(8)}.tmp")
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, self._mode)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                # A cleaner may have taken it between our create and our lock and removed it.
+                if os.stat(tmp).st_ino == os.fstat(fd).st_ino:
+                    return tmp, fd
+            except (BlockingIOError, FileNotFoundError):
+                pass
+            except BaseException:
+                os.close(fd)
+                _unlink_quiet(tmp)
+                raise
+            os.close(fd)
+        raise OSError(errno.EAGAIN, "could not make a temporary file (removed by cleaners)")
 
     def flush(self, timeout: float = 5.0) -> bool:
         """Wait until every write-through queued so far in this process is written (or
@@ -434,11 +548,13 @@ class DiskTier(Tier):
         return _UsageLock(self)
 
     def _usage_file(self) -> int:
-        fd = self._usage_fd
+        res = self._res
+        assert res is not None
+        fd = res.usage_fd
         if fd is None:
             fd = os.open(os.path.join(self.root, "usage"),
                          os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, self._mode)
-            self._usage_fd = fd
+            res.usage_fd = fd
         return fd
 
     def _read_used(self) -> int:
@@ -489,49 +605,37 @@ class DiskTier(Tier):
         return used - freed, n
 
     def _scan(self) -> List[BlockFile]:
-        """Every block file (the index, rebuilt from the directory); stale temporary files of
-        dead writers are removed on the way."""
-        out: List[BlockFile] = []
-        try:
-            subdirs = list(os.scandir(self._blocks))
-        except FileNotFoundError:
-            subdirs = []
-        for d in subdirs:
-            if not d.is_dir(follow_symlinks=False):
-                continue
-            try:
-                entries = list(os.scandir(d.path))
-            except FileNotFoundError:
-                continue
-            for e in entries:
-                key = parse_name(e.name)
-                if key is None:
-                    continue
-                try:
-                    st = e.stat(follow_symlinks=False)
-                except FileNotFoundError:
-                    continue
-                out.append(BlockFile(key[0], key[1], st.st_size, st.st_mtime_ns, e.path))
+        """Every block file (the index, rebuilt from the directory); temporary files of dead
+        writers are removed on the way."""
+        out = scan_blocks(self._blocks)
         self._clean_tmp()
         return out
 
-    def _clean_tmp(self) -> None:
-        now = time.time_ns()
+    def _clean_tmp(self) -> int:
+        """Remove the temporary files no writer holds (a writer flocks its file until renamed
+        or removed; the kernel drops a killed writer's lock); returns how many."""
+        removed = 0
         try:
             entries = list(os.scandir(self._tmp))
         except FileNotFoundError:
-            return
+            return 0
         for e in entries:
-            pid_s = e.name.split(".", 1)[0]
+            if not e.name.endswith(".tmp"):
+                continue
             try:
-                pid = int(pid_s)
-                st = e.stat(follow_symlinks=False)
-            except (ValueError, FileNotFoundError):
+                fd = os.open(e.path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+            except OSError:
                 continue
-            if pid == os.getpid():
-                continue
-            if not _pid_alive(pid) or now - st.st_mtime_ns > _STALE_TMP_NS:
-                _unlink_quiet(e.path)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                if os.stat(e.path).st_ino == os.fstat(fd).st_ino:
+                    _unlink_quiet(e.path)
+                    removed += 1
+            except OSError:
+                pass  # held: its writer is alive (or the file is gone already)
+            finally:
+                os.close(fd)
+        return removed
 
     # ---------------------------------------------------------------- tools (CLI)
 
@@ -577,8 +681,10 @@ class DiskTier(Tier):
     # ---------------------------------------------------------------- lifecycle
 
     def close(self, timeout: float = 5.0) -> None:
-        """Flush write-throughs (bounded), stop this process's threads.  The tier can be used
-        again afterwards (threads come back on demand)."""
+        """Flush write-throughs (bounded), stop this process's threads, close the usage file
+        and unmap the counter file.  Bounded: a read or a writer stuck in the kernel keeps its
+        daemon thread, not the caller.  The tier can be used again afterwards (threads, fd and
+        map come back on demand)."""
         if self._pid != os.getpid():
             self._reset_process_state()
             return
@@ -589,7 +695,17 @@ class DiskTier(Tier):
         with self._pool_lock:
             pool, self._pool = self._pool, None
         if pool is not None:
-            pool.shutdown(wait=False, cancel_futures=True)
+            pool.stop()
+        res = self._res
+        if res is not None:
+            # Under the thread lock: a writer still inside the usage lock keeps the fd (the
+            # finalizer closes it later).
+            if self._usage_lock.acquire(timeout=min(timeout, self.lock_wait)):
+                try:
+                    res.close_usage()
+                finally:
+                    self._usage_lock.release()
+            self.counters.close()
 
     def bind(self, count: Callable[[int, int], None], slot_size: int) -> "BoundDisk":
         """This tier as one cache uses it (ucmcache._tier).  Its counters are its own (the
@@ -597,17 +713,38 @@ class DiskTier(Tier):
         return BoundDisk(self, slot_size)
 
 
+class UsageLockBusy(OSError):
+    """The usage lock stayed held past ``lock_wait`` (a stopped or stuck process holds it)."""
+
+
 class _UsageLock:
-    """flock on the usage file (across processes) plus a thread lock (within this one)."""
+    """flock on the usage file (across processes) plus a thread lock (within this one), both
+    taken within ``lock_wait``: a holder that is stopped (SIGSTOP, a debugger) or stuck never
+    holds a taker for longer; the taker gets UsageLockBusy."""
 
     def __init__(self, tier: DiskTier):
         self.tier = tier
 
     def __enter__(self) -> "_UsageLock":
         t = self.tier
-        t._usage_lock.acquire()
+        deadline = time.monotonic() + t.lock_wait
+        if not t._usage_lock.acquire(timeout=max(0.0, t.lock_wait)):
+            raise UsageLockBusy(errno.EWOULDBLOCK, f"usage lock of {t.label}: held by another "
+                                f"thread past {t.lock_wait} s")
         try:
-            fcntl.flock(t._usage_file(), fcntl.LOCK_EX)
+            fd = t._usage_file()
+            delay = 0.001
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise UsageLockBusy(errno.EWOULDBLOCK, f"usage lock of {t.label}: "
+                                            f"held by another process past {t.lock_wait} s")
+                    time.sleep(min(delay, left))  # flock has no timed wait: poll, backing off
+                    delay = min(delay * 2, 0.05)
         except BaseException:
             t._usage_lock.release()
             raise
@@ -619,6 +756,184 @@ class _UsageLock:
             fcntl.flock(t._usage_file(), fcntl.LOCK_UN)
         finally:
             t._usage_lock.release()
+
+
+class _Files:
+    """The fd and the map a DiskTier holds in this process (closed by close(), the finalizer,
+    or dropped in a forked child)."""
+
+    def __init__(self, counters: ProcessCounters):
+        self.usage_fd: Optional[int] = None
+        self.counters = counters
+
+    def close_usage(self) -> None:
+        fd, self.usage_fd = self.usage_fd, None
+        if fd is not None:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+    def release(self) -> None:
+        self.close_usage()
+        self.counters.close()
+
+    def drop_inherited(self) -> None:
+        """In a forked child: no lock taken (a parent thread may have held one at the fork)."""
+        self.close_usage()
+        drop_inherited(self.counters)
+
+
+_QUEUED, _RUNNING, _DONE, _CANCELLED = range(4)
+
+
+class _Batch:
+    """Jobs one caller waits for together, with one deadline."""
+
+    def __init__(self, n: int):
+        self.cond = threading.Condition(threading.Lock())
+        self.left = n
+
+    def wait(self, jobs: Sequence["_Job"], timeout: float) -> List[bool]:
+        """Wait up to timeout for the jobs; the ones not started are cancelled (never run);
+        returns which finished."""
+        deadline = time.monotonic() + timeout
+        with self.cond:
+            while self.left > 0:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self.cond.wait(left)
+            for j in jobs:
+                if j.state == _QUEUED:
+                    j.state = _CANCELLED
+            return [j.state == _DONE for j in jobs]
+
+
+class _Job:
+    __slots__ = ("fn", "args", "batch", "state", "value", "error")
+
+    def __init__(self, fn: Callable[..., Any], args: Tuple[Any, ...], batch: _Batch):
+        self.fn, self.args, self.batch = fn, args, batch
+        self.state = _QUEUED
+        self.value: Any = None
+        self.error: Optional[BaseException] = None
+
+    def run(self) -> None:
+        with self.batch.cond:
+            if self.state != _QUEUED:
+                return
+            self.state = _RUNNING
+        try:
+            self.value = self.fn(*self.args)
+        except BaseException as e:  # the waiter judges it
+            self.error = e
+        with self.batch.cond:
+            self.state = _DONE
+            self.batch.left -= 1
+            self.batch.cond.notify_all()
+
+    def result(self, timeout: float) -> Any:
+        if not self.batch.wait([self], timeout)[0]:
+            raise TimeoutError("job not done")
+        if self.error is not None:
+            raise self.error
+        return self.value
+
+
+class _Readers:
+    """This process's read threads for one tier: at most ``count`` daemon threads on a FIFO
+    queue.  Not concurrent.futures: it joins its workers at interpreter exit, so one read that
+    never returns (hung NFS/FUSE, a dying disk) would hold process exit forever; a daemon
+    thread stuck in the kernel does not."""
+
+    def __init__(self, count: int, name: str):
+        self._count = count
+        self._name = name
+        self._cond = threading.Condition(threading.Lock())
+        self._queue: deque = deque()
+        self._threads = 0
+        self._idle = 0
+        self._stopping = False
+
+    def submit(self, fn: Callable[..., Any], *args: Any, batch: Optional[_Batch] = None) -> _Job:
+        job = _Job(fn, args, batch if batch is not None else _Batch(1))
+        with self._cond:
+            self._stopping = False
+            self._queue.append(job)
+            if len(self._queue) > self._idle and self._threads < self._count:
+                t = threading.Thread(target=self._run, name=self._name, daemon=True)
+                try:
+                    t.start()
+                except RuntimeError as e:  # cannot start a thread (EAGAIN: too many)
+                    if self._threads == 0:
+                        self._queue.remove(job)
+                        raise OSError(errno.EAGAIN, f"cannot start a read thread: {e}") from e
+                else:
+                    self._threads += 1
+            self._cond.notify()
+        return job
+
+    def stop(self) -> None:
+        """Idle threads exit; busy ones exit when their read returns.  Never waits."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._stopping:
+                    self._idle += 1
+                    try:
+                        self._cond.wait()
+                    finally:
+                        self._idle -= 1
+                if not self._queue:
+                    self._threads -= 1
+                    return
+                job = self._queue.popleft()
+            job.run()
+
+
+def scan_blocks(blocks_dir: str) -> List[BlockFile]:
+    """Every block file under a tier's ``blocks/`` (reads only: the tools use it)."""
+    out: List[BlockFile] = []
+    try:
+        subdirs = list(os.scandir(blocks_dir))
+    except FileNotFoundError:
+        subdirs = []
+    for d in subdirs:
+        if not d.is_dir(follow_symlinks=False):
+            continue
+        try:
+            entries = list(os.scandir(d.path))
+        except FileNotFoundError:
+            continue
+        for e in entries:
+            key = parse_name(e.name)
+            if key is None:
+                continue
+            try:
+                st = e.stat(follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+            out.append(BlockFile(key[0], key[1], st.st_size, st.st_mtime_ns, e.path))
+    return out
+
+
+def read_usage_record(root: str) -> Optional[int]:
+    """The usage record of a tier's ``ucm-disk-v1`` directory, read without its lock (one
+    8-byte pread, written by one 8-byte pwrite) and without keeping an fd; None if missing."""
+    try:
+        fd = os.open(os.path.join(root, "usage"), os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    try:
+        raw = os.pread(fd, 8, 0)
+    finally:
+        os.close(fd)
+    return _U64.unpack(raw)[0] if len(raw) == 8 else None
 
 
 class BoundDisk(BoundTier):
@@ -638,8 +953,10 @@ class BoundDisk(BoundTier):
             _hooks.fire("disk_lookup")  # an owner is about to read the disk
         try:
             out = self.tier._read_many([(b, o) for _, b, o in owned], self._limit, timeout)
-        except Exception:
-            # A bug of ours must not fail a get: log it, load as if the disk were absent.
+        except OSError:
+            # The disk's fault (reads run on threads; this is what reached this one, e.g. no
+            # thread could start): load as if the disk were absent.  Anything else (a signal
+            # handler's exception, KeyboardInterrupt) is the caller's and goes up.
             log.exception("ucmcache disk tier %s: unexpected error; bypassing", self.tier.label)
             self.tier.counters.add("t2_bypasses", len(owned))
             out = [None] * len(owned)
@@ -649,7 +966,7 @@ class BoundDisk(BoundTier):
         return out
 
     def exist_prefix(self, keys: Sequence[Tuple[bytes, int]]) -> int:
-        return self.tier._exist_prefix(keys)
+        return self.tier._exist_prefix(keys, self._limit)
 
     def write_through(self, slot: int, payload: memoryview) -> None:
         key = self.pending.pop(slot, None)
@@ -697,16 +1014,6 @@ def _unlink_quiet(path: str) -> None:
         pass
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _rebuild(path: str, config: Dict[str, Any]) -> DiskTier:
     return DiskTier(path, **config)
 
@@ -723,7 +1030,7 @@ def _flush_at_exit() -> None:
 
 def _forget_after_fork() -> None:
     for t in list(_live_tiers):
-        t._reset_process_state()
+        t._reset_process_state()  # closes the parent's usage fd in this child at once
 
 
 os.register_at_fork(after_in_child=_forget_after_fork)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Callable
+from typing import Callable, Optional
 
 log = logging.getLogger("ucmcache.tier2")
 
@@ -35,6 +35,11 @@ class Breaker:
         self.fails = 0
         self.opened_at = 0.0
         self.probing = False
+        self.probe_at = 0.0
+        # A probe out longer than this (seconds) expires and the next call probes again: a
+        # probe whose verdict never came (its caller died mid-way) must not bypass the tier
+        # for the life of the process.  None: probes never expire.
+        self.probe_expiry: Optional[float] = None
         self.changes = 0
         self._lock = threading.Lock()
 
@@ -44,11 +49,17 @@ class Breaker:
         with self._lock:
             if self.state == CLOSED:
                 return True
-            if self.state == OPEN and not self.probing and \
-                    self.clock() - self.opened_at >= self.reset:
+            now = self.clock()
+            if self.state == OPEN and not self.probing and now - self.opened_at >= self.reset:
                 self._set(HALF_OPEN)
                 self.probing = True
+                self.probe_at = now
                 log.debug("ucmcache tier 2 %s: half-open, probing", self.label)
+                return True
+            if self.state == HALF_OPEN and self.probing and self.probe_expiry is not None and \
+                    now - self.probe_at >= self.probe_expiry:
+                self.probe_at = now
+                log.debug("ucmcache tier 2 %s: probe out too long, probing again", self.label)
                 return True
             return False
 
