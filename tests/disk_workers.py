@@ -15,9 +15,13 @@ from workers import check_payload, payload_for, run
 SIZE = 200  # payload bytes (slot_size is 256 in these tests)
 
 
+# A generous read timeout: on a loaded machine a 1 s disk read can run out and turn a disk hit
+# into a load, which these workers' callers count (runs 1 instead of 0: seen once in 20 runs).
+READ_TIMEOUT = 30.0
+
 def _load_all(uuid, path, capacity, keys, size=SIZE):
     """get_or_load every key, then flush the disk writes; (loader runs, all bytes right)."""
-    tier = DiskTier(path, capacity)
+    tier = DiskTier(path, capacity, timeout=READ_TIMEOUT)
     c = SlotCache.attach(uuid, tier2=tier)
     runs = []
     try:
@@ -38,7 +42,7 @@ def load_all(q, *args):
 
 def load_then_park(q, uuid, path, capacity, keys, park_path):
     """Load keys and flush, report, then stay attached at a gate until killed."""
-    tier = DiskTier(path, capacity)
+    tier = DiskTier(path, capacity, timeout=READ_TIMEOUT)
     c = SlotCache.attach(uuid, tier2=tier)
     runs = []
     ok = True
@@ -52,7 +56,7 @@ def load_then_park(q, uuid, path, capacity, keys, park_path):
 
 def die_mid_write(q, uuid, path, capacity, key):
     """Load key; the disk writer is killed (SIGKILL) with half the block in its temp file."""
-    tier = DiskTier(path, capacity)
+    tier = DiskTier(path, capacity, timeout=READ_TIMEOUT)
     c = SlotCache.attach(uuid, tier2=tier)
     _hooks.arm_python("disk_mid_write", "kill")
     c.get_or_load(key, lambda: payload_for(key, SIZE), timeout=30)
@@ -61,7 +65,7 @@ def die_mid_write(q, uuid, path, capacity, key):
 
 def _get_at_point(uuid, path, capacity, key, point, gate_path):
     """get(key) once, held at a named point by a gate; load it if we own it."""
-    tier = DiskTier(path, capacity)
+    tier = DiskTier(path, capacity, timeout=READ_TIMEOUT)
     c = SlotCache.attach(uuid, tier2=tier)
     gate = Gate(gate_path)
     runs = 0
