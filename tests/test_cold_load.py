@@ -692,3 +692,77 @@ def test_a_wait_ended_by_its_recovery_raising_counts_its_time_once(make_cache, p
     monkeypatch.undo()
     c.recover()
     assert c.get_or_load(key, lambda: b"again") == b"again"
+
+
+class _StepFirst:
+    """ucmcache._slots' lib with one step (`name`) made to run `first` once before it: the
+    interleaving of another thread of the process landing between a finisher's checks and its
+    core step (a GIL switch there), made deterministic."""
+
+    def __init__(self, lib, name, first):
+        self._lib, self._name, self._first = lib, name, first
+
+    def __getattr__(self, attr):
+        step = getattr(self._lib, attr)
+        if attr != self._name or self._first is None:
+            return step
+
+        def wrapped(*args):
+            first, self._first = self._first, None
+            first()
+            return step(*args)
+        return wrapped
+
+
+@pytest.mark.parametrize("made", ["c", "full", "batch"])
+@pytest.mark.parametrize("finish", ["ready", "fail"])
+def test_a_stale_finish_never_finishes_the_next_load_on_its_slot(make_cache, monkeypatch, made,
+                                                                 finish):
+    """A's ready()/fail() passed its checks; before its core step another thread closes A (the
+    load failed, the slot unpinned and free) and another get of the same process installs K2
+    on that slot.  The stale step must not take the right to finish K2's load (the done flag
+    is the slot's; the load's serial is A's): it raises, K2 stays Loading, and K2's own owner
+    publishes its bytes (I4, I5)."""
+    from ucmcache import _hooks, _slots
+    c = make_cache(slots_per_rank=4, slot_size=64, max_ranks=1)
+    warm(c)
+    if made == "batch":
+        a = c.get_many([K[1]], timeout=30.0)
+        assert bool(a.owner[0])
+        slot = int(a._slots[0])
+        a.data(0)[:16] = b"A" * 16
+    else:
+        a = c.get(K[1]) if made == "c" else c.get(K[1], timeout=30.0)
+        assert a.owner and (a._token is None) == (made == "c")
+        slot = a._slot
+        a.data[:16] = b"A" * 16
+    got = {}
+
+    def other_threads():
+        a.close()                                   # T1: A's load failed, its slot unpinned
+        for i in range(2, 150):                     # T3: a new key's install on that slot
+            h = c.get(K[i])
+            if h._slot == slot and h.owner:
+                got["h"], got["key"] = h, K[i]
+                return
+            h.close()
+    step = "ucm_publish" if finish == "ready" else "ucm_fail_load"
+    monkeypatch.setattr(_slots, "lib", _StepFirst(_slots.lib, step, other_threads))
+    monkeypatch.setitem(_hooks._armed, "before_magic", ("none", None))  # off C's ready()
+    with pytest.raises(UcmError, match=r"no longer the owner of a loading slot \(UCM_NOT_HELD\)"):
+        if made == "batch":
+            a.ready(0, 16) if finish == "ready" else a.fail(0, "stale")
+        else:
+            a.ready(16) if finish == "ready" else a.fail("stale")
+    monkeypatch.undo()
+    assert "h" in got, "the slot was not installed again"
+    h2, key2 = got["h"], got["key"]
+    from ucmcache.lowlevel import lib
+    assert lib.ucm_slot_state(c._ctx, slot) == lib.UCM_LOADING   # K2's load is its owner's
+    h2.data[:8] = b"K2 owner"
+    h2.ready(8)                                     # and its owner finishes it
+    h2.close()
+    assert c.get_or_load(key2, lambda: b"never") == b"K2 owner"
+    assert c.get_or_load(K[1], lambda: b"A again") == b"A again"   # A's load failed, not Ready
+    assert int((slot_fields(snapshot(c._seg)["metas"])["reference"] != 0).sum()) == 0
+    assert ucmcache.verify(c.uuid).ok
