@@ -2273,8 +2273,9 @@ int ucm_token_publish(ucm_token *t, uint32_t state, uint32_t n, int64_t t0_ns)
  * none); a slice that ends with the slot still Loading looks at the loader's life lock (its
  * OFD lock on lock_fd, byte life_byte0 + rank: free means the loader died).  Answers: UCM_OK
  * with the final state (Ready or Failed; Empty once a recovery reclaimed it); UCM_TIMEOUT
- * (still Loading at the deadline); UCM_SLICE (still Loading, the loader alive, at the slice's
- * end or when a signal interrupted the sleep: the caller runs its signal handlers, with the
+ * (still Loading at the deadline); UCM_SLICE (still Loading, the loader alive (its life lock is
+ * looked at on every still-Loading answer, a signal's too), at the slice's end or when a signal
+ * interrupted the sleep: the caller runs its signal handlers, with the
  * GIL, and calls again with the same t0_ns and deadline, so a thread waiting with no deadline
  * can still be interrupted); UCM_OWNERDEAD (the loader's life lock is free, or could not be
  * read: the caller recovers, or finds it alive, and calls again; the state then answers at
@@ -2297,7 +2298,10 @@ int ucm_wait_ready(ucm_ctx *c, uint32_t s, int64_t deadline_ns, int64_t slice_ns
             if (t0_ns >= 0) STAT(c, UCM_ST_WAIT_TIMEOUTS, 1);
             goto counted;
         }
-        if (r == UCM_SLICE) return UCM_SLICE; /* uncounted: the caller calls again */
+        /* A signal's SLICE looks too: a new slice starts at every call, so with signals
+         * faster than a slice a check only at a slice's end would never run, and a dead
+         * loader would hold its waiters to their deadline (or forever).  One fcntl per
+         * signal, so a dead loader is found within a slice however many signals come. */
         uint32_t loader = ucm_slot_loader(c, s);
         if (loader != (uint32_t)c->rank && loader < c->l.max_ranks && lock_fd >= 0
             && ucm_ofd_held_by_other(lock_fd, life_byte0 + loader) != 1)

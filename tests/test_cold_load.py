@@ -766,3 +766,49 @@ def test_a_stale_finish_never_finishes_the_next_load_on_its_slot(make_cache, mon
     assert c.get_or_load(K[1], lambda: b"A again") == b"A again"   # A's load failed, not Ready
     assert int((slot_fields(snapshot(c._seg)["metas"])["reference"] != 0).sum()) == 0
     assert ucmcache.verify(c.uuid).ok
+
+
+@pytest.mark.parametrize("how", ["batch", "handle"])
+def test_a_steady_stream_of_signals_still_finds_a_dead_loader(make_cache, procs, gate, how):
+    """A loader killed at a gate; the waiter's thread takes a signal every 50 ms, faster than
+    a liveness slice (0.5 s).  Each signal ends ucm_wait_ready's call with UCM_SLICE and the
+    next call starts a new slice: the life lock must be looked at on those answers too, or the
+    dead loader is never seen (TimeoutError at the deadline, or no end with none).  Here the
+    wait ends LoadFailed (recovered) well before its 3 s deadline, in the batch's Python wait
+    (_wait_ready) and the handle's C wait (handle_wait) alike."""
+    import threading
+    import time
+    c = make_cache(slots_per_rank=8, slot_size=64, max_ranks=2)
+    warm(c)
+    key, g = K[3], gate()
+    p, q = procs.start(workers.load_held, c.uuid, key, None, g.path, b"loaded", None)
+    g.wait_arrived()
+    p.kill()
+    p.join(10)
+    assert not p.is_alive()
+    main, stop = threading.get_ident(), threading.Event()
+
+    def ticker():
+        while not stop.wait(0.05):
+            signal.pthread_kill(main, signal.SIGALRM)
+    old = signal.signal(signal.SIGALRM, lambda *a: None)
+    t = threading.Thread(target=ticker)
+    t.start()
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(ucmcache.LoadFailed):
+            if how == "batch":
+                with c.get_many([key], timeout=30.0) as b:
+                    b.wait(3.0)
+            else:
+                with c.get(key) as h:
+                    assert not h.owner
+                    h.wait(3.0)
+        took = time.monotonic() - t0
+    finally:
+        stop.set()
+        t.join(10)
+        signal.signal(signal.SIGALRM, old)
+    assert took < 2.0, f"the dead loader was found after {took:.2f} s"
+    assert c.get_or_load(key, lambda: b"again") == b"again"
+    assert ucmcache.verify(c.uuid).ok
