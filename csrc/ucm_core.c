@@ -2317,6 +2317,19 @@ counted:
     return r;
 }
 
+int ucm_wait_end(ucm_ctx *c, int64_t t0_ns, int timed_out)
+{
+    /* The end of a wait whose steps (ucm_wait_ready with t0_ns < 0) counted nothing: its time
+     * into wait_ns and the wait histogram, and a timeout, in one step that reads the clock
+     * itself, so a caller in Python counts the wait exactly once from its `finally` (no
+     * signal handler can run between a count in C and the Python that would record it). */
+    uint64_t waited = (uint64_t)(now_ns() - t0_ns);
+    STAT(c, UCM_ST_WAIT_NS, waited);
+    ucm_observe(c, UCM_HIST_WAIT, waited);
+    if (timed_out) STAT(c, UCM_ST_WAIT_TIMEOUTS, 1);
+    return UCM_OK;
+}
+
 /* ---------------------------------------------------------------- the slow path, whole */
 
 int64_t ucm_get_slow(ucm_ctx *c, const char *id, uint64_t offset, uint32_t spin_budget,

@@ -444,6 +444,10 @@ int ucm_fail_load(ucm_ctx *c, uint32_t slot, uint32_t serial, const char *msg, u
 int ucm_wait_loaded(ucm_ctx *c, uint32_t slot, int64_t timeout_ns, uint32_t *state_out);
 int ucm_wait_ready(ucm_ctx *c, uint32_t slot, int64_t deadline_ns, int64_t slice_ns,
                    int lock_fd, uint64_t life_byte0, int64_t t0_ns, uint32_t *state_out);
+/* A wait whose ucm_wait_ready steps counted nothing (t0_ns < 0) ends: its time (from t0_ns,
+ * ucm_now_ns's clock, read here) into wait_ns and the wait histogram, and a timeout if
+ * timed_out, in one step (the Python wait's `finally`: counted exactly once). */
+int ucm_wait_end(ucm_ctx *c, int64_t t0_ns, int timed_out);
 int64_t ucm_now_ns(void);
 int ucm_load_finish(ucm_token *t, uint32_t state, const char *src, uint64_t n, int64_t t0_ns);
 int ucm_token_publish(ucm_token *t, uint32_t state, uint32_t n, int64_t t0_ns);

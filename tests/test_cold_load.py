@@ -812,3 +812,63 @@ def test_a_steady_stream_of_signals_still_finds_a_dead_loader(make_cache, procs,
     assert took < 2.0, f"the dead loader was found after {took:.2f} s"
     assert c.get_or_load(key, lambda: b"again") == b"again"
     assert ucmcache.verify(c.uuid).ok
+
+
+def test_a_python_wait_ended_ready_under_a_pending_signal_counts_its_time_once(make_cache):
+    """A batch's wait (_wait_ready, Python) ends Ready while a signal is pending for the main
+    thread: its handler raises at the eval-breaker check right after the wait's C step
+    returned.  The wait is counted exactly once (waits, and its time: wait_count in the
+    histogram), not once in C and again in the Python `finally`."""
+    import threading
+    import time
+    from ucmcache.lowlevel import lib
+    c = make_cache(slots_per_rank=8, slot_size=64, max_ranks=1)
+    warm(c)
+    key = K[5]
+    owning, failures = threading.Event(), []
+
+    class Boom(Exception):
+        pass
+
+    def on_usr1(signum, frame):
+        raise Boom()
+    old = signal.signal(signal.SIGUSR1, on_usr1)
+
+    def owner():
+        try:
+            with c.get(key) as h:
+                assert h.owner
+                slot = h._slot
+                owning.set()
+                deadline = time.monotonic() + 10       # gate: the waiter is at the futex
+                while not int(snapshot(c._seg)["metas"]["state"][slot]) & lib.UCM_WAITERS:
+                    assert time.monotonic() < deadline, "the waiter never slept"
+                    time.sleep(0.002)
+                time.sleep(0.05)                       # past the bit, into the syscall
+                # Trips the interpreter's flag (handlers run on the main thread, after its
+                # next call): the main thread's futex is not interrupted, ready() wakes it.
+                signal.pthread_kill(threading.get_ident(), signal.SIGUSR1)
+                h.data[:4] = b"okok"
+                h.ready(4)
+        except BaseException as e:
+            failures.append(e)
+    t = threading.Thread(target=owner)
+    t.start()
+    try:
+        assert owning.wait(10)
+        s0 = c.stats()
+        b = c.get_many([key], timeout=30.0)
+        try:
+            with pytest.raises(Boom):
+                b.wait(30.0)
+        finally:
+            b.close()
+    finally:
+        t.join(10)
+        signal.signal(signal.SIGUSR1, old)
+    assert failures == [] and not t.is_alive()
+    s = c.stats()
+    assert s["waits"] - s0["waits"] == 1
+    assert s["wait_count"] - s0["wait_count"] == 1
+    assert s["wait_timeouts"] == s0["wait_timeouts"]
+    assert c.get_or_load(key, lambda: b"never") == b"okok"
