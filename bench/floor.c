@@ -196,7 +196,8 @@ static int get_pin(cli_t *k, const char *id, uint32_t *slot, int *owner, uint32_
 static void cli_publish(cli_t *k, uint32_t s, uint32_t len)
 {
     if (k->o) old_publish(k->o, s, UCM_READY, len);
-    else ucm_publish(k->c, s, UCM_READY, len);
+    /* One thread per client and its pin held since the install: the serial is its load's. */
+    else ucm_publish(k->c, s, ucm_load_serial(k->c, s), UCM_READY, len);
 }
 
 static void cli_wait(cli_t *k, uint32_t s)
@@ -253,7 +254,7 @@ static int op_fill(cli_t *k, const char *id, const char *payload, uint32_t len)
             ucm_stripe_unlock(c, stripe);
             if (!ok) return -1;
             memcpy(slot_data(k->g, s), payload, len);
-            ucm_publish(c, s, UCM_READY, len);
+            ucm_publish(c, s, ucm_load_serial(c, s), UCM_READY, len); /* ours, pinned */
             ucm_release(c, s);
             return 0;
         }

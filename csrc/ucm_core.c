@@ -74,6 +74,10 @@ struct ucm_ctx {
     uint8_t *local_done;     /* process-local, per slot: 1 once a thread of ours took the right
                               * to finish the load our install began (take_finish), 0 from the
                               * install's handover; changed under the local lock */
+    uint32_t *local_serial;  /* process-local, per slot: bumped by each install's handover under
+                              * the local lock; the owner of that load is handed it, and only
+                              * a finisher naming it may take the right (take_finish): a stale
+                              * ready()/fail() can never finish a later install's load */
     uint32_t *arena_seen;    /* process-local, per arena: serial << 1 | verified (see "Arenas") */
     uint64_t epoch_seen;     /* the arena epoch our rank last looked at its share in */
     uint32_t local_locks[LOCAL_LOCKS]; /* process-local spinlocks, see local_lock() */
@@ -611,10 +615,12 @@ ucm_ctx *ucm_ctx_new(char *base, uint64_t map_size, const ucm_layout *l)
     c->walk_limit = l->n_slots + 1;
     c->local_pins = calloc(l->n_slots, sizeof(uint32_t));
     c->local_done = calloc(l->n_slots, 1);
+    c->local_serial = calloc(l->n_slots, sizeof(uint32_t));
     c->arena_seen = calloc(l->n_arenas, sizeof(uint32_t));
-    if (!c->local_pins || !c->local_done || !c->arena_seen) {
+    if (!c->local_pins || !c->local_done || !c->local_serial || !c->arena_seen) {
         free(c->local_pins);
         free(c->local_done);
+        free(c->local_serial);
         free(c->arena_seen);
         free(c);
         return NULL;
@@ -624,6 +630,7 @@ ucm_ctx *ucm_ctx_new(char *base, uint64_t map_size, const ucm_layout *l)
     if (!c->repair_seen) {
         free(c->local_pins);
         free(c->local_done);
+        free(c->local_serial);
         free(c->arena_seen);
         free(c);
         return NULL;
@@ -643,6 +650,7 @@ static void ctx_put(ucm_ctx *c)
     free(c->repair_seen);
     free(c->local_pins);
     free(c->local_done);
+    free(c->local_serial);
     free(c->arena_seen);
     free(c);
 }
@@ -1893,6 +1901,7 @@ int ucm_install(ucm_ctx *c, uint32_t s, const char *id, uint64_t offset, uint32_
     local_lock(c, s);
     c->local_pins[s] = 1;
     c->local_done[s] = 0; /* nobody has finished this load yet (take_finish) */
+    c->local_serial[s]++; /* this load's serial: only its owner names it (take_finish) */
     SET_REL(ref_w(c, s), c->rank_bit);
     local_unlock(c, s);
     STAT(c, UCM_ST_MISSES, 1);
@@ -1909,13 +1918,20 @@ int ucm_install(ucm_ctx *c, uint32_t s, const char *id, uint64_t offset, uint32_
  * (reset by the install's handover) under the local lock, so exactly one of them runs; the
  * publish also takes one more local hold for its duration, so a drop that lost the right
  * (it only unpins) cannot leave the slot unpinned, claimable, under the publish.  Answers
- * UCM_OK (taken, with the hold: the caller drops it by unpin), UCM_NOT_HELD (we hold no pin),
- * UCM_PUBLISHED (another thread of ours took it). */
-static int take_finish(ucm_ctx *c, uint32_t s, int hold)
+ * UCM_OK (taken, with the hold: the caller drops it by unpin), UCM_NOT_HELD (we hold no pin,
+ * the context is closed or a forked child's copy, or `serial` is not the slot's install's:
+ * a stale finisher whose load ended and whose slot another get of ours installed again),
+ * UCM_PUBLISHED (another thread of ours took it).  The done byte belongs to the slot, so the
+ * serial (handed to the load's owner at the handover: ucm_load_serial, a token's field) is
+ * what ties the right to one load: a ready() that passed its checks before its handle's close
+ * freed the slot must not finish the next key's load on it (I4, I5). */
+static int take_finish(ucm_ctx *c, uint32_t s, uint32_t serial, int hold)
 {
+    if (!ctx_live(c)) return UCM_NOT_HELD;
     local_lock(c, s);
     /* Relaxed: our own bit, set by this process (ordered by the local lock). */
-    int held = (RLX(ref_w(c, s)) & c->rank_bit) && c->local_pins[s] != 0;
+    int held = (RLX(ref_w(c, s)) & c->rank_bit) && c->local_pins[s] != 0
+               && c->local_serial[s] == serial;
     int r = !held ? UCM_NOT_HELD : c->local_done[s] ? UCM_PUBLISHED : UCM_OK;
     if (r == UCM_OK) {
         c->local_done[s] = 1;
@@ -1957,28 +1973,40 @@ static int publish_taken(ucm_ctx *c, uint32_t s, uint32_t state, uint32_t length
     return UCM_OK;
 }
 
-int ucm_publish(ucm_ctx *c, uint32_t s, uint32_t state, uint32_t length)
+uint32_t ucm_load_serial(ucm_ctx *c, uint32_t s)
+{
+    /* The serial of the slot's latest install by this process (take_finish).  Asked by an
+     * owner right after the step that made it the owner, while its pin keeps the slot from
+     * any other install, so the answer is its own load's. */
+    if (s >= c->l.n_slots) return 0;
+    local_lock(c, s);
+    uint32_t serial = c->local_serial[s];
+    local_unlock(c, s);
+    return serial;
+}
+
+int ucm_publish(ucm_ctx *c, uint32_t s, uint32_t serial, uint32_t state, uint32_t length)
 {
     /* The owner, holding its pin on a Loading slot, makes it Ready or Failed, once: the right
      * to finish first (take_finish), its extra hold dropped after. */
     if (s >= c->l.n_slots || (state != UCM_READY && state != UCM_FAILED)
         || (uint64_t)length > c->l.slot_size)
         return UCM_CORRUPT;
-    int r = take_finish(c, s, 1);
+    int r = take_finish(c, s, serial, 1);
     if (r != UCM_OK) return r;
     r = publish_taken(c, s, state, length);
     unpin(c, s);
     return r;
 }
 
-int ucm_fail_load(ucm_ctx *c, uint32_t s, const char *msg, uint32_t len)
+int ucm_fail_load(ucm_ctx *c, uint32_t s, uint32_t serial, const char *msg, uint32_t len)
 {
     /* fail() of an owner's handle: the right to finish first, then the message copied into
      * the slot (cut to the slot) and the Failed publish, so a ready() of another thread that
      * took the right is never written over.  Answers as ucm_publish. */
     if (s >= c->l.n_slots) return UCM_CORRUPT;
     if ((uint64_t)len > c->l.slot_size) len = (uint32_t)c->l.slot_size;
-    int r = take_finish(c, s, 1);
+    int r = take_finish(c, s, serial, 1);
     if (r != UCM_OK) return r;
     if ((RLX(state_w(c, s)) & UCM_STATE_MASK) != UCM_LOADING) {
         r = UCM_PUBLISHED;
@@ -2007,17 +2035,19 @@ static void fail_loading(ucm_ctx *c, uint32_t s, const char *msg, uint32_t len)
     if (old & UCM_WAITERS) futex_wake_word(state_w(c, s), INT32_MAX);
 }
 
-static int abandon_one(ucm_ctx *c, uint32_t s, int owner, const char *msg, uint32_t len)
+static int abandon_one(ucm_ctx *c, uint32_t s, int owner, uint32_t serial, const char *msg,
+                       uint32_t len)
 {
     /* Drop a pin that no Handle will drop; for the owner of a load that was never published,
      * publish Failed first, while the pin still keeps the slot from being reclaimed.  One step,
-     * so nothing between the two can leave a Loading slot whose owner holds no pin. */
+     * so nothing between the two can leave a Loading slot whose owner holds no pin.  `serial`:
+     * the owner's load's (take_finish). */
     if (s >= c->l.n_slots) return UCM_CORRUPT;
     if (!ctx_live(c)) return UCM_OK; /* closed, or a forked child's copy: not ours to touch */
     if (owner && c->rank >= 0) {
         /* The right to finish (take_finish): a publish of another thread of ours that took it
          * first finishes the load; this drop then only unpins. */
-        int held = take_finish(c, s, 0) == UCM_OK;
+        int held = take_finish(c, s, serial, 0) == UCM_OK;
         /* Acquire: pairs with a publish's release exchange by another thread of ours.  The
          * loader word is relaxed: written by our own install before the handover that gave us
          * this pin (ordered by it). */
@@ -2041,7 +2071,11 @@ int ucm_abandon_many(ucm_ctx *c, uint32_t *slots, const uint8_t *owner, uint32_t
         uint32_t s = slots[i];
         if (s == UCM_NIL) continue;
         slots[i] = UCM_NIL;
-        int r = abandon_one(c, s, owner ? owner[i] : 0, msg, len);
+        /* The serial is the slot's current one: the batch's pin, held from the install that
+         * made this position the owner to here, kept every other install off the slot. */
+        int own = owner ? owner[i] : 0;
+        int r = abandon_one(c, s, own, own && s < c->l.n_slots ? ucm_load_serial(c, s) : 0,
+                            msg, len);
         if (r != UCM_OK) worst = r;
     }
     return worst;
@@ -2078,6 +2112,8 @@ static void token_arm(ucm_ctx *c, ucm_token *t, uint32_t slot, uint32_t owner)
     t->c = c;
     t->slot = slot;
     t->owner = owner;
+    /* The load's serial (take_finish): read while our pin keeps the slot from another install. */
+    t->serial = owner && slot < c->l.n_slots ? ucm_load_serial(c, slot) : 0;
     t->armed = 1;
 }
 
@@ -2086,7 +2122,7 @@ void ucm_token_drop(ucm_token *t, const char *msg, uint32_t len)
     if (!t->armed) return;
     ucm_ctx *c = t->c;
     t->armed = 0;
-    abandon_one(c, t->slot, (int)t->owner, msg, len); /* nothing if !ctx_live(c) */
+    abandon_one(c, t->slot, (int)t->owner, t->serial, msg, len); /* nothing if !ctx_live(c) */
     ctx_put(c);
 }
 
@@ -2148,13 +2184,13 @@ int ucm_load_finish(ucm_token *t, uint32_t state, const char *src, uint64_t n, i
     if (!t->owner || s >= c->l.n_slots || (state != UCM_READY && state != UCM_FAILED)
         || n > c->l.slot_size) {
         r = UCM_CORRUPT;
-        abandon_one(c, s, (int)t->owner, NULL, 0); /* fails it unpublished, drops the pin */
+        abandon_one(c, s, (int)t->owner, t->serial, NULL, 0); /* fails it unpublished, unpins */
         goto out;
     }
     /* The right to finish first (take_finish, with one more hold), then the copy. */
-    r = take_finish(c, s, 1);
+    r = take_finish(c, s, t->serial, 1);
     if (r != UCM_OK) { /* not held (closed under us), or finished already: only unpins */
-        abandon_one(c, s, (int)t->owner, NULL, 0);
+        abandon_one(c, s, (int)t->owner, t->serial, NULL, 0);
         goto out;
     }
     /* Plain stores: the slot is Loading and ours (no reader reads its bytes before acquiring
@@ -2224,7 +2260,7 @@ int ucm_wait_loaded(ucm_ctx *c, uint32_t s, int64_t timeout_ns, uint32_t *state_
 int ucm_token_publish(ucm_token *t, uint32_t state, uint32_t n, int64_t t0_ns)
 {
     if (!t->armed || !t->owner || !ctx_live(t->c)) return UCM_NOT_HELD;
-    int r = ucm_publish(t->c, t->slot, state, n);
+    int r = ucm_publish(t->c, t->slot, t->serial, state, n);
     if (r == UCM_OK) {
         ucm_observe(t->c, UCM_HIST_LOAD, (uint64_t)(now_ns() - t0_ns));
         t->owner = 0;
@@ -2237,8 +2273,9 @@ int ucm_token_publish(ucm_token *t, uint32_t state, uint32_t n, int64_t t0_ns)
  * none); a slice that ends with the slot still Loading looks at the loader's life lock (its
  * OFD lock on lock_fd, byte life_byte0 + rank: free means the loader died).  Answers: UCM_OK
  * with the final state (Ready or Failed; Empty once a recovery reclaimed it); UCM_TIMEOUT
- * (still Loading at the deadline); UCM_SLICE (still Loading, the loader alive, at the slice's
- * end or when a signal interrupted the sleep: the caller runs its signal handlers, with the
+ * (still Loading at the deadline); UCM_SLICE (still Loading, the loader alive (its life lock is
+ * looked at on every still-Loading answer, a signal's too), at the slice's end or when a signal
+ * interrupted the sleep: the caller runs its signal handlers, with the
  * GIL, and calls again with the same t0_ns and deadline, so a thread waiting with no deadline
  * can still be interrupted); UCM_OWNERDEAD (the loader's life lock is free, or could not be
  * read: the caller recovers, or finds it alive, and calls again; the state then answers at
@@ -2261,7 +2298,10 @@ int ucm_wait_ready(ucm_ctx *c, uint32_t s, int64_t deadline_ns, int64_t slice_ns
             if (t0_ns >= 0) STAT(c, UCM_ST_WAIT_TIMEOUTS, 1);
             goto counted;
         }
-        if (r == UCM_SLICE) return UCM_SLICE; /* uncounted: the caller calls again */
+        /* A signal's SLICE looks too: a new slice starts at every call, so with signals
+         * faster than a slice a check only at a slice's end would never run, and a dead
+         * loader would hold its waiters to their deadline (or forever).  One fcntl per
+         * signal, so a dead loader is found within a slice however many signals come. */
         uint32_t loader = ucm_slot_loader(c, s);
         if (loader != (uint32_t)c->rank && loader < c->l.max_ranks && lock_fd >= 0
             && ucm_ofd_held_by_other(lock_fd, life_byte0 + loader) != 1)
@@ -2275,6 +2315,19 @@ counted:
         ucm_observe(c, UCM_HIST_WAIT, waited);
     }
     return r;
+}
+
+int ucm_wait_end(ucm_ctx *c, int64_t t0_ns, int timed_out)
+{
+    /* The end of a wait whose steps (ucm_wait_ready with t0_ns < 0) counted nothing: its time
+     * into wait_ns and the wait histogram, and a timeout, in one step that reads the clock
+     * itself, so a caller in Python counts the wait exactly once from its `finally` (no
+     * signal handler can run between a count in C and the Python that would record it). */
+    uint64_t waited = (uint64_t)(now_ns() - t0_ns);
+    STAT(c, UCM_ST_WAIT_NS, waited);
+    ucm_observe(c, UCM_HIST_WAIT, waited);
+    if (timed_out) STAT(c, UCM_ST_WAIT_TIMEOUTS, 1);
+    return UCM_OK;
 }
 
 /* ---------------------------------------------------------------- the slow path, whole */

@@ -336,6 +336,7 @@ typedef struct {
     uint32_t owner;  /* single key: 1 if the step made us the owner of a Loading slot */
     uint32_t n;      /* batch: positions in the arrays given to ucm_batch_token_* */
     uint32_t armed;  /* 1 while it holds what it names */
+    uint32_t serial; /* single key, owner: its load's serial (ucm_load_serial), the right's */
 } ucm_token;
 
 /* One row of the layout tables above (UCM_HEADER_TABLE, ...), as data for Python's readers. */
@@ -433,12 +434,20 @@ int64_t ucm_get_slow(ucm_ctx *c, const char *id, uint64_t offset, uint32_t spin_
                      uint32_t *slot_out, uint8_t *owner_out);
 int ucm_clock_claim(ucm_ctx *c, uint64_t max_scan, uint32_t *slot_out);
 int ucm_install(ucm_ctx *c, uint32_t slot, const char *id, uint64_t offset, uint32_t held_stripe);
-int ucm_publish(ucm_ctx *c, uint32_t slot, uint32_t state, uint32_t length);
+/* The owner's load's serial, asked right after the step that made it the owner (its pin
+ * held); ucm_publish and ucm_fail_load finish only the load of that serial (a stale one:
+ * UCM_NOT_HELD). */
+uint32_t ucm_load_serial(ucm_ctx *c, uint32_t slot);
+int ucm_publish(ucm_ctx *c, uint32_t slot, uint32_t serial, uint32_t state, uint32_t length);
 /* fail() of an owner: the right to finish, the message copied in (cut to the slot), Failed. */
-int ucm_fail_load(ucm_ctx *c, uint32_t slot, const char *msg, uint32_t len);
+int ucm_fail_load(ucm_ctx *c, uint32_t slot, uint32_t serial, const char *msg, uint32_t len);
 int ucm_wait_loaded(ucm_ctx *c, uint32_t slot, int64_t timeout_ns, uint32_t *state_out);
 int ucm_wait_ready(ucm_ctx *c, uint32_t slot, int64_t deadline_ns, int64_t slice_ns,
                    int lock_fd, uint64_t life_byte0, int64_t t0_ns, uint32_t *state_out);
+/* A wait whose ucm_wait_ready steps counted nothing (t0_ns < 0) ends: its time (from t0_ns,
+ * ucm_now_ns's clock, read here) into wait_ns and the wait histogram, and a timeout if
+ * timed_out, in one step (the Python wait's `finally`: counted exactly once). */
+int ucm_wait_end(ucm_ctx *c, int64_t t0_ns, int timed_out);
 int64_t ucm_now_ns(void);
 int ucm_load_finish(ucm_token *t, uint32_t state, const char *src, uint64_t n, int64_t t0_ns);
 int ucm_token_publish(ucm_token *t, uint32_t state, uint32_t n, int64_t t0_ns);

@@ -536,6 +536,8 @@ struct HandleBase {
     PyObject *closed;   /* _closed, _owner, _published: bools */
     PyObject *owner;
     PyObject *published;
+    PyObject *serial;   /* _serial: an owner's load serial (ucm_load_serial; 0 otherwise): what
+                         * its full-path ready()/fail() name (ucm_publish, ucm_fail_load) */
     PyObject *weakreflist;
     ucm_token ctok;     /* the pin of a get's cold key taken in C (cold_handle): the C twin of
                          * _token (zeroed by tp_alloc: unarmed), dropped by handle_drop, by
@@ -558,6 +560,7 @@ static void handle_init(HandleBase *h)
     h->closed = Py_NewRef(Py_True);
     h->owner = Py_NewRef(Py_False);
     h->published = Py_NewRef(Py_False);
+    h->serial = PyLong_FromLong(0);
 }
 
 /* A hit: a new open Handle over the pinned Ready slot, or NULL with no exception set for
@@ -863,9 +866,12 @@ static PyObject *cold_handle(CacheBase *c, PyObject *key)
     PyObject *slot_o = PyLong_FromUnsignedLong(UCM_PIN_SLOT(r));
     PyObject *len_o = slot_o ? PyLong_FromLongLong(ready ? (long long)UCM_PIN_LEN(r) : -1) : NULL;
     PyObject *t0_o = len_o && owner ? PyLong_FromLongLong(core.now_ns()) : NULL;
-    if (!len_o || (owner && !t0_o)) {
+    /* The load's serial, the token's (armed by the step): ready()/fail() name it (I4). */
+    PyObject *serial_o = t0_o ? PyLong_FromUnsignedLong(h->ctok.serial) : NULL;
+    if (!len_o || (owner && !serial_o)) {
         Py_XDECREF(slot_o);
         Py_XDECREF(len_o);
+        Py_XDECREF(t0_o);
         Py_DECREF(h); /* dealloc drops the armed token: an owner's load fails at once */
         return NULL;
     }
@@ -877,6 +883,7 @@ static PyObject *cold_handle(CacheBase *c, PyObject *key)
     SET_FLAG(h->closed, 0);
     add_open(c, 1);
     if (owner) {
+        Py_SETREF(h->serial, serial_o);
         Py_SETREF(h->t0, t0_o);
         /* may run a collection (finalizers): the handle is open and owns its pin by now */
         PyObject *owned = owned_set((PyObject *)c);
@@ -1809,6 +1816,7 @@ static int handle_clear(HandleBase *h)
     Py_CLEAR(h->closed);
     Py_CLEAR(h->owner);
     Py_CLEAR(h->published);
+    Py_CLEAR(h->serial);
     return 0;
 }
 
@@ -1852,6 +1860,7 @@ static PyMemberDef handle_members[] = {
     {"_closed", T_OBJECT_EX, offsetof(HandleBase, closed), 0, NULL},
     {"_owner", T_OBJECT_EX, offsetof(HandleBase, owner), 0, NULL},
     {"_published", T_OBJECT_EX, offsetof(HandleBase, published), 0, NULL},
+    {"_serial", T_OBJECT_EX, offsetof(HandleBase, serial), 0, NULL},
     {NULL},
 };
 
@@ -1890,6 +1899,7 @@ typedef struct {
     PyObject *slots;      /* _slots: numpy uint32 (slot per position, UCM_NIL: no pin) */
     PyObject *lens;       /* _lens: numpy int64 (a Ready position's length, -1 unknown) */
     PyObject *owner;      /* _owner: numpy bool (`owner` gives a copy) */
+    PyObject *serials;    /* _serials: numpy uint32, an owned position's load serial (None) */
     PyObject *slots_p;    /* _slots_p, _owner_p: the full path's cffi pointers to _slots and
                            * _owner, which its token's drop takes */
     PyObject *owner_p;
@@ -1924,6 +1934,7 @@ static void batch_init(BatchBase *b)
     b->owned = Py_NewRef(Py_None);
     b->closed = Py_NewRef(Py_True);
     b->any_owner = Py_NewRef(Py_False);
+    b->serials = Py_NewRef(Py_None);
 }
 
 static PyTypeObject BatchBase_Type;
@@ -2289,6 +2300,7 @@ static int batch_traverse(BatchBase *b, visitproc visit, void *arg)
     Py_VISIT(b->slots);
     Py_VISIT(b->lens);
     Py_VISIT(b->owner);
+    Py_VISIT(b->serials);
     Py_VISIT(b->slots_p);
     Py_VISIT(b->owner_p);
     Py_VISIT(b->token);
@@ -2309,6 +2321,7 @@ static int batch_clear(BatchBase *b)
     Py_CLEAR(b->slots);
     Py_CLEAR(b->lens);
     Py_CLEAR(b->owner);
+    Py_CLEAR(b->serials);
     Py_CLEAR(b->slots_p);
     Py_CLEAR(b->owner_p);
     Py_CLEAR(b->token);
@@ -2365,6 +2378,7 @@ static PyMethodDef batch_methods[] = {
 static PyMemberDef batch_members[] = {
     {"_cache", T_OBJECT_EX, offsetof(BatchBase, cache), 0, NULL},
     {"_owner", T_OBJECT_EX, offsetof(BatchBase, owner), 0, NULL},
+    {"_serials", T_OBJECT_EX, offsetof(BatchBase, serials), 0, NULL},
     {"_slots_p", T_OBJECT_EX, offsetof(BatchBase, slots_p), 0, NULL},
     {"_owner_p", T_OBJECT_EX, offsetof(BatchBase, owner_p), 0, NULL},
     {"_token", T_OBJECT_EX, offsetof(BatchBase, token), 0, NULL},

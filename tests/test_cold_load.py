@@ -692,3 +692,183 @@ def test_a_wait_ended_by_its_recovery_raising_counts_its_time_once(make_cache, p
     monkeypatch.undo()
     c.recover()
     assert c.get_or_load(key, lambda: b"again") == b"again"
+
+
+class _StepFirst:
+    """ucmcache._slots' lib with one step (`name`) made to run `first` once before it: the
+    interleaving of another thread of the process landing between a finisher's checks and its
+    core step (a GIL switch there), made deterministic."""
+
+    def __init__(self, lib, name, first):
+        self._lib, self._name, self._first = lib, name, first
+
+    def __getattr__(self, attr):
+        step = getattr(self._lib, attr)
+        if attr != self._name or self._first is None:
+            return step
+
+        def wrapped(*args):
+            first, self._first = self._first, None
+            first()
+            return step(*args)
+        return wrapped
+
+
+@pytest.mark.parametrize("made", ["c", "full", "batch"])
+@pytest.mark.parametrize("finish", ["ready", "fail"])
+def test_a_stale_finish_never_finishes_the_next_load_on_its_slot(make_cache, monkeypatch, made,
+                                                                 finish):
+    """A's ready()/fail() passed its checks; before its core step another thread closes A (the
+    load failed, the slot unpinned and free) and another get of the same process installs K2
+    on that slot.  The stale step must not take the right to finish K2's load (the done flag
+    is the slot's; the load's serial is A's): it raises, K2 stays Loading, and K2's own owner
+    publishes its bytes (I4, I5)."""
+    from ucmcache import _hooks, _slots
+    c = make_cache(slots_per_rank=4, slot_size=64, max_ranks=1)
+    warm(c)
+    if made == "batch":
+        a = c.get_many([K[1]], timeout=30.0)
+        assert bool(a.owner[0])
+        slot = int(a._slots[0])
+        a.data(0)[:16] = b"A" * 16
+    else:
+        a = c.get(K[1]) if made == "c" else c.get(K[1], timeout=30.0)
+        assert a.owner and (a._token is None) == (made == "c")
+        slot = a._slot
+        a.data[:16] = b"A" * 16
+    got = {}
+
+    def other_threads():
+        a.close()                                   # T1: A's load failed, its slot unpinned
+        for i in range(2, 150):                     # T3: a new key's install on that slot
+            h = c.get(K[i])
+            if h._slot == slot and h.owner:
+                got["h"], got["key"] = h, K[i]
+                return
+            h.close()
+    step = "ucm_publish" if finish == "ready" else "ucm_fail_load"
+    monkeypatch.setattr(_slots, "lib", _StepFirst(_slots.lib, step, other_threads))
+    monkeypatch.setitem(_hooks._armed, "before_magic", ("none", None))  # off C's ready()
+    with pytest.raises(UcmError, match=r"no longer the owner of a loading slot \(UCM_NOT_HELD\)"):
+        if made == "batch":
+            a.ready(0, 16) if finish == "ready" else a.fail(0, "stale")
+        else:
+            a.ready(16) if finish == "ready" else a.fail("stale")
+    monkeypatch.undo()
+    assert "h" in got, "the slot was not installed again"
+    h2, key2 = got["h"], got["key"]
+    from ucmcache.lowlevel import lib
+    assert lib.ucm_slot_state(c._ctx, slot) == lib.UCM_LOADING   # K2's load is its owner's
+    h2.data[:8] = b"K2 owner"
+    h2.ready(8)                                     # and its owner finishes it
+    h2.close()
+    assert c.get_or_load(key2, lambda: b"never") == b"K2 owner"
+    assert c.get_or_load(K[1], lambda: b"A again") == b"A again"   # A's load failed, not Ready
+    assert int((slot_fields(snapshot(c._seg)["metas"])["reference"] != 0).sum()) == 0
+    assert ucmcache.verify(c.uuid).ok
+
+
+@pytest.mark.parametrize("how", ["batch", "handle"])
+def test_a_steady_stream_of_signals_still_finds_a_dead_loader(make_cache, procs, gate, how):
+    """A loader killed at a gate; the waiter's thread takes a signal every 50 ms, faster than
+    a liveness slice (0.5 s).  Each signal ends ucm_wait_ready's call with UCM_SLICE and the
+    next call starts a new slice: the life lock must be looked at on those answers too, or the
+    dead loader is never seen (TimeoutError at the deadline, or no end with none).  Here the
+    wait ends LoadFailed (recovered) well before its 3 s deadline, in the batch's Python wait
+    (_wait_ready) and the handle's C wait (handle_wait) alike."""
+    import threading
+    import time
+    c = make_cache(slots_per_rank=8, slot_size=64, max_ranks=2)
+    warm(c)
+    key, g = K[3], gate()
+    p, q = procs.start(workers.load_held, c.uuid, key, None, g.path, b"loaded", None)
+    g.wait_arrived()
+    p.kill()
+    p.join(10)
+    assert not p.is_alive()
+    main, stop = threading.get_ident(), threading.Event()
+
+    def ticker():
+        while not stop.wait(0.05):
+            signal.pthread_kill(main, signal.SIGALRM)
+    old = signal.signal(signal.SIGALRM, lambda *a: None)
+    t = threading.Thread(target=ticker)
+    t.start()
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(ucmcache.LoadFailed):
+            if how == "batch":
+                with c.get_many([key], timeout=30.0) as b:
+                    b.wait(3.0)
+            else:
+                with c.get(key) as h:
+                    assert not h.owner
+                    h.wait(3.0)
+        took = time.monotonic() - t0
+    finally:
+        stop.set()
+        t.join(10)
+        signal.signal(signal.SIGALRM, old)
+    assert took < 2.0, f"the dead loader was found after {took:.2f} s"
+    assert c.get_or_load(key, lambda: b"again") == b"again"
+    assert ucmcache.verify(c.uuid).ok
+
+
+def test_a_python_wait_ended_ready_under_a_pending_signal_counts_its_time_once(make_cache):
+    """A batch's wait (_wait_ready, Python) ends Ready while a signal is pending for the main
+    thread: its handler raises at the eval-breaker check right after the wait's C step
+    returned.  The wait is counted exactly once (waits, and its time: wait_count in the
+    histogram), not once in C and again in the Python `finally`."""
+    import threading
+    import time
+    from ucmcache.lowlevel import lib
+    c = make_cache(slots_per_rank=8, slot_size=64, max_ranks=1)
+    warm(c)
+    key = K[5]
+    owning, failures = threading.Event(), []
+
+    class Boom(Exception):
+        pass
+
+    def on_usr1(signum, frame):
+        raise Boom()
+    old = signal.signal(signal.SIGUSR1, on_usr1)
+
+    def owner():
+        try:
+            with c.get(key) as h:
+                assert h.owner
+                slot = h._slot
+                owning.set()
+                deadline = time.monotonic() + 10       # gate: the waiter is at the futex
+                while not int(snapshot(c._seg)["metas"]["state"][slot]) & lib.UCM_WAITERS:
+                    assert time.monotonic() < deadline, "the waiter never slept"
+                    time.sleep(0.002)
+                time.sleep(0.05)                       # past the bit, into the syscall
+                # Trips the interpreter's flag (handlers run on the main thread, after its
+                # next call): the main thread's futex is not interrupted, ready() wakes it.
+                signal.pthread_kill(threading.get_ident(), signal.SIGUSR1)
+                h.data[:4] = b"okok"
+                h.ready(4)
+        except BaseException as e:
+            failures.append(e)
+    t = threading.Thread(target=owner)
+    t.start()
+    try:
+        assert owning.wait(10)
+        s0 = c.stats()
+        b = c.get_many([key], timeout=30.0)
+        try:
+            with pytest.raises(Boom):
+                b.wait(30.0)
+        finally:
+            b.close()
+    finally:
+        t.join(10)
+        signal.signal(signal.SIGUSR1, old)
+    assert failures == [] and not t.is_alive()
+    s = c.stats()
+    assert s["waits"] - s0["waits"] == 1
+    assert s["wait_count"] - s0["wait_count"] == 1
+    assert s["wait_timeouts"] == s0["wait_timeouts"]
+    assert c.get_or_load(key, lambda: b"never") == b"okok"

@@ -64,6 +64,7 @@ class Batches(CacheCore):
         states = np.empty(n, dtype=np.uint8)
         codes = np.zeros(n, dtype=np.uint8)
         lens = np.empty(n, dtype=np.int64)
+        serials = np.zeros(n, dtype=np.uint32)  # an owned position's load serial (I4)
         slots_p = ffi.from_buffer("uint32_t[]", slots)
         owner_p = ffi.from_buffer("uint8_t[]", owner)
         # The batch's token covers its arrays from before the first pin: every C step pins
@@ -89,10 +90,13 @@ class Batches(CacheCore):
                 r = self._pin_slow(split[i][0], split[i][1], int(codes[i]), timeout, ffi.NULL,
                                    slots_p + i, owner_p + i)
                 lens[i] = decode_pin(r)[1]
+                if owner[i]:  # the load's serial, asked while the batch's pin holds the slot
+                    serials[i] = lib.ucm_load_serial(ctx, int(slots[i]))
             any_owner = len(misses) > 0 and bool(owner.any())
             batch._cache = self
             batch._slots = slots
             batch._owner = owner
+            batch._serials = serials
             batch._slots_p = slots_p
             batch._owner_p = owner_p
             batch._token = token

@@ -501,6 +501,9 @@ class SlotCache(CacheBase, SingleFlight, Batches, Prefetching, Mapping):
             # slot its length, so data needs no further C call.
             owner = (r & _PIN_OWNER_OR_READY) == _PIN_OWNER
             h._token = token
+            # The load's serial, handed by the step (the token's): what ready()/fail() name, so
+            # a stale one never finishes a later install's load on this slot (I4).
+            h._serial = token.serial if owner and token is not None else 0
             h._cache = self
             h._slot = r & _PIN_SLOT_MASK
             h._nbytes = (r >> _PIN_LEN_SHIFT) & _PIN_SLOT_MASK if r & _PIN_READY else -1

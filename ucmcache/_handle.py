@@ -168,7 +168,7 @@ class Handle(HandleBase, _Pins):
     def _ready_full(self, nbytes: Optional[int] = None) -> None:
         """ready() (HandleBase) for everything but a C-made owner's plain publish."""
         self._check_open()
-        n = publish_ready(self._cache, self._slot, self._owner, nbytes)
+        n = publish_ready(self._cache, self._slot, self._serial, self._owner, nbytes)
         self._published = True
         observe_load(self._cache, self._t0)
         if self._owned is not None:
@@ -180,7 +180,7 @@ class Handle(HandleBase, _Pins):
     def _served(self, payload: memoryview) -> None:
         """The cache's tier had this owner's value: publish it Ready through the normal path,
         and this handle becomes a reader of it (no longer the owner, nothing to write through)."""
-        fill(self._cache, self._slot, payload)
+        fill(self._cache, self._slot, self._serial, payload)
         self._owner = False
         self._published = True
         self._owned.discard(self._slot)
@@ -188,7 +188,7 @@ class Handle(HandleBase, _Pins):
     def fail(self, message: str = "load failed") -> None:
         """Publish the slot as Failed; current waiters get LoadFailed(message)."""
         self._check_open()
-        publish_failed(self._cache, self._slot, self._owner, message)
+        publish_failed(self._cache, self._slot, self._serial, self._owner, message)
         self._published = True
         observe_load(self._cache, self._t0)
         if self._owned is not None:
@@ -382,11 +382,15 @@ class HandleBatch(BatchBase, _Pins):
     def array(self, i: int, dtype, shape=None) -> np.ndarray:
         return as_array(self.data(i), dtype, shape)
 
+    def _serial_of(self, i: int) -> int:
+        """Position i's load serial (an owner's: what its ready(i)/fail(i) name, I4), 0 if none."""
+        return 0 if self._serials is None else int(self._serials[i])
+
     def ready(self, i: int, nbytes: Optional[int] = None) -> None:
         self._check_open()
         i = self._index(i)
         slot = int(self._slots[i])
-        n = publish_ready(self._cache, slot, bool(self._owner[i]), nbytes)
+        n = publish_ready(self._cache, slot, self._serial_of(i), bool(self._owner[i]), nbytes)
         observe_load(self._cache, self._t0)
         self._lens[i] = -1  # looked up again by data(i), now Ready
         self._owned.discard(slot)
@@ -397,14 +401,15 @@ class HandleBatch(BatchBase, _Pins):
     def _served(self, i: int, payload: memoryview) -> None:
         """As Handle._served, for owned position i (get_many, before the batch is returned)."""
         slot = int(self._slots[i])
-        fill(self._cache, slot, payload)
+        fill(self._cache, slot, self._serial_of(i), payload)
         self._owner[i] = False
         self._owned.discard(slot)
 
     def fail(self, i: int, message: str = "load failed") -> None:
         self._check_open()
         i = self._index(i)
-        publish_failed(self._cache, int(self._slots[i]), bool(self._owner[i]), message)
+        publish_failed(self._cache, int(self._slots[i]), self._serial_of(i),
+                       bool(self._owner[i]), message)
         observe_load(self._cache, self._t0)
         self._owned.discard(int(self._slots[i]))
         release_views(self._owner_views.pop(i, []))

@@ -49,6 +49,7 @@ class HandleBase:
     _closed: Any
     _owner: Any
     _published: Any
+    _serial: Any
     @property
     def data(self) -> memoryview: ...
     @property
@@ -73,6 +74,7 @@ class BatchBase:
     _owned: Any
     _closed: Any
     _any_owner: Any
+    _serials: Any
     _n: int
     _slots: Any
     _lens: Any

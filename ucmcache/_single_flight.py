@@ -151,24 +151,26 @@ class SingleFlight(CacheCore):
         KeyboardInterrupt ends the wait), then the step again with the same start and deadline.
         It answers OWNERDEAD when the loader's life lock looks free: recovered here (it fails
         the load, waking everyone), then the step again, which answers the new state at once.
-        A wait that counted ``waits`` counts its time once: in C on a final answer (Ready,
-        Failed, the deadline), here when it ends on an exception of its own."""
+        A wait that counted ``waits`` counts its time exactly once, in the ``finally`` (one C
+        step, ucm_wait_end, that reads the clock itself): the steps are given no start (-1),
+        so C counts nothing, and no signal handler raising between a step's return and this
+        frame (the eval-breaker check after a call) can make a count twice or not at all.
+        ``waits`` is the try's first call: no handler runs before it in the try (none runs
+        before a call to C), so the time is counted exactly when ``waits`` was."""
         ctx = self._ctx
         state = ffi.new("uint32_t *")
         t0 = lib.ucm_now_ns()
         deadline = -1 if timeout is None else t0 + int(timeout * 1e9)
-        if counted:
-            lib.ucm_stat_add(ctx, lib.UCM_ST_WAITS, 1)
-        timed = not counted  # the wait's time is counted (or need not be)
+        r = lib.UCM_SLICE
         try:
+            if counted:
+                lib.ucm_stat_add(ctx, lib.UCM_ST_WAITS, 1)
             while True:
                 r = lib.ucm_wait_ready(ctx, slot, deadline, LIVENESS_NS, self._seg.lock_fd,
-                                       LIFE_LOCK_BYTE0, t0 if counted else -1, state)
+                                       LIFE_LOCK_BYTE0, -1, state)
                 if r == lib.UCM_OK:
-                    timed = True
                     return state[0]
                 if r == lib.UCM_TIMEOUT:
-                    timed = True
                     raise TimeoutError(f"key still loading after {timeout} s (the load goes "
                                        "on; get() again to wait more)")
                 if r == lib.UCM_SLICE:
@@ -178,10 +180,8 @@ class SingleFlight(CacheCore):
                                          f"of range ({code_name(r)})")
                 self._recover_loader(slot, deadline)
         finally:
-            if not timed:  # ended by our own exception (a handler's, a recovery's, corruption)
-                waited = lib.ucm_now_ns() - t0
-                lib.ucm_stat_add(ctx, lib.UCM_ST_WAIT_NS, waited)
-                lib.ucm_observe(ctx, lib.UCM_HIST_WAIT, waited)
+            if counted:  # however it ended (a final answer, a handler's or a recovery's raise)
+                lib.ucm_wait_end(ctx, t0, r == lib.UCM_TIMEOUT)
 
     def _recover_loader(self, slot: int, deadline: int) -> None:
         """ucm_wait_ready answered OWNERDEAD (the loader's life lock looked free): if the

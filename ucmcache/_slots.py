@@ -137,7 +137,11 @@ def _check_owner(owner: bool, what: str) -> None:
         raise UcmError(f"{what}() is for the owner of a loading slot; this handle is not")
 
 
-def publish_ready(cache: "SlotCache", slot: int, owner: bool, nbytes: Optional[int]) -> int:
+def publish_ready(cache: "SlotCache", slot: int, serial: int, owner: bool,
+                  nbytes: Optional[int]) -> int:
+    """The owner's Ready publish of its load, named by the serial its get was handed (I4: a
+    stale ready() whose handle's close freed the slot, since installed for another key, is
+    refused by the core, never finishes that key's load)."""
     _check_owner(owner, "ready")
     size = cache._layout.slot_size
     if nbytes is None:
@@ -148,18 +152,18 @@ def publish_ready(cache: "SlotCache", slot: int, owner: bool, nbytes: Optional[i
         raise ValueError(f"nbytes must be in [0, slot_size={size}], got {nbytes}")
     if _hooks._armed:
         _hooks.fire("before_ready")
-    _publish(cache, slot, lib.UCM_READY, int(nbytes), "ready")
+    _publish(cache, slot, serial, lib.UCM_READY, int(nbytes), "ready")
     if _hooks._armed:
         _hooks.fire("after_ready")
     return int(nbytes)
 
 
-def fill(cache: "SlotCache", slot: int, payload: memoryview) -> None:
+def fill(cache: "SlotCache", slot: int, serial: int, payload: memoryview) -> None:
     """An owner's slot gets a tier's payload and is published Ready (the owner stays pinned)."""
     n = payload.nbytes
     off = cache._layout.data(slot)
     cache._seg.view[off:off + n] = payload
-    publish_ready(cache, slot, True, n)
+    publish_ready(cache, slot, serial, True, n)
 
 
 def write_through(cache: "SlotCache", slot: int, n: int) -> None:
@@ -173,18 +177,20 @@ def write_through(cache: "SlotCache", slot: int, n: int) -> None:
         v.release()
 
 
-def publish_failed(cache: "SlotCache", slot: int, owner: bool, message: str) -> None:
+def publish_failed(cache: "SlotCache", slot: int, serial: int, owner: bool, message: str) -> None:
     _check_owner(owner, "fail")
     if lib.ucm_slot_state(cache._ctx, slot) != lib.UCM_LOADING:  # before the message lands
         raise UcmError("fail(): the slot was already published")
     raw = str(message).encode("utf-8", "replace")[: cache._layout.slot_size]
     # One core step takes the right to finish the load before the message lands (a ready()
-    # of another thread that took it first is never written over: I4), then publishes Failed.
-    _check_answer(lib.ucm_fail_load(cache._ctx, slot, raw, len(raw)), "fail")
+    # of another thread that took it first is never written over: I4), then publishes Failed;
+    # only the load of `serial` (a stale fail() never fails a later install's load: I4, I5).
+    _check_answer(lib.ucm_fail_load(cache._ctx, slot, serial, raw, len(raw)), "fail")
 
 
-def _publish(cache: "SlotCache", slot: int, state: int, nbytes: int, what: str) -> None:
-    _check_answer(lib.ucm_publish(cache._ctx, slot, state, nbytes), what)
+def _publish(cache: "SlotCache", slot: int, serial: int, state: int, nbytes: int,
+             what: str) -> None:
+    _check_answer(lib.ucm_publish(cache._ctx, slot, serial, state, nbytes), what)
 
 
 def _check_answer(r: int, what: str) -> None:

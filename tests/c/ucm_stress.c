@@ -488,6 +488,7 @@ static uint32_t arena_policy(struct life *lf, ucm_ctx *c, int want_one)
 struct held {
     uint32_t slot, key;
     int owner;        /* ours to load (still Loading) */
+    uint32_t serial;  /* an owner's load's serial (ucm_load_serial), what its publish names */
     uint32_t written; /* payload bytes the owner wrote so far */
 };
 
@@ -551,11 +552,11 @@ static int finish_load(struct worker *w, uint32_t i)
     int r;
     if (pick < 9) {
         memcpy(ucm_slot_data(w->c, h->slot), MSG_FAILED, sizeof MSG_FAILED - 1);
-        r = ucm_publish(w->c, h->slot, UCM_FAILED, sizeof MSG_FAILED - 1);
+        r = ucm_publish(w->c, h->slot, h->serial, UCM_FAILED, sizeof MSG_FAILED - 1);
         COUNT(C_FAILED_PUB, 1);
     } else {
         write_payload(w, h, len);
-        r = ucm_publish(w->c, h->slot, UCM_READY, len);
+        r = ucm_publish(w->c, h->slot, h->serial, UCM_READY, len);
         COUNT(C_READY, 1);
     }
     if (r != UCM_OK) die("ucm_publish(slot %u, key %u) answered %d", h->slot, h->key, r);
@@ -641,6 +642,7 @@ static void took(struct worker *w, uint32_t key, int64_t a, int slow)
         h->slot = slot;
         h->key = key;
         h->owner = 1;
+        h->serial = ucm_load_serial(w->c, slot); /* our pin keeps any other install off it */
         h->written = 0;
         if (chance(&w->rng, 500)) {
             write_payload(w, h, exp_len(key) / 2);
@@ -1020,7 +1022,8 @@ static void die_now(struct worker *w)
             for (uint32_t i = 0; i < w->n_held; i++)
                 if (w->held[i].owner) {
                     write_payload(w, &w->held[i], exp_len(w->held[i].key));
-                    ucm_publish(w->c, w->held[i].slot, UCM_READY, exp_len(w->held[i].key));
+                    ucm_publish(w->c, w->held[i].slot, w->held[i].serial, UCM_READY,
+                                exp_len(w->held[i].key));
                     break;
                 }
             break;
