@@ -2074,8 +2074,11 @@ int ucm_abandon_many(ucm_ctx *c, uint32_t *slots, const uint8_t *owner, uint32_t
         /* The serial is the slot's current one: the batch's pin, held from the install that
          * made this position the owner to here, kept every other install off the slot. */
         int own = owner ? owner[i] : 0;
-        int r = abandon_one(c, s, own, own && s < c->l.n_slots ? ucm_load_serial(c, s) : 0,
-                            msg, len);
+        /* Only a live context reads the serial: it takes the slot's local lock, which a forked
+         * child may have inherited held by another thread of the parent (it would spin for
+         * ever); abandon_one leaves a child's copy untouched anyway. */
+        uint32_t serial = own && s < c->l.n_slots && ctx_live(c) ? ucm_load_serial(c, s) : 0;
+        int r = abandon_one(c, s, own, serial, msg, len);
         if (r != UCM_OK) worst = r;
     }
     return worst;

@@ -332,3 +332,77 @@ def test_a_producer_that_died_holding_a_ring_lock_costs_one_post_not_all(make_ca
     keys = [bytes([i]) * 16 for i in range(5)]
     assert c.prefetch(keys) == 5  # the dead holder is recovered and the post goes through
     assert c.stats()["rings"][c.rank]["depth"] == 5
+
+
+# A fresh interpreter: its own fork hook must run after ucmcache's (a before-fork hook
+# registered earlier runs later), so it is registered before ucmcache is imported.
+_FORK_BATCH_CHILD = r'''
+import gc, os, sys, threading
+_hook = {}
+os.register_at_fork(before=lambda: _hook.pop("before", lambda: None)())
+from ucmcache import SlotCache
+from ucmcache.lowlevel import Gate
+uuid = sys.argv[1]
+c = SlotCache.create(uuid, slots_per_rank=256, slot_size=64, max_ranks=1)
+try:
+    keys = [i.to_bytes(8, "little") * 2 for i in range(400)]
+    b = c.get_many([keys[0]], timeout=30.0)    # the full path: a batch owning its one load
+    assert bool(b._owner[0])
+    s = int(b._slots[0])
+    k2 = None                                  # a key whose slot shares s's local lock stripe
+    for k in keys[1:]:
+        c.get_or_load(k, lambda k=k: k)
+        with c.get(k, timeout=30.0) as h:
+            if h._slot != s and h._slot % 64 == s % 64:
+                k2 = k
+                break
+    assert k2 is not None
+    held, done = Gate(timeout=30.0), Gate(timeout=30.0)
+    go = threading.Event()
+
+    def hold_the_stripe():                     # pin(k2) stops at before_pin_cas, lock held
+        go.wait(30)
+        c.get(k2, timeout=30.0).close()
+
+    t = threading.Thread(target=hold_the_stripe)
+    t.start()
+
+    def at_fork():                             # after ucmcache's hook took its holds
+        c._arm("before_pin_cas", "gate", held)
+        go.set()
+        held.wait_arrived(30)
+
+    _hook["before"] = at_fork
+    pid = os.fork()
+    if pid == 0:                               # the child's copy of that lock is held
+        try:
+            del b                              # the inherited batch's token is dropped
+            gc.collect()
+            done.release()
+        finally:
+            held.release()                     # lets the parent's holder thread go on
+            os._exit(0)
+    c._arm("before_pin_cas", "none")
+    try:
+        done.wait_value(1, timeout=30)
+        print("the child dropped its inherited batch")
+    finally:
+        os.kill(pid, 9)                        # a hung child (a zombie takes it harmlessly)
+        os.waitpid(pid, 0)
+        t.join(60)
+        b.close()                              # the parent's batch fails its load and unpins
+finally:
+    c.close()
+    SlotCache.unlink(uuid)
+'''
+
+
+def test_a_forked_child_drops_an_inherited_owner_batch_while_a_parent_thread_held_its_lock(uuid):
+    """A child that inherits a batch owning a load, forked while another parent thread held
+    that slot's process-local lock, drops the batch without touching its copy of the lock (it
+    would spin for ever: the holder does not exist in the child)."""
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "-c", _FORK_BATCH_CHILD, uuid], capture_output=True,
+                       text=True, timeout=180)
+    assert r.returncode == 0 and "dropped its inherited batch" in r.stdout, (r.stdout, r.stderr)
