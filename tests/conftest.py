@@ -33,6 +33,21 @@ def shm_left_as_found():
     assert not left, f"tests left segments in /dev/shm: {sorted(left)}"
 
 
+def close_and_unlink(made):
+    """A fixture's teardown: each [uuid, cache or None] closed (quietly) and its segment
+    unlinked, pass or fail."""
+    for u, c in made:
+        try:
+            if c is not None:
+                c.close()
+        except Exception:
+            pass
+        try:
+            SlotCache.unlink(u)
+        except SegmentNotFound:
+            pass
+
+
 @pytest.fixture
 def uuid():
     """A fresh uuid; the segment (if any) is unlinked after the test, pass or fail."""

@@ -844,7 +844,8 @@ def test_a_python_wait_ended_ready_under_a_pending_signal_counts_its_time_once(m
                 while not int(snapshot(c._seg)["metas"]["state"][slot]) & lib.UCM_WAITERS:
                     assert time.monotonic() < deadline, "the waiter never slept"
                     time.sleep(0.002)
-                time.sleep(0.05)                       # past the bit, into the syscall
+                # The bit is set: the waiter is inside the C wait (GIL released), before or in
+                # the futex syscall; either way it first runs Python again after that call.
                 # Trips the interpreter's flag (handlers run on the main thread, after its
                 # next call): the main thread's futex is not interrupted, ready() wakes it.
                 signal.pthread_kill(threading.get_ident(), signal.SIGUSR1)

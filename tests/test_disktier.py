@@ -18,7 +18,7 @@ from ucmcache.disktier.fileformat import (HEADER_SIZE, BadBlock, decode, encode_
                                           file_name, parse_name)
 
 import disk_workers as dw
-from conftest import run_uuid
+from conftest import close_and_unlink, run_uuid
 from workers import check_payload, payload_for
 
 SIZE = dw.SIZE
@@ -50,16 +50,19 @@ def segs():
         return c
 
     yield make
-    for u, c in made:
-        try:
-            if c is not None:
-                c.close()
-        except Exception:
-            pass
-        try:
-            SlotCache.unlink(u)
-        except SegmentNotFound:
-            pass
+    close_and_unlink(made)
+
+
+def _a_get_right_with_counters_off(uuid, path):
+    """In a child whose counter file cannot be kept: one get through the disk tier loads,
+    publishes and returns the right bytes, and the tier counts in memory instead."""
+    tier = DiskTier(path, CAP)
+    cc = SlotCache.attach(uuid, tier2=tier)
+    k = os.urandom(16)
+    v = cc.get_or_load(k, lambda: payload_for(k, SIZE), timeout=30)
+    ok = check_payload(k, bytes(v)) and tier.counters.off
+    cc.close()
+    return ok
 
 
 def _load(c, key, runs, size=SIZE):
@@ -676,13 +679,7 @@ def test_a_counter_file_that_cannot_grow_never_kills_or_fails_a_get(segs, tmp_pa
     def child():
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         resource.setrlimit(resource.RLIMIT_FSIZE, (1024, 1024))
-        tier = DiskTier(path, CAP)
-        cc = SlotCache.attach(c.uuid, tier2=tier)
-        k = os.urandom(16)
-        v = cc.get_or_load(k, lambda: payload_for(k, SIZE), timeout=30)
-        ok = check_payload(k, bytes(v)) and tier.counters.off
-        cc.close()
-        return ok
+        return _a_get_right_with_counters_off(c.uuid, path)
 
     assert _fork(child) == 0
     assert os.listdir(os.path.join(path, "ucm-disk-v1", "stats")) == []  # no torn file left
@@ -704,16 +701,7 @@ def test_a_counter_file_on_a_full_tmpfs_never_kills_the_process(segs, small_tmpf
         os.close(fill)
     c = segs()
 
-    def child():
-        tier = DiskTier(path, CAP)
-        cc = SlotCache.attach(c.uuid, tier2=tier)
-        k = os.urandom(16)
-        v = cc.get_or_load(k, lambda: payload_for(k, SIZE), timeout=30)
-        ok = check_payload(k, bytes(v)) and tier.counters.off
-        cc.close()
-        return ok
-
-    assert _fork(child) == 0
+    assert _fork(lambda: _a_get_right_with_counters_off(c.uuid, path)) == 0
 
 
 def test_a_read_that_never_returns_does_not_hold_process_exit(segs, tmp_path):

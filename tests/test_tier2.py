@@ -23,6 +23,7 @@ from ucmcache.tier2.codec import HEADER, MAGIC, decode, encode
 from redis_fixtures import (RedisProc, free_port, need_redis, redis_cluster,  # noqa: F401
                             redis_unix, redis_workdir)
 from workers import check_payload, payload_for
+from conftest import close_and_unlink
 import tier2_workers as tw
 
 SIZE = tw.SIZE
@@ -58,16 +59,7 @@ def nodes():
         return out
 
     yield make
-    for u, c in made:
-        try:
-            if c is not None:
-                c.close()
-        except Exception:
-            pass
-        try:
-            SlotCache.unlink(u)
-        except SegmentNotFound:
-            pass
+    close_and_unlink(made)
 
 
 @pytest.fixture(params=["standalone", "cluster"])
