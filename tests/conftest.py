@@ -5,7 +5,10 @@ import uuid as uuidlib
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(__file__))  # workers.py for spawned children
+# The modules the tests' other processes run (tests/processes/: workers.py and the *_workers.py
+# of each test file) import as top-level modules, here and in spawned children (spawn hands
+# them this sys.path).
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "processes"))
 
 from ucmcache import SlotCache, SegmentNotFound  # noqa: E402
 

@@ -4,7 +4,7 @@ whole: no leaked slot (pinned, claimed or Loading with nobody alive), no stuck w
 hit, the verifier clean, every dead rank recovered exactly once, and every stopped worker able
 to close with nothing of its own left behind.
 
-Kinds of worker (tests/crash_workers.py), chosen per worker per round from --kinds:
+Kinds of worker (tests/processes/crash_workers.py), chosen per worker per round from --kinds:
   plain    one thread (the original worker)
   fork     forks helpers that never touch the cache and outlive its SIGKILL (os.fork, and
            sometimes a multiprocessing 'fork' Pool): its rank must be recovered while they
@@ -50,7 +50,7 @@ import tempfile
 import time
 import uuid as uuidlib
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "processes")
 sys.path.insert(0, HERE)  # crash_workers, workers
 
 import ucmcache  # noqa: E402

@@ -1,6 +1,6 @@
 """The `ucmcache` command, run as a subprocess against segments that workers hold in known states.
 
-Workers (tests/cli_workers.py) are spawned processes that attach, put slots into the states a
+Workers (tests/processes/cli_workers.py) are spawned processes that attach, put slots into the states a
 test asks for, signal through an Event and wait on another (bounded).  Every segment a test makes
 has a unique uuid and is removed at teardown, pass or fail; /dev/shm is left as found.
 """
@@ -18,7 +18,7 @@ import uuid as uuidlib
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(__file__))  # cli_workers for spawned children
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "processes"))  # cli_workers
 
 import cli_workers  # noqa: E402
 from ucmcache import SlotCache, cli  # noqa: E402
