@@ -568,7 +568,8 @@ def test_a_forked_child_writes_and_counts_on_its_own(segs, tmp_path):
         assert os.waitstatus_to_exitcode(status) == 0
         assert {f.block_id for f in tier.files()} >= set(kids)
         assert tier.stats()["t2_writes"] == 4
-        assert len(os.listdir(tier._stats_dir)) == 2   # one counter file per process
+        # one counter file per process: both were open while the child counted
+        assert len([n for n in os.listdir(tier._stats_dir) if n.endswith(".cnt")]) == 2
     finally:
         cc.close()
 
@@ -1040,3 +1041,136 @@ def test_a_dead_writers_temp_file_and_reservation_go_without_an_eviction(segs, t
     assert tier.used_bytes() == sum(f.size for f in tier.files()) == HEADER_SIZE + SIZE
     assert tier.stats()["t2_evictions"] == 0
     tier.close()
+
+
+# ---------------------------------------------------------------- ended counter files
+
+
+def _counting_child(stats, n, hold):
+    """Fork a process that counts n t2_hits in the counter directory stats, says so on a pipe,
+    then (hold) blocks until the parent closes its other pipe or kills it, or (not hold) exits
+    without closing its counters.  Returns (pid, the hold pipe's write end or None) once the
+    child has counted."""
+    from ucmcache.disktier.counters import ProcessCounters
+    r, w = os.pipe()
+    done_r, done_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            os.close(w)
+            os.close(done_r)
+            ProcessCounters(stats, 0o644).add("t2_hits", n)
+            os.write(done_w, b"x")
+            if hold:
+                os.read(r, 1)                       # EOF (or a kill) ends the hold
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(r)
+    os.close(done_w)
+    try:
+        assert os.read(done_r, 1) == b"x", "the counting child died before counting"
+    finally:
+        os.close(done_r)
+    if hold:
+        return pid, w
+    os.close(w)
+    assert os.waitstatus_to_exitcode(_reap(pid)) == 0
+    return pid, None
+
+
+def _reap(pid, kill=False):
+    if kill:
+        os.kill(pid, signal.SIGKILL)
+    _, status = os.waitpid(pid, 0)
+    return status
+
+
+def _cnt_files(stats):
+    return sorted(n for n in os.listdir(stats) if n.endswith(".cnt"))
+
+
+class _FoldLockHeld:
+    """The fold lock held by this process (a record lock: the children forked meanwhile do
+    not inherit it): a fold elsewhere skips (it never waits on a get's path), so ended files
+    stay until it is let go."""
+
+    def __init__(self, stats):
+        import fcntl
+        os.makedirs(stats, exist_ok=True)
+        self.fd = os.open(os.path.join(stats, "fold.lock"), os.O_RDWR | os.O_CREAT, 0o644)
+        fcntl.lockf(self.fd, fcntl.LOCK_EX)
+
+    def release(self):
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def test_ended_counter_files_fold_into_one_sum_and_keep_every_count(tmp_path):
+    """Processes that exited, and one killed, leave a counter file each (their own folds skip
+    while the lock is busy); a process's first count then folds them into ended.sum and
+    unlinks them; the totals are what they were, and a live process's file (its lock held) is
+    left alone until it ends."""
+    from ucmcache.disktier.counters import ProcessCounters, read_all
+    stats = str(tmp_path / "stats")
+    held = _FoldLockHeld(stats)
+    w_killed = w_live = None
+    try:
+        for n in (1, 2):
+            _counting_child(stats, n, hold=False)
+        killed, w_killed = _counting_child(stats, 4, hold=True)
+        live, w_live = _counting_child(stats, 8, hold=True)
+        held.release()
+        assert read_all(stats)["t2_hits"] == 15 and len(_cnt_files(stats)) == 4
+        _reap(killed, kill=True)
+        me = ProcessCounters(stats, 0o644)
+        me.add("t2_hits", 16)                       # the first count: the fold
+        assert read_all(stats)["t2_hits"] == 31
+        left = _cnt_files(stats)
+        assert len(left) == 2 and any(n.startswith(f"{live}-") for n in left)
+        assert "ended.sum" in os.listdir(stats)
+        os.close(w_live)                            # the live one ends (never closed)
+        w_live = None
+        assert os.waitstatus_to_exitcode(_reap(live)) == 0
+        me.close()                                  # and this one's file ends with its close
+        ProcessCounters(stats, 0o644).add("t2_hits", 32)
+        assert read_all(stats)["t2_hits"] == 63
+        assert len(_cnt_files(stats)) == 1          # only the newest counters' file
+    finally:
+        held.release()
+        if w_killed is not None:
+            os.close(w_killed)
+        if w_live is not None:
+            os.close(w_live)
+            _reap(live, kill=True)
+
+
+def test_a_fold_killed_between_its_sum_and_its_unlinks_counts_nothing_twice(tmp_path):
+    """A real SIGKILL at the fold's first unlink, after ended.sum is renamed into place: the
+    folded files are still there, named in the sum, and counted once; the next fold unlinks
+    them and the totals stay."""
+    from ucmcache.disktier.counters import fold_ended, read_all
+    stats = str(tmp_path / "stats")
+    held = _FoldLockHeld(stats)
+    try:
+        for n in (1, 2, 4):
+            _counting_child(stats, n, hold=False)
+    finally:
+        held.release()
+    before = _cnt_files(stats)
+    assert len(before) == 3 and read_all(stats)["t2_hits"] == 7
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.unlink = lambda p: os.kill(os.getpid(), signal.SIGKILL)   # dies at the window
+            fold_ended(stats, 0o644)
+        finally:
+            os._exit(3)
+    status = _reap(pid)
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
+    assert _cnt_files(stats) == before and "ended.sum" in os.listdir(stats)
+    assert read_all(stats)["t2_hits"] == 7
+    assert fold_ended(stats, 0o644) == []           # nothing new ended: the leftovers go
+    assert _cnt_files(stats) == [] and read_all(stats)["t2_hits"] == 7
