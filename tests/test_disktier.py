@@ -569,7 +569,7 @@ def test_a_forked_child_writes_and_counts_on_its_own(segs, tmp_path):
         assert {f.block_id for f in tier.files()} >= set(kids)
         assert tier.stats()["t2_writes"] == 4
         # one counter file per process: both were open while the child counted
-        assert len([n for n in os.listdir(tier._stats_dir) if n.endswith(".cnt")]) == 2
+        assert len(_cnt_files(tier._stats_dir)) == 2
     finally:
         cc.close()
 
@@ -1088,13 +1088,13 @@ def _reap(pid, kill=False):
 
 
 def _cnt_files(stats):
-    return sorted(n for n in os.listdir(stats) if n.endswith(".cnt"))
+    return sorted(n for n in os.listdir(stats) if n.endswith(".counts"))
 
 
 class _FoldLockHeld:
     """The fold lock held by this process (a record lock: the children forked meanwhile do
-    not inherit it): a fold elsewhere skips (it never waits on a get's path), so ended files
-    stay until it is let go."""
+    not inherit it): a fold elsewhere skips (it never waits), so ended files stay until it is
+    let go."""
 
     def __init__(self, stats):
         import fcntl
@@ -1108,38 +1108,61 @@ class _FoldLockHeld:
             self.fd = -1
 
 
+def _fold_elsewhere(stats):
+    """fold_ended run by another real process (this one's own files are never folded by
+    itself); the names it folded."""
+    from ucmcache.disktier.counters import fold_ended
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            os.close(r)
+            os.write(w, pickle.dumps(fold_ended(stats, 0o644)))
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(w)
+    with os.fdopen(r, "rb") as f:
+        out = pickle.loads(f.read())
+    assert os.waitstatus_to_exitcode(_reap(pid)) == 0
+    return out
+
+
 def test_ended_counter_files_fold_into_one_sum_and_keep_every_count(tmp_path):
-    """Processes that exited, and one killed, leave a counter file each (their own folds skip
-    while the lock is busy); a process's first count then folds them into ended.sum and
-    unlinks them; the totals are what they were, and a live process's file (its lock held) is
-    left alone until it ends."""
+    """Processes that exited, and one killed, leave a counter file each; a DiskTier's
+    construction folds them into ended.sum and unlinks them; the totals are what they were,
+    and a live process's file (its lock held) is left alone until it ends."""
     from ucmcache.disktier.counters import ProcessCounters, read_all
-    stats = str(tmp_path / "stats")
-    held = _FoldLockHeld(stats)
+    path = str(tmp_path / "disk")
+    stats = os.path.join(path, "ucm-disk-v1", "stats")
+    DiskTier(path, CAP).close()
     w_killed = w_live = None
     try:
         for n in (1, 2):
             _counting_child(stats, n, hold=False)
         killed, w_killed = _counting_child(stats, 4, hold=True)
         live, w_live = _counting_child(stats, 8, hold=True)
-        held.release()
         assert read_all(stats)["t2_hits"] == 15 and len(_cnt_files(stats)) == 4
         _reap(killed, kill=True)
-        me = ProcessCounters(stats, 0o644)
-        me.add("t2_hits", 16)                       # the first count: the fold
-        assert read_all(stats)["t2_hits"] == 31
+        tier = DiskTier(path, CAP)                  # its construction folds
+        assert read_all(stats)["t2_hits"] == 15
         left = _cnt_files(stats)
-        assert len(left) == 2 and any(n.startswith(f"{live}-") for n in left)
+        assert len(left) == 1 and left[0].startswith(f"{live}-")
         assert "ended.sum" in os.listdir(stats)
+        tier.counters.add("t2_hits", 16)
+        assert tier.stats()["t2_hits"] == 31
         os.close(w_live)                            # the live one ends (never closed)
         w_live = None
         assert os.waitstatus_to_exitcode(_reap(live)) == 0
-        me.close()                                  # and this one's file ends with its close
-        ProcessCounters(stats, 0o644).add("t2_hits", 32)
+        tier.close()                                # and this one's file ends with its close
+        assert len(_fold_elsewhere(stats)) == 2
+        me = ProcessCounters(stats, 0o644)
+        me.add("t2_hits", 32)
         assert read_all(stats)["t2_hits"] == 63
         assert len(_cnt_files(stats)) == 1          # only the newest counters' file
+        me.close()
     finally:
-        held.release()
         if w_killed is not None:
             os.close(w_killed)
         if w_live is not None:
@@ -1153,12 +1176,8 @@ def test_a_fold_killed_between_its_sum_and_its_unlinks_counts_nothing_twice(tmp_
     them and the totals stay."""
     from ucmcache.disktier.counters import fold_ended, read_all
     stats = str(tmp_path / "stats")
-    held = _FoldLockHeld(stats)
-    try:
-        for n in (1, 2, 4):
-            _counting_child(stats, n, hold=False)
-    finally:
-        held.release()
+    for n in (1, 2, 4):
+        _counting_child(stats, n, hold=False)
     before = _cnt_files(stats)
     assert len(before) == 3 and read_all(stats)["t2_hits"] == 7
     pid = os.fork()
@@ -1174,3 +1193,87 @@ def test_a_fold_killed_between_its_sum_and_its_unlinks_counts_nothing_twice(tmp_
     assert read_all(stats)["t2_hits"] == 7
     assert fold_ended(stats, 0o644) == []           # nothing new ended: the leftovers go
     assert _cnt_files(stats) == [] and read_all(stats)["t2_hits"] == 7
+
+
+def test_a_fold_between_a_counter_files_making_and_its_lock_loses_no_count(tmp_path,
+                                                                           monkeypatch):
+    """The window the review found: a file made but not yet locked.  Here another process
+    folds exactly there (the fold runs inside this process's first flock call): it removes the
+    unlocked file being made, this process makes another, and every count it makes after is
+    summed."""
+    import fcntl
+    from ucmcache.disktier import counters
+    from ucmcache.disktier.counters import ProcessCounters, read_all
+    stats = str(tmp_path / "stats")
+    os.makedirs(stats)
+    real_flock = fcntl.flock
+    seen = []
+
+    def flock_after_a_fold(fd, how):
+        if not seen:
+            seen.append(os.listdir(stats))
+            seen.append(_fold_elsewhere(stats))
+        return real_flock(fd, how)
+
+    monkeypatch.setattr(counters.fcntl, "flock", flock_after_a_fold)
+    me = ProcessCounters(stats, 0o644)
+    me.add("t2_hits", 5)
+    monkeypatch.setattr(counters.fcntl, "flock", real_flock)
+    made_first = [n for n in seen[0] if n.endswith(".new")]
+    assert len(made_first) == 1 and seen[1] == []   # removed, not folded: nothing counted in it
+    assert made_first[0] not in os.listdir(stats)
+    me.add("t2_hits", 6)
+    assert read_all(stats)["t2_hits"] == 11 and len(_cnt_files(stats)) == 1
+    assert _fold_elsewhere(stats) == [] and read_all(stats)["t2_hits"] == 11   # locked: kept
+    me.close()
+
+
+def test_a_sum_that_cannot_be_read_is_never_folded_over(tmp_path):
+    """An ended.sum that does not read as one (another format, a torn copy): a fold does
+    nothing (writing a sum from zero over it would lose what it holds), and the files stay."""
+    from ucmcache.disktier.counters import fold_ended
+    stats = str(tmp_path / "stats")
+    _counting_child(stats, 3, hold=False)
+    with open(os.path.join(stats, "ended.sum"), "wb") as f:
+        f.write(b"UCMDSENX" + bytes(200))
+    files = _cnt_files(stats)
+    assert fold_ended(stats, 0o644) == [] and _cnt_files(stats) == files
+    with open(os.path.join(stats, "ended.sum"), "rb") as f:
+        assert f.read(8) == b"UCMDSENX"
+
+
+def test_odd_entries_in_the_counter_directory_never_block_or_fail_a_fold_or_a_read(tmp_path):
+    """A FIFO named like a counter file (opening it to read would block), a name that is not
+    ASCII and a directory: skipped or folded without raising; the totals are right."""
+    from ucmcache.disktier.counters import fold_ended, read_all
+    stats = str(tmp_path / "stats")
+    _counting_child(stats, 3, hold=False)
+    odd = os.path.join(stats, "3-\u00e9t\u00e9.counts")
+    shutil.copy(os.path.join(stats, _cnt_files(stats)[0]), odd)
+    os.mkfifo(os.path.join(stats, "1-fifo.counts"))
+    os.mkdir(os.path.join(stats, "2-dir.counts"))
+    assert read_all(stats)["t2_hits"] == 6
+    folded = fold_ended(stats, 0o644)
+    assert "3-\u00e9t\u00e9.counts" in folded and len(folded) == 2
+    assert read_all(stats)["t2_hits"] == 6
+
+
+def test_a_child_forked_while_a_parent_thread_reads_the_counters_can_read_and_fold(tmp_path):
+    """The process-local lock beside the fold lock, held by a parent thread at the fork: the
+    child gets a free one (it would otherwise wait out READ_WAIT on every read, and never
+    fold)."""
+    from ucmcache.disktier import counters
+    stats = str(tmp_path / "stats")
+    _counting_child(stats, 3, hold=False)
+    with counters._local:                              # a parent thread inside read_all
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                ok = (not counters._local.locked() and len(counters.fold_ended(stats, 0o644)) == 1
+                      and counters.read_all(stats)["t2_hits"] == 3)
+                code = 0 if ok else 2
+            finally:
+                os._exit(code)
+    assert os.waitstatus_to_exitcode(_reap(pid)) == 0
+    assert _cnt_files(stats) == []

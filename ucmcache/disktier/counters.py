@@ -2,21 +2,29 @@
 every tool (``ucmcache tier``, ``inspect --tier``, metrics) sees the same numbers, across
 restarts of the processes and re-creations of the segment.
 
-Each process writes its own small file (``stats/<pid>-<random>.cnt``), and only that process
+Each process writes its own small file (``stats/<pid>-<random>.counts``), and only that process
 writes it (under a thread lock), as each rank writes only its own counter lines in the segment:
 no shared read-modify-write, so a process killed mid-update loses at most its own increment.
 A file is 16 bytes of header (magic, count) and int64 counters in ``NAMES`` order; a file whose
 header does not match is skipped.
 
-A file's writer holds an exclusive ``flock`` on it for as long as it may write (its tier open,
-its process alive: the kernel drops the lock of a killed process).  So that the directory does
-not grow by a file per process for ever, a process making its file first folds every unlocked
-(ended) file into ``stats/ended.sum`` under ``stats/fold.lock`` (a record lock, which a forked
-child does not inherit; a fold never waits for it): the sum and the names it took in are
-renamed into place in one step, and only then are those files unlinked.  A file named in
-``ended.sum`` is never summed again, so a fold killed between its rename and its unlinks counts
-nothing twice; the next fold unlinks what it left.  Readers sum ``ended.sum`` and every file it
-does not name, under the fold lock shared, so no fold moves counts while they read.
+Ended files are folded, so that the directory keeps a file per live process, not one per
+process ever:
+* A writer holds an exclusive ``flock`` on its file for as long as it may write (its tier open,
+  its process alive: the kernel drops a killed process's lock).  The file is made, locked and
+  filled under a temporary name (``.new``) and renamed to ``.counts`` only then, so a fold never
+  sees an unlocked ``.counts`` of a live writer; a fold may remove an unlocked ``.new`` (its
+  maker died, or has not locked it yet: that maker's rename fails and it makes another).
+* ``fold_ended`` (a DiskTier's construction, off every get's path; at most ``FOLD_LIMIT``
+  files a call) adds every unlocked ``.counts`` file into ``stats/ended.sum``, under the record
+  lock ``stats/fold.lock`` (not a flock: a process forked meanwhile does not inherit it; a fold
+  never waits for it): the sum and the names it took in are renamed into place in one step,
+  and only then are those files unlinked.  A file named in ``ended.sum`` is never summed again,
+  so a fold killed between its rename and its unlinks counts nothing twice; the next fold
+  unlinks what it left.  A fold that cannot read an existing ``ended.sum`` does nothing.
+* Readers read the counter files, then ``ended.sum``, and sum it with every file it does not
+  name, under the fold lock shared (read only: a reader never makes the lock file).
+* ``.cnt`` files (written by earlier versions, which take no lock) are summed and never folded.
 """
 from __future__ import annotations
 
@@ -26,11 +34,12 @@ import logging
 import mmap
 import os
 import secrets
+import stat
 import struct
 import threading
 import time
-from typing import Dict, Iterator, List, Optional, Set, Tuple
 from contextlib import contextmanager
+from typing import Dict, Iterator, List, Optional, Set, Tuple
 
 import numpy as np
 
@@ -54,10 +63,15 @@ _MAGIC = b"UCMDSTAT"
 _HEAD = struct.Struct("<8sQ")
 _SIZE = 4096
 assert _HEAD.size + 8 * len(NAMES) <= _SIZE
+_LIVE = ".counts"       # a process's file, under its flock while it may write
+_MAKING = ".new"        # one being made (locked, then renamed to .counts)
+_LEGACY = ".cnt"        # earlier versions' files (no lock): summed, never folded
 # ended.sum: the same header and counters, then the names of the files it took in (one a line).
 _ENDED = "ended.sum"
 _ENDED_MAGIC = b"UCMDSEND"
 _FOLD_LOCK = "fold.lock"
+FOLD_LIMIT = 256        # files one fold takes in at most (the rest: the next fold)
+MAKE_TRIES = 3          # a fold may remove a file being made: its maker tries again
 
 
 class ProcessCounters:
@@ -102,11 +116,25 @@ class ProcessCounters:
 
     def _open(self) -> np.ndarray:
         os.makedirs(self._dir, exist_ok=True)
-        path = os.path.join(self._dir, f"{os.getpid()}-{secrets.token_hex(4)}.cnt")
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, self._mode)
+        for _ in range(MAKE_TRIES):
+            arr = self._make()
+            if arr is not None:
+                return arr
+        raise OSError(errno.EAGAIN, f"counter file: removed while being made {MAKE_TRIES} times")
+
+    def _make(self) -> Optional[np.ndarray]:
+        """Make, lock and fill a file under its .new name, then rename it to .counts; None if a
+        fold removed it meanwhile (the caller makes another)."""
+        base = os.path.join(self._dir, f"{os.getpid()}-{secrets.token_hex(4)}")
+        making = base + _MAKING
+        fd = os.open(making, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, self._mode)
+        mm: Optional[mmap.mmap] = None
+        made = False
         try:
-            # Locked before anything is written: a fold never takes a file being made.
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:  # a fold holds it, and removes it
+                return None
             # The pages are allocated for real before the map: a sparse file (ftruncate) on a
             # full disk would be SIGBUS at the first store through the map, killing the process.
             head = _HEAD.pack(_MAGIC, len(NAMES))
@@ -124,21 +152,23 @@ class ProcessCounters:
                                                               errno.ENOSYS):
                     raise
             mm = mmap.mmap(fd, _SIZE)
-        except BaseException:
-            os.close(fd)
             try:
-                os.unlink(path)
-            except OSError:
-                pass
-            raise
+                os.rename(making, base + _LIVE)  # locked and whole before any fold sees it
+            except FileNotFoundError:  # a fold removed it before our lock
+                return None
+            made = True
+        finally:
+            if not made:
+                if mm is not None:
+                    mm.close()
+                os.close(fd)
+                try:
+                    os.unlink(making)
+                except OSError:
+                    pass
         self._fd = fd
         self._mm = mm
         self._arr = np.frombuffer(mm, dtype=np.int64, count=len(NAMES), offset=_HEAD.size)
-        try:
-            fold_ended(self._dir, self._mode)
-        except OSError as e:  # best effort: the files stay, and are summed as they are
-            log.warning("ucmcache disk tier: cannot fold ended counter files in %s (%s: %s)",
-                        self._dir, type(e).__name__, e)
         return self._arr
 
     def close(self) -> None:
@@ -169,56 +199,87 @@ def _counts(raw: bytes, magic: bytes) -> Optional[np.ndarray]:
     return out
 
 
-def _read(path: str, limit: int = -1) -> Optional[bytes]:
+def _read_regular(path: str, limit: int) -> Optional[bytes]:
+    """A regular file's first bytes; None if it is gone, unreadable or not a regular file (a
+    FIFO named like a counter file must not block a reader)."""
     try:
-        with open(path, "rb") as f:
-            return f.read(limit)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:
         return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        return os.pread(fd, limit, 0)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
 
 
-def _read_ended(stats_dir: str) -> Tuple[np.ndarray, Set[str]]:
-    """ended.sum's counters and the names of the files it took in (zeros and none if there is
-    no such file, or it does not read as one)."""
-    raw = _read(os.path.join(stats_dir, _ENDED))
+_ENDED_MAX = 1 << 20  # ended.sum: counters and at most FOLD_LIMIT names
+
+
+def _read_ended(stats_dir: str) -> Optional[Tuple[np.ndarray, Set[str]]]:
+    """ended.sum's counters and the names of the files it took in: zeros and none if there is
+    no such file; None if there is one that cannot be read as one (a fold then does nothing,
+    rather than write a sum from zero over it)."""
+    path = os.path.join(stats_dir, _ENDED)
+    try:
+        os.lstat(path)
+    except FileNotFoundError:
+        return np.zeros(len(NAMES), dtype=np.int64), set()
+    except OSError:
+        return None
+    raw = _read_regular(path, _ENDED_MAX)
     counts = _counts(raw, _ENDED_MAGIC) if raw is not None else None
     if raw is None or counts is None:
-        return np.zeros(len(NAMES), dtype=np.int64), set()
+        return None
     _, count = _HEAD.unpack_from(raw, 0)
-    names = raw[_HEAD.size + 8 * count:].decode("ascii", "replace").split("\n")
-    return counts, {n for n in names if n}
+    names = raw[_HEAD.size + 8 * count:].split(b"\n")
+    return counts, {os.fsdecode(n) for n in names if n}
 
 
 # A reader waits this long for a fold in progress (one takes milliseconds); past it (a folder
-# stopped by a debugger), it reads without the lock and may count a file being folded twice.
+# stopped by a debugger), it reads without the lock (see read_all).
 READ_WAIT = 2.0
 
 
 # The fold lock is a POSIX record lock (lockf), not a flock: a process forked while it folds
 # or reads does not inherit it (a flock's open file would keep it held for the child's life).
-# Record locks are per process, so this process's threads take turns through _local first.
+# Record locks are per process, so this process's threads take turns through _local first; a
+# forked child gets a new one (a parent thread may have held it at the fork).
 _local = threading.Lock()
 
 
+def _new_local_after_fork() -> None:
+    global _local
+    _local = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_new_local_after_fork)
+
+
 @contextmanager
-def _fold_lock(stats_dir: str, how: int, wait: float) -> Iterator[bool]:
-    """The fold lock taken as ``how`` (LOCK_SH to read, LOCK_EX to fold), polled for at most
-    ``wait`` seconds; yields whether it is held (not when its file cannot be opened or made, as
-    in a read-only directory, where nothing folds)."""
-    if not _local.acquire(blocking=wait > 0, timeout=wait if wait > 0 else -1):
+def _fold_lock(stats_dir: str, fold: Optional[int], wait: float) -> Iterator[bool]:
+    """The fold lock: exclusive for a fold (``fold``: the mode its file is made with, if it
+    must be), shared for a reader (None: opened read only, never made), polled for at most
+    ``wait`` seconds; yields whether it is held (not when its file cannot be opened)."""
+    lock = _local
+    if not lock.acquire(blocking=wait > 0, timeout=wait if wait > 0 else -1):
         yield False
         return
     try:
         path = os.path.join(stats_dir, _FOLD_LOCK)
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
-        except OSError:
-            try:
+            if fold is None:
                 fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-            except OSError:
-                yield False
-                return
+            else:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, fold)
+        except OSError:
+            yield False
+            return
         try:
+            how = fcntl.LOCK_SH if fold is None else fcntl.LOCK_EX
             deadline = time.monotonic() + wait
             while True:
                 try:
@@ -234,60 +295,89 @@ def _fold_lock(stats_dir: str, how: int, wait: float) -> Iterator[bool]:
         finally:
             os.close(fd)  # the record lock with it
     finally:
-        _local.release()
+        lock.release()
+
+
+def _is_counter_file(name: str) -> bool:
+    return name.endswith((_LIVE, _LEGACY))
 
 
 def read_all(stats_dir: str) -> Dict[str, int]:
-    """Every process's counters summed, by name: ended.sum and every file it does not name."""
+    """Every process's counters summed, by name: ended.sum and every file it does not name.
+
+    The files are read before ended.sum: a fold that lands between the two names in ended.sum
+    the files it took in, so they are counted once, through it.  Under the fold lock (shared)
+    that is exact; without it (READ_WAIT passed, or no lock file yet) only a second fold landing
+    during the read can make a file count twice."""
     total = np.zeros(len(NAMES), dtype=np.int64)
     try:
         names = os.listdir(stats_dir)
     except OSError:  # missing, or not a directory: no counter files
         return {n: 0 for n in NAMES}
-    with _fold_lock(stats_dir, fcntl.LOCK_SH, READ_WAIT):
-        ended, taken = _read_ended(stats_dir)
-        total += ended
+    with _fold_lock(stats_dir, None, READ_WAIT):
+        files: Dict[str, np.ndarray] = {}
         for name in names:
-            if not name.endswith(".cnt") or name in taken:
+            if not _is_counter_file(name):
                 continue
-            raw = _read(os.path.join(stats_dir, name), _SIZE)
+            raw = _read_regular(os.path.join(stats_dir, name), _SIZE)
             counts = _counts(raw, _MAGIC) if raw is not None else None
             if counts is not None:
-                total += counts
+                files[name] = counts
+        ended = _read_ended(stats_dir)
+    if ended is not None:
+        total += ended[0]
+    taken = ended[1] if ended is not None else set()
+    for name, counts in files.items():
+        if name not in taken:
+            total += counts
     return {n: int(v) for n, v in zip(NAMES, total)}
 
 
-def fold_ended(stats_dir: str, mode: int) -> List[str]:
-    """Fold every ended counter file (no writer holds its lock) into ended.sum, then unlink
-    it; returns the names folded.  Under the fold lock: one fold at a time, no reader
-    meanwhile; none at all when the lock is busy."""
+def fold_ended(stats_dir: str, mode: int, limit: int = FOLD_LIMIT) -> List[str]:
+    """Fold the ended counter files (no writer holds their lock; at most ``limit``) into
+    ended.sum, then unlink them; returns the names folded.  Under the fold lock: one fold at a
+    time, no reader meanwhile; none at all when the lock is busy (it is not waited for) or
+    ended.sum cannot be read.  Files of this process are left alone (on NFS, where flock is a
+    record lock, this process's own lock would not keep its live file from it)."""
     folded: List[str] = []
-    # Not waited for: this runs on a process's first count (a get's path); when another
-    # process folds or reads, the next first count folds.
-    with _fold_lock(stats_dir, fcntl.LOCK_EX, 0.0) as locked:
+    mine = f"{os.getpid()}-"
+    if not any(n.endswith((_LIVE, _MAKING)) and not n.startswith(mine) or n.startswith(_ENDED + ".")
+               for n in os.listdir(stats_dir)):
+        return folded  # nothing to fold, nor left by a fold: no lock file made
+    with _fold_lock(stats_dir, mode, 0.0) as locked:
         if not locked:
             return folded
-        total, taken = _read_ended(stats_dir)
-        for name in os.listdir(stats_dir):
-            # in ended.sum already (a fold died before unlinking it), or a dead fold's temp
-            if name in taken or (name.startswith(_ENDED + ".") and name.endswith(".tmp")):
-                try:
-                    os.unlink(os.path.join(stats_dir, name))
-                except FileNotFoundError:
-                    pass
+        ended = _read_ended(stats_dir)
+        if ended is None:
+            log.warning("ucmcache disk tier: %s cannot be read as a sum of counters; ended "
+                        "counter files are not folded", os.path.join(stats_dir, _ENDED))
+            return folded
+        total, taken = ended
         for name in sorted(os.listdir(stats_dir)):
-            if not name.endswith(".cnt") or name in taken:
-                continue
             path = os.path.join(stats_dir, name)
+            if name in taken or (name.startswith(_ENDED + ".") and name.endswith(".tmp")):
+                # in ended.sum already (a fold died before unlinking it), or a dead fold's temp
+                _unlink_quietly(path)
+                continue
+            if (not name.endswith((_LIVE, _MAKING)) or name.startswith(mine) or "\n" in name
+                    or len(folded) >= limit):
+                continue
             try:
-                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+                fd = os.open(path, os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC)
             except OSError:
                 continue
             try:
+                if not stat.S_ISREG(os.fstat(fd).st_mode):
+                    continue
                 try:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 except BlockingIOError:
-                    continue  # its writer is alive
+                    continue  # its writer is alive (or still making it)
+                if name.endswith(_MAKING):
+                    # Its maker died before the rename, or has not locked it yet: that maker's
+                    # rename fails and it makes another.  Nothing was counted in it.
+                    _unlink_quietly(path)
+                    continue
                 raw = os.pread(fd, _SIZE, 0)
             finally:
                 os.close(fd)
@@ -298,7 +388,7 @@ def fold_ended(stats_dir: str, mode: int) -> List[str]:
         if not folded:
             return folded
         body = (_HEAD.pack(_ENDED_MAGIC, len(NAMES)) + total.astype("<i8").tobytes()
-                + "".join(n + "\n" for n in folded).encode("ascii"))
+                + b"".join(os.fsencode(n) + b"\n" for n in folded))
         tmp = os.path.join(stats_dir, f"{_ENDED}.{os.getpid()}.tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, mode)
         try:
@@ -308,16 +398,20 @@ def fold_ended(stats_dir: str, mode: int) -> List[str]:
             os.fsync(fd)
         except BaseException:
             os.close(fd)
-            os.unlink(tmp)
+            _unlink_quietly(tmp)
             raise
         os.close(fd)
         os.rename(tmp, os.path.join(stats_dir, _ENDED))  # the sum and its names in one step
         for name in folded:
-            try:
-                os.unlink(os.path.join(stats_dir, name))
-            except FileNotFoundError:
-                pass
+            _unlink_quietly(os.path.join(stats_dir, name))
     return folded
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
 
 
 def drop_inherited(c: ProcessCounters) -> None:

@@ -38,7 +38,7 @@ from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Se
 from .. import _hooks
 from .._tier import BoundTier, Owned, Tier
 from ..tier2.breaker import Breaker
-from .counters import ProcessCounters, drop_inherited, read_all
+from .counters import ProcessCounters, drop_inherited, fold_ended, read_all
 from .fileformat import HEADER_SIZE, BadBlock, decode, encode_header, file_name, parse_name
 
 log = logging.getLogger("ucmcache.disktier")
@@ -151,6 +151,11 @@ class DiskTier(Tier):
             self._resync = self._clean_tmp() > 0
         except OSError:
             pass
+        try:
+            fold_ended(self._stats_dir, self._mode)  # ended processes' counter files, bounded
+        except OSError as e:  # best effort: they stay, and are summed as they are
+            log.warning("ucmcache disk tier: cannot fold ended counter files in %s (%s: %s)",
+                        self._stats_dir, type(e).__name__, e)
 
     def _reset_process_state(self) -> None:
         if self._res is not None:
