@@ -105,7 +105,10 @@ def load_past_a_dead_claim(c, kw, procs, gate):
     """get_or_load(X) held at before_stripe, its lock-free looks missed, while another process
     installs X and is killed at before_handover (X's slot linked and claimed, the stripe held
     by a dead thread); the process reaped (its life lock gone with it), the get goes on: the
-    stripe repaired, X's slot claimed under it (BUSY), the dead rank recovered, X loaded."""
+    stripe repaired, X's slot claimed under it (BUSY), the dead rank recovered, X loaded.
+    (A get blocked on the stripe instead is woken by the kernel's robust-futex cleanup before
+    the dying process's files close: its recovery could find the rank still alive and step
+    once more, counting one more BUSY.)"""
     from ucmcache.lowlevel import lib
     key, g = K[30], gate()
     c._arm("before_stripe", "gate", g)
