@@ -2359,6 +2359,7 @@ int64_t ucm_get_slow(ucm_ctx *c, const char *id, uint64_t offset, uint32_t spin_
     uint64_t key[3];
     load_key(id, offset, key);
     uint32_t b = bucket_of_key(c, key), stripe = ucm_stripe_of(c, b);
+    POINT(c, UCM_PT_BEFORE_STRIPE);
     int r = lock_stripe_repairing(c, stripe, timeout_ns);
     if (r != UCM_OK) return -(int64_t)r;
     POINT(c, UCM_PT_HOLDING_STRIPE);

@@ -259,7 +259,9 @@ enum { UCM_RESULT_TABLE(UCM_RESULT_ENUM_) };
                                  * slot, still Loading, nothing counted or published */
 #define UCM_PT_LOAD_PUBLISHED 18 /* an owner's finish: published (Ready or Failed) and observed,
                                  * its pin not yet dropped */
-#define UCM_PT_COUNT         19
+#define UCM_PT_BEFORE_STRIPE 19 /* slow path: the caller's lock-free look done, the arena epoch
+                                 * looked at, the key's stripe not yet taken; the step holds nothing */
+#define UCM_PT_COUNT         20
 #define UCM_ACT_NONE         0
 #define UCM_ACT_GATE         1
 #define UCM_ACT_KILL         2

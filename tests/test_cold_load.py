@@ -1,9 +1,12 @@
 """The cold get_or_load in C (DESIGN 4.4 "finish", 5.8): one core step each side of the loader
 (ucm_get_slow into a token of the C frame, ucm_load_finish), no Handle.  Its counters are the
-full path's, its loader errors and value checks are the full path's, and a process killed at
-each point of the finish leaves what 5.8 says, repaired by a survivor."""
+full path's (for each answer of its slow step too), its loader errors and value checks are the
+full path's, and a process killed at each point of the finish leaves what 5.8 says, repaired by
+a survivor."""
+import contextlib
 import re
 import signal
+import threading
 
 import numpy as np
 import pytest
@@ -53,11 +56,25 @@ def run_ops(c, kw):
     return out
 
 
-def test_the_c_path_counts_what_the_full_path_counts(uuid):
+@contextlib.contextmanager
+def c_and_full(uuid, **params):
+    """Two caches made alike: (one for the C path, on the test's uuid; one for the full path, on
+    a second uuid of the run, unlinked after)."""
     full_uuid = run_uuid()
-    a = SlotCache.create(uuid, slots_per_rank=16, slot_size=64, max_ranks=1)
-    b = SlotCache.create(full_uuid, slots_per_rank=16, slot_size=64, max_ranks=1)
+    a = SlotCache.create(uuid, **params)
     try:
+        b = SlotCache.create(full_uuid, **params)
+        try:
+            yield a, b
+        finally:
+            b.close()
+            SlotCache.unlink(full_uuid)
+    finally:
+        a.close()
+
+
+def test_the_c_path_counts_what_the_full_path_counts(uuid):
+    with c_and_full(uuid, slots_per_rank=16, slot_size=64, max_ranks=1) as (a, b):
         assert run_ops(a, {}) == run_ops(b, {"timeout": 30.0})
         ca, cb = counters(a), counters(b)
         assert ca == cb
@@ -65,10 +82,129 @@ def test_the_c_path_counts_what_the_full_path_counts(uuid):
         assert ca["load_count"] == 48  # every owner's load observed once, Ready or Failed
         assert a.entry_count() == b.entry_count() and a.size_bytes() == b.size_bytes()
         assert ucmcache.verify(a.uuid).ok
+
+
+# ---------------------------------------------------------------- the slow step's other answers
+# Any answer of the C slow step but a pin goes to the full path's _pin_slow as its first step
+# (DESIGN 4.6): the same retries and counters as a full path that ran the step itself.  Each
+# answer is made deterministically on two caches alike, one call through each path.
+
+def cold_step_answers(monkeypatch):
+    """The answers the C slow step handed to the full path (_get_or_load_cold), as they come."""
+    answers = []
+    handed = SlotCache._get_or_load_cold
+
+    def recording(self, key, loader, answer=0, since_ns=-1, **kw):
+        answers.append(answer)
+        return handed(self, key, loader, answer, since_ns, **kw)
+    monkeypatch.setattr(SlotCache, "_get_or_load_cold", recording)
+    return answers
+
+
+def load_past_a_dead_claim(c, kw, procs, gate):
+    """get_or_load(X) held at before_stripe, its lock-free looks missed, while another process
+    installs X and is killed at before_handover (X's slot linked and claimed, the stripe held
+    by a dead thread); the process reaped (its life lock gone with it), the get goes on: the
+    stripe repaired, X's slot claimed under it (BUSY), the dead rank recovered, X loaded.
+    (A get blocked on the stripe instead is woken by the kernel's robust-futex cleanup before
+    the dying process's files close: its recovery could find the rank still alive and step
+    once more, counting one more BUSY.)"""
+    from ucmcache.lowlevel import lib
+    key, g = K[30], gate()
+    c._arm("before_stripe", "gate", g)
+    out = []
+    t = threading.Thread(target=lambda: out.append(c.get_or_load(key, lambda: b"mine", **kw)))
+    t.start()
+    try:
+        g.wait_arrived()
+        p, q = procs.start(workers.die_at_point, c.uuid, None, key, "before_handover")
+        p.join(30)
+        assert p.exitcode == -signal.SIGKILL, "the installer was not killed at before_handover"
+        reference = slot_fields(snapshot(c._seg)["metas"])["reference"]
+        claimed = [s for s in range(c.layout.n_slots) if int(reference[s]) >> 63]
+        assert len(claimed) == 1 and lib.ucm_slot_state(c._ctx, claimed[0]) == lib.UCM_LOADING
     finally:
-        a.close()
-        b.close()
-        SlotCache.unlink(full_uuid)
+        c._arm("before_stripe", "none")
+        g.release()
+        t.join(30)
+    assert out == [b"mine"]
+
+
+def test_a_busy_answer_of_the_c_step_counts_what_the_full_path_counts(uuid, procs, gate,
+                                                                      monkeypatch):
+    from ucmcache.lowlevel import lib
+    answers = cold_step_answers(monkeypatch)
+    with c_and_full(uuid, slots_per_rank=4, slot_size=64, max_ranks=2) as (a, b):
+        warm(a)
+        warm(b)
+        del answers[:]
+        load_past_a_dead_claim(a, {}, procs, gate)
+        assert answers == [lib.UCM_BUSY]                   # the C step's answer, handed on
+        load_past_a_dead_claim(b, {"timeout": 30.0}, procs, gate)
+        assert answers == [lib.UCM_BUSY]                   # (the full path ran its own step)
+        ca, cb = counters(a), counters(b)
+        assert ca == cb
+        assert (ca["spins_exhausted"], ca["stripe_repairs"], ca["recovered_ranks"]) == (1, 1, 1)
+        for c in (a, b):
+            assert c.get_or_load(K[30], lambda: b"never") == b"mine"
+            assert ucmcache.verify(c.uuid).ok
+
+
+def load_past_busy_stripes(c, kw):
+    """get_or_load(X) while every slot holds an entry of a bucket whose stripe is not X's, and
+    this thread holds every stripe but X's: each claim's isolate finds its victim's old stripe
+    busy (ROLLBACK), in every step, until CacheFull: the loader's value, uncached (a bypass)."""
+    from ucmcache.lowlevel import lib
+
+    def stripe(k):
+        return lib.ucm_stripe_of(c._ctx, lib.ucm_bucket_of(c._ctx, k, 0))
+    key = K[0]
+    for k in [k for k in K[1:] if stripe(k) != stripe(key)][:c.capacity]:
+        c.get_or_load(k, lambda k=k: k, **kw)
+    assert c.entry_count() == c.capacity                   # no slot left but a victim's
+    held = [s for s in range(c.layout.n_stripes) if s != stripe(key)]
+    out = []
+    try:
+        for s in held:
+            assert lib.ucm_stripe_lock(c._ctx, s, 10**9) == lib.UCM_OK
+        t = threading.Thread(target=lambda: out.append(c.get_or_load(key, lambda: b"v", **kw)))
+        t.start()
+        t.join(60)
+    finally:
+        for s in held:
+            lib.ucm_stripe_unlock(c._ctx, s)
+    assert out == [b"v"] and c.exist([key]) == [False]
+
+
+def test_a_rollback_answer_of_the_c_step_counts_what_the_full_path_counts(uuid, monkeypatch):
+    from ucmcache.lowlevel import lib
+    answers = cold_step_answers(monkeypatch)
+    with c_and_full(uuid, slots_per_rank=8, slot_size=64, max_ranks=1, n_stripes=4) as (a, b):
+        load_past_busy_stripes(a, {})
+        assert answers[-1] == lib.UCM_ROLLBACK             # the C step's answer, handed on
+        handed = len(answers)
+        load_past_busy_stripes(b, {"timeout": 30.0})
+        assert len(answers) == handed                      # (the full path ran its own step)
+        ca, cb = counters(a), counters(b)
+        assert ca == cb
+        assert ca["bypasses"] == 1 and ca["claim_rollbacks"] > 0
+        for c in (a, b):
+            assert c.get_or_load(K[0], lambda: b"cached") == b"cached"
+            assert ucmcache.verify(c.uuid).ok
+
+
+def test_a_getter_killed_before_its_stripe_leaves_nothing_but_its_rank(make_cache, procs):
+    """DESIGN 5.8, before_stripe: the slow step holds nothing yet (the C path's token unarmed)."""
+    c = make_cache(slots_per_rank=4, slot_size=64, max_ranks=3)
+    warm(c)
+    p, q = procs.start(workers.die_at_point, c.uuid, None, K[9], "before_stripe")
+    p.join(30)
+    assert p.exitcode == -signal.SIGKILL, "the getter was not killed at before_stripe"
+    assert [r.rank for r in c.recover().ranks] == [1]
+    rep = ucmcache.verify(c.uuid)
+    assert rep.ok, rep
+    assert int((slot_fields(snapshot(c._seg)["metas"])["reference"] != 0).sum()) == 0
+    assert c.get_or_load(K[9], lambda: b"mine") == b"mine"
 
 
 def test_a_cold_get_or_load_makes_no_handle_and_runs_no_full_path(make_cache, monkeypatch):
@@ -281,20 +417,15 @@ def run_owner_ops(c, kw):
 
 
 def test_gets_owner_path_counts_what_the_full_path_counts(uuid):
-    full_uuid = run_uuid()
-    a = warm(SlotCache.create(uuid, slots_per_rank=16, slot_size=64, max_ranks=1))
-    b = warm(SlotCache.create(full_uuid, slots_per_rank=16, slot_size=64, max_ranks=1))
-    try:
+    with c_and_full(uuid, slots_per_rank=16, slot_size=64, max_ranks=1) as (a, b):
+        warm(a)
+        warm(b)
         assert run_owner_ops(a, {}) == run_owner_ops(b, {"timeout": 30.0})
         ca, cb = counters(a), counters(b)
         assert ca == cb
         assert ca["loads_failed"] == 7 and ca["load_count"] == ca["loads_started"] - 6  # (abandons: unobserved)
         assert a.entry_count() == b.entry_count() and a.size_bytes() == b.size_bytes()
         assert a._open_handles == 0 and ucmcache.verify(a.uuid).ok
-    finally:
-        a.close()
-        b.close()
-        SlotCache.unlink(full_uuid)
 
 
 def test_an_owner_handle_made_in_c_publishes_in_c(make_cache, monkeypatch):

@@ -11,7 +11,10 @@
  * Each thread runs a random mix of: ucm_lookup_pin, ucm_get_slow (claim, evict, install; MOVED,
  * FULL, ROLLBACK, BUSY handled the way ucmcache/_cache.py's _pin_slow does, with a small arena
  * policy after ucmcache/_arenas.py), the owner writing the payload and ucm_publish (Ready, or
- * Failed with a message), ucm_abandon_many, waits (ucm_wait_loaded) on other ranks' loads,
+ * Failed with a message), ucm_abandon_many, the C miss path's steps as ucmcache/_hit makes them
+ * (get_or_load: ucm_get_slow into a stack token, then ucm_load_finish; get()'s owner handle:
+ * ucm_get_slow into the token it keeps, ucm_token_publish, ucm_token_drop), waits
+ * (ucm_wait_loaded, ucm_wait_ready) on other ranks' loads,
  * ucm_release, ucm_read_many (both row paths), ucm_lookup_pin_many + ucm_gather,
  * ucm_pin_all_ready, ucm_pin_again_many, ucm_exist1/_many/_prefix, ucm_touch_many, the prefetch
  * rings, and ucm_clear now and then.  Payload bytes are a function of the key, so every byte read
@@ -24,10 +27,13 @@
  * claim from ucm_clock_claim (INSTALLING), a stripe mutex (the thread exits holding it: the robust
  * mutex hands the next locker EOWNERDEAD and the core repairs the stripe), or parked for good at
  * one of the core's named points (a GATE that is never opened: CLAIM_UNCHECKED, AFTER_PIN,
- * BEFORE_PIN_CAS, COUNTED_NOT_READY, BEFORE_COPY), or exited at one of the delete's points, which
- * lie under the key's stripe (UCM_ACT_EXIT: DELETE_USABLE, DELETE_MARKED, DELETE_CHECKED, MID_DELETE,
- * DELETE_UNCOUNTED; the mutex
- * passes EOWNERDEAD as above).  Another thread then recovers it with
+ * BEFORE_PIN_CAS, COUNTED_NOT_READY (reached through ucm_publish or ucm_token_publish),
+ * BEFORE_COPY), or exited at one of the delete's points, which lie under the key's stripe
+ * (UCM_ACT_EXIT: DELETE_USABLE, DELETE_MARKED, DELETE_CHECKED, MID_DELETE, DELETE_UNCOUNTED; the
+ * mutex passes EOWNERDEAD as above), or at one of the finish's (LOAD_COPIED, LOAD_PUBLISHED,
+ * inside ucm_load_finish: a token on the dead stack, its pin bit and loader word left).  A
+ * context whose reference a dead thread's token still holds is kept, never freed (kept_ctx),
+ * as a real death's memory goes with its process.  Another thread then recovers it with
  * ucm_recover_rank, which the core requires only to be exclusive for that rank and to run after
  * the rank's last write (Python: the life lock; here: a CAS on life[r], after an acquire of the
  * death word, or of the gate word the parked thread bumped: the happens-before the kernel gives
@@ -254,7 +260,8 @@ enum {
     C_READ_ROWS, C_GATHERS, C_GATHER_ROWS, C_ALL_READY, C_EXISTS, C_CLEARS, C_FULL, C_ROLLBACK,
     C_BUSY, C_TIMEOUT, C_MOVED, C_GAVE_UP, C_TAKES, C_GIVEN_BACK, C_DEATHS, C_PARKED,
     C_RECOVERIES, C_REC_PINS, C_REC_LOADS, C_REC_CLAIMS, C_REC_TIMEOUT, C_RING_POSTED,
-    C_RING_TAKEN, C_LIVES, C_DELETES, C_DELETE_TAKES, C_EXITED_AT_POINT, C_FINISHED, C_N
+    C_RING_TAKEN, C_LIVES, C_DELETES, C_DELETE_TAKES, C_EXITED_AT_POINT, C_FINISHED,
+    C_TOKEN_OWNERS, C_TOKEN_PUBLISHED, C_N
 };
 static const char *counter_names[C_N] = {
     "gets", "fast_hits", "slow_hits", "loads", "ready", "failed_pub", "abandoned", "joins",
@@ -263,6 +270,7 @@ static const char *counter_names[C_N] = {
     "busy", "timeout", "moved", "gave_up", "arena_takes", "arenas_given_back", "deaths", "parked",
     "recoveries", "rec_pins", "rec_loads", "rec_claims", "rec_timeouts", "ring_posted",
     "ring_taken", "lives", "deletes", "delete_takes", "exited_at_point", "finished",
+    "token_owners", "token_published",
 };
 static uint64_t counters[C_N];
 #define COUNT(i, n) __atomic_fetch_add(&counters[i], (n), __ATOMIC_RELAXED)
@@ -286,13 +294,17 @@ enum {
     DEATH_GATE_DELETE_UNCOUNTED, /* a delete: uncounted, still marked */
     DEATH_GATE_DELETE_USABLE,   /* a delete: its arena found usable, not yet marked */
     DEATH_GATE_DELETE_CHECKED,  /* a delete: marked and checked, nothing unlinked */
+    DEATH_GATE_LOAD_COPIED,     /* a cold load's finish: the value copied in, still Loading */
+    DEATH_GATE_LOAD_PUBLISHED,  /* a cold load's finish: published and observed, still pinned */
     DEATH_KINDS
 };
 static const char *death_names[DEATH_KINDS] = {
     "holds", "half_loaded", "claim", "stripe", "gate_claim_unchecked", "gate_after_pin",
     "gate_before_pin_cas", "gate_counted_not_ready", "gate_before_copy", "gate_delete_marked",
-    "gate_mid_delete", "gate_delete_uncounted", "gate_delete_usable", "gate_delete_checked"};
+    "gate_mid_delete", "gate_delete_uncounted", "gate_delete_usable", "gate_delete_checked",
+    "gate_load_copied", "gate_load_published"};
 static uint64_t death_counts[DEATH_KINDS];
+static uint64_t exits_at[UCM_PT_COUNT]; /* threads that exited at each named point */
 
 struct life {
     uint32_t rank;
@@ -301,6 +313,7 @@ struct life {
     uint32_t gate;         /* the named point's gate word, for a death at a point */
     int parked;            /* its thread stays parked inside the core for good */
     int exited_holding;    /* its thread exits (a stripe held: EOWNERDEAD for the next locker) */
+    int ctx_kept;          /* a token of its dead thread still holds a reference on ctx */
     pthread_t threads[MAX_RANKS_HERE];
     uint32_t n_threads;
     uint64_t iterations;   /* per thread of this life */
@@ -317,6 +330,8 @@ static struct {
 
 static uint32_t deaths_left;  /* deaths still allowed in this run */
 static struct life *graveyard[4096]; /* lives whose ctx a parked thread keeps: never freed */
+static ucm_ctx *kept_ctx[4096];     /* contexts a dead thread's token keeps: never freed */
+static uint32_t n_kept_ctx;
 static uint32_t n_graveyard;
 
 static int life_state(uint32_t r) { return __atomic_load_n(&ranks[r].life, __ATOMIC_ACQUIRE); }
@@ -490,6 +505,9 @@ struct held {
     int owner;        /* ours to load (still Loading) */
     uint32_t serial;  /* an owner's load's serial (ucm_load_serial), what its publish names */
     uint32_t written; /* payload bytes the owner wrote so far */
+    int tokened;      /* the pin is tok's (get()'s owner handle made in C), else a bare pin */
+    ucm_token tok;    /* tokened: published by ucm_token_publish, dropped by ucm_token_drop */
+    int64_t t0;       /* tokened owner: its load's start, what ucm_token_publish observes */
 };
 
 struct worker {
@@ -500,6 +518,7 @@ struct worker {
     struct held held[MAX_HELD];
     uint32_t n_held;
     int mortal;
+    int exit_point;   /* the named point armed to end this thread (UCM_ACT_EXIT), or 0 */
 };
 
 static uint32_t owned_loads(struct worker *w)
@@ -518,6 +537,21 @@ static void release_or_die(ucm_ctx *c, uint32_t slot)
 {
     int r = ucm_release(c, slot);
     if (r != UCM_OK) die("ucm_release(%u) answered %d", slot, r);
+}
+
+/* Hold i's pin dropped, and the hold with it: a token's drop (a published load's token only
+ * unpins) or a bare pin's release. */
+static void release_held(struct worker *w, uint32_t i)
+{
+    struct held *h = &w->held[i];
+    if (h->tokened) {
+        if (!h->tok.armed || h->tok.owner) die("slot %u's token is %s", h->slot,
+                                               h->tok.armed ? "still an owner's" : "not armed");
+        ucm_token_drop(&h->tok, NULL, 0);
+    } else {
+        release_or_die(w->c, h->slot);
+    }
+    drop_held(w, i);
 }
 
 static void check_pinned_ready(struct worker *w, const char *what, uint32_t key, uint32_t slot, uint64_t len)
@@ -541,33 +575,44 @@ static int finish_load(struct worker *w, uint32_t i)
     uint32_t len = exp_len(h->key);
     uint32_t pick = below(&w->rng, 100);
     if (pick < 4) {
-        uint32_t slot = h->slot;
-        uint8_t own = 1;
-        int r = ucm_abandon_many(w->c, &slot, &own, 1, MSG_ABANDONED, sizeof MSG_ABANDONED - 1);
-        if (r != UCM_OK) die("ucm_abandon_many answered %d", r);
+        if (h->tokened) { /* the handle closed unpublished: its token's drop fails the load */
+            ucm_token_drop(&h->tok, MSG_ABANDONED, sizeof MSG_ABANDONED - 1);
+        } else {
+            uint32_t slot = h->slot;
+            uint8_t own = 1;
+            int r = ucm_abandon_many(w->c, &slot, &own, 1, MSG_ABANDONED, sizeof MSG_ABANDONED - 1);
+            if (r != UCM_OK) die("ucm_abandon_many answered %d", r);
+        }
         COUNT(C_ABANDONED, 1);
         drop_held(w, i);
         return 0;
     }
-    int r;
-    if (pick < 9) {
-        memcpy(ucm_slot_data(w->c, h->slot), MSG_FAILED, sizeof MSG_FAILED - 1);
-        r = ucm_publish(w->c, h->slot, h->serial, UCM_FAILED, sizeof MSG_FAILED - 1);
-        COUNT(C_FAILED_PUB, 1);
+    uint32_t state = pick < 9 ? UCM_FAILED : UCM_READY, n = len;
+    if (state == UCM_FAILED) {
+        n = sizeof MSG_FAILED - 1;
+        memcpy(ucm_slot_data(w->c, h->slot), MSG_FAILED, n);
     } else {
         write_payload(w, h, len);
-        r = ucm_publish(w->c, h->slot, h->serial, UCM_READY, len);
-        COUNT(C_READY, 1);
     }
-    if (r != UCM_OK) die("ucm_publish(slot %u, key %u) answered %d", h->slot, h->key, r);
+    /* The handle's ready() made in C publishes through its token (which stays armed, a
+     * reader's now); the full path's through the slot and the load's serial. */
+    int r = h->tokened ? ucm_token_publish(&h->tok, state, n, h->t0)
+                       : ucm_publish(w->c, h->slot, h->serial, state, n);
+    if (r != UCM_OK)
+        die("%s(slot %u, key %u) answered %d", h->tokened ? "ucm_token_publish" : "ucm_publish",
+            h->slot, h->key, r);
+    if (h->tokened && (!h->tok.armed || h->tok.owner))
+        die("ucm_token_publish left slot %u's token %s", h->slot,
+            h->tok.armed ? "an owner's" : "disarmed");
+    COUNT(state == UCM_READY ? C_READY : C_FAILED_PUB, 1);
+    COUNT(C_TOKEN_PUBLISHED, h->tokened);
     h->owner = 0;
-    if (pick >= 9 && chance(&w->rng, 300)) {
+    if (state == UCM_READY && chance(&w->rng, 300)) {
         /* keep the pin a while, as a reader of its own entry */
         check_pinned_ready(w, "owner's own entry", h->key, h->slot, len);
         return 1;
     }
-    release_or_die(w->c, h->slot);
-    drop_held(w, i);
+    release_held(w, i);
     return 0;
 }
 
@@ -639,11 +684,11 @@ static void took(struct worker *w, uint32_t key, int64_t a, int slow)
         if (ucm_slot_state(w->c, slot) != UCM_LOADING || ucm_slot_loader(w->c, slot) != w->rank)
             die("an owner's slot %u is not Loading for us", slot);
         struct held *h = &w->held[w->n_held++];
+        memset(h, 0, sizeof *h);
         h->slot = slot;
         h->key = key;
         h->owner = 1;
         h->serial = ucm_load_serial(w->c, slot); /* our pin keeps any other install off it */
-        h->written = 0;
         if (chance(&w->rng, 500)) {
             write_payload(w, h, exp_len(key) / 2);
             sched_yield(); /* half written: readers of other keys, joiners of this one run */
@@ -656,10 +701,9 @@ static void took(struct worker *w, uint32_t key, int64_t a, int slow)
     }
     if (w->n_held < opt_hold && chance(&w->rng, 400)) {
         struct held *h = &w->held[w->n_held++];
+        memset(h, 0, sizeof *h);
         h->slot = slot;
         h->key = key;
-        h->owner = 0;
-        h->written = 0;
     } else {
         release_or_die(w->c, slot);
     }
@@ -733,14 +777,18 @@ static int64_t get_slow(struct worker *w, uint32_t key, ucm_token *tok)
     }
 }
 
+static void exited_at_point(void *arg);
+
 /* ucmcache/_hit's cold get_or_load: the slow step into a token, and for an owner the finish
  * at once (ucm_load_finish: copy, publish, observe, unpin); any other pin moves from the token
- * to this thread's holds (pin_again, then the token dropped) and is taken as a get's. */
-static void cold_load(struct worker *w, uint32_t key)
+ * to this thread's holds (pin_again, then the token dropped) and is taken as a get's.  Returns
+ * 1 if it owned the load.  A thread whose context has LOAD_COPIED or LOAD_PUBLISHED armed to
+ * exit ends inside the finish (exited_at_point writes its death). */
+static int cold_load(struct worker *w, uint32_t key)
 {
     ucm_token tok = {0};
     int64_t r = get_slow(w, key, &tok);
-    if (r < 0) return;
+    if (r < 0) return 0;
     uint32_t slot = UCM_PIN_SLOT(r);
     if (!(r & UCM_PIN_READY) && (r & UCM_PIN_OWNER)) { /* (a Ready length overlaps OWNER) */
         COUNT(C_LOADS, 1);
@@ -756,14 +804,54 @@ static void cold_load(struct worker *w, uint32_t key)
         } else {
             for (uint32_t j = 0; j < len; j++) buf[j] = (char)exp_byte(key, j);
         }
-        int f = ucm_load_finish(&tok, fail ? UCM_FAILED : UCM_READY, buf, len, ucm_now_ns());
+        int f;
+        pthread_cleanup_push(exited_at_point, w);
+        f = ucm_load_finish(&tok, fail ? UCM_FAILED : UCM_READY, buf, len, ucm_now_ns());
+        pthread_cleanup_pop(0);
         if (f != UCM_OK || tok.armed) die("ucm_load_finish(slot %u) answered %d", slot, f);
         COUNT(fail ? C_FAILED_PUB : C_READY, 1);
         COUNT(C_FINISHED, 1);
-        return;
+        return 1;
     }
     if (ucm_pin_again(w->c, slot) != UCM_OK) die("ucm_pin_again(slot %u) of a token's pin", slot);
     ucm_token_drop(&tok, NULL, 0);
+    took(w, key, r, 1);
+    return 0;
+}
+
+/* ucmcache/_hit's get() of a cold key (cold_handle): the slow step into the token the Handle
+ * embeds.  An owner's handle keeps it among this thread's holds: its load is finished later,
+ * by ucm_token_publish (ready()) or ucm_token_drop with a message (closed unpublished), and a
+ * published one's token dropped (only unpins).  Any other pin moves to a bare hold, as
+ * cold_load's does. */
+static void cold_handle(struct worker *w, uint32_t key)
+{
+    struct held *h = &w->held[w->n_held]; /* op_get keeps n_held <= opt_hold < MAX_HELD */
+    memset(h, 0, sizeof *h);
+    int64_t r = get_slow(w, key, &h->tok);
+    if (r < 0) return;
+    uint32_t slot = UCM_PIN_SLOT(r);
+    if (!(r & UCM_PIN_READY) && (r & UCM_PIN_OWNER)) {
+        COUNT(C_LOADS, 1);
+        COUNT(C_TOKEN_OWNERS, 1);
+        if (ucm_slot_state(w->c, slot) != UCM_LOADING || ucm_slot_loader(w->c, slot) != w->rank)
+            die("an owner's handle's slot %u is not Loading for us", slot);
+        h->slot = slot;
+        h->key = key;
+        h->owner = 1;
+        h->tokened = 1;
+        h->serial = h->tok.serial;
+        h->t0 = ucm_now_ns();
+        w->n_held++;
+        if (chance(&w->rng, 500)) {
+            write_payload(w, h, exp_len(key) / 2);
+            sched_yield(); /* half written: joiners of this key run */
+        }
+        if (chance(&w->rng, 400)) finish_load(w, w->n_held - 1); /* else later */
+        return;
+    }
+    if (ucm_pin_again(w->c, slot) != UCM_OK) die("ucm_pin_again(slot %u) of a token's pin", slot);
+    ucm_token_drop(&h->tok, NULL, 0);
     took(w, key, r, 1);
 }
 
@@ -781,8 +869,15 @@ static void op_get(struct worker *w, uint32_t key)
     }
     if (-r != UCM_MISS && -r != UCM_BUSY) die("ucm_lookup_pin answered %" PRId64, r);
     if (owned_loads(w) >= 2) return; /* no more loads of ours at once */
-    if (chance(&w->rng, 333)) {
+    /* The C miss path's two shapes (get_or_load, get()'s owner handle), or the full path's
+     * (a bare pin, ucm_publish), a third each. */
+    uint32_t path = below(&w->rng, 3);
+    if (path == 0) {
         cold_load(w, key);
+        return;
+    }
+    if (path == 1) {
+        cold_handle(w, key);
         return;
     }
     r = get_slow(w, key, NULL);
@@ -944,11 +1039,14 @@ static void op_ring(struct worker *w, uint32_t *keys, uint32_t n)
 /* ------------------------------------------------------------------ deaths */
 
 /* A thread that exits at a named point (UCM_ACT_EXIT): its death word, written last, as
- * die_now's end does for a thread that returns. */
+ * die_now's end does for a thread that returns.  Its context is kept: a token on its stack (the
+ * finish's) or among its holds keeps a reference that no drop will ever give back. */
 static void exited_at_point(void *arg)
 {
     struct worker *w = arg;
     COUNT(C_EXITED_AT_POINT, 1);
+    __atomic_fetch_add(&exits_at[w->exit_point], 1, __ATOMIC_RELAXED);
+    w->lf->ctx_kept = 1; /* read by the supervisor only after the rank was recovered */
     __atomic_store_n(&ranks[w->rank].dead_since, now_ns(), __ATOMIC_RELAXED);
     /* Release: our last writes happen before the recoverer's acquire of the death word. */
     __atomic_store_n(&ranks[w->rank].life, LIFE_DEAD, __ATOMIC_RELEASE);
@@ -971,6 +1069,10 @@ static void die_now(struct worker *w)
     uint32_t kind = below(&w->rng, DEATH_KINDS);
     __atomic_fetch_add(&death_counts[kind], 1, __ATOMIC_RELAXED);
     COUNT(C_DEATHS, 1);
+    /* An armed token among our holds keeps a reference on the context for good (read by the
+     * supervisor only after the rank was recovered). */
+    for (uint32_t i = 0; i < w->n_held; i++)
+        if (w->held[i].tokened && w->held[i].tok.armed) lf->ctx_kept = 1;
     if (kind == DEATH_HALF_LOADED) {
         for (uint32_t i = 0; i < w->n_held; i++)
             if (w->held[i].owner) write_payload(w, &w->held[i], exp_len(w->held[i].key) / 2);
@@ -988,15 +1090,22 @@ static void die_now(struct worker *w)
                                     UCM_PT_COUNTED_NOT_READY, UCM_PT_BEFORE_COPY,
                                     UCM_PT_DELETE_MARKED, UCM_PT_MID_DELETE,
                                     UCM_PT_DELETE_UNCOUNTED, UCM_PT_DELETE_USABLE,
-                                    UCM_PT_DELETE_CHECKED};
+                                    UCM_PT_DELETE_CHECKED, UCM_PT_LOAD_COPIED,
+                                    UCM_PT_LOAD_PUBLISHED};
+        _Static_assert(sizeof point / sizeof point[0] == DEATH_KINDS - DEATH_GATE_CLAIM_UNCHECKED,
+                       "a named point for every death at a point");
         int p = point[kind - DEATH_GATE_CLAIM_UNCHECKED];
         /* The delete's points are under the key's stripe: parked there, the thread would hold
          * its robust mutex for good with a live owner (no EOWNERDEAD for anyone), which no real
          * death does; it exits at the point instead (UCM_ACT_EXIT), as DEATH_STRIPE's thread
-         * exits holding its stripe, and its cleanup handler writes the death word. */
+         * exits holding its stripe, and its cleanup handler writes the death word.  The
+         * finish's points hold no stripe; the thread exits there too, as a killed process
+         * would leave them: its token and stack gone, its pin bit and loader word left. */
         int exits = p == UCM_PT_DELETE_MARKED || p == UCM_PT_MID_DELETE || p == UCM_PT_DELETE_UNCOUNTED
-                    || p == UCM_PT_DELETE_USABLE || p == UCM_PT_DELETE_CHECKED;
+                    || p == UCM_PT_DELETE_USABLE || p == UCM_PT_DELETE_CHECKED
+                    || p == UCM_PT_LOAD_COPIED || p == UCM_PT_LOAD_PUBLISHED;
         lf->parked = !exits; /* read by the supervisor only after the rank was recovered */
+        w->exit_point = exits ? p : 0;
         if (exits) ucm_ctx_set_point(w->c, p, UCM_ACT_EXIT, NULL, 0);
         else ucm_ctx_set_point(w->c, p, UCM_ACT_GATE, &lf->gate, PARK_NS);
         /* A parked life is GATED (its struct is kept for good: recoverers read its gate word);
@@ -1020,12 +1129,21 @@ static void die_now(struct worker *w)
             break;
         case UCM_PT_COUNTED_NOT_READY:
             for (uint32_t i = 0; i < w->n_held; i++)
-                if (w->held[i].owner) {
-                    write_payload(w, &w->held[i], exp_len(w->held[i].key));
-                    ucm_publish(w->c, w->held[i].slot, w->held[i].serial, UCM_READY,
-                                exp_len(w->held[i].key));
+                if (w->held[i].owner) { /* a C-made owner handle's ready(), or the full path's */
+                    struct held *h = &w->held[i];
+                    write_payload(w, h, exp_len(h->key));
+                    if (h->tokened) ucm_token_publish(&h->tok, UCM_READY, exp_len(h->key), h->t0);
+                    else ucm_publish(w->c, h->slot, h->serial, UCM_READY, exp_len(h->key));
                     break;
                 }
+            break;
+        case UCM_PT_LOAD_COPIED:
+        case UCM_PT_LOAD_PUBLISHED:
+            /* A cold get_or_load that owns its key exits inside its finish; a key found
+             * Ready or loaded by another (a hit, a join) is taken as a get's and the next
+             * one tried, up to 8; one that never made us an owner dies as it is, below. */
+            for (uint32_t i = 0; i < 8; i++)
+                if (cold_load(w, below(&w->rng, n_keys))) break;
             break;
         case UCM_PT_DELETE_MARKED:
         case UCM_PT_MID_DELETE:
@@ -1095,8 +1213,7 @@ static void *worker_main(void *arg)
                 } else {
                     check_pinned_ready(w, "held pin", w->held[i].key, w->held[i].slot,
                                        ucm_load32(base, meta_off(w->held[i].slot) + UCM_M_LENGTH));
-                    release_or_die(w->c, w->held[i].slot);
-                    drop_held(w, i);
+                    release_held(w, i);
                 }
             }
         } else if (op < 700) {
@@ -1118,15 +1235,7 @@ static void *worker_main(void *arg)
     }
     /* The end of the life's work: every load finished, every pin dropped. */
     while (w->n_held) {
-        if (w->held[0].owner) {
-            if (finish_load(w, 0)) {
-                release_or_die(w->c, w->held[0].slot);
-                drop_held(w, 0);
-            }
-        } else {
-            release_or_die(w->c, w->held[0].slot);
-            drop_held(w, 0);
-        }
+        if (!w->held[0].owner || finish_load(w, 0)) release_held(w, 0);
     }
     free(w);
     return NULL;
@@ -1339,7 +1448,9 @@ int main(int argc, char **argv)
                 } else {
                     for (uint32_t t = 0; t < lf->n_threads; t++)
                         if (lf->threads[t]) pthread_join(lf->threads[t], NULL);
-                    ucm_ctx_free(lf->ctx);
+                    if (!lf->ctx_kept) ucm_ctx_free(lf->ctx);
+                    else if (n_kept_ctx < sizeof kept_ctx / sizeof kept_ctx[0]) kept_ctx[n_kept_ctx++] = lf->ctx;
+                    else die("more than %u contexts kept by dead threads' tokens", n_kept_ctx);
                     pthread_mutex_destroy(&lf->policy);
                     free(lf);
                 }
@@ -1397,17 +1508,22 @@ int main(int argc, char **argv)
                repairs, evictions, core_rollbacks);
         printf("\nucm_stress: deaths by kind:");
         for (int i = 0; i < DEATH_KINDS; i++) printf(" %s=%" PRIu64, death_names[i], death_counts[i]);
+        printf("\nucm_stress: exits at a point:");
+        for (int p = 0; p < UCM_PT_COUNT; p++)
+            if (exits_at[p]) printf(" point %d=%" PRIu64, p, exits_at[p]);
         printf("\n");
     }
     printf("ucm_stress: OK seed=%" PRIu64 " ranks=%u (rank 0: %u threads) slots=%" PRIu64
            " arenas=%" PRIu64 "x%" PRIu64 " buckets=%" PRIu64 " stripes=%u iterations=%" PRIu64
            "/thread gets=%" PRIu64 " loads=%" PRIu64 " bytes_checked=%" PRIu64 " deaths=%" PRIu64
-           " recoveries=%" PRIu64 " parked=%" PRIu64 " stripe_repairs=%" PRIu64 " clears=%" PRIu64
-           " in %.2f s\n",
+           " recoveries=%" PRIu64 " parked=%" PRIu64 " exited_at_point=%" PRIu64
+           " (load_copied=%" PRIu64 " load_published=%" PRIu64 ") stripe_repairs=%" PRIu64
+           " clears=%" PRIu64 " in %.2f s\n",
            opt_seed, L.max_ranks, opt_rank0_threads, L.n_slots, L.n_arenas, L.arena_slots,
            L.n_buckets, L.n_stripes, opt_iterations, counters[C_GETS], counters[C_LOADS],
            counters[C_BYTES_CHECKED], counters[C_DEATHS], counters[C_RECOVERIES],
-           counters[C_PARKED], repairs, counters[C_CLEARS], secs);
+           counters[C_PARKED], counters[C_EXITED_AT_POINT], exits_at[UCM_PT_LOAD_COPIED],
+           exits_at[UCM_PT_LOAD_PUBLISHED], repairs, counters[C_CLEARS], secs);
     fflush(stdout);
     return 0; /* parked threads stay parked (dead ranks) until the process exits */
 }
