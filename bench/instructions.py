@@ -18,7 +18,7 @@ Per-read instructions are the slope between two runs, so the start-up and set-up
         --callgrind-out-file=/dev/null .venv/bin/python -m bench.instructions get $n 2>&1 \\
         | grep Collected; done        # (b - a) / 25600 = instructions per read
 
-The miss path (issue 25), base against this tree in the same session (a base worktree built in
+The miss path, base against this tree in the same session (a base worktree built in
 place, `setup.py build_ext --inplace`, on PYTHONPATH with `python -P`):
 
     for n in 2000 10000; do PYTHONHASHSEED=0 valgrind --tool=callgrind \
