@@ -8,8 +8,8 @@ A step is a tuple ``(kind, subject, timeout)``:
 
     LOAD         (LOAD, loader, None): the loader's value.  Blocking: ``loader()``; async:
                  ``loader()``, awaited if it returned an awaitable.
-    WAIT_HANDLE  (WAIT_HANDLE, handle, timeout): the handle's slot Ready (the answer is None),
-                 or the wait's exception.  Blocking: ``handle.wait`` (one C step, csrc/ucm_hit.c);
+    WAIT_HANDLE  (WAIT_HANDLE, handle, timeout): the handle, its slot Ready, or the wait's
+                 exception.  Blocking: ``handle.wait`` (one C step, csrc/ucm_hit.c);
                  async: ``handle.wait_async``.
     WAIT_LOADED  (WAIT_LOADED, handle, timeout): the state of the handle's slot once it left
                  Loading.  Blocking: ``cache._wait_loaded``; async: ``_slots.wait_loaded_async``
@@ -34,72 +34,69 @@ T = TypeVar("T")
 Steps = Generator[Step, Any, T]
 
 
-def _resume(steps: Steps[T], answer: Any, error: Optional[BaseException]) -> Step:
+class _Returned:
+    """A core's result, once it returned (see _next_step)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any):
+        self.value = value
+
+
+def _next_step(steps: Steps[T], answer: Any, error: Optional[BaseException]) -> Any:
     """The core resumed with a step's answer, or with its exception (``error``): its next step,
-    or StopIteration(result) once it returned.  A core re-raises a step's exception after its
+    or _Returned(result) once it returned.  A core re-raises a step's exception after its
     cleanup; a StopIteration re-raised by a generator comes back as RuntimeError (PEP 479), so
     a loader's own StopIteration is raised again as itself: what a direct call would raise."""
-    if error is None:
-        return steps.send(answer)
     try:
-        return steps.throw(error)
+        return steps.send(answer) if error is None else steps.throw(error)
+    except StopIteration as done:
+        return _Returned(done.value)
     except RuntimeError as wrapped:
         if isinstance(error, StopIteration) and wrapped.__cause__ is error:
             raise error from None
         raise
+    finally:
+        error = None  # no cycle: a raised error's traceback holds this frame
 
 
 def run_blocking(steps: Steps[T]) -> T:
     """Drive a core with blocking calls (the caller's thread waits; the GIL is released in the
     waits' C steps)."""
-    answer: Any = None
-    error: Optional[BaseException] = None
-    while True:
-        try:
-            step = _resume(steps, answer, error)
-        except StopIteration as done:
-            if done is error:
-                raise  # a step's own StopIteration (see _resume), not the core's return
-            return done.value
-        finally:
-            error = None  # no cycle: a raised error's traceback holds this frame
+    step = _next_step(steps, None, None)
+    while type(step) is not _Returned:
         kind, subject, timeout = step
-        answer = None
         try:
             if kind is LOAD:
                 answer = subject()
             elif kind is WAIT_HANDLE:
-                subject.wait(timeout)
+                answer = subject.wait(timeout)
             else:
                 answer = subject._cache._wait_loaded(subject._slot, timeout)
         except BaseException as e:
-            error = e
+            step = _next_step(steps, None, e)
+        else:
+            step = _next_step(steps, answer, None)
+    return step.value
 
 
 async def run_async(steps: Steps[T]) -> T:
-    """Drive a core with awaits (the event loop runs while the core waits)."""
-    answer: Any = None
-    error: Optional[BaseException] = None
-    while True:
-        try:
-            step = _resume(steps, answer, error)
-        except StopIteration as done:
-            if done is error:
-                raise  # a step's own StopIteration (see _resume); a coroutine makes it a
-                # RuntimeError (PEP 479), as it did a loader's raised in an async def
-            return done.value
-        finally:
-            error = None  # no cycle: a raised error's traceback holds this frame
+    """Drive a core with awaits (the event loop runs while the core waits).  A loader's own
+    StopIteration becomes a RuntimeError here, as in any coroutine (PEP 479)."""
+    step = _next_step(steps, None, None)
+    while type(step) is not _Returned:
         kind, subject, timeout = step
-        answer = None
         try:
             if kind is LOAD:
                 answer = subject()
                 if inspect.isawaitable(answer):
                     answer = await answer
             elif kind is WAIT_HANDLE:
-                await subject.wait_async(timeout)
+                answer = await subject.wait_async(timeout)
             else:
                 answer = await wait_loaded_async(subject._cache, subject._slot, timeout)
         except BaseException as e:
-            error = e
+            step = _next_step(steps, None, e)
+        else:
+            step = _next_step(steps, answer, None)
+    return step.value
