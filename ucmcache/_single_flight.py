@@ -43,14 +43,15 @@ class SingleFlight(CacheCore):
     def _get_or_load_full(self, key: Key, loader: Callable[[], Any], *,
                           timeout: Optional[float] = None) -> bytes:
         """get_or_load() for everything but a plain hit (see CacheBase.get_or_load)."""
-        return run_blocking(self._full(key, loader, timeout, "a callable"))
+        value = self._loader_then_hit(key, loader, "a callable")
+        return value if value is not None else run_blocking(self._missed(key, loader, timeout))
 
     async def _aget_or_load_full(self, key: Key, loader: Callable[[], Any], *,
                                  timeout: Optional[float] = None) -> bytes:
         """aget_or_load() for everything but a plain hit (see CacheBase.aget_or_load)."""
         isolate_owned()  # this task's own loads only (sibling tasks share the parent's set)
-        return await run_async(self._full(key, loader, timeout,
-                                          "a callable or a coroutine function"))
+        value = self._loader_then_hit(key, loader, "a callable or a coroutine function")
+        return value if value is not None else await run_async(self._missed(key, loader, timeout))
 
     def _get_or_load_missed(self, key: Key, loader: Callable[[], Any], *,
                             timeout: Optional[float] = None) -> bytes:
@@ -77,25 +78,22 @@ class SingleFlight(CacheCore):
 
     # ---------------------------------------------------------------- the cores (_drivers)
 
-    def _full(self, key: Key, loader: Callable[[], Any], timeout: Optional[float],
-              what: str) -> Steps[bytes]:
-        """The full path's first steps: the loader checked, then a hit's bytes, else _missed."""
+    def _loader_then_hit(self, key: Key, loader: Any, what: str) -> Optional[bytes]:
+        """The full path's first steps: the loader checked, then a hit's bytes (or None)."""
         if not callable(loader):
             raise TypeError(f"loader must be {what} returning bytes, got "
                             f"{type(loader).__name__}")
-        value = self._hit_bytes(key)
-        if value is not None:
-            return value
-        return (yield from self._missed(key, loader, timeout))
+        return self._hit_bytes(key)
 
     def _missed(self, key: Key, loader: Callable[[], Any],
                 timeout: Optional[float]) -> Steps[bytes]:
-        """A hit was looked for and not found: get's full path elects an owner or joins."""
+        """A hit was looked for and not found: get's full path elects an owner or joins, and
+        the core that follows is returned (the pin taken here, before any driver step)."""
         try:
             h = self._get_full(key, timeout=timeout)  # (get() would look for the hit again)
         except CacheFull:
-            return (yield from self._bypass(loader))
-        return (yield from self._load_or_wait(h, loader, timeout))
+            return self._bypass(loader)
+        return self._load_or_wait(h, loader, timeout)
 
     def _cold(self, key: bytes, loader: Callable[[], Any], answer: int,
               since_ns: int) -> Steps[bytes]:
@@ -103,8 +101,8 @@ class SingleFlight(CacheCore):
         try:
             h = self._get_missed(key, answer, since_ns)
         except CacheFull:
-            return (yield from self._bypass(loader))
-        return (yield from self._load_or_wait(h, loader, None))
+            return self._bypass(loader)
+        return self._load_or_wait(h, loader, None)
 
     def _bypass(self, loader: Callable[[], Any]) -> Steps[bytes]:
         """No slot to be had (CacheFull): the loader runs uncached, counted as a bypass."""
