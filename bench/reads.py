@@ -1,4 +1,4 @@
-"""Scenario 7 (issue 14): what a user does with a hit, measured: reading the bytes.
+"""Scenario 7: what a user does with a hit, measured: reading the bytes.
 
 Every row runs in this one process, interleaved: a repetition is several rounds, and each round
 runs every row for a short slice (about cfg["s7_slice"] seconds), in a fresh random order each

@@ -139,7 +139,7 @@ def compute_ratios(out: Dict[str, Any]) -> Dict[str, Any]:
 
 
 def compute_targets(out: Dict[str, Any], R: Dict[str, Any]) -> List[Dict[str, Any]]:
-    """Issue 7's targets, judged on the median over the passes (R); the details give each
+    """The targets of scenarios 1-6, judged on the median over the passes (R); the details give each
     ratio's [min-max] over the passes."""
     T: List[Dict[str, Any]] = []
 
@@ -189,7 +189,7 @@ def compute_targets(out: Dict[str, Any], R: Dict[str, Any]) -> List[Dict[str, An
     return T
 
 
-# Issue 14's targets (scenario 7, judged at 4 KiB on the median over the repetitions):
+# The reads' targets (scenario 7, judged at 4 KiB on the median over the repetitions):
 # (ratio, goal, ">=" or "<=", what)
 READ_TARGETS = [
     ("read_vs_lmdb", 1.0, ">=", "per-key read `with get(k) as h: h.data[0]` vs py-lmdb "
@@ -202,11 +202,11 @@ READ_TARGETS = [
     ("gather_over_floor", 2.5, "<=", "`gather` of 64 within 2.5x of the memcpy floor (numpy "
                                      "copying the same slots)"),
     ("read_many_over_floor", 2.5, "<=", "`read_many` of 64 within 2.5x of the memcpy floor (numpy)"),
-    ("gather_over_cfloor", 2.5, "<=", "(stricter than the issue) `gather` within 2.5x of a C "
+    ("gather_over_cfloor", 2.5, "<=", "(stricter than asked) `gather` within 2.5x of a C "
                                       "memcpy floor (one cffi call, 64 memcpy)"),
-    ("read_many_over_cfloor", 2.5, "<=", "(stricter than the issue) `read_many` within 2.5x of "
+    ("read_many_over_cfloor", 2.5, "<=", "(stricter than asked) `read_many` within 2.5x of "
                                          "the C memcpy floor"),
-    ("agol_over_gol", 1.5, "<=", "(issue 17) `await aget_or_load` hit within 1.5x of "
+    ("agol_over_gol", 1.5, "<=", "`await aget_or_load` hit within 1.5x of "
                                  "`get_or_load`'s"),
     ("read_vs_old", 1.0, ">=", "per-key read ahead of the old design's Python wrapper"),
     ("pin_vs_old", 1.0, ">=", "per-key hit (pin only) ahead of the old design's Python wrapper"),
@@ -244,7 +244,7 @@ def compute_read_targets(out: Dict[str, Any]) -> List[Dict[str, Any]]:
 
 
 def compute_arena_targets(out: Dict[str, Any]) -> List[Dict[str, Any]]:
-    """Issue 15's target, one per row of scenario 8: ucmcache hits / global LRU hits."""
+    """The hit rate's target, one per row of scenario 8: ucmcache hits / global LRU hits."""
     s8 = out.get("s8_arenas")
     if not s8:
         return []
@@ -300,17 +300,17 @@ def ratio_lines(out: Dict[str, Any]) -> List[str]:
 
 
 def target_lines(out: Dict[str, Any]) -> List[str]:
-    lines = ["Targets (issue 7) and where this run stands:"]
+    lines = ["Targets of scenarios 1-6 and where this run stands:"]
     for t in out.get("targets", []):
         mark = {True: "MET    ", False: "NOT MET", None: "n/a    "}[t["met"]]
         lines.append(f"  [{mark}] {t['target']}: goal {t['goal']}; measured {t['detail']}")
     if out.get("targets_reads"):
-        lines.append("Targets (issue 14, reads: scenario 7, judged at 4 KiB on the median):")
+        lines.append("Targets of the reads (scenario 7, judged at 4 KiB on the median):")
         for t in out["targets_reads"]:
             mark = {True: "MET    ", False: "NOT MET", None: "n/a    "}[t["met"]]
             lines.append(f"  [{mark}] {t['target']}: goal {t['goal']}; measured {t['detail']}")
     if out.get("targets_arenas"):
-        lines.append("Targets (issue 15, hit rate at equal memory: scenario 8):")
+        lines.append("Targets of the hit rate at equal memory (scenario 8):")
         for t in out["targets_arenas"]:
             mark = {True: "MET    ", False: "NOT MET", None: "n/a    "}[t["met"]]
             lines.append(f"  [{mark}] {t['target']}: goal {t['goal']}; measured {t['detail']}")
@@ -351,7 +351,7 @@ def _md_reads(out: Dict[str, Any]) -> List[str]:
     L: List[str] = []
     by = s7.get("by_size", {})
     sizes = list(by)
-    L.append("## 7. Reads: what a user does with a hit (issue 14)")
+    L.append("## 7. Reads: what a user does with a hit")
     L.append("")
     keys = "; ".join(f"{int(sz) // 1024} KiB values: {b.get('keys')} keys" for sz, b in by.items())
     L.append(f"{keys} resident, random order; batches of {s7['batch']} distinct keys. Every row "
@@ -409,7 +409,7 @@ def _md_reads(out: Dict[str, Any]) -> List[str]:
     L.append("")
     T = out.get("targets_reads") or []
     if T:
-        L.append("## Targets (issue 14: reads, scenario 7, judged at 4 KiB on the median)")
+        L.append("## Targets of the reads (scenario 7, judged at 4 KiB on the median)")
         L.append("")
         L.append("| target | goal | measured median [min-max] | met |")
         L.append("|---|---|---|---|")
@@ -451,7 +451,7 @@ def _md_arenas(out: Dict[str, Any]) -> List[str]:
     s8 = out.get("s8_arenas")
     if not s8:
         return []
-    L = ["## 8. Hit rate at equal memory (issue 15)", ""]
+    L = ["## 8. Hit rate at equal memory", ""]
     L.append(f"One Zipf({s8['zipf_s']}) trace of {s8['requests']:,} requests over "
              f"{s8['keys']:,} keys ({s8['distinct_keys_requested']:,} of them requested; fixed "
              f"seed {s8['seeds']['trace']}), walked in order. ucmcache: one segment of "
@@ -477,7 +477,7 @@ def _md_arenas(out: Dict[str, Any]) -> List[str]:
 
 def markdown(out: Dict[str, Any]) -> str:
     """latest.md: the run's header, then one section per scenario present in out, then how it
-    is measured.  Each section is its own function below (issue 18: short functions)."""
+    is measured.  Each section is its own function below."""
     L: List[str] = []
     for section in (_md_header, _md_baselines, _md_targets, _md_reads, _md_arenas, _md_hit,
                     _md_batch, _md_mix, _md_flight, _md_churn, _md_tier2, _md_layout,
@@ -533,8 +533,8 @@ def _md_baselines(out: Dict[str, Any]) -> List[str]:
 
 
 def _md_targets(out: Dict[str, Any]) -> List[str]:
-    """Issue 7's targets (the reads' and the arenas' have their own tables)."""
-    L = ["## Targets (issue 7)", "", "| target | goal | measured | met |", "|---|---|---|---|"]
+    """The targets of scenarios 1-6 (the reads' and the arenas' have their own tables)."""
+    L = ["## Targets of scenarios 1-6", "", "| target | goal | measured | met |", "|---|---|---|---|"]
     for t in out.get("targets", []):
         L.append(f"| {t['target']} | {t['goal']} | {t['detail']} | {_MET_CELL[t['met']]} |")
     L.append("")
@@ -686,7 +686,7 @@ def _md_mix(out: Dict[str, Any]) -> List[str]:
 
 
 def _md_mix_c_floor(out: Dict[str, Any], sizes: List[str]) -> List[str]:
-    """Scenario 3's C floor rows (the issue's 3x target is new vs old at 2 processes)."""
+    """Scenario 3's C floor rows (the 3x target is new vs old at 2 processes)."""
     cm = _get(out, "c_floor", "mix")
     if not cm:
         return []
@@ -703,7 +703,7 @@ def _md_mix_c_floor(out: Dict[str, Any], sizes: List[str]) -> List[str]:
                          f"{sc} | {hr} | {x} |")
         L.append(f"| {label} |" + "".join(cells))
     L.append("")
-    L.append("C floor rows: x is new vs old at 2 processes (the issue's 3x target).")
+    L.append("C floor rows: x is new vs old at 2 processes (the 3x target).")
     return L
 
 
@@ -885,7 +885,7 @@ _README_READS = [
      "the floor's: lower is better)", "gather.ucm", "copy.floor", "gather_over_floor"),
     ("`read_many` vs the memcpy floor (x = read_many's time / the floor's)", "read_many.ucm",
      "copy.floor", "read_many_over_floor"),
-    ("stricter than the issue: `gather` vs a C memcpy floor (one cffi call, 64 `memcpy`)",
+    ("stricter than asked: `gather` vs a C memcpy floor (one cffi call, 64 `memcpy`)",
      "gather.ucm", "copy.cfloor", "gather_over_cfloor"),
     ("stricter: `read_many` vs the C memcpy floor", "read_many.ucm", "copy.cfloor",
      "read_many_over_cfloor"),

@@ -1,4 +1,4 @@
-"""ucmcache benchmarks (issue 7; hot-path figures of issue 3), side by side with baselines.
+"""ucmcache benchmarks, side by side with baselines.
 
     .venv/bin/python -m bench.run            # the full run (about 4-5 minutes on 2 cores)
     .venv/bin/python -m bench.run --scenarios 7   # the reads alone (under a minute)
@@ -15,11 +15,11 @@ Scenarios (same payloads, key sets and process counts for every system):
   4 flight: 4 processes ask the same 1000 cold keys: loader runs, waiter wake latency
   5 churn:  working set 4x capacity, 2 processes, ops/s and hit rate
   6 tier2:  get_or_load local hit vs a hit served from Redis vs a cold miss
-  7 reads:  what a user does with a hit (issue 14): per-key read of h.data, get_or_load hit,
+  7 reads:  what a user does with a hit: per-key read of h.data, get_or_load hit,
             get_many(64) + every data(i), gather / read_many of 64 into a numpy array, each vs
             py-lmdb doing the same work, the old design, the Python floor and the memcpy floor;
             every row interleaved in one process, median [min-max] over repetitions (reads.py)
-  8 arenas: hit rate at equal memory (issue 15): one Zipf(0.9) trace against a segment of 8 ranks
+  8 arenas: hit rate at equal memory: one Zipf(0.9) trace against a segment of 8 ranks
             x 500 slots with 8, 4, 2, 1 (and 4, skewed) ranks attached vs a global LRU of as many
             slots; ucmcache hits / LRU hits per row; one process, deterministic (arenas.py)
 Scenarios 1-6 and the floors run --repeat passes (default 3): each figure is the median over the
@@ -67,12 +67,12 @@ FULL = {
     "floor_hit_iters": 2_000_000, "floor_batch_reqs": 20000, "floor_mix_ms": 1000,
     "pyfloor_ops": 100_000,
     "s6_keys": 2000,
-    # scenario 7 (reads, issue 14): every row interleaved, s7_reps repetitions of s7_rounds
+    # scenario 7 (reads): every row interleaved, s7_reps repetitions of s7_rounds
     # rounds, each row a slice of about s7_slice s per round
     "s7_keys": 4096, "s7_keys_by_size": {}, "s7_batch": 64, "s7_reps": 5, "s7_rounds": 6,
     "s7_slice": 0.02, "s7_pool": 100_000, "s7_distinct_batches": 256,
     "s7_min_keys": 200, "s7_max_keys": 50_000, "s7_min_batches": 3, "s7_max_batches": 2000,
-    # scenario 8 (hit rate at equal memory, issue 15): its sizes live in arenas.py
+    # scenario 8 (hit rate at equal memory): its sizes live in arenas.py
     **arenas.FULL,
 }
 QUICK = {
@@ -637,7 +637,7 @@ def scenario5(env: Env, systems, cfg, out) -> None:
 
 
 def scenario6(env: Env, systems, cfg, out) -> None:
-    """Tier 2 (issue 9): a local hit vs a hit served from Redis (another node loaded the key)
+    """Tier 2: a local hit vs a hit served from Redis (another node loaded the key)
     vs a cold miss that runs the loader, per get_or_load, all in this run."""
     if env.redis is None:
         out["s6_tier2"] = {"skipped_why": env.redis_why or "no redis-server"}
@@ -862,7 +862,7 @@ def _run_scenarios(env: Env, systems, cfg, out: Dict[str, Any], scen: List[str],
     # reported as the median over the passes, every ratio with its min-max.
     want_passes = [s for s in SCENARIOS if s in scen and s in steps]
     floors = not no_floor and any(s in scen for s in "12345")
-    if "7" in scen:  # first: the reads are what issue 14 asks about (a quiet start)
+    if "7" in scen:  # first: the reads want a quiet start
         reads.scenario7(env, systems, cfg, out, log)
     if "8" in scen:  # one process, deterministic hit counts: needs no passes
         arenas.scenario8(env, cfg, out, log)

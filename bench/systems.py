@@ -76,7 +76,7 @@ class HandleClient:
                 pass
         return pc() - t0
 
-    # ucmcache extras for issue 3's figures: explicit get()+close(), and get + data view
+    # ucmcache extras for the hot-path figures: explicit get()+close(), and get + data view
     def hit_close_timed(self, seq, out) -> None:
         get = self.c.get
         pc = time.perf_counter_ns

@@ -1,4 +1,4 @@
-"""UcmCacheStore throughput (issue 16): load and dump of 64 blocks of 1 MiB through the store, in
+"""UcmCacheStore throughput: load and dump of 64 blocks of 1 MiB through the store, in
 GB/s, against the memcpy floor, in one process.
 
     .venv/bin/python -m bench.ucm_store            # about 10 s
@@ -125,7 +125,7 @@ def run(blocks: int, block: int, reps: int) -> Dict[str, object]:
 
 def report(result: Dict[str, object]) -> str:
     m = result["meta"]
-    lines = ["# UcmCacheStore throughput (issue 16)", "",
+    lines = ["# UcmCacheStore throughput", "",
              f"{m['blocks']} blocks of {m['block'] >> 10} KiB per task ({m['total_mib']} MiB), "
              f"median [min-max] over {m['reps']} repetitions; {m['machine']}.",
              f"Command: `{m['command']}`.", "",

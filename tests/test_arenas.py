@@ -1,4 +1,4 @@
-"""Arenas (issue 15, DESIGN 4.12): whichever ranks are attached, allocation can use every slot;
+"""Arenas (DESIGN 4.12): whichever ranks are attached, allocation can use every slot;
 ownership moves between ranks without losing an entry, a false hit, a leaked slot or exact
 accounting (I6: one writer of an arena's words at a time), and a killed rank's arenas return."""
 import signal

@@ -1,4 +1,4 @@
-"""asyncio (issue 17): aget_or_load and Handle.wait_async keep the event loop running, single
+"""asyncio: aget_or_load and Handle.wait_async keep the event loop running, single
 flight across tasks, cancellation of owners and waiters."""
 import asyncio
 import contextvars

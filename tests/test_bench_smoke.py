@@ -54,7 +54,7 @@ def test_bench_quick_run_writes_results(tmp_path):
         assert blk["systems"]["ucmcache"]["ops"] > 0, size
     assert {t["target"] for t in out["targets"]}
     md = (tmp_path / "latest.md").read_text()
-    assert "## Targets (issue 7)" in md and "python -m bench.run" in md
+    assert "## Targets of scenarios 1-6" in md and "python -m bench.run" in md
     if out.get("chart"):
         assert (tmp_path / "latest.png").stat().st_size > 0
     else:

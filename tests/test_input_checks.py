@@ -1,6 +1,6 @@
 """Bad input is refused whole, with a message naming it, before anything in shared memory
 changes: batch keys, chain_keys blocks, file modes, and non-file entries under a segment's
-name.  Also the creator's re-check that the name still names its own file (issue 13)."""
+name.  Also the creator's re-check that the name still names its own file."""
 import array
 import os
 import re

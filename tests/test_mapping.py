@@ -1,4 +1,4 @@
-"""put, the mapping methods and memoize (issue 26), across real processes: put never waits and
+"""put, the mapping methods and memoize, across real processes: put never waits and
 never wins over a load in progress, cache[key] never loads, memoize runs a function once across
 processes, and what does not fit a slot is said, not stored."""
 import os

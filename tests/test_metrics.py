@@ -1,4 +1,4 @@
-"""Prometheus metrics (issue 17): counters equal stats() after a known workload, histograms
+"""Prometheus metrics: counters equal stats() after a known workload, histograms
 count every load and wait, scraped over HTTP by a real client and parsed by prometheus_client's
 own parser; the CLI's --once text and a collector registered in a process's own registry."""
 import contextvars
@@ -147,7 +147,7 @@ def test_a_removed_segment_scrapes_as_up_0_over_http_and_info_names_its_paramete
 
 
 def test_no_bucket_is_wider_than_2x_and_a_p99_read_from_them_is_within_2x(make_cache):
-    """Issue 26: with 4x buckets, histogram_quantile(0.99) said 37.7 ms for loads of 0.1-10 ms.
+    """With 4x buckets, histogram_quantile(0.99) said 37.7 ms for loads of 0.1-10 ms.
     Observations of known sizes go in through the core's own step; the quantile is read from a
     scrape as Prometheus does (linear inside the bucket)."""
     from ucmcache.lowlevel import lib

@@ -1,4 +1,4 @@
-"""What the hit path promises a reader, broken on purpose (issue 23): a view never shows another
+"""What the hit path promises a reader, broken on purpose: a view never shows another
 key's bytes, copies hold what they copy, key lists are read once, destinations are checked by
 format and shape, an owner's exit publishes before any Python runs, and nothing a cache holds
 leaks.  Each test failed (or crashed) on the code before these promises were kept."""

@@ -1,4 +1,4 @@
-"""The read path (issue 14): the pin's answer carries what a reader needs, one read-only view
+"""The read path: the pin's answer carries what a reader needs, one read-only view
 per handle, copies into caller buffers (gather, read_many) and the handle-free get_or_load hit.
 """
 import array

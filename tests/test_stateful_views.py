@@ -1,4 +1,4 @@
-"""Issue 23: a stateful hypothesis test over the public API on a tiny segment (reuse is constant).
+"""A stateful hypothesis test over the public API on a tiny segment (reuse is constant).
 
 The machine gets, batches, copies out (read_many, gather) into buffers of every kind and shape,
 keeps views and everything derived from them across closes (of handles, batches, the cache),
@@ -471,7 +471,7 @@ _OBJECT_CHILD = textwrap.dedent("""
 
 
 def test_an_object_dtype_out_is_refused_in_a_child():
-    """Issue 23 item 6: an object-dtype out must be a clear error (today's main segfaulted)."""
+    """An object-dtype out must be a clear error (it once crashed the process)."""
     u = run_uuid("svo")
     try:
         p = subprocess.run([sys.executable, "-c", _OBJECT_CHILD, u], capture_output=True,

@@ -1,4 +1,4 @@
-"""UcmCacheStore (ucmcache.ucm): UCM's V1 KV store interface over a shared segment (issue 16).
+"""UcmCacheStore (ucmcache.ucm): UCM's V1 KV store interface over a shared segment.
 
 The end-to-end shape is the one UCM tests its own stores with (ucm/store/test/e2e): a
 scheduler-side store (device_id -1) and a worker store on one segment, lookup -> dump -> wait ->
@@ -549,7 +549,7 @@ def test_bench_ucm_store_quick(tmp_path):
     assert "GB/s" in (tmp_path / "ucm_store.md").read_text()
 
 
-# ---------------------------------------------------------------- issue 24: under UCM's connector
+# ---------------------------------------------------------------- under UCM's connector
 
 import logging  # noqa: E402
 import re  # noqa: E402
@@ -569,7 +569,7 @@ def _layers(seed, layers, n, m, size):
 def test_layerwise_block_is_found_only_when_every_shard_is_stored(uuid, stores):
     """UCM's layerwise connector dumps layer l of a block as shard l, one dump call per layer:
     lookup and lookup_on_prefix report a block only once all block_size / shard_size shards
-    are in (issue 24, 1).  Shards may come in any order, from any task."""
+    are in.  Shards may come in any order, from any task."""
     layers, n, m, size = 4, 3, 2, 1024
     worker = stores(_cfg(uuid, m, size, shards=layers))
     scheduler = stores({"unique_id": uuid, "device_id": -1})  # UCM's scheduler: no sizes
@@ -595,7 +595,7 @@ def test_layerwise_block_is_found_only_when_every_shard_is_stored(uuid, stores):
 
 
 def test_engine_killed_between_two_layers_dumps_leaves_no_hit(uuid, stores, procs):
-    """An engine SIGKILLed between two layers' dumps (issue 24, 1): its blocks are not found,
+    """An engine SIGKILLed between two layers' dumps: its blocks are not found,
     in any process, so no request loads them; the next engine that computes the prefix dumps
     the missing layers (the stored ones are skipped) and then the blocks are found.  Layers of
     one block dumped by different processes (pipeline stages) complete it too."""
@@ -635,7 +635,7 @@ def _shard_key(block_id, shard, shards):
 
 
 def test_a_missing_block_raises_a_ucm_error_that_is_a_runtime_error(uuid, stores):
-    """Without UCM installed: a UcmError subclass, still a RuntimeError (issue 24, 2)."""
+    """Without UCM installed: a UcmError subclass, still a RuntimeError."""
     store = stores(_cfg(uuid, 2, 1024))
     ids = W.block_ids(92, 2)
     store.wait(store.dump(ids[:1], [0], W.make_blocks("numpy", 92, 1, 2, 1024)))
@@ -667,7 +667,7 @@ _FAKE_UCM = {
 def test_a_missing_block_raises_ucms_store_not_found_error_when_ucm_is_there(tmp_path):
     """With UCM importable, wait() on a load with a missing block raises (a subclass of)
     ucm.store.pipeline.errors.StoreNotFoundError: the only error RankConsistencyManager marks
-    blocks missing for (issue 24, 2)."""
+    blocks missing for."""
     for path, text in _FAKE_UCM.items():
         (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / path).write_text(text)
@@ -724,7 +724,7 @@ class _FakeCudart:
 
 
 def test_dump_data_waits_for_its_prerequisite_event_before_copying(uuid, stores, monkeypatch):
-    """UCM's connector passes its device event as prerequisite_handle (issue 24, 3).  The
+    """UCM's connector passes its device event as prerequisite_handle.  The
     store's pool thread synchronizes it (cudaEventSynchronize, the CUDA path, here with
     libcudart replaced by a host fake) before the first byte is copied; a failed sync fails
     every block of the task, none stored.  The caller never blocks on it."""
@@ -760,7 +760,7 @@ def test_dump_data_waits_for_its_prerequisite_event_before_copying(uuid, stores,
 
 def test_dump_data_with_a_handle_on_a_cpu_store_stores_the_blocks(uuid, stores):
     """On a store without CUDA, a non-zero prerequisite_handle (a CPU device that returns
-    one) has no device work to wait for: the blocks are stored (issue 24, 3: refused before,
+    one) has no device work to wait for: the blocks are stored (refused before,
     so with the README's config no block was ever stored)."""
     n, m, size = 2, 2, 1024
     store = stores(_cfg(uuid, m, size))
@@ -779,8 +779,7 @@ def test_capacity_from_cache_buffer_capacity_gb_clamped_to_free_shm(uuid, stores
     """UCM sizes the buffer with cache_buffer_capacity_gb (GiB; 128 by default with
     share_buffer_enable); buffer_size (bytes) is read too and wins.  A size that /dev/shm
     cannot hold is clamped to half of what is free, with a log line naming the key; a
-    /dev/shm too small for one slot per rank is an error naming the key and what is free
-    (issue 24, 4)."""
+    /dev/shm too small for one slot per rank is an error naming the key and what is free."""
     slot, ranks = 4096, 4
     stride = slot  # a multiple of 64
     base = {"device_id": 0, "shard_size": slot, "block_size": slot, "ucmcache_max_ranks": ranks}
@@ -850,8 +849,8 @@ def default_segments():
 def test_default_segment_is_stable_across_engine_starts(stores, default_segments):
     """UCM's unique_id is a fresh uuid4 at each engine start: without ucmcache_segment the
     segment is named from what is stable (the tensor layout UCM passes, the user), so a
-    second engine start finds the first one's blocks and no segment is left per start
-    (issue 24, 5).  The scheduler-side store (no sizes) names the same segment."""
+    second engine start finds the first one's blocks and no segment is left per start.  The
+    scheduler-side store (no sizes) names the same segment."""
     layout = f"gqa-{os.getpid()}-{os.urandom(3).hex()}"   # a layout name of this test alone
     user = {"share_buffer_enable": True, "cache_buffer_capacity_gb": 1 / 256}
     first = stores(_ucm_worker_config(user, layout, 2, 1024, 1))
@@ -881,7 +880,7 @@ def test_default_segment_is_stable_across_engine_starts(stores, default_segments
 def test_rank_is_freed_when_the_process_exits_without_closing_the_store(uuid, stores, method):
     """UCM's connector never closes its store: a process that exits with it open frees its
     rank, so the segment shows no dead rank and verify is clean without anyone attaching to
-    recover it (issue 24, 5).  Both start methods: a forked multiprocessing child (vLLM's
+    recover it.  Both start methods: a forked multiprocessing child (vLLM's
     default for its workers) ends with os._exit, where atexit never runs."""
     n, m, size = 2, 2, 1024
     ctx = mp.get_context(method)
@@ -908,8 +907,8 @@ def test_rank_is_freed_when_the_process_exits_without_closing_the_store(uuid, st
 @pytest.mark.parametrize("stored", ["smaller", "larger"])
 def test_refused_contiguous_load_leaves_the_destination_untouched(uuid, stores, stored):
     """A load into one contiguous destination of a shard stored with another size is refused
-    and leaves that block's rows exactly as they were; the other blocks are loaded (issue 24,
-    6: with a smaller stored shard, its bytes used to be copied in already)."""
+    and leaves that block's rows exactly as they were; the other blocks are loaded
+    (with a smaller stored shard, its bytes used to be copied in already)."""
     row = 2048
     store = stores(_cfg(uuid, 2, 2048))                      # slots of 4096 bytes
     ids = W.block_ids(100, 3)
@@ -930,7 +929,7 @@ def test_refused_contiguous_load_leaves_the_destination_untouched(uuid, stores, 
 def test_a_block_gone_between_a_loads_look_and_its_pins_is_missing(uuid, stores):
     """A contiguous load looks (exist) and then pins (get_many): a block evicted or cleared in
     between makes the load its loader for an instant; it is failed at once, reported missing,
-    its rows untouched, and nothing is left in the segment (issue 24, 6's one-copy path)."""
+    its rows untouched, and nothing is left in the segment (the one-copy path)."""
     store = stores(_cfg(uuid, 2, 1024))
     ids = W.block_ids(103, 2)
     store.wait(store.dump(ids, [0, 0], W.make_blocks("numpy", 103, 2, 2, 1024)))

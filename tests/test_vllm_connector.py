@@ -1,4 +1,4 @@
-"""ucmcache.vllm's pieces that run without vLLM (issue 24): block keys that engines which differ
+"""ucmcache.vllm's pieces that run without vLLM: block keys that engines which differ
 never share, the slot format's header checks, and KVBlockIO's copies between a paged KV cache
 (CPU tensors) and a segment: a round trip, a block stored elsewhere not written twice, and a
 block that cannot be loaded (evicted, cleared, foreign) reported and left untouched, never a

@@ -19,12 +19,13 @@ import numpy as np
 
 from ._buffers import check_rows, rows_of
 from ._core import ffi, lib
+from ._drivers import WAIT_LOADED, Steps, run_async, run_blocking
 from ._hit import BatchBase, HandleBase, Ready, bind
 from ._errors import HandleClosed, LoadFailed, UcmError
 from ._slots import (STATE_NAMES, UNPUBLISHED, _now, _owned_slots, as_array, check_timeout,
                      exit_message, failure_message, fill, observe_load, publish_failed,
                      publish_ready, ready_length, release_views, slot_length, slot_view,
-                     wait_loaded_async, write_through)
+                     write_through)
 
 SlotCache = Any  # see ucmcache/_slots.py: not imported
 
@@ -204,6 +205,16 @@ class Handle(HandleBase, _Pins):
     def _wait_full(self, timeout: Optional[float] = None) -> "Handle":
         """wait() (HandleBase) for everything but a reader's plain wait: a closed handle, an
         owner, a timeout to name, a slot this context loads, a Failed load."""
+        return run_blocking(self._waited(timeout, "thread"))
+
+    async def wait_async(self, timeout: Optional[float] = None) -> "Handle":
+        """wait() for asyncio: the futex wait runs in a thread, so the event loop goes on.
+        Cancelling the awaiting task abandons the wait (the load goes on)."""
+        return await run_async(self._waited(timeout, "task"))
+
+    def _waited(self, timeout: Optional[float], waiter: str) -> Steps["Handle"]:
+        """wait()'s decisions, for either driver (_drivers); ``waiter`` names who would wait
+        for itself ("thread", "task")."""
         self._check_open()
         timeout = self._timeout if timeout is None else check_timeout(timeout)
         st = lib.ucm_slot_state(self._cache._ctx, self._slot)
@@ -212,28 +223,9 @@ class Handle(HandleBase, _Pins):
                 raise UcmError("the owner of a loading slot cannot wait for it: call ready() or "
                                "fail()")
             if self._slot in _owned_slots(self._cache):
-                raise UcmError("this thread is loading this key itself (a loader asked for its "
-                               "own key): waiting would never end")
-            st = self._cache._wait_loaded(self._slot, timeout)
-        if st == lib.UCM_READY:
-            return self
-        raise LoadFailed(self._failure_message())
-
-    async def wait_async(self, timeout: Optional[float] = None) -> "Handle":
-        """wait() for asyncio: the futex wait runs in a thread, so the event loop goes on.
-        Cancelling the awaiting task abandons the wait (the load goes on)."""
-        self._check_open()
-        timeout = self._timeout if timeout is None else check_timeout(timeout)
-        cache = self._cache
-        st = lib.ucm_slot_state(cache._ctx, self._slot)
-        if st == lib.UCM_LOADING:
-            if self._owner:
-                raise UcmError("the owner of a loading slot cannot wait for it: call ready() or "
-                               "fail()")
-            if self._slot in _owned_slots(cache):
-                raise UcmError("this task is loading this key itself (a loader asked for its "
-                               "own key): waiting would never end")
-            st = await wait_loaded_async(cache, self._slot, timeout)
+                raise UcmError(f"this {waiter} is loading this key itself (a loader asked for "
+                               "its own key): waiting would never end")
+            st = yield (WAIT_LOADED, self, timeout)
         if st == lib.UCM_READY:
             return self
         raise LoadFailed(self._failure_message())

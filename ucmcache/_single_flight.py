@@ -5,9 +5,7 @@ or wait (bounded, never spinning, recovering a dead loader) and read.
 """
 from __future__ import annotations
 
-import inspect
 import threading
-import time
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from . import _hooks
@@ -17,11 +15,13 @@ from ._results import code_name
 from ._segment import LIFE_LOCK_BYTE0
 from ._keys import Key
 from ._recovery import rank_alive
-from ._slots import as_value_view, isolate_owned
+from ._drivers import LOAD, WAIT_HANDLE, Steps, run_async, run_blocking
+from ._slots import as_value_view, isolate_owned, still_loading
 
 LIVENESS_SLICE = 0.5    # a waiter checks that the loader still lives this often (seconds)
 LIVENESS_NS = int(LIVENESS_SLICE * 1e9)
 CANCEL_SLICE = 0.02     # an async wait's thread looks at its cancel flag this often (seconds)
+CANCEL_NS = int(CANCEL_SLICE * 1e9)
 
 
 if TYPE_CHECKING:
@@ -34,8 +34,49 @@ class SingleFlight(CacheCore):
     """SlotCache's loading calls.  A mixin: it uses the cache's get, _hit_bytes, _recover and
     its attributes (_ctx, _rank, _seg, _layout), and adds no state of its own."""
 
-    # get_or_load(key, loader, *, timeout=None) -> bytes is CacheBase's (csrc/ucm_hit.c): a hit
-    # in C (pin, copy, release), anything else here.
+    # get_or_load(key, loader, *, timeout=None) -> bytes and aget_or_load (a coroutine) are
+    # CacheBase's (csrc/ucm_hit.c): a hit in C (aget_or_load's a coroutine finished in its
+    # first step), anything else here.  Each decision below is written once, as a core that
+    # yields what it waits for (_drivers): get_or_load runs it with blocking calls, aget_or_load
+    # with awaits (its loader may be a coroutine function).
+
+    def _get_or_load_full(self, key: Key, loader: Callable[[], Any], *,
+                          timeout: Optional[float] = None) -> bytes:
+        """get_or_load() for everything but a plain hit (see CacheBase.get_or_load)."""
+        value = self._loader_then_hit(key, loader, "a callable")
+        return value if value is not None else run_blocking(self._missed(key, loader, timeout))
+
+    async def _aget_or_load_full(self, key: Key, loader: Callable[[], Any], *,
+                                 timeout: Optional[float] = None) -> bytes:
+        """aget_or_load() for everything but a plain hit (see CacheBase.aget_or_load)."""
+        isolate_owned()  # this task's own loads only (sibling tasks share the parent's set)
+        value = self._loader_then_hit(key, loader, "a callable or a coroutine function")
+        return value if value is not None else await run_async(self._missed(key, loader, timeout))
+
+    def _get_or_load_missed(self, key: Key, loader: Callable[[], Any], *,
+                            timeout: Optional[float] = None) -> bytes:
+        """get_or_load() once a hit was looked for (in C) and not found."""
+        return run_blocking(self._missed(key, loader, timeout))
+
+    async def _aget_or_load_missed(self, key: Key, loader: Callable[[], Any], *,
+                                   timeout: Optional[float] = None) -> bytes:
+        """aget_or_load() once a hit was looked for (in C) and not found."""
+        isolate_owned()  # this task's own loads only (sibling tasks share the parent's set)
+        return await run_async(self._missed(key, loader, timeout))
+
+    def _get_or_load_cold(self, key: bytes, loader: Callable[[], Any], answer: int = 0,
+                          since_ns: int = -1, *, timeout: None = None) -> bytes:
+        """get_or_load() of a plain id the C path looked for, missed and counted as a request:
+        the slow path at once (no second look), where the C step's answer was not a pin (or a
+        tier is beneath the cache) and the full path decides.  ``answer``/``since_ns``: the C
+        step's (cold_load), its first step's (see _pin_slow)."""
+        return run_blocking(self._cold(key, loader, answer, since_ns))
+
+    def _get_or_load_joined(self, h: Any) -> bytes:
+        """get_or_load() whose C slow step joined another caller's load: h holds the pin."""
+        return run_blocking(self._load_or_wait(h, None, None))
+
+    # ---------------------------------------------------------------- the cores (_drivers)
 
     def _loader_then_hit(self, key: Key, loader: Any, what: str) -> Optional[bytes]:
         """The full path's first steps: the loader checked, then a hit's bytes (or None)."""
@@ -44,111 +85,64 @@ class SingleFlight(CacheCore):
                             f"{type(loader).__name__}")
         return self._hit_bytes(key)
 
-    def _get_or_load_full(self, key: Key, loader: Callable[[], Any], *,
-                          timeout: Optional[float] = None) -> bytes:
-        """get_or_load() for everything but a plain hit (see CacheBase.get_or_load)."""
-        value = self._loader_then_hit(key, loader, "a callable")
-        if value is not None:
-            return value
-        return self._get_or_load_missed(key, loader, timeout=timeout)
-
-    def _get_or_load_missed(self, key: Key, loader: Callable[[], Any], *,
-                            timeout: Optional[float] = None) -> bytes:
-        """get_or_load() once a hit was looked for (here, or in C) and not found."""
+    def _missed(self, key: Key, loader: Callable[[], Any],
+                timeout: Optional[float]) -> Steps[bytes]:
+        """A hit was looked for and not found: get's full path elects an owner or joins, and
+        the core that follows is returned (the pin taken here, before any driver step)."""
         try:
             h = self._get_full(key, timeout=timeout)  # (get() would look for the hit again)
         except CacheFull:
-            lib.ucm_stat_add(self._ctx, lib.UCM_ST_BYPASSES, 1)
-            return as_value_view(loader(), self._layout.slot_size).tobytes()
+            return self._bypass(loader)
         return self._load_or_wait(h, loader, timeout)
 
-    def _get_or_load_cold(self, key: bytes, loader: Callable[[], Any], answer: int = 0,
-                          since_ns: int = -1, *, timeout: None = None) -> bytes:
-        """get_or_load() of a plain id the C path looked for, missed and counted as a request:
-        the slow path at once (no second look), where the C step's answer was not a pin (or a
-        tier is beneath the cache) and the full path decides.  ``answer``/``since_ns``: the C
-        step's (cold_load), its first step's (see _pin_slow)."""
+    def _cold(self, key: bytes, loader: Callable[[], Any], answer: int,
+              since_ns: int) -> Steps[bytes]:
+        """_missed after the C slow step's answer (see _get_or_load_cold)."""
         try:
             h = self._get_missed(key, answer, since_ns)
         except CacheFull:
-            lib.ucm_stat_add(self._ctx, lib.UCM_ST_BYPASSES, 1)
-            return as_value_view(loader(), self._layout.slot_size).tobytes()
+            return self._bypass(loader)
         return self._load_or_wait(h, loader, None)
 
-    def _get_or_load_joined(self, h: Any) -> bytes:
-        """get_or_load() whose C slow step joined another caller's load: h holds the pin."""
-        return self._load_or_wait(h, None, None)
+    def _bypass(self, loader: Callable[[], Any]) -> Steps[bytes]:
+        """No slot to be had (CacheFull): the loader runs uncached, counted as a bypass."""
+        lib.ucm_stat_add(self._ctx, lib.UCM_ST_BYPASSES, 1)
+        value = yield (LOAD, loader, None)
+        return as_value_view(value, self._layout.slot_size).tobytes()
 
     def _load_or_wait(self, h: Any, loader: Optional[Callable[[], Any]],
-                      timeout: Optional[float]) -> bytes:
+                      timeout: Optional[float]) -> Steps[bytes]:
         """An owner loads and publishes; any other waits (bounded) and reads.  Closes h."""
         with h:
             if not h.owner:
-                h.wait(timeout)
+                yield (WAIT_HANDLE, h, timeout)
                 return bytes(h.data)
             # an owner always came with its loader: a join (loader None) never owns its slot
             assert loader is not None
             if _hooks._armed:
                 _hooks.fire("inside_loader")
             try:
-                value = loader()
+                value = yield (LOAD, loader, None)
                 # The immutable bytes first: a writable value (bytearray, numpy) another thread
                 # rewrites cannot make the slot differ from what we return.
                 data = as_value_view(value, self._layout.slot_size).tobytes()
-            except BaseException as e:
-                h.fail(f"{type(e).__name__}: {e}")
-                raise
-            h.data[: len(data)] = data
-            h.ready(len(data))
-            return data
-
-    # aget_or_load(key, loader, *, timeout=None) -> bytes (a coroutine) is CacheBase's
-    # (csrc/ucm_hit.c): a hit in C, a coroutine finished in its first step; anything else here.
-
-    async def _aget_or_load_full(self, key: Key, loader: Callable[[], Any], *,
-                                 timeout: Optional[float] = None) -> bytes:
-        """aget_or_load() for everything but a plain hit (see CacheBase.aget_or_load)."""
-        value = self._loader_then_hit(key, loader, "a callable or a coroutine function")
-        if value is not None:
-            return value
-        return await self._aget_or_load_missed(key, loader, timeout=timeout)
-
-    async def _aget_or_load_missed(self, key: Key, loader: Callable[[], Any], *,
-                                   timeout: Optional[float] = None) -> bytes:
-        """aget_or_load() once a hit was looked for (here, or in C) and not found."""
-        isolate_owned()  # this task's own loads only (sibling tasks share the parent's set)
-        try:
-            h = self._get_full(key, timeout=timeout)  # (get() would look for the hit again)
-        except CacheFull:
-            lib.ucm_stat_add(self._ctx, lib.UCM_ST_BYPASSES, 1)
-            value = loader()
-            if inspect.isawaitable(value):
-                value = await value
-            return as_value_view(value, self._layout.slot_size).tobytes()
-        with h:
-            if not h.owner:
-                await h.wait_async(timeout)
-                return bytes(h.data)
-            try:
-                value = loader()
-                if inspect.isawaitable(value):
-                    value = await value
-                # The immutable bytes first (a writable value may be rewritten meanwhile).
-                data = as_value_view(value, self._layout.slot_size).tobytes()
             except BaseException as e:  # CancelledError included: the load fails, waiters learn
+                # Published Failed by the load's serial (I4): every waiter wakes to LoadFailed.
                 h.fail(f"{type(e).__name__}: {e}")
                 raise
             h.data[: len(data)] = data
             h.ready(len(data))
             return data
 
-    def _wait_ready(self, slot: int, timeout: Optional[float], counted: bool) -> int:
-        """_wait_loaded without a cancel flag: the wait is one C step per liveness slice
-        (ucm_wait_ready: the futex slice, the loader's life lock, the deadline, a final
-        answer's counters), so nothing but this frame's return runs between the wake-up and the
-        caller.  The step answers SLICE at each slice's end, or when a signal interrupted it,
-        with the loader alive: back here, so the interpreter runs the signal handlers (a
-        KeyboardInterrupt ends the wait), then the step again with the same start and deadline.
+    def _wait_ready(self, slot: int, timeout: Optional[float], counted: bool,
+                    cancel: Optional[threading.Event] = None) -> int:
+        """_wait_loaded's loop: the wait is one C step per slice (ucm_wait_ready: the futex
+        slice, the loader's life lock, the deadline, a final answer's counters), so nothing but
+        this frame's return runs between the wake-up and the caller.  The step answers SLICE at
+        each slice's end, or when a signal interrupted it, with the loader alive: back here, so
+        the interpreter runs the signal handlers (a KeyboardInterrupt ends the wait), then the
+        step again with the same start and deadline (a ``cancel`` flag is looked at before
+        each step).
         It answers OWNERDEAD when the loader's life lock looks free: recovered here (it fails
         the load, waking everyone), then the step again, which answers the new state at once.
         A wait that counted ``waits`` counts its time exactly once, in the ``finally`` (one C
@@ -161,18 +155,20 @@ class SingleFlight(CacheCore):
         state = ffi.new("uint32_t *")
         t0 = lib.ucm_now_ns()
         deadline = -1 if timeout is None else t0 + int(timeout * 1e9)
+        slice_ns = LIVENESS_NS if cancel is None else CANCEL_NS
         r = lib.UCM_SLICE
         try:
             if counted:
                 lib.ucm_stat_add(ctx, lib.UCM_ST_WAITS, 1)
             while True:
-                r = lib.ucm_wait_ready(ctx, slot, deadline, LIVENESS_NS, self._seg.lock_fd,
+                if cancel is not None and cancel.is_set():
+                    return lib.UCM_LOADING  # abandoned (the load goes on)
+                r = lib.ucm_wait_ready(ctx, slot, deadline, slice_ns, self._seg.lock_fd,
                                        LIFE_LOCK_BYTE0, -1, state)
                 if r == lib.UCM_OK:
                     return state[0]
                 if r == lib.UCM_TIMEOUT:
-                    raise TimeoutError(f"key still loading after {timeout} s (the load goes "
-                                       "on; get() again to wait more)")
+                    raise still_loading(timeout)
                 if r == lib.UCM_SLICE:
                     continue  # the signal handlers run here, between two steps
                 if r != lib.UCM_OWNERDEAD:
@@ -198,41 +194,7 @@ class SingleFlight(CacheCore):
                      cancel: Optional[threading.Event] = None, counted: bool = True) -> int:
         """Block on the slot's state word until it leaves Loading, never past ``timeout`` and
         never spinning.  Every LIVENESS_SLICE the loader's life lock is checked, so a dead
-        loader is recovered rather than waited for.  ``cancel`` (set, then the state word
-        woken): returns UCM_LOADING at once (an abandoned async wait).  ``counted`` False: the
-        shared wait of a loop's tasks, each of which counts its own (wait_loaded_async)."""
-        if cancel is None:
-            return self._wait_ready(slot, timeout, counted)
-        ctx = self._ctx
-        state = ffi.new("uint32_t *")
-        start = time.monotonic()
-        deadline = None if timeout is None else start + timeout
-        slice_s = LIVENESS_SLICE if cancel is None else CANCEL_SLICE
-        if counted:
-            lib.ucm_stat_add(ctx, lib.UCM_ST_WAITS, 1)
-        try:
-            while True:
-                if cancel is not None and cancel.is_set():
-                    return lib.UCM_LOADING
-                left = slice_s if deadline is None else min(slice_s, deadline - time.monotonic())
-                if left > 0 and lib.ucm_wait_loaded(ctx, slot, int(left * 1e9), state) == lib.UCM_OK:
-                    return state[0]
-                loader = lib.ucm_slot_loader(ctx, slot)
-                if loader != self._rank and loader < self._layout.max_ranks \
-                        and not rank_alive(self._seg, loader):
-                    # Fails its loads, this one included, waking us; bounded by our deadline.
-                    self._recover(LIVENESS_SLICE if deadline is None
-                                  else deadline - time.monotonic())
-                    st = lib.ucm_slot_state(ctx, slot)
-                    if st != lib.UCM_LOADING:
-                        return st
-                if deadline is not None and time.monotonic() >= deadline:
-                    if counted:
-                        lib.ucm_stat_add(ctx, lib.UCM_ST_WAIT_TIMEOUTS, 1)
-                    raise TimeoutError(f"key still loading after {timeout} s (the load goes on; "
-                                       "get() again to wait more)")
-        finally:
-            if counted:
-                waited = int((time.monotonic() - start) * 1e9)
-                lib.ucm_stat_add(ctx, lib.UCM_ST_WAIT_NS, waited)
-                lib.ucm_observe(ctx, lib.UCM_HIST_WAIT, waited)
+        loader is recovered rather than waited for.  ``cancel`` (set): returns UCM_LOADING
+        within a CANCEL_SLICE (an abandoned async wait).  ``counted`` False: the shared wait of
+        a loop's tasks, each of which counts its own (wait_loaded_async)."""
+        return self._wait_ready(slot, timeout, counted, cancel)

@@ -290,9 +290,12 @@ async def wait_loaded_async(cache: "SlotCache", slot: int, timeout: Optional[flo
     if shared is None or shared.fut.done():
         shared = table[key] = _SharedWait(loop, cache, slot, key, table)
     shared.awaiting += 1
+    # Counted as the blocking wait counts (cache._wait_ready): `waits` now, its time and a
+    # timeout once at the end, by the one C step that holds that rule (ucm_wait_end).
     ctx = cache._ctx
     lib.ucm_stat_add(ctx, lib.UCM_ST_WAITS, 1)
-    start = time.monotonic()
+    t0 = lib.ucm_now_ns()
+    timed_out = False
     try:
         if timeout is None:
             return await asyncio.shield(shared.fut)
@@ -301,14 +304,11 @@ async def wait_loaded_async(cache: "SlotCache", slot: int, timeout: Optional[flo
         except asyncio.TimeoutError:
             if shared.fut.done() and not shared.fut.cancelled():
                 return shared.fut.result()  # settled as the deadline passed: the answer wins
-            lib.ucm_stat_add(ctx, lib.UCM_ST_WAIT_TIMEOUTS, 1)
-            raise TimeoutError(f"key still loading after {timeout} s (the load goes on; "
-                               "get() again to wait more)") from None
+            timed_out = True
+            raise still_loading(timeout) from None
     finally:
-        waited = int((time.monotonic() - start) * 1e9)
         if cache._ctx is not None:
-            lib.ucm_stat_add(ctx, lib.UCM_ST_WAIT_NS, waited)
-            lib.ucm_observe(ctx, lib.UCM_HIST_WAIT, waited)
+            lib.ucm_wait_end(ctx, t0, timed_out)
         shared.awaiting -= 1
         if shared.awaiting == 0 and not shared.fut.done():
             # The last awaiter: the thread stops (it looks every CANCEL_SLICE) and is joined
@@ -320,6 +320,13 @@ async def wait_loaded_async(cache: "SlotCache", slot: int, timeout: Optional[flo
 
 
 WAIT_CANCEL_JOIN = 1.0  # seconds; the thread returns within one CANCEL_SLICE
+
+
+def still_loading(timeout: Optional[float]) -> TimeoutError:
+    """A wait's deadline passed with the slot still Loading (the same words as HandleBase.wait's
+    in C)."""
+    return TimeoutError(f"key still loading after {timeout} s (the load goes on; get() again "
+                        "to wait more)")
 
 
 def check_timeout(timeout: object) -> float:

@@ -37,6 +37,7 @@ from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Se
 
 from .. import _hooks
 from .._tier import BoundTier, Owned, Tier
+from .._write_through import WriteThroughQueue
 from ..tier2.breaker import Breaker
 from .counters import ProcessCounters, drop_inherited, fold_ended, read_all
 from .fileformat import HEADER_SIZE, BadBlock, decode, encode_header, file_name, parse_name
@@ -172,13 +173,9 @@ class DiskTier(Tier):
         # The fd and map of a tier dropped without close().  Not at exit: the kernel closes
         # them, and a daemon thread may still be using them then.
         weakref.finalize(self, _Files.release, self._res).atexit = False
-        self._cond = threading.Condition()
-        self._queue: deque = deque()
-        self._queued_bytes = 0
-        self._enqueued = 0
-        self._done = 0
-        self._writer: Optional[threading.Thread] = None
-        self._stopping = False
+        self._writes = WriteThroughQueue(self._write_batch, max_pending_bytes=self._max_pending,
+                                         thread_name="ucmcache-disk-writer", log=log,
+                                         what=f"ucmcache disk tier {self.label}")
         self._pool: Optional[_Readers] = None
         self._pool_lock = threading.Lock()
         self._usage_lock = threading.Lock()  # flock does not exclude threads sharing the fd
@@ -397,40 +394,16 @@ class DiskTier(Tier):
             self.counters.add("t2_write_drops", 1)
             return False
         data = bytes(payload)  # the copy: the slot's view is valid only during this call
-        with self._cond:
-            if self._queue and self._queued_bytes + size > self._max_pending:
-                self.counters.add("t2_write_drops", 1)
-                return False
-            self._queue.append((block_id, offset, data))
-            self._queued_bytes += size
-            self._enqueued += 1
-            if self._writer is None:
-                self._stopping = False
-                t = threading.Thread(target=self._writer_loop, name="ucmcache-disk-writer",
-                                     daemon=True)
-                self._writer = t
-                t.start()
-            self._cond.notify_all()
+        if not self._writes.put((block_id, offset, data), size):
+            self.counters.add("t2_write_drops", 1)
+            return False
         return True
 
-    def _writer_loop(self) -> None:
-        while True:
-            with self._cond:
-                while not self._queue and not self._stopping:
-                    self._cond.wait()
-                if not self._queue:
-                    self._writer = None
-                    return
-                block_id, offset, data = self._queue.popleft()
-                self._queued_bytes -= HEADER_SIZE + len(data)
-            try:
-                self._write_block(block_id, offset, data)
-            except BaseException:  # never let the writer die silently
-                log.exception("ucmcache disk tier %s: write-through failed", self.label)
-            finally:
-                with self._cond:
-                    self._done += 1
-                    self._cond.notify_all()
+    def _write_batch(self, batch: List[Tuple[bytes, int, bytes]]) -> None:
+        """The writer thread's work: one block at a time (a batch of one, so a failing write
+        is logged alone)."""
+        for block_id, offset, data in batch:
+            self._write_block(block_id, offset, data)
 
     def _write_block(self, block_id: bytes, offset: int, data: bytes) -> None:
         """Write one block file: temporary name, complete, then renamed into place."""
@@ -536,15 +509,7 @@ class DiskTier(Tier):
         dropped); False on timeout."""
         if self._pid != os.getpid():
             return True
-        deadline = time.monotonic() + timeout
-        with self._cond:
-            target = self._enqueued
-            while self._done < target:
-                left = deadline - time.monotonic()
-                if left <= 0 or self._writer is None:
-                    return self._done >= target
-                self._cond.wait(left)
-        return True
+        return self._writes.flush(timeout)
 
     # ---------------------------------------------------------------- capacity (shared)
 
@@ -694,9 +659,7 @@ class DiskTier(Tier):
             self._reset_process_state()
             return
         self.flush(timeout)
-        with self._cond:
-            self._stopping = True
-            self._cond.notify_all()
+        self._writes.stop()
         with self._pool_lock:
             pool, self._pool = self._pool, None
         if pool is not None:

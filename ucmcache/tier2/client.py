@@ -18,12 +18,12 @@ import os
 import threading
 import time
 import weakref
-from collections import deque
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from .. import _hooks
 from .._keys import split_key
 from .._tier import Tier
+from .._write_through import WriteThroughQueue
 from .announce import Listener
 from .breaker import Breaker, Bypass
 from .codec import LAYOUT_VERSION, encode_into, escape_namespace
@@ -131,13 +131,10 @@ class RedisTier(Tier):
         self._lock = threading.Lock()
         self._fg = self._user_client
         self._bg = self._user_client
-        self._cond = threading.Condition()
-        self._queue: deque = deque()
-        self._queued_bytes = 0
-        self._enqueued = 0
-        self._done = 0
-        self._writer: Optional[threading.Thread] = None
-        self._stopping = False
+        self._writes = WriteThroughQueue(self._write, max_pending_bytes=self._max_pending,
+                                         thread_name="ucmcache-tier2-writer", log=log,
+                                         what=f"ucmcache tier 2 {self.label}",
+                                         batch_items=WRITE_BATCH, batch_bytes=WRITE_BATCH_BYTES)
         self._listener = Listener(self._bg_client, self.channel, self.counters, self.label)
 
     # ---------------------------------------------------------------- facts
@@ -301,48 +298,13 @@ class RedisTier(Tier):
 
     def _enqueue(self, item, nbytes: int) -> bool:
         self._check_pid()
-        with self._cond:
-            if nbytes and self._queue and self._queued_bytes + nbytes > self._max_pending:
-                self.counters["writes_dropped"] += 1
-                return False
-            self._queue.append(item)
-            self._queued_bytes += nbytes
-            self._enqueued += 1
-            if self._writer is None:
-                self._stopping = False
-                t = threading.Thread(target=self._writer_loop, name="ucmcache-tier2-writer",
-                                     daemon=True)
-                self._writer = t
-                t.start()
-            self._cond.notify_all()
+        if not self._writes.put(item, nbytes):
+            self.counters["writes_dropped"] += 1
+            return False
         return True
 
-    def _writer_loop(self) -> None:
-        while True:
-            with self._cond:
-                while not self._queue and not self._stopping:
-                    self._cond.wait()
-                if not self._queue:
-                    self._writer = None
-                    return
-                batch: List[Any] = []
-                size = 0
-                while self._queue and len(batch) < WRITE_BATCH and size < WRITE_BATCH_BYTES:
-                    item = self._queue.popleft()
-                    n = len(item[2]) if item[2] is not None else 0
-                    batch.append(item)
-                    size += n
-                self._queued_bytes -= size
-            try:
-                self._write(batch)
-            except BaseException:  # never let the writer die silently
-                log.exception("ucmcache tier 2 %s: write-through failed", self.label)
-            finally:
-                with self._cond:
-                    self._done += len(batch)
-                    self._cond.notify_all()
-
     def _write(self, batch: list) -> None:
+        """The writer thread's work: a batch of puts in one pipeline, then the releases."""
         if _hooks._armed:
             _hooks.fire("before_write")  # a test holds the writer here
         puts = [it for it in batch if it[0] == "put"]
@@ -383,15 +345,7 @@ class RedisTier(Tier):
         timeout."""
         if self._pid != os.getpid():
             return True
-        deadline = time.monotonic() + timeout
-        with self._cond:
-            target = self._enqueued
-            while self._done < target:
-                left = deadline - time.monotonic()
-                if left <= 0 or self._writer is None:
-                    return self._done >= target
-                self._cond.wait(left)
-        return True
+        return self._writes.flush(timeout)
 
     # ---------------------------------------------------------------- announcements (pub/sub)
 
@@ -411,9 +365,7 @@ class RedisTier(Tier):
             self._after_fork()
             return
         self.flush(timeout)
-        with self._cond:
-            self._stopping = True
-            self._cond.notify_all()
+        self._writes.stop()
         self._listener.stop()  # the running subscriber ends; a later wait starts a new one
         with self._lock:
             fg, bg = self._fg, self._bg
