@@ -87,3 +87,83 @@ def test_waiter_sees_loader_death_as_load_failed(make_cache, procs, gate):
             h.wait(30)
     assert ucmcache.verify(c.uuid).ok
     assert c.get_or_load(K, lambda: b"again") == b"again"
+
+
+# ---------------------------------------------------------------- the drivers' edges
+
+
+def _interrupt_at_first_call_after(armed, where):
+    """A trace function that raises KeyboardInterrupt at the first call into ucmcache's Python
+    code once armed[0] is set: where a signal handler's exception lands (CPython runs handlers
+    at calls)."""
+    import sys
+
+    def tracer(frame, event, arg):
+        if event == "call" and armed[0] and "ucmcache" in frame.f_code.co_filename:
+            armed[0] = False
+            sys.settrace(None)
+            where.append(frame.f_code.co_name)
+            raise KeyboardInterrupt("a signal handler's")
+        return None
+    return tracer
+
+
+@pytest.mark.parametrize("when", ["after_loader", "after_pin"])
+def test_a_signal_handlers_exception_in_the_driver_fails_the_load_at_once(uuid, when):
+    """The full path's load runs in a driver (ucmcache._drivers): a KeyboardInterrupt raised
+    at the driver's own calls (right after the loader returned, or right after the pin was
+    taken) is thrown into the core, which publishes Failed at once.  The exception is kept (as
+    a REPL keeps sys.last_value): nothing may wait for it to be collected; another caller
+    loads the key at once and this context's owned-slot record is empty."""
+    import sys
+    from ucmcache._slots import _owned_slots
+    c = ucmcache.SlotCache.create(uuid, slots_per_rank=8, slot_size=64, max_ranks=2)
+    other = ucmcache.SlotCache.attach(uuid)
+    try:
+        key = b"k" * 16
+        armed, where = [when == "after_pin"], []
+
+        def loader():
+            armed[0] = True
+            return b"value"
+
+        sys.settrace(_interrupt_at_first_call_after(armed, where))
+        kept = None
+        try:
+            c.get_or_load(key, loader, timeout=5.0)   # timeout=: the Python full path
+        except KeyboardInterrupt as e:
+            kept = e
+        finally:
+            sys.settrace(None)
+        assert kept is not None and where, "the interrupt was not raised"
+        assert _owned_slots(c) == set()
+        assert other.get_or_load(key, lambda: b"other", timeout=1.0) in (b"other", b"value")
+        del kept
+    finally:
+        other.close()
+        c.close()
+
+
+def test_a_full_path_hit_in_a_task_that_owns_a_load_keeps_its_owned_record_true(uuid):
+    """A task owns a slot (an open owner handle), then aget_or_load hits through the full
+    path (timeout=): its owned-slot record must not be swapped for a copy that the handle's
+    close does not clear (the slot, reused for another key, would refuse a join as this
+    task's own load)."""
+    import asyncio
+    from ucmcache._slots import _owned_slots
+    c = ucmcache.SlotCache.create(uuid, slots_per_rank=4, slot_size=64, max_ranks=1)
+    try:
+        k1, k2 = b"1" * 16, b"2" * 16
+        c.get_or_load(k2, lambda: b"two")
+
+        async def main():
+            with c.get(k1) as h1:
+                assert h1.owner
+                assert await c.aget_or_load(k2, lambda: b"x", timeout=1.0) == b"two"
+                h1.data[:3] = b"one"
+                h1.ready(3)
+            return set(_owned_slots(c))
+
+        assert asyncio.run(main()) == set()
+    finally:
+        c.close()

@@ -17,6 +17,10 @@ A step is a tuple ``(kind, subject, timeout)``:
 
 A step's exception is thrown into the core where it waited, so its ``except``/``with`` blocks
 (an owner's Failed publish, a handle's close) run exactly as they would around a direct call.
+So is an exception raised in a driver itself while the core waits at a yield (a signal
+handler's, run at any call or loop edge of the driver): the core's cleanup runs at once, as it
+would have with the step called in place, and not only when the generator is collected.  A
+driver leaving for any other reason closes its core (GeneratorExit) as the last resort.
 """
 from __future__ import annotations
 
@@ -60,43 +64,64 @@ def _next_step(steps: Steps[T], answer: Any, error: Optional[BaseException]) -> 
         error = None  # no cycle: a raised error's traceback holds this frame
 
 
+def _suspended(steps: Steps[Any]) -> bool:
+    """The core waits at a yield: an exception can be thrown into it there."""
+    return inspect.getgeneratorstate(steps) == inspect.GEN_SUSPENDED
+
+
 def run_blocking(steps: Steps[T]) -> T:
     """Drive a core with blocking calls (the caller's thread waits; the GIL is released in the
     waits' C steps)."""
-    step = _next_step(steps, None, None)
-    while type(step) is not _Returned:
-        kind, subject, timeout = step
-        try:
-            if kind is LOAD:
-                answer = subject()
-            elif kind is WAIT_HANDLE:
-                answer = subject.wait(timeout)
-            else:
-                answer = subject._cache._wait_loaded(subject._slot, timeout)
-        except BaseException as e:
-            step = _next_step(steps, None, e)
-        else:
-            step = _next_step(steps, answer, None)
-    return step.value
+    answer: Any = None
+    error: Optional[BaseException] = None
+    try:
+        while True:
+            try:
+                step = _next_step(steps, answer, error)
+                if type(step) is _Returned:
+                    return step.value
+                answer = error = None
+                kind, subject, timeout = step
+                if kind is LOAD:
+                    answer = subject()
+                elif kind is WAIT_HANDLE:
+                    answer = subject.wait(timeout)
+                else:
+                    answer = subject._cache._wait_loaded(subject._slot, timeout)
+            except BaseException as e:
+                if not _suspended(steps):
+                    raise  # the core's own end (it ran its cleanup), or before it started
+                answer, error = None, e  # the step's, or the driver's: the core's to handle
+    finally:
+        error = None  # no cycle: a raised error's traceback holds this frame
+        steps.close()  # the last resort (an exception at the except's first line)
 
 
 async def run_async(steps: Steps[T]) -> T:
     """Drive a core with awaits (the event loop runs while the core waits).  A loader's own
     StopIteration becomes a RuntimeError here, as in any coroutine (PEP 479)."""
-    step = _next_step(steps, None, None)
-    while type(step) is not _Returned:
-        kind, subject, timeout = step
-        try:
-            if kind is LOAD:
-                answer = subject()
-                if inspect.isawaitable(answer):
-                    answer = await answer
-            elif kind is WAIT_HANDLE:
-                answer = await subject.wait_async(timeout)
-            else:
-                answer = await wait_loaded_async(subject._cache, subject._slot, timeout)
-        except BaseException as e:
-            step = _next_step(steps, None, e)
-        else:
-            step = _next_step(steps, answer, None)
-    return step.value
+    answer: Any = None
+    error: Optional[BaseException] = None
+    try:
+        while True:
+            try:
+                step = _next_step(steps, answer, error)
+                if type(step) is _Returned:
+                    return step.value
+                answer = error = None
+                kind, subject, timeout = step
+                if kind is LOAD:
+                    answer = subject()
+                    if inspect.isawaitable(answer):
+                        answer = await answer
+                elif kind is WAIT_HANDLE:
+                    answer = await subject.wait_async(timeout)
+                else:
+                    answer = await wait_loaded_async(subject._cache, subject._slot, timeout)
+            except BaseException as e:
+                if not _suspended(steps):
+                    raise  # the core's own end (it ran its cleanup), or before it started
+                answer, error = None, e  # the step's, or the driver's: the core's to handle
+    finally:
+        error = None  # no cycle: a raised error's traceback holds this frame
+        steps.close()  # the last resort (an exception at the except's first line)

@@ -49,9 +49,13 @@ class SingleFlight(CacheCore):
     async def _aget_or_load_full(self, key: Key, loader: Callable[[], Any], *,
                                  timeout: Optional[float] = None) -> bytes:
         """aget_or_load() for everything but a plain hit (see CacheBase.aget_or_load)."""
-        isolate_owned()  # this task's own loads only (sibling tasks share the parent's set)
         value = self._loader_then_hit(key, loader, "a callable or a coroutine function")
-        return value if value is not None else await run_async(self._missed(key, loader, timeout))
+        if value is not None:
+            return value
+        # After the hit look, as _aget_or_load_missed: a hit must not swap the task's record
+        # for a copy (a handle this task owns discards its slot from the record it captured).
+        isolate_owned()  # this task's own loads only (sibling tasks share the parent's set)
+        return await run_async(self._missed(key, loader, timeout))
 
     def _get_or_load_missed(self, key: Key, loader: Callable[[], Any], *,
                             timeout: Optional[float] = None) -> bytes:
@@ -85,15 +89,20 @@ class SingleFlight(CacheCore):
                             f"{type(loader).__name__}")
         return self._hit_bytes(key)
 
+    # _missed and _cold take their pin inside the core, once the driver runs it within its
+    # try, and enter its handle at once (_in_handle): a signal handler's exception at the
+    # driver's first line finds no pin taken (one taken before would stay, with the unstarted
+    # core that holds its handle, for as long as the exception's traceback is kept).
+
     def _missed(self, key: Key, loader: Callable[[], Any],
                 timeout: Optional[float]) -> Steps[bytes]:
-        """A hit was looked for and not found: get's full path elects an owner or joins, and
-        the core that follows is returned (the pin taken here, before any driver step)."""
+        """A hit was looked for and not found: get's full path elects an owner or joins."""
         try:
             h = self._get_full(key, timeout=timeout)  # (get() would look for the hit again)
         except CacheFull:
-            return self._bypass(loader)
-        return self._load_or_wait(h, loader, timeout)
+            return (yield from self._bypass(loader))
+        with h:
+            return (yield from self._in_handle(h, loader, timeout))
 
     def _cold(self, key: bytes, loader: Callable[[], Any], answer: int,
               since_ns: int) -> Steps[bytes]:
@@ -101,8 +110,9 @@ class SingleFlight(CacheCore):
         try:
             h = self._get_missed(key, answer, since_ns)
         except CacheFull:
-            return self._bypass(loader)
-        return self._load_or_wait(h, loader, None)
+            return (yield from self._bypass(loader))
+        with h:
+            return (yield from self._in_handle(h, loader, None))
 
     def _bypass(self, loader: Callable[[], Any]) -> Steps[bytes]:
         """No slot to be had (CacheFull): the loader runs uncached, counted as a bypass."""
@@ -112,27 +122,35 @@ class SingleFlight(CacheCore):
 
     def _load_or_wait(self, h: Any, loader: Optional[Callable[[], Any]],
                       timeout: Optional[float]) -> Steps[bytes]:
-        """An owner loads and publishes; any other waits (bounded) and reads.  Closes h."""
+        """_in_handle with h entered: closes h."""
         with h:
-            if not h.owner:
-                yield (WAIT_HANDLE, h, timeout)
-                return bytes(h.data)
-            # an owner always came with its loader: a join (loader None) never owns its slot
-            assert loader is not None
-            if _hooks._armed:
-                _hooks.fire("inside_loader")
-            try:
-                value = yield (LOAD, loader, None)
-                # The immutable bytes first: a writable value (bytearray, numpy) another thread
-                # rewrites cannot make the slot differ from what we return.
-                data = as_value_view(value, self._layout.slot_size).tobytes()
-            except BaseException as e:  # CancelledError included: the load fails, waiters learn
-                # Published Failed by the load's serial (I4): every waiter wakes to LoadFailed.
-                h.fail(f"{type(e).__name__}: {e}")
-                raise
-            h.data[: len(data)] = data
-            h.ready(len(data))
-            return data
+            return (yield from self._in_handle(h, loader, timeout))
+
+    def _in_handle(self, h: Any, loader: Optional[Callable[[], Any]],
+                   timeout: Optional[float]) -> Steps[bytes]:
+        """An owner loads and publishes; any other waits (bounded) and reads.  h is entered by
+        the caller, its ``with`` the statement right after the step that made h: CPython 3.11+
+        runs signal handlers at calls and backward jumps, none of which lies between the two,
+        so a handler's exception never finds h made and not entered."""
+        if not h.owner:
+            yield (WAIT_HANDLE, h, timeout)
+            return bytes(h.data)
+        # an owner always came with its loader: a join (loader None) never owns its slot
+        assert loader is not None
+        if _hooks._armed:
+            _hooks.fire("inside_loader")
+        try:
+            value = yield (LOAD, loader, None)
+            # The immutable bytes first: a writable value (bytearray, numpy) another thread
+            # rewrites cannot make the slot differ from what we return.
+            data = as_value_view(value, self._layout.slot_size).tobytes()
+        except BaseException as e:  # CancelledError included: the load fails, waiters learn
+            # Published Failed by the load's serial (I4): every waiter wakes to LoadFailed.
+            h.fail(f"{type(e).__name__}: {e}")
+            raise
+        h.data[: len(data)] = data
+        h.ready(len(data))
+        return data
 
     def _wait_ready(self, slot: int, timeout: Optional[float], counted: bool,
                     cancel: Optional[threading.Event] = None) -> int:
