@@ -289,14 +289,17 @@ async def wait_loaded_async(cache: "SlotCache", slot: int, timeout: Optional[flo
     shared = table.get(key)
     if shared is None or shared.fut.done():
         shared = table[key] = _SharedWait(loop, cache, slot, key, table)
-    shared.awaiting += 1
-    # Counted as the blocking wait counts (cache._wait_ready): `waits` now, its time and a
-    # timeout once at the end, by the one C step that holds that rule (ucm_wait_end).
+    # Counted as the blocking wait counts (cache._wait_ready): `waits` as the try's first call,
+    # its time and a timeout once at the end, by the one C step that holds that rule
+    # (ucm_wait_end).  From `awaiting += 1` to that call nothing calls out, so no signal
+    # handler's exception can land between them (CPython runs handlers at calls): an awaiter
+    # counted is always uncounted by the finally, and the last one always stops the thread.
     ctx = cache._ctx
-    lib.ucm_stat_add(ctx, lib.UCM_ST_WAITS, 1)
-    t0 = lib.ucm_now_ns()
     timed_out = False
+    t0 = lib.ucm_now_ns()
+    shared.awaiting += 1
     try:
+        lib.ucm_stat_add(ctx, lib.UCM_ST_WAITS, 1)
         if timeout is None:
             return await asyncio.shield(shared.fut)
         try:
