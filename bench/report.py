@@ -830,6 +830,17 @@ def _md_flight(out: Dict[str, Any]) -> List[str]:
                  "when the old design's waiters spin, latency per CPU: its p99 x CPU / ours "
                  f"{fmt_xr(out, 's4_flight', 'p99_x_cpu', 'old')} (above 1: ours better).")
         L.append("")
+    fl = _get(out, "c_floor", "flight", "new", default={})
+    if "lead_within_5us" in fl:
+        pct = (lambda k: _fig(out, "", "c_floor", "flight", "new", k))
+        L.append("When the futex floor's waits began (the lead: the publish's time minus the "
+                 f"wait's start): median {_fig(out, 'us', 'c_floor', 'flight', 'new', 'lead_p50_us')}"
+                 f", 1st percentile {_fig(out, 'us', 'c_floor', 'flight', 'new', 'lead_p01_us')}; "
+                 f"share of waits begun within 5 µs before the publish {pct('lead_within_5us')}, "
+                 f"begun after it (the waiter off the CPU between its get and its wait) "
+                 f"{pct('lead_negative')}. A spin of a few µs before the futex sleep could catch "
+                 "only the first share.")
+        L.append("")
     return L
 
 

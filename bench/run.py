@@ -327,7 +327,9 @@ def c_floor(env: Env, cfg, out: Dict[str, Any]) -> None:
     for d, what in (("new", "futex"), ("old", "polling")):
         r = res["flight"][d]
         log(f"[floor] flight {d} ({what}): runs {r['loader_runs']} wake p50 {r['wake_p50_us']} us "
-            f"p99 {r['wake_p99_us']} us, waiter CPU {r['waiter_cpu_us']} us per wake-up")
+            f"p99 {r['wake_p99_us']} us, waiter CPU {r['waiter_cpu_us']} us per wake-up; waits "
+            f"begun within 5 us before the publish {r['lead_within_5us']}, after it "
+            f"{r['lead_negative']}")
     out["c_floor"] = res
 
 
