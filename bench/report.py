@@ -548,7 +548,7 @@ def _md_header(out: Dict[str, Any]) -> List[str]:
     L.append("Every number below was measured in that one run. **x** = ucmcache's speed-up over that "
              "system (its time / ucmcache's time, or ucmcache's ops/s / its ops/s): above 1 ucmcache "
              "is faster, below 1 slower." +
-             (f" Scenarios 1-6 and the floors ran {rep} whole passes: each figure is the median "
+             (f" Scenarios 1-6, 9 and the floors ran {rep} whole passes: each figure is the median "
               "over the passes, each x the median of the per-pass ratios with its [min-max]."
               if rep and rep > 1 else "") +
              (" Scenario 7 (reads) repeats inside itself, interleaved: its figures and ratios are "
