@@ -71,6 +71,18 @@ def timer_overhead(n: int = 20000) -> float:
     return float(np.median(out))
 
 
+def cpu_clock_overhead(n: int = 2001) -> int:
+    """Median CPU time of the waiter-CPU scaffold with no wait inside it: thread_time_ns, the
+    wake-up's monotonic_ns stamp, thread_time_ns (subtracted from each waiter CPU sample)."""
+    cpu, mono = time.thread_time_ns, time.monotonic_ns
+    out = [0] * n
+    for i in range(n):
+        c0 = cpu()
+        mono()
+        out[i] = cpu() - c0
+    return int(np.median(out))
+
+
 def loop_overhead(seq: Sequence) -> float:
     """Per-iteration cost of an empty `for k in seq` loop (subtracted from bulk means)."""
     pc = time.perf_counter_ns

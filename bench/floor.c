@@ -19,7 +19,8 @@
  *   floor batch new|old n_keys=100000 batch=64 reqs=20000
  *   floor mix   new|old slot_size=4096 spr=4096 nprocs=2 duration_ms=1000 miss_pct=5
  *               hot=2048 preload=1          (hot: keys drawn uniformly; miss_pct: fresh keys)
- *   floor flight new|old n_keys=1000 nprocs=4 load_us=50   (cold single flight, wake latency)
+ *   floor flight new|old n_keys=1000 nprocs=4 load_us=50   (cold single flight: wake latency and
+ *                                                         the waiter's CPU time per wake-up)
  * Key i is (splitmix64(seed + 2i), splitmix64(seed + 2i + 1)) as in bench/common.py.
  */
 #define _GNU_SOURCE
@@ -504,16 +505,50 @@ static int mode_mix(int old, int argc, char **argv)
 
 /* Cold single flight: nprocs processes walk the same n_keys cold keys in the same order; the
  * owner of each spins load_us, fills, stamps the time and publishes; a waiter measures from the
- * stamp to its return from the wait. */
+ * stamp to its return from the wait, the CPU time its thread spent inside the wait (user +
+ * system, CLOCK_THREAD_CPUTIME_ID read just before and after it: what a waiter burns per
+ * wake-up, the futex sleep costing nothing and every poll counted), and its lead: how long
+ * before the publish its wait began (negative: it began after, the waiter having been off the
+ * CPU between its get and its wait).  The leads say what a spin before the futex sleep could
+ * catch: only the waits that begin within the spin's length of the publish. */
 typedef struct {
     volatile uint64_t arrived;
     uint64_t pad[7];
     struct {
         uint64_t runs, waits, hits, full;
-        uint64_t pad[4];
+        int64_t publish_cpu_ns; /* the owner's CPU time in its publishes (a wake's other half) */
+        uint64_t pad[3];
     } res[64];
-    int64_t lat[]; /* [nprocs][n_keys] */
+    int64_t lat[]; /* [nprocs][n_keys] each of wake latencies, waiter CPU times, leads */
 } flight_shared;
+
+/* How many of the n sorted values v are below x. */
+static uint64_t count_below(const int64_t *v, uint64_t n, int64_t x)
+{
+    uint64_t i = 0;
+    while (i < n && v[i] < x) i++;
+    return i;
+}
+
+static int64_t thread_cpu_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+    return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+
+/* The CPU time of a thread_cpu_ns() pair with nothing between (the median of 1001): taken off
+ * every waiter CPU sample, so a sample is the wait's own cost. */
+static int64_t thread_cpu_overhead_ns(void)
+{
+    int64_t v[1001];
+    for (int i = 0; i < 1001; i++) {
+        int64_t a = thread_cpu_ns();
+        v[i] = thread_cpu_ns() - a;
+    }
+    qsort(v, 1001, sizeof *v, cmp_i64);
+    return v[500];
+}
 
 static int mode_flight(int old, int argc, char **argv)
 {
@@ -522,15 +557,17 @@ static int mode_flight(int old, int argc, char **argv)
     if (nprocs > 63) die("nprocs");
     seg_t g = seg_new(old, (uint32_t)nprocs, n + 64, slot_size);
     char *ids = make_keys(n, KEY_SEED + 4);
-    size_t shsz = sizeof(flight_shared) + sizeof(int64_t) * nprocs * n;
+    size_t shsz = sizeof(flight_shared) + 3 * sizeof(int64_t) * nprocs * n;
     flight_shared *sh = mmap(NULL, shsz, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
     if (sh == MAP_FAILED) die("mmap shared");
+    int64_t cpu_overhead = thread_cpu_overhead_ns();
     for (uint64_t p = 0; p < nprocs; p++) {
         pid_t pid = fork();
         if (pid < 0) die("fork");
         if (pid == 0) {
             cli_t k = cli_new(&g, (int)p);
-            int64_t *lat = sh->lat + p * n;
+            int64_t *lat = sh->lat + p * n, *cpu = sh->lat + (nprocs + p) * n;
+            int64_t *lead = sh->lat + (2 * nprocs + p) * n;
             uint64_t runs = 0, waits = 0, hits = 0, full = 0;
             __atomic_add_fetch(&sh->arrived, 1, __ATOMIC_SEQ_CST);
             while (__atomic_load_n(&sh->arrived, __ATOMIC_SEQ_CST) < nprocs) sched_yield();
@@ -549,12 +586,17 @@ static int mode_flight(int old, int argc, char **argv)
                     memset(d + 8, 0x5a, slot_size - 8);
                     int64_t ts = mono_ns();
                     memcpy(d, &ts, 8);
+                    int64_t c0 = thread_cpu_ns();
                     cli_publish(&k, s, (uint32_t)slot_size);
+                    sh->res[p].publish_cpu_ns += thread_cpu_ns() - c0 - cpu_overhead;
                     runs++;
                 } else if (st == UCM_LOADING) {
+                    int64_t w0 = mono_ns(), c0 = thread_cpu_ns();
                     cli_wait(&k, s);
-                    int64_t t = mono_ns(), ts;
+                    int64_t t = mono_ns(), ts, used = thread_cpu_ns() - c0 - cpu_overhead;
                     memcpy(&ts, d, 8);
+                    cpu[waits] = used > 0 ? used : 0;
+                    lead[waits] = ts - w0;
                     lat[waits++] = t - ts;
                 } else {
                     hits++;
@@ -577,19 +619,43 @@ static int mode_flight(int old, int argc, char **argv)
     }
     uint64_t runs = 0, waits = 0, hits = 0, full = 0;
     int64_t *all = malloc(sizeof(int64_t) * (nprocs * n + 1));
+    int64_t *cpu = malloc(sizeof(int64_t) * (nprocs * n + 1)), cpu_sum = 0, publish_cpu = 0;
+    int64_t *lead = malloc(sizeof(int64_t) * (nprocs * n + 1));
     for (uint64_t p = 0; p < nprocs; p++) {
         memcpy(all + waits, sh->lat + p * n, sizeof(int64_t) * sh->res[p].waits);
+        memcpy(cpu + waits, sh->lat + (nprocs + p) * n, sizeof(int64_t) * sh->res[p].waits);
+        memcpy(lead + waits, sh->lat + (2 * nprocs + p) * n, sizeof(int64_t) * sh->res[p].waits);
         runs += sh->res[p].runs;
         waits += sh->res[p].waits;
         hits += sh->res[p].hits;
         full += sh->res[p].full;
+        publish_cpu += sh->res[p].publish_cpu_ns;
+    }
+    uint64_t lead_within_5us = 0; /* waits a 5 µs spin before the sleep could have caught */
+    for (uint64_t i = 0; i < waits; i++) {
+        cpu_sum += cpu[i];
+        lead_within_5us += lead[i] >= 0 && lead[i] <= 5000;
     }
     qsort(all, waits, sizeof *all, cmp_i64);
+    qsort(cpu, waits, sizeof *cpu, cmp_i64);
+    qsort(lead, waits, sizeof *lead, cmp_i64);
     printf("{\"mode\":\"flight\",\"design\":\"%s\",\"n_keys\":%lu,\"nprocs\":%lu,\"load_us\":%lu,"
            "\"loader_runs\":%lu,\"waits\":%lu,\"hits\":%lu,\"full\":%lu,"
-           "\"wake_p50_us\":%.2f,\"wake_p99_us\":%.2f,\"child_failed\":%d}\n",
+           "\"wake_p50_us\":%.2f,\"wake_p99_us\":%.2f,\"waiter_cpu_us\":%.2f,"
+           "\"waiter_cpu_p50_us\":%.2f,\"publish_cpu_us\":%.2f,\"cpu_overhead_ns\":%ld,"
+           "\"lead_p01_us\":%.2f,\"lead_p50_us\":%.2f,\"lead_within_5us\":%.4f,"
+           "\"lead_negative\":%.4f,\"child_failed\":%d}\n",
            old ? "old" : "new", n, nprocs, load_us, runs, waits, hits, full,
-           (double)pct(all, waits, 0.5) / 1000.0, (double)pct(all, waits, 0.99) / 1000.0, bad);
+           (double)pct(all, waits, 0.5) / 1000.0, (double)pct(all, waits, 0.99) / 1000.0,
+           waits ? (double)cpu_sum / (double)waits / 1000.0 : 0.0,
+           (double)pct(cpu, waits, 0.5) / 1000.0,
+           runs ? (double)publish_cpu / (double)runs / 1000.0 : 0.0, (long)cpu_overhead,
+           (double)pct(lead, waits, 0.01) / 1000.0, (double)pct(lead, waits, 0.5) / 1000.0,
+           waits ? (double)lead_within_5us / (double)waits : 0.0,
+           waits ? (double)count_below(lead, waits, 0) / (double)waits : 0.0, bad);
+    free(all);
+    free(cpu);
+    free(lead);
     munmap(sh, shsz);
     munmap(g.base, g.map_size);
     return bad;

@@ -8,7 +8,9 @@ from typing import Any, Dict, List, Optional, Tuple
 
 ORDER = ["ucmcache", "old", "lmdb", "redis", "manager", "diskcache"]
 LABELS = {"ucmcache": "ucmcache", "old": "old design (Python API)", "lmdb": "py-lmdb",
-          "redis": "Redis (unix socket)", "manager": "Manager dict", "diskcache": "diskcache"}
+          "redis": "Redis (unix socket)", "manager": "Manager dict", "diskcache": "diskcache",
+          "c_floor_new": "C floor: ucmcache steps (futex wait)",
+          "c_floor_old": "C floor: old design (polls: yield, then 50 µs sleeps)"}
 WRAPPER = "ucmcache bench"
 
 
@@ -110,6 +112,17 @@ def compute_ratios(out: Dict[str, Any]) -> Dict[str, Any]:
     s4 = _get(out, "s4_flight", "systems", default={})
     uw = _get(s4, "ucmcache", "wake_p50_us")
     R["s4_wake_p50"] = {b: _ratio(_get(v, "wake_p50_us"), uw) for b, v in s4.items() if b != "ucmcache"}
+    if uw is not None:
+        R["s4_flight"] = _flight_ratios(s4, _get(out, "c_floor", "flight", default={}))
+    s9 = _get(out, "s9_cold", "systems", default={})
+    for fig in ("p50_ns", "p99_ns"):
+        u = _get(s9, "ucmcache", "cold", fig)
+        R.setdefault("s9_cold", {})[fig] = {b: _ratio(_get(v, "cold", fig), u)
+                                            for b, v in s9.items() if b != "ucmcache"}
+    if s9:
+        R["s9_cold"]["cold_over_hit_p50"] = {b: _ratio(_get(v, "cold", "p50_ns"),
+                                                       _get(v, "hit", "p50_ns"))
+                                             for b, v in s9.items()}
     s5 = _get(out, "s5_churn", "by_size", default={})
     for size, blk in s5.items():
         sy = blk["systems"]
@@ -135,6 +148,36 @@ def compute_ratios(out: Dict[str, Any]) -> Dict[str, Any]:
                                 for s, v in cf["mix"].items()},
             "churn_new_vs_old": _ratio(_get(cf, "churn", "new", "ops_per_s"), _get(cf, "churn", "old", "ops_per_s")),
         }
+    return R
+
+
+FLIGHT_CPU_NOTE = (
+    "Waiter CPU per wake-up: the CPU time (user + system) of the waiting thread from just "
+    "before its wait to just after the wake-up's stamp, less the clock reads' own cost, summed "
+    "over every wait and divided by the waits (a futex sleep costs nothing; every round of a "
+    "poll counts). Publish CPU: the same, of the owner's publish (where a futex wake's syscall "
+    "is paid). Combined: wake-ups per waiter-CPU-second = 10^6 / the waiter CPU per wake-up in "
+    "µs (higher is better); p99 x CPU = the p99 wake latency in µs times the waiter CPU per "
+    "wake-up in µs, in µs² (lower is better: latency bought with less CPU). For Redis and the "
+    "Manager dict only the waiter's process is counted, not their server's.")
+
+# Scenario 4's figures compared per system: (ratio name, figure) -> other's / ucmcache's
+_FLIGHT_FIGURES = (("p99", "wake_p99_us"), ("waiter_cpu", "waiter_cpu_us"),
+                   ("p99_x_cpu", "p99_x_cpu_us2"))
+
+
+def _flight_ratios(s4: Dict[str, Any], floors: Dict[str, Any]) -> Dict[str, Any]:
+    """Scenario 4 against each other system and the C floors (c_floor_new: the futex floor,
+    c_floor_old: the old design's polling floor): the other's figure / ucmcache's (above 1:
+    ucmcache lower, better), and ucmcache's own p50 over the futex floor's and p99 over the old
+    design's (the targets: <= 1.2x, <= 2x)."""
+    u = s4["ucmcache"]
+    others = {b: v for b, v in s4.items() if b != "ucmcache"}
+    others.update({f"c_floor_{d}": v for d, v in floors.items()})
+    R: Dict[str, Any] = {name: {b: _ratio(_get(v, fig), u.get(fig)) for b, v in others.items()}
+                         for name, fig in _FLIGHT_FIGURES}
+    R["p50_over_c_floor"] = _ratio(u.get("wake_p50_us"), _get(floors, "new", "wake_p50_us"))
+    R["p99_over_old"] = _ratio(u.get("wake_p99_us"), _get(s4, "old", "wake_p99_us"))
     return R
 
 
@@ -277,6 +320,11 @@ def ratio_lines(out: Dict[str, Any]) -> List[str]:
     for size in R.get("s3_mix_2p", {}):
         row(f"3 mix 2 procs, {int(size) // 1024} KiB", "s3_mix_2p", size)
     row("4 flight wake p50", "s4_wake_p50")
+    row("4 flight wake p99", "s4_flight", "p99")
+    row("4 flight waiter CPU per wake-up", "s4_flight", "waiter_cpu")
+    row("4 flight p99 x waiter CPU", "s4_flight", "p99_x_cpu")
+    row("9 cold get_or_load p50", "s9_cold", "p50_ns")
+    row("9 cold get_or_load p99", "s9_cold", "p99_ns")
     for size in R.get("s5_churn", {}):
         row(f"5 churn, {int(size) // 1024} KiB", "s5_churn", size)
     cf = R.get("c_floor")
@@ -480,7 +528,7 @@ def markdown(out: Dict[str, Any]) -> str:
     is measured.  Each section is its own function below."""
     L: List[str] = []
     for section in (_md_header, _md_baselines, _md_targets, _md_reads, _md_arenas, _md_hit,
-                    _md_batch, _md_mix, _md_flight, _md_churn, _md_tier2, _md_layout,
+                    _md_batch, _md_mix, _md_flight, _md_churn, _md_tier2, _md_cold, _md_layout,
                     _md_readme_tables):
         L.extend(section(out))
     L.extend(_md_method())
@@ -500,7 +548,7 @@ def _md_header(out: Dict[str, Any]) -> List[str]:
     L.append("Every number below was measured in that one run. **x** = ucmcache's speed-up over that "
              "system (its time / ucmcache's time, or ucmcache's ops/s / its ops/s): above 1 ucmcache "
              "is faster, below 1 slower." +
-             (f" Scenarios 1-6 and the floors ran {rep} whole passes: each figure is the median "
+             (f" Scenarios 1-6, 9 and the floors ran {rep} whole passes: each figure is the median "
               "over the passes, each x the median of the per-pass ratios with its [min-max]."
               if rep and rep > 1 else "") +
              (" Scenario 7 (reads) repeats inside itself, interleaved: its figures and ratios are "
@@ -707,8 +755,31 @@ def _md_mix_c_floor(out: Dict[str, Any], sizes: List[str]) -> List[str]:
     return L
 
 
+def _pass_range(out: Dict[str, Any], *path) -> Optional[Tuple[float, float]]:
+    """A figure's (min, max) over the passes (None with one pass or no numbers)."""
+    vals = [v for v in (_get(p, *path) for p in out.get("passes") or []) if _is_num(v)]
+    return (min(vals), max(vals)) if len(vals) > 1 else None
+
+
+def _fig(out: Dict[str, Any], unit: str, *path) -> str:
+    """A figure of out (the median over the passes) with its [min-max] over them, in one unit:
+    unit "ns" or "us" (a time, shown in ns, µs or ms as its size asks) or "" (a number)."""
+    v = _get(out, *path)
+    if v is None:
+        return "—"
+    lo, hi = _pass_range(out, *path) or (None, None)
+    if unit:
+        scale = 1000 if unit == "us" else 1
+        if lo is None:
+            return fmt_ns(v * scale)
+        return fmt_ns_range(v * scale, lo * scale, hi * scale)
+    num = (lambda x: f"{x:,.0f}" if x >= 100 else f"{x:.1f}" if x >= 10 else f"{x:.2f}")
+    return num(v) + ("" if lo is None else f" [{num(lo)}-{num(hi)}]")
+
+
 def _md_flight(out: Dict[str, Any]) -> List[str]:
-    """Scenario 4: cold single flight across processes, loader runs and wake latency."""
+    """Scenario 4: cold single flight across processes: loader runs, wake latency, the CPU a
+    waiter burns per wake-up, and the combined figures (FLIGHT_CPU_NOTE)."""
     s4 = _get(out, "s4_flight", "systems", default={})
     if not s4:
         return []
@@ -721,27 +792,90 @@ def _md_flight(out: Dict[str, Any]) -> List[str]:
              "4 processes share 2 cores, so a woken waiter often waits for a CPU while the "
              "owner runs on into the next load: the C floor row (no Python) shows how much of "
              "the latency is scheduling. Few waits and many 'already ready' mean the processes "
-             "seldom ran at the same time.")
+             "seldom ran at the same time. " + FLIGHT_CPU_NOTE + " Figures: median [min-max] "
+             "over the passes; x: the other's figure / ucmcache's (above 1 ucmcache is lower), "
+             "the median of the per-pass ratios [min-max].")
     L.append("")
-    L.append("| system | loader runs | waits | already ready | wake p50 | wake p99 | x (p50) |")
-    L.append("|---|---|---|---|---|---|---|")
-    for sysn in _systems_in(s4):
-        r = s4[sysn]
+    L.append("| system | loader runs | waits | already ready | wake p50 | wake p99 | waiter CPU "
+             "per wake-up | publish CPU per load | wake-ups per waiter-CPU-s | p99 x CPU (µs²) | "
+             "x (p50) | x (p99) | x (p99 x CPU) |")
+    L.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    rows = [(sysn, ("s4_flight", "systems", sysn)) for sysn in _systems_in(s4)]
+    rows += [(f"c_floor_{d}", ("c_floor", "flight", d))
+             for d in _get(out, "c_floor", "flight", default={})]
+    for name, path in rows:
+        r = _get(out, *path)
         if "error" in r:
-            L.append(f"| {LABELS[sysn]} | error: {r['error'][:80]} | | | | | |")
+            L.append(f"| {LABELS[name]} | error: {r['error'][:80]} | | | | | | | | | | | |")
             continue
-        x = "—" if sysn == "ucmcache" else fmt_xr(out, "s4_wake_p50", sysn)
         # more loader runs than keys means single flight failed: flag it in the table itself
         ok = "" if r["loader_runs"] == _get(out, "s4_flight", "keys") else " **(!)**"
-        L.append(f"| {LABELS[sysn]} | {r['loader_runs']}{ok} | {r['waits']} | {r['hits']} | "
-                 f"{fmt_us(r['wake_p50_us'])} | {fmt_us(r['wake_p99_us'])} | {x} |")
-    fl = _get(out, "c_floor", "flight")
-    if fl:
-        for d, label in (("new", "C floor: ucmcache steps (futex wait)"),
-                         ("old", "C floor: old design (polls: yield, then 50 µs sleeps)")):
-            r = fl[d]
-            L.append(f"| {label} | {r['loader_runs']} | {r['waits']} | {r['hits']} | "
-                     f"{fmt_us(r['wake_p50_us'])} | {fmt_us(r['wake_p99_us'])} | |")
+        us = (lambda *k: _fig(out, "us", *path, *k))
+        plain = (lambda *k: _fig(out, "", *path, *k))
+        xs = ["—"] * 3 if name == "ucmcache" else \
+            [fmt_xr(out, "s4_wake_p50", name), fmt_xr(out, "s4_flight", "p99", name),
+             fmt_xr(out, "s4_flight", "p99_x_cpu", name)]
+        L.append(f"| {LABELS[name]} | {r['loader_runs']}{ok} | {r['waits']} | {r['hits']} | "
+                 f"{us('wake_p50_us')} | {us('wake_p99_us')} | {us('waiter_cpu_us')} | "
+                 f"{us('publish_cpu_us')} | {plain('wakes_per_cpu_s')} | "
+                 f"{plain('p99_x_cpu_us2')} | "
+                 + " | ".join(xs) + " |")
+    L.append("")
+    if _get(out, "ratios", "s4_flight", "p50_over_c_floor") is not None or \
+            _get(out, "ratios", "s4_flight", "p99_over_old") is not None:
+        L.append("Against the miss path's targets (ratios of ucmcache's figure, median "
+                 "[min-max] of the per-pass ratios): wake p50 / the C futex floor's "
+                 f"{fmt_xr(out, 's4_flight', 'p50_over_c_floor')} (target <= 1.2x); wake p99 / "
+                 f"the old design's {fmt_xr(out, 's4_flight', 'p99_over_old')} (target <= 2x); "
+                 "when the old design's waiters spin, latency per CPU: its p99 x CPU / ours "
+                 f"{fmt_xr(out, 's4_flight', 'p99_x_cpu', 'old')} (above 1: ours better).")
+        L.append("")
+    fl = _get(out, "c_floor", "flight", "new", default={})
+    if "lead_within_5us" in fl:
+        pct = (lambda k: _fig(out, "", "c_floor", "flight", "new", k))
+        L.append("When the futex floor's waits began (the lead: the publish's time minus the "
+                 f"wait's start): median {_fig(out, 'us', 'c_floor', 'flight', 'new', 'lead_p50_us')}"
+                 f", 1st percentile {_fig(out, 'us', 'c_floor', 'flight', 'new', 'lead_p01_us')}; "
+                 f"share of waits begun within 5 µs before the publish {pct('lead_within_5us')}, "
+                 f"begun after it (the waiter off the CPU between its get and its wait) "
+                 f"{pct('lead_negative')}. A spin of a few µs before the futex sleep could catch "
+                 "only the first share.")
+        L.append("")
+    return L
+
+
+def _md_cold(out: Dict[str, Any]) -> List[str]:
+    """Scenario 9: a cold get_or_load that evicts, per operation, beside a hit."""
+    s9 = _get(out, "s9_cold", "systems", default={})
+    if not s9:
+        return []
+    L = ["## 9. Cold get_or_load: a key not in a full cache (it evicts), the loader returning "
+         "4 KiB it has", ""]
+    L.append(f"One process; a cache of {_get(out, 's9_cold', 'capacity')} slots of 4 KiB filled "
+             f"with resident keys; then {_get(out, 's9_cold', 'keys')} get_or_loads of resident "
+             "keys in random order (hits, for scale), then as many of keys never seen, each "
+             "timed alone, less the timer's overhead. ucmcache: `c.get_or_load(k, loader)`; the "
+             "old design (which had no get_or_load): `get`, the loader, the copy into the slot, "
+             "`ready`, `close` (`OldCache.get_or_load`); py-lmdb: a read transaction's `get` that "
+             "misses, the loader, then a write transaction's `put` of the value (`sync=False`; "
+             "LMDB does not evict: its file grows instead). Figures: median [min-max] over the "
+             "passes; x: the other's time / ucmcache's, the median of the per-pass ratios "
+             "[min-max].")
+    L.append("")
+    L.append("| system | cold p50 | cold p99 | cold mean | hit p50 | cold / hit (p50) | x (p50) "
+             "| x (p99) |")
+    L.append("|---|---|---|---|---|---|---|---|")
+    for sysn in _systems_in(s9):
+        r = s9[sysn]
+        if "error" in r:
+            L.append(f"| {LABELS[sysn]} | error: {r['error'][:80]} | | | | | | |")
+            continue
+        ns = (lambda *k: _fig(out, "ns", "s9_cold", "systems", sysn, *k))
+        xs = ["—", "—"] if sysn == "ucmcache" else \
+            [fmt_xr(out, "s9_cold", "p50_ns", sysn), fmt_xr(out, "s9_cold", "p99_ns", sysn)]
+        L.append(f"| {LABELS[sysn]} | {ns('cold', 'p50_ns')} | {ns('cold', 'p99_ns')} | "
+                 f"{ns('cold', 'mean_ns')} | {ns('hit', 'p50_ns')} | "
+                 f"{fmt_xr(out, 's9_cold', 'cold_over_hit_p50', sysn)} | " + " | ".join(xs) + " |")
     L.append("")
     return L
 
@@ -958,11 +1092,27 @@ def readme_tables(out: Dict[str, Any]) -> List[str]:
         ("—" if _get(s4, s, "wake_p50_us") is None else fmt_us(_get(s4, s, "wake_p50_us")) +
          ("" if s == "ucmcache" else f" ({X('s4_wake_p50', s)}{', polls' if s == 'old' else ''})"))
         for s in order) + " |")
+    for title, key, ratio, fmt in (
+            ("4. waiter wake p99", "wake_p99_us", "p99", fmt_us),
+            ("4. waiter CPU per wake-up", "waiter_cpu_us", "waiter_cpu", fmt_us),
+            ("4. p99 x waiter CPU per wake-up (µs², lower is better)", "p99_x_cpu_us2",
+             "p99_x_cpu", lambda v: f"{v:,.0f}")):
+        L.append(f"| {title} | " + " | ".join(
+            ("—" if _get(s4, s, key) is None else fmt(_get(s4, s, key)) +
+             ("" if s == "ucmcache" else f" ({X('s4_flight', ratio, s)})")) for s in order) + " |")
     s5 = _get(out, "s5_churn", "by_size", "4096", "systems", default={})
     L.append("| 5. churn, working set 4x capacity, 4 KiB, ops/s | " + " | ".join(
         ("—" if not _get(s5, s, "ops_per_s") else "does not evict" if s in ("lmdb", "manager")
          else fmt_ops(_get(s5, s, "ops_per_s")) +
          ("" if s == "ucmcache" else f" ({X('s5_churn', '4096', s)})")) for s in order) + " |")
+    s9 = _get(out, "s9_cold", "systems", default={})
+    if s9:
+        L.append("| 9. cold `get_or_load` of 4 KiB, full cache (evicts; py-lmdb: get, then put), "
+                 "p50 | " + " | ".join(
+                     ("—" if _get(s9, s, "cold", "p50_ns") is None else
+                      fmt_ns(_get(s9, s, "cold", "p50_ns")) +
+                      ("" if s == "ucmcache" else f" ({X('s9_cold', 'p50_ns', s)})"))
+                     for s in order) + " |")
     L.append("")
     return L
 

@@ -22,7 +22,10 @@ Scenarios (same payloads, key sets and process counts for every system):
   8 arenas: hit rate at equal memory: one Zipf(0.9) trace against a segment of 8 ranks
             x 500 slots with 8, 4, 2, 1 (and 4, skewed) ranks attached vs a global LRU of as many
             slots; ucmcache hits / LRU hits per row; one process, deterministic (arenas.py)
-Scenarios 1-6 and the floors run --repeat passes (default 3): each figure is the median over the
+  9 cold:   get_or_load of a key not in a full cache (so it evicts), the loader returning 4 KiB
+            it already has, ns/op p50/p99, beside a get_or_load hit; ucmcache, the old design
+            and py-lmdb (its get that misses, then the put in a write transaction; no eviction)
+Scenarios 1-6, 9 and the floors run --repeat passes (default 3): each figure is the median over the
 passes, each ratio the median of the per-pass ratios with its [min-max].  --time-scale X
 multiplies scenarios 3 and 5's measurement windows (s3_time, s5_time; the config in latest.json
 holds the scaled values).
@@ -67,6 +70,7 @@ FULL = {
     "floor_hit_iters": 2_000_000, "floor_batch_reqs": 20000, "floor_mix_ms": 1000,
     "pyfloor_ops": 100_000,
     "s6_keys": 2000,
+    "s9_capacity": 4096, "s9_keys": 20000,
     # scenario 7 (reads): every row interleaved, s7_reps repetitions of s7_rounds
     # rounds, each row a slice of about s7_slice s per round
     "s7_keys": 4096, "s7_keys_by_size": {}, "s7_batch": 64, "s7_reps": 5, "s7_rounds": 6,
@@ -85,12 +89,13 @@ QUICK = {
     "floor_hit_iters": 20000, "floor_batch_reqs": 200, "floor_mix_ms": 50,
     "pyfloor_ops": 2000,
     "s6_keys": 50,
+    "s9_capacity": 64, "s9_keys": 200,
     "s7_keys": 256, "s7_keys_by_size": {}, "s7_batch": 64, "s7_reps": 3, "s7_rounds": 1,
     "s7_slice": 0.002, "s7_pool": 2000, "s7_distinct_batches": 16,
     "s7_min_keys": 50, "s7_max_keys": 2000, "s7_min_batches": 2, "s7_max_batches": 20,
     **arenas.QUICK,
 }
-SCENARIOS = ["1", "2", "3", "4", "5", "6", "7", "8"]
+SCENARIOS = ["1", "2", "3", "4", "5", "6", "7", "8", "9"]
 
 
 # ====================================================================== run-wide environment
@@ -315,11 +320,16 @@ def c_floor(env: Env, cfg, out: Dict[str, Any]) -> None:
         f"{res['churn']['old']['ops_per_s']:.3g}/s")
     res["flight"] = {}
     for d in ("new", "old"):
-        res["flight"][d] = run_floor(env, "flight", d, n_keys=cfg["s4_keys"], nprocs=cfg["s4_procs"],
-                                     load_us=cfg["s4_load_us"], slot_size=4096)
-    log(f"[floor] flight: new runs {res['flight']['new']['loader_runs']} wake p50 "
-        f"{res['flight']['new']['wake_p50_us']} us; old (polling) runs "
-        f"{res['flight']['old']['loader_runs']} wake p50 {res['flight']['old']['wake_p50_us']} us")
+        r = run_floor(env, "flight", d, n_keys=cfg["s4_keys"], nprocs=cfg["s4_procs"],
+                      load_us=cfg["s4_load_us"], slot_size=4096)
+        r.update(flight_cpu_figures(r["waiter_cpu_us"], r["wake_p99_us"]))
+        res["flight"][d] = r
+    for d, what in (("new", "futex"), ("old", "polling")):
+        r = res["flight"][d]
+        log(f"[floor] flight {d} ({what}): runs {r['loader_runs']} wake p50 {r['wake_p50_us']} us "
+            f"p99 {r['wake_p99_us']} us, waiter CPU {r['waiter_cpu_us']} us per wake-up; waits "
+            f"begun within 5 us before the publish {r['lead_within_5us']}, after it "
+            f"{r['lead_negative']}")
     out["c_floor"] = res
 
 
@@ -570,6 +580,35 @@ def scenario3(env: Env, systems, cfg, out) -> None:
     out["s3_mix"] = res
 
 
+def _waiter_cpu(rs: List[Dict[str, Any]], wake_p99_us: Optional[float]) -> Dict[str, Any]:
+    """Scenario 4's CPU figures from its processes' samples, each less its process's clock
+    overhead: the waiter's CPU per wake-up (mean: total waiter CPU / waits, and p50), the
+    owner's per publish, and the combined figures (see report.FLIGHT_CPU_NOTE)."""
+    def less(r, key):
+        return [max(0, x - r["cpu_overhead"]) for x in r[key]]
+    wait_cpu = [x for r in rs for x in less(r, "wait_cpu")]
+    publish_cpu = [x for r in rs for x in less(r, "publish_cpu")]
+    if not wait_cpu:
+        return {}
+    per_wake_us = sum(wait_cpu) / len(wait_cpu) / 1000
+    res = {"waiter_cpu_us": round(per_wake_us, 2),
+           "waiter_cpu_p50_us": round(common.stats_ns(wait_cpu)["p50_ns"] / 1000, 2),
+           "publish_cpu_us": (round(sum(publish_cpu) / len(publish_cpu) / 1000, 2)
+                              if publish_cpu else None),
+           "cpu_overhead_ns": max(r["cpu_overhead"] for r in rs)}
+    res.update(flight_cpu_figures(per_wake_us, wake_p99_us))
+    return res
+
+
+def flight_cpu_figures(per_wake_us: Optional[float], wake_p99_us: Optional[float]):
+    """The combined figures of scenario 4 (defined in report.FLIGHT_CPU_NOTE): wake-ups per
+    waiter-CPU-second, and p99 wake latency x waiter CPU per wake-up (µs², lower is better)."""
+    if not per_wake_us:
+        return {}
+    return {"wakes_per_cpu_s": round(1e6 / per_wake_us),
+            "p99_x_cpu_us2": None if wake_p99_us is None else round(wake_p99_us * per_wake_us, 1)}
+
+
 def scenario4(env: Env, systems, cfg, out) -> None:
     n, P = cfg["s4_keys"], cfg["s4_procs"]
     size = 4096
@@ -585,17 +624,20 @@ def scenario4(env: Env, systems, cfg, out) -> None:
                                                                  load_ns=load_ns), timeout=120)
             lat = [x for r in rs for x in r["lat"]]
             st = common.stats_ns(lat)
-            return {"loader_runs": sum(r["runs"] for r in rs), "waits": sum(r["waits"] for r in rs),
-                    "hits": sum(r["hits"] for r in rs),
-                    "wake_p50_us": None if st["p50_ns"] is None else round(st["p50_ns"] / 1000, 1),
-                    "wake_p99_us": None if st["p99_ns"] is None else round(st["p99_ns"] / 1000, 1),
-                    "wake_mean_us": None if st["mean_ns"] is None else round(st["mean_ns"] / 1000, 1)}
+            r4 = {"loader_runs": sum(r["runs"] for r in rs), "waits": sum(r["waits"] for r in rs),
+                  "hits": sum(r["hits"] for r in rs),
+                  "wake_p50_us": None if st["p50_ns"] is None else round(st["p50_ns"] / 1000, 1),
+                  "wake_p99_us": None if st["p99_ns"] is None else round(st["p99_ns"] / 1000, 1),
+                  "wake_mean_us": None if st["mean_ns"] is None else round(st["mean_ns"] / 1000, 1)}
+            r4.update(_waiter_cpu(rs, r4["wake_p99_us"]))
+            return r4
         try:
             r = _with_store(system, dict(slot_size=size, slots_per_rank=n + 64, max_ranks=P,
                                          n_keys=2 * n), body)
             res["systems"][system.name] = r
             log(f"[4 flight] {system.name:<10} loader runs {r['loader_runs']} (want {n}), waits "
-                f"{r['waits']}, wake p50 {r['wake_p50_us']} us p99 {r['wake_p99_us']} us")
+                f"{r['waits']}, wake p50 {r['wake_p50_us']} us p99 {r['wake_p99_us']} us, "
+                f"waiter CPU {r.get('waiter_cpu_us')} us per wake-up")
         except Exception as e:
             res["systems"][system.name] = {"error": f"{type(e).__name__}: {e}"}
             log(f"[4 flight] {system.name} ERROR {e}")
@@ -712,6 +754,50 @@ def scenario6(env: Env, systems, cfg, out) -> None:
             env.untrack_segment(u)
 
 
+COLD_SYSTEMS = ("ucmcache", "old", "lmdb")  # the systems with a get_or_load (or its equivalent)
+
+
+def scenario9(env: Env, systems, cfg, out) -> None:
+    """Cold get_or_load: one process, a cache of s9_capacity 4 KiB slots filled with resident
+    keys, then get_or_load of a resident key each (hits, for scale), then of s9_keys keys never
+    seen (each one evicts), the loader returning the 4 KiB value it already has (no allocation:
+    the cache's own cost of a miss plus the copy in).  Each operation timed alone, less the
+    timer's overhead."""
+    cap, n = cfg["s9_capacity"], cfg["s9_keys"]
+    size = 4096
+    resident = common.keys(cap, seed=common.KEY_SEED + 9)
+    hit_seq = [resident[i] for i in common.rng_indices(n, cap, 9)]
+    cold = common.keys(n, seed=common.KEY_SEED + 90)
+    value = common.payload(size)
+
+    def loader():
+        return value
+    ovh = common.timer_overhead()
+    res: Dict[str, Any] = {"capacity": cap, "keys": n, "slot_size": size,
+                           "timer_overhead_ns": ovh, "systems": {}}
+    for system in systems:
+        if system.name not in COLD_SYSTEMS:
+            continue
+
+        def body(spec, cl):
+            cl.populate(resident, value)
+            t = [0] * n
+            cl.get_or_load_timed(hit_seq, loader, t)
+            hit = common.stats_ns(t, ovh)
+            cl.get_or_load_timed(cold, loader, t)
+            return {"cold": common.stats_ns(t, ovh), "hit": hit}
+        try:
+            r = _with_store(system, dict(slot_size=size, slots_per_rank=cap, max_ranks=1,
+                                         n_keys=cap + n), body)
+            res["systems"][system.name] = r
+            log(f"[9 cold] {system.name:<10} cold get_or_load p50 {r['cold']['p50_ns']} ns p99 "
+                f"{r['cold']['p99_ns']} ns; hit p50 {r['hit']['p50_ns']} ns")
+        except Exception as e:
+            res["systems"][system.name] = {"error": f"{type(e).__name__}: {e}"}
+            log(f"[9 cold] {system.name} ERROR {e}")
+    out["s9_cold"] = res
+
+
 def layout_figures(cfg) -> Dict[str, Any]:
     from ucmcache._layout import Layout
 
@@ -743,11 +829,11 @@ def parse(argv):
                    help="directory for latest.json / latest.md / latest.png")
     p.add_argument("--systems", default=",".join(s.name for s in ALL_SYSTEMS),
                    help="comma list of systems (default: all)")
-    p.add_argument("--scenarios", default=",".join(SCENARIOS), help="comma list of 1..8")
+    p.add_argument("--scenarios", default=",".join(SCENARIOS), help="comma list of 1..9")
     p.add_argument("--no-floor", action="store_true", help="skip the C and Python floors")
     p.add_argument("--no-chart", action="store_true", help="skip the PNG chart")
     p.add_argument("--repeat", type=int, default=None,
-                   help="passes of scenarios 1-6 and the floors, each figure the median over "
+                   help="passes of scenarios 1-6, 9 and the floors, each figure the median over "
                         "them, each ratio with its min-max (default 3; --quick: 1)")
     p.add_argument("--time-scale", type=float, default=1.0,
                    help="multiplies the measurement window of scenarios 3 and 5 (s3_time, "
@@ -853,11 +939,11 @@ def _meta(args, argv, cfg: Dict[str, Any], started: str, repeat: int) -> Dict[st
 
 def _run_scenarios(env: Env, systems, cfg, out: Dict[str, Any], scen: List[str], repeat: int,
                    no_floor: bool) -> List[Dict[str, Any]]:
-    """Run the chosen scenarios: 7 and 8 once, into out; 1-6 and the floors `repeat` times.
+    """Run the chosen scenarios: 7 and 8 once, into out; 1-6, 9 and the floors `repeat` times.
     Returns the passes' results (report.finish merges them)."""
     steps = {"1": scenario1, "2": scenario2, "3": scenario3, "4": scenario4, "5": scenario5,
-             "6": scenario6}
-    # Scenario 7 repeats inside itself (interleaved).  Scenarios 1-6 (and the floors, whose
+             "6": scenario6, "9": scenario9}
+    # Scenario 7 repeats inside itself (interleaved).  Scenarios 1-6, 9 (and the floors, whose
     # figures they are compared with) run `repeat` whole passes: every figure of theirs is
     # reported as the median over the passes, every ratio with its min-max.
     want_passes = [s for s in SCENARIOS if s in scen and s in steps]

@@ -15,9 +15,18 @@ Like for like:
   pipelined round trip (EXISTS x64 / MGET); Manager dict and diskcache have no batch call: a loop;
 - a miss (mixes): the value is the prebuilt payload, stored (ucmcache/old: fill the slot and
   publish; LMDB a write transaction; Redis SET; Manager d[k] = v; diskcache set).
+- get_or_load (ucmcache, the old design, LMDB): ucmcache's own call; the old design's
+  OldCache.get_or_load (get, the loader, the copy in, ready; it had none); LMDB a read
+  transaction's get, then on a miss the loader and a write transaction's put.  Each returns
+  the value as bytes (on a miss, the loader's own).
 - single flight: ucmcache and the old design elect the owner in get(); the others use the usual
   pattern, an atomic add-if-absent of a lock key (Redis SET NX, LMDB a write transaction, Manager
-  dict setdefault, diskcache add) and waiters that poll every 50 us.
+  dict setdefault, diskcache add) and waiters that poll every 50 us.  Every system's waiter
+  stamps its wake-up first thing after its wait, and reads its thread's CPU time
+  (time.thread_time_ns: user + system) just before the wait and just after that stamp: the CPU
+  the wait itself burned (a poll's every round, a futex sleep nothing), less `cpu_overhead`
+  (the same reads with no wait between, measured in the waiter's process).  The owner's CPU
+  time in its publish is read the same way (a futex wake's syscall is paid there).
 """
 from __future__ import annotations
 
@@ -26,9 +35,74 @@ import shutil
 import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from .common import spin_ns
+from .common import cpu_clock_overhead, spin_ns
 
 POLL_S = 50e-6  # baselines without a wake-up mechanism poll this often
+
+
+class FlightLog:
+    """One process's record of scenario 4: loads it ran (each publish's CPU), waits (each one's
+    wake latency and waiter CPU) and keys it found ready."""
+
+    def __init__(self):
+        self.runs = self.waits = self.hits = 0
+        self.lat: List[int] = []
+        self.wait_cpu: List[int] = []
+        self.publish_cpu: List[int] = []
+
+    def published(self, cpu_ns: int) -> None:
+        self.publish_cpu.append(cpu_ns)
+        self.runs += 1
+
+    def woke(self, latency_ns: int, cpu_ns: int) -> None:
+        self.lat.append(latency_ns)
+        self.wait_cpu.append(cpu_ns)
+        self.waits += 1
+
+    def result(self) -> Dict[str, Any]:
+        return {"runs": self.runs, "waits": self.waits, "hits": self.hits, "lat": self.lat,
+                "wait_cpu": self.wait_cpu, "publish_cpu": self.publish_cpu,
+                "cpu_overhead": cpu_clock_overhead()}
+
+
+def _stamp(value) -> int:
+    """The owner's publish stamp: the value's first 8 bytes."""
+    return int.from_bytes(value[:8], "little")
+
+
+def polled_flight(get, claim, set_, keys, payload: bytes, load_ns: int, timeout: float,
+                  what: str) -> Dict[str, Any]:
+    """Scenario 4 for a store with no wake-up (Redis, the Manager dict, diskcache): the usual
+    single-flight pattern over get(key), claim(lock key) (an atomic add-if-absent: True for the
+    one caller that adds it) and set_(key, value); a waiter polls every POLL_S.  The CPU of the
+    waiter's process only: a server's (Redis, the Manager) is not counted."""
+    cpu, mono = time.thread_time_ns, time.monotonic_ns
+    body = payload[8:]
+    log = FlightLog()
+    for k in keys:
+        if get(k) is not None:
+            log.hits += 1
+            continue
+        if claim(b"L" + k):
+            spin_ns(load_ns)
+            value = mono().to_bytes(8, "little") + body
+            c0 = cpu()
+            set_(k, value)
+            log.published(cpu() - c0)
+            continue
+        c0 = cpu()
+        deadline = time.monotonic() + timeout
+        while True:
+            v = get(k)
+            if v is not None:
+                t = mono()
+                c1 = cpu()
+                log.woke(t - _stamp(v), c1 - c0)
+                break
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{what} flight wait")
+            time.sleep(POLL_S)
+    return log.result()
 
 
 # ====================================================================== handle-style systems
@@ -99,6 +173,16 @@ class HandleClient:
             out[i] = pc() - t0
             i += 1
 
+    def get_or_load_timed(self, seq, loader, out) -> None:
+        gol = self.c.get_or_load
+        pc = time.perf_counter_ns
+        i = 0
+        for k in seq:
+            t0 = pc()
+            gol(k, loader)
+            out[i] = pc() - t0
+            i += 1
+
     def exist_timed(self, reqs, out) -> int:
         ex = self.c.exist
         pc = time.perf_counter_ns
@@ -150,10 +234,10 @@ class HandleClient:
 
     def flight(self, keys, payload: bytes, load_ns: int, timeout: float) -> Dict[str, Any]:
         get = self.c.get
+        cpu, mono = time.thread_time_ns, time.monotonic_ns
         n = len(payload)
         body = payload[8:]
-        runs = waits = hits = 0
-        lat: List[int] = []
+        log = FlightLog()
         for k in keys:
             h = get(k)
             try:
@@ -161,19 +245,21 @@ class HandleClient:
                     spin_ns(load_ns)
                     mv = h.data
                     mv[8:n] = body
-                    mv[:8] = time.monotonic_ns().to_bytes(8, "little")
+                    mv[:8] = mono().to_bytes(8, "little")
+                    c0 = cpu()
                     h.ready(n)
-                    runs += 1
+                    log.published(cpu() - c0)
                 elif h.state == "loading":
+                    c0 = cpu()
                     h.wait(timeout)
-                    t = time.monotonic_ns()
-                    lat.append(t - int.from_bytes(h.data[:8], "little"))
-                    waits += 1
+                    t = mono()
+                    c1 = cpu()
+                    log.woke(t - _stamp(h.data), c1 - c0)
                 else:
-                    hits += 1
+                    log.hits += 1
             finally:
                 h.close()
-        return {"runs": runs, "waits": waits, "hits": hits, "lat": lat}
+        return log.result()
 
 
 class UcmSystem:
@@ -292,6 +378,24 @@ class LmdbClient:
                 txn.get(k)
         return pc() - t0
 
+    def get_or_load_timed(self, seq, loader, out) -> None:
+        """get_or_load's equivalent: a read txn's get; on a miss the loader and a write txn's
+        put (no single-flight lock: one process).  LMDB does not evict: a full cache's
+        eviction has no counterpart, the file grows instead."""
+        begin = self.env.begin
+        pc = time.perf_counter_ns
+        i = 0
+        for k in seq:
+            t0 = pc()
+            with begin() as txn:
+                v = txn.get(k)
+            if v is None:
+                v = loader()
+                with begin(write=True) as w:
+                    w.put(k, v)
+            out[i] = pc() - t0
+            i += 1
+
     def exist_timed(self, reqs, out) -> int:
         begin = self.env.begin
         pc = time.perf_counter_ns
@@ -345,37 +449,40 @@ class LmdbClient:
 
     def flight(self, keys, payload, load_ns, timeout) -> Dict[str, Any]:
         begin = self.env.begin
+        cpu, mono = time.thread_time_ns, time.monotonic_ns
         body = payload[8:]
-        runs = waits = hits = 0
-        lat: List[int] = []
+        log = FlightLog()
         for k in keys:
             with begin(buffers=True) as txn:
                 hit = txn.get(k) is not None
             if hit:
-                hits += 1
+                log.hits += 1
                 continue
             lock = b"L" + k
             with begin(write=True) as w:
                 owner = w.get(k) is None and w.put(lock, b"1", overwrite=False)
             if owner:
                 spin_ns(load_ns)
-                value = time.monotonic_ns().to_bytes(8, "little") + body
+                value = mono().to_bytes(8, "little") + body
+                c0 = cpu()
                 with begin(write=True) as w:
                     w.put(k, value)
-                runs += 1
+                log.published(cpu() - c0)
                 continue
+            c0 = cpu()
             deadline = time.monotonic() + timeout
             while True:
                 with begin() as txn:
                     v = txn.get(k)
                 if v is not None:
-                    lat.append(time.monotonic_ns() - int.from_bytes(v[:8], "little"))
-                    waits += 1
+                    t = mono()
+                    c1 = cpu()
+                    log.woke(t - _stamp(v), c1 - c0)
                     break
                 if time.monotonic() > deadline:
                     raise TimeoutError("lmdb flight wait")
                 time.sleep(POLL_S)
-        return {"runs": runs, "waits": waits, "hits": hits, "lat": lat}
+        return log.result()
 
 
 class LmdbSystem:
@@ -501,30 +608,9 @@ class RedisClient(_GetSetLoops):
         return got
 
     def flight(self, keys, payload, load_ns, timeout) -> Dict[str, Any]:
-        get, set_ = self.r.get, self.r.set
-        body = payload[8:]
-        runs = waits = hits = 0
-        lat: List[int] = []
-        for k in keys:
-            if get(k) is not None:
-                hits += 1
-                continue
-            if set_(b"L" + k, b"1", nx=True):
-                spin_ns(load_ns)
-                set_(k, time.monotonic_ns().to_bytes(8, "little") + body)
-                runs += 1
-                continue
-            deadline = time.monotonic() + timeout
-            while True:
-                v = get(k)
-                if v is not None:
-                    lat.append(time.monotonic_ns() - int.from_bytes(v[:8], "little"))
-                    waits += 1
-                    break
-                if time.monotonic() > deadline:
-                    raise TimeoutError("redis flight wait")
-                time.sleep(POLL_S)
-        return {"runs": runs, "waits": waits, "hits": hits, "lat": lat}
+        set_ = self.r.set
+        return polled_flight(self.r.get, lambda lock: set_(lock, b"1", nx=True), set_, keys,
+                             payload, load_ns, timeout, "redis")
 
 
 class RedisSystem:
@@ -649,31 +735,9 @@ class ManagerClient:
 
     def flight(self, keys, payload, load_ns, timeout) -> Dict[str, Any]:
         d = self.d
-        get = d.get
         me = os.getpid()
-        body = payload[8:]
-        runs = waits = hits = 0
-        lat: List[int] = []
-        for k in keys:
-            if get(k) is not None:
-                hits += 1
-                continue
-            if d.setdefault(b"L" + k, me) == me:
-                spin_ns(load_ns)
-                d[k] = time.monotonic_ns().to_bytes(8, "little") + body
-                runs += 1
-                continue
-            deadline = time.monotonic() + timeout
-            while True:
-                v = get(k)
-                if v is not None:
-                    lat.append(time.monotonic_ns() - int.from_bytes(v[:8], "little"))
-                    waits += 1
-                    break
-                if time.monotonic() > deadline:
-                    raise TimeoutError("manager flight wait")
-                time.sleep(POLL_S)
-        return {"runs": runs, "waits": waits, "hits": hits, "lat": lat}
+        return polled_flight(d.get, lambda lock: d.setdefault(lock, me) == me, d.__setitem__,
+                             keys, payload, load_ns, timeout, "manager")
 
 
 class ManagerSystem:
@@ -753,31 +817,9 @@ class DiskcacheClient(_GetSetLoops):
 
     def flight(self, keys, payload, load_ns, timeout) -> Dict[str, Any]:
         c = self.c
-        get, set_ = c.get, c.set
         me = os.getpid()
-        body = payload[8:]
-        runs = waits = hits = 0
-        lat: List[int] = []
-        for k in keys:
-            if get(k) is not None:
-                hits += 1
-                continue
-            if c.add(b"L" + k, me):
-                spin_ns(load_ns)
-                set_(k, time.monotonic_ns().to_bytes(8, "little") + body)
-                runs += 1
-                continue
-            deadline = time.monotonic() + timeout
-            while True:
-                v = get(k)
-                if v is not None:
-                    lat.append(time.monotonic_ns() - int.from_bytes(v[:8], "little"))
-                    waits += 1
-                    break
-                if time.monotonic() > deadline:
-                    raise TimeoutError("diskcache flight wait")
-                time.sleep(POLL_S)
-        return {"runs": runs, "waits": waits, "hits": hits, "lat": lat}
+        return polled_flight(c.get, lambda lock: c.add(lock, me), c.set, keys, payload, load_ns,
+                             timeout, "diskcache")
 
 
 class DiskcacheSystem:

@@ -18,11 +18,12 @@ from typing import List, Optional, Sequence
 import numpy as np
 
 from ucmcache._keys import pack_keys, split_key
-from ucmcache._layout import Layout
+from ucmcache._layout import SLOT_META, Layout
 
 SHM_DIR = "/dev/shm"
 PREFIX = "ucmbench-old-"
 UCM_LOADING, UCM_READY, UCM_FAILED = 1, 2, 3
+LENGTH_OFF = SLOT_META.fields["length"][1]  # the same SlotMeta line as ucmcache's
 OWNER_FLAG = 1 << 62
 NIL = 0xFFFFFFFF
 
@@ -135,6 +136,26 @@ class OldCache:
             raise OldError(f"old design: no slot ({-r})")
         return OldHandle(self, r & 0xFFFFFFFF, bool(r & OWNER_FLAG))
 
+    def get_or_load(self, key, loader, timeout: Optional[float] = None) -> bytes:
+        """What a user of the old design writes for ucmcache's get_or_load (it had none): get;
+        the owner runs the loader, copies its bytes into the slot and publishes them (a loader
+        that raises publishes Failed); a joiner waits; a reader copies the value out as
+        bytes."""
+        with self.get(key) as h:
+            if h.owner:
+                try:
+                    value = loader()
+                except BaseException:
+                    h.fail()
+                    raise
+                n = len(value)
+                h.data[:n] = value
+                h.ready(n)
+                return value
+            if h.state == "loading":
+                h.wait(timeout)
+            return bytes(h.data[:h.length])
+
     def exist(self, keys: Sequence) -> List[bool]:
         ids, offsets, split = pack_keys(keys)
         out = np.zeros(len(split), dtype=np.uint8)
@@ -191,6 +212,14 @@ class OldHandle:
             self._views = []
         self._views.append(mv)
         return mv
+
+    @property
+    def length(self) -> int:
+        """The published value's length (the SlotMeta word old_publish wrote, read once the
+        state said Ready: the node lock's release ordered it before)."""
+        c = self._c
+        off = c.layout.meta_off + self._slot * SLOT_META.itemsize + LENGTH_OFF
+        return int.from_bytes(c._view[off:off + 4], "little")
 
     def ready(self, nbytes: Optional[int] = None) -> None:
         c = self._c
