@@ -1277,3 +1277,61 @@ def test_a_child_forked_while_a_parent_thread_reads_the_counters_can_read_and_fo
                 os._exit(code)
     assert os.waitstatus_to_exitcode(_reap(pid)) == 0
     assert _cnt_files(stats) == []
+
+
+def test_a_fold_lock_that_is_a_fifo_blocks_no_reader_or_fold(tmp_path):
+    """fold.lock made a FIFO (by mistake or malice): a reader reads without it at once and a
+    fold does nothing; neither blocks."""
+    from ucmcache.disktier.counters import fold_ended, read_all
+    stats = str(tmp_path / "stats")
+    _counting_child(stats, 3, hold=False)
+    os.mkfifo(os.path.join(stats, "fold.lock"))
+    assert read_all(stats)["t2_hits"] == 3
+    assert fold_ended(stats, 0o644) == [] and len(_cnt_files(stats)) == 1
+
+
+def test_a_fold_names_the_leftovers_it_unlinks(tmp_path):
+    """A fold killed after its sum's rename left its files; the next fold unlinks them and its
+    own sum still names them, so a reader that read one of them before (without the lock)
+    does not count it beside the sum that holds it."""
+    from ucmcache.disktier.counters import _read_ended, fold_ended, read_all
+    stats = str(tmp_path / "stats")
+    for n in (1, 2):
+        _counting_child(stats, n, hold=False)
+    first = _cnt_files(stats)
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.unlink = lambda p: os.kill(os.getpid(), signal.SIGKILL)   # dies at the window
+            fold_ended(stats, 0o644)
+        finally:
+            os._exit(3)
+    _reap(pid)
+    _counting_child(stats, 4, hold=False)
+    assert sorted(fold_ended(stats, 0o644)) != first
+    _, named = _read_ended(stats)
+    assert set(first) <= named and read_all(stats)["t2_hits"] == 7
+
+
+def test_a_fold_takes_what_other_processes_made_even_under_its_own_pid(tmp_path):
+    """Containers sharing a directory may all run as pid 1: a fold leaves alone the files this
+    process made, not the files that carry its pid."""
+    from ucmcache.disktier.counters import fold_ended, read_all
+    stats = str(tmp_path / "stats")
+    _counting_child(stats, 3, hold=False)
+    (theirs,) = _cnt_files(stats)
+    same_pid = f"{os.getpid()}-{theirs.split('-', 1)[1]}"
+    os.rename(os.path.join(stats, theirs), os.path.join(stats, same_pid))
+    assert fold_ended(stats, 0o644) == [same_pid] and read_all(stats)["t2_hits"] == 3
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give the directory to another user")
+def test_a_tool_run_as_another_user_never_folds(tmp_path):
+    """A directory another user owns (a service's tier read by root's CLI): a fold there does
+    nothing, so it never leaves a sum its owner cannot read."""
+    from ucmcache.disktier.counters import fold_ended, read_all
+    stats = str(tmp_path / "stats")
+    _counting_child(stats, 3, hold=False)
+    os.chown(stats, 65534, 65534)
+    assert fold_ended(stats, 0o600) == [] and len(_cnt_files(stats)) == 1
+    assert "ended.sum" not in os.listdir(stats) and read_all(stats)["t2_hits"] == 3

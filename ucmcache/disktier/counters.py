@@ -15,10 +15,10 @@ process ever:
   filled under a temporary name (``.new``) and renamed to ``.counts`` only then, so a fold never
   sees an unlocked ``.counts`` of a live writer; a fold may remove an unlocked ``.new`` (its
   maker died, or has not locked it yet: that maker's rename fails and it makes another).
-* ``fold_ended`` (a DiskTier's construction, off every get's path; at most ``FOLD_LIMIT``
-  files a call) adds every unlocked ``.counts`` file into ``stats/ended.sum``, under the record
-  lock ``stats/fold.lock`` (not a flock: a process forked meanwhile does not inherit it; a fold
-  never waits for it): the sum and the names it took in are renamed into place in one step,
+* ``fold_ended`` (a DiskTier's construction by the directory's owner, off every get's path; at
+  most ``FOLD_LIMIT`` files a call) adds every unlocked ``.counts`` file into ``stats/ended.sum``,
+  under the record lock ``stats/fold.lock`` (not a flock: a process forked meanwhile does not
+  inherit it; a fold never waits for it): the sum and the names it took in are renamed into place in one step,
   and only then are those files unlinked.  A file named in ``ended.sum`` is never summed again,
   so a fold killed between its rename and its unlinks counts nothing twice; the next fold
   unlinks what it left.  A fold that cannot read an existing ``ended.sum`` does nothing.
@@ -125,8 +125,10 @@ class ProcessCounters:
     def _make(self) -> Optional[np.ndarray]:
         """Make, lock and fill a file under its .new name, then rename it to .counts; None if a
         fold removed it meanwhile (the caller makes another)."""
-        base = os.path.join(self._dir, f"{os.getpid()}-{secrets.token_hex(4)}")
+        name = f"{os.getpid()}-{secrets.token_hex(4)}"
+        base = os.path.join(self._dir, name)
         making = base + _MAKING
+        _made_here.update((name + _MAKING, name + _LIVE))
         fd = os.open(making, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, self._mode)
         mm: Optional[mmap.mmap] = None
         made = False
@@ -199,16 +201,29 @@ def _counts(raw: bytes, magic: bytes) -> Optional[np.ndarray]:
     return out
 
 
-def _read_regular(path: str, limit: int) -> Optional[bytes]:
-    """A regular file's first bytes; None if it is gone, unreadable or not a regular file (a
-    FIFO named like a counter file must not block a reader)."""
+def _open_regular(path: str, flags: int, mode: int = 0o600) -> int:
+    """An fd of a regular file (made with ``mode`` if flags say O_CREAT); OSError if it is not
+    one: a FIFO named like our files must block nobody (O_NONBLOCK until it is known)."""
+    fd = os.open(path, flags | os.O_NONBLOCK | os.O_CLOEXEC, mode)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, f"{path}: not a regular file")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _read_regular(path: str, limit: int) -> Optional[bytes]:
+    """A regular file's first ``limit`` bytes (-1: all of it); None if it is gone, unreadable
+    or not a regular file."""
+    try:
+        fd = _open_regular(path, os.O_RDONLY)
     except OSError:
         return None
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return None
+        if limit < 0:
+            limit = os.fstat(fd).st_size
         return os.pread(fd, limit, 0)
     except OSError:
         return None
@@ -216,7 +231,6 @@ def _read_regular(path: str, limit: int) -> Optional[bytes]:
         os.close(fd)
 
 
-_ENDED_MAX = 1 << 20  # ended.sum: counters and at most FOLD_LIMIT names
 
 
 def _read_ended(stats_dir: str) -> Optional[Tuple[np.ndarray, Set[str]]]:
@@ -230,7 +244,7 @@ def _read_ended(stats_dir: str) -> Optional[Tuple[np.ndarray, Set[str]]]:
         return np.zeros(len(NAMES), dtype=np.int64), set()
     except OSError:
         return None
-    raw = _read_regular(path, _ENDED_MAX)
+    raw = _read_regular(path, -1)
     counts = _counts(raw, _ENDED_MAGIC) if raw is not None else None
     if raw is None or counts is None:
         return None
@@ -249,11 +263,17 @@ READ_WAIT = 2.0
 # Record locks are per process, so this process's threads take turns through _local first; a
 # forked child gets a new one (a parent thread may have held it at the fork).
 _local = threading.Lock()
+# The names of the counter files this process made: a fold never takes them (on NFS, where
+# flock is a record lock, this process's own lock would not keep its live file from it).  Not
+# by pid: in containers sharing a directory every worker may be pid 1.  A forked child starts
+# with none (the parent's files are the parent's, locked by its descriptors).
+_made_here: Set[str] = set()
 
 
 def _new_local_after_fork() -> None:
     global _local
     _local = threading.Lock()
+    _made_here.clear()
 
 
 os.register_at_fork(after_in_child=_new_local_after_fork)
@@ -272,9 +292,9 @@ def _fold_lock(stats_dir: str, fold: Optional[int], wait: float) -> Iterator[boo
         path = os.path.join(stats_dir, _FOLD_LOCK)
         try:
             if fold is None:
-                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+                fd = _open_regular(path, os.O_RDONLY)
             else:
-                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, fold)
+                fd = _open_regular(path, os.O_RDWR | os.O_CREAT, fold)
         except OSError:
             yield False
             return
@@ -336,12 +356,16 @@ def read_all(stats_dir: str) -> Dict[str, int]:
 def fold_ended(stats_dir: str, mode: int, limit: int = FOLD_LIMIT) -> List[str]:
     """Fold the ended counter files (no writer holds their lock; at most ``limit``) into
     ended.sum, then unlink them; returns the names folded.  Under the fold lock: one fold at a
-    time, no reader meanwhile; none at all when the lock is busy (it is not waited for) or
-    ended.sum cannot be read.  Files of this process are left alone (on NFS, where flock is a
-    record lock, this process's own lock would not keep its live file from it)."""
+    time, no reader meanwhile; none at all when the lock is busy (it is not waited for),
+    ended.sum cannot be read, or the directory is another user's (a tool run as root must not
+    leave a sum its owner cannot read).  Files this process made are left alone (_made_here)."""
     folded: List[str] = []
-    mine = f"{os.getpid()}-"
-    if not any(n.endswith((_LIVE, _MAKING)) and not n.startswith(mine) or n.startswith(_ENDED + ".")
+    try:
+        if os.stat(stats_dir).st_uid != os.geteuid():
+            return folded  # another user's directory (a tool run as root): its owner folds
+    except OSError:
+        return folded
+    if not any(n.endswith((_LIVE, _MAKING)) and n not in _made_here or n.startswith(_ENDED + ".")
                for n in os.listdir(stats_dir)):
         return folded  # nothing to fold, nor left by a fold: no lock file made
     with _fold_lock(stats_dir, mode, 0.0) as locked:
@@ -353,13 +377,16 @@ def fold_ended(stats_dir: str, mode: int, limit: int = FOLD_LIMIT) -> List[str]:
                         "counter files are not folded", os.path.join(stats_dir, _ENDED))
             return folded
         total, taken = ended
+        leftovers: List[str] = []
         for name in sorted(os.listdir(stats_dir)):
             path = os.path.join(stats_dir, name)
             if name in taken or (name.startswith(_ENDED + ".") and name.endswith(".tmp")):
                 # in ended.sum already (a fold died before unlinking it), or a dead fold's temp
                 _unlink_quietly(path)
+                if name in taken:
+                    leftovers.append(name)
                 continue
-            if (not name.endswith((_LIVE, _MAKING)) or name.startswith(mine) or "\n" in name
+            if (not name.endswith((_LIVE, _MAKING)) or name in _made_here or "\n" in name
                     or len(folded) >= limit):
                 continue
             try:
@@ -387,8 +414,10 @@ def fold_ended(stats_dir: str, mode: int, limit: int = FOLD_LIMIT) -> List[str]:
             folded.append(name)  # a file that does not read as counters goes too
         if not folded:
             return folded
+        # The leftovers unlinked above stay named: a reader that read one before this fold
+        # (without the lock) must not count it beside the sum that holds it.
         body = (_HEAD.pack(_ENDED_MAGIC, len(NAMES)) + total.astype("<i8").tobytes()
-                + b"".join(os.fsencode(n) + b"\n" for n in folded))
+                + b"".join(os.fsencode(n) + b"\n" for n in folded + leftovers))
         tmp = os.path.join(stats_dir, f"{_ENDED}.{os.getpid()}.tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, mode)
         try:
