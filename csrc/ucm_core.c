@@ -960,7 +960,8 @@ int64_t ucm_lookup_pin(ucm_ctx *c, const char *id, uint64_t offset, uint32_t spi
         STAT(c, UCM_ST_FAST_HITS, 1); /* the hit path's one counter */
         return pin_answer(c, slot, state, 0);
     }
-    if (outer == UCM_OUTER_HIT_ONLY) return r == UCM_OK ? pin_answer(c, slot, state, 0) : -(int64_t)r;
+    if (outer == UCM_OUTER_HIT_ONLY)
+        return r == UCM_OK ? pin_answer(c, slot, state, 0) : -(int64_t)r;
     STAT(c, UCM_ST_GETS, 1);
     if (r == UCM_BUSY) STAT(c, UCM_ST_SPINS_EXHAUSTED, 1);
     if (r != UCM_OK) return -(int64_t)r;

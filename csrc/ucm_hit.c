@@ -1951,7 +1951,8 @@ static PyTypeObject HandleBase_Type = {
     F(lens, UNSET, GETSET, "numpy int64: a position's length if Ready when pinned, else -1.") \
     F(owner, NONE, MEMBER, "numpy bool: the positions this caller owns (`owner`: a copy).") \
     F(serials, NONE, MEMBER, "numpy uint32: an owned position's load serial (or None).") \
-    F(slots_p, NONE, MEMBER, "The full path's cffi pointer to _slots (its token's drop takes it).") \
+    F(slots_p, NONE, MEMBER, "The full path's cffi pointer to _slots (its token's drop takes " \
+      "it).") \
     F(owner_p, NONE, MEMBER, "The full path's cffi pointer to _owner, likewise.") \
     F(token, NONE, MEMBER, "The full path's batch token (None: an all-hit batch).") \
     F(timeout, NONE, MEMBER, "The get_many's timeout: its waits' default.") \
@@ -1986,15 +1987,15 @@ static int items_of(PyObject *v, Py_ssize_t itemsize, int writable, void **at, P
     Py_buffer b;
     if (PyObject_GetBuffer(v, &b, PyBUF_C_CONTIGUOUS | (writable ? PyBUF_WRITABLE : 0)) < 0)
         return -1;
-    if (b.itemsize != itemsize) {
-        PyBuffer_Release(&b);
+    int r = b.itemsize == itemsize ? 0 : -1;
+    if (r == 0) {
+        *at = b.buf;
+        *n = b.len / itemsize;
+    } else {
         PyErr_Format(PyExc_TypeError, "expected an array of %zd-byte items", itemsize);
-        return -1;
     }
-    *at = b.buf;
-    *n = b.len / itemsize;
     PyBuffer_Release(&b);
-    return 0;
+    return r;
 }
 
 static int batch_set_slots(BatchBase *b, PyObject *v, void *closure)
@@ -2115,12 +2116,10 @@ static void batch_owned_discard(BatchBase *b)
         PyErr_Clear();
         return;
     }
-    if (own.itemsize != 1) { /* a bool array (new_owner): one byte per position */
-        PyBuffer_Release(&own);
-        return;
-    }
     const char *is_owner = own.buf;
-    for (Py_ssize_t i = 0; i < b->n && i < own.len && i < b->n_slot_at; i++) {
+    /* (a bool array, new_owner's: one byte per position; anything else is no owner array) */
+    Py_ssize_t n = own.itemsize == 1 ? own.len : 0;
+    for (Py_ssize_t i = 0; i < b->n && i < n && i < b->n_slot_at; i++) {
         if (!is_owner[i]) continue;
         PyObject *slot = PyLong_FromUnsignedLong(b->slot_at[i]);
         if (slot) owned_discard(b->owned, slot);
@@ -2616,8 +2615,10 @@ PyMODINIT_FUNC PyInit__hit(void)
         goto error;
     PyObject *fields = PyDict_New();
     if (!fields ||
-        add_fields(fields, "HandleBase", handle_fields, sizeof handle_fields / sizeof *handle_fields) < 0 ||
-        add_fields(fields, "BatchBase", batch_fields, sizeof batch_fields / sizeof *batch_fields) < 0 ||
+#define ROWS(t) t, sizeof t / sizeof *t
+        add_fields(fields, "HandleBase", ROWS(handle_fields)) < 0 ||
+        add_fields(fields, "BatchBase", ROWS(batch_fields)) < 0 ||
+#undef ROWS
         PyModule_AddObjectRef(m, "FIELDS", fields) < 0) {
         Py_XDECREF(fields);
         goto error;

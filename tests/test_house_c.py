@@ -58,7 +58,7 @@ def no_full_path(monkeypatch):
 
 
 def in_thread(fn):
-    """fn() in a thread; .result() joins it (bounded) and returns fn's value or raises its error."""
+    """fn() in a thread; .result() joins it (bounded), then returns fn's value or raises."""
     box = {}
 
     def run():
