@@ -101,11 +101,11 @@ def two(uuid):
 
 def join_at_the_look(c, kw):
     """A get_or_load of a key this process's owner handle holds Loading (another thread's
-    context): its look finds it Loading and joins; the owner publishes once the join is counted."""
+    context): its look finds it Loading and joins; the owner publishes once its wait began."""
     with c.get(K[3]) as owner:
         assert owner.owner
         waiter = in_thread(lambda: c.get_or_load(K[3], lambda: b"never", **kw))
-        until("the waiter's join", lambda: counters(c)["joins"] == 1, waiter)
+        until("the waiter's wait", lambda: counters(c)["waits"] == 1, waiter)  # (joined first)
         owner.data[:5] = b"value"
         owner.ready(5)
     return waiter.result()
@@ -137,7 +137,7 @@ def join_under_the_stripe(c, kw, gate):
         held.release()  # (on a failure too: the owner's step holds the stripe until then)
     with owner.result() as h:
         assert h.owner
-        until("the waiter's join under the stripe", lambda: counters(c)["joins"] == 1, waiter)
+        until("the waiter's wait", lambda: counters(c)["waits"] == 1, waiter)  # (joined first)
         h.data[:5] = b"strip"
         h.ready(5)
     return waiter.result()
@@ -149,7 +149,7 @@ def test_a_join_found_under_the_stripe_waits_with_the_slow_steps_pin(two, gate, 
     no_full_path(monkeypatch)                          # the C path: the slow step at once
     assert join_under_the_stripe(a, {}, gate) == b"strip"
     ca, cb = counters(a), counters(b)
-    assert ca == cb and ca["joins"] == 1 and ca["spins_exhausted"] == 1
+    assert ca == cb and ca["joins"] == 1 and ca["spins_exhausted"] == 1 and ca["waits"] == 1
     assert ucmcache.verify(a.uuid).ok
     a.close()  # refuses while a handle of ours is open; its pins went with the handle
 
