@@ -957,12 +957,13 @@ int64_t ucm_lookup_pin(ucm_ctx *c, const char *id, uint64_t offset, uint32_t spi
     int r = lookup_pin_one(c, key, (uint32_t)ucm_generation(c), spin_budget, &slot, &state);
     if (r == UCM_OK && ticket) inflight[rec].slot = slot;
     if (r == UCM_OK && state == UCM_READY) {
-        STAT(c, UCM_ST_FAST_HITS, 1); /* the hit path's one counter */
+        /* one counter: the hit path's, or a second look's */
+        STAT(c, outer == UCM_OUTER_INSIDE ? UCM_ST_HITS : UCM_ST_FAST_HITS, 1);
         return pin_answer(c, slot, state, 0);
     }
     if (outer == UCM_OUTER_HIT_ONLY)
         return r == UCM_OK ? pin_answer(c, slot, state, 0) : -(int64_t)r;
-    STAT(c, UCM_ST_GETS, 1);
+    if (outer == UCM_OUTER_REQUEST) STAT(c, UCM_ST_GETS, 1);
     if (r == UCM_BUSY) STAT(c, UCM_ST_SPINS_EXHAUSTED, 1);
     if (r != UCM_OK) return -(int64_t)r;
     STAT(c, UCM_ST_JOINS, 1);

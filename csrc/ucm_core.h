@@ -408,6 +408,10 @@ void ucm_observe(ucm_ctx *c, int32_t hist, uint64_t ns);
  * (the C hit path, the Python full path, the slow step) finishes it.  Requests are GETS +
  * FAST_HITS and hits HITS + FAST_HITS (see UCM_ST_GETS); the slow step (ucm_get_slow) counts
  * what it finds under the stripe but never the request, which its caller's look counted.
+ *   UCM_OUTER_INSIDE    a look inside a request its caller counts (as ucm_get_slow's look
+ *                       under the stripe counts; bench/floor.c's copy of the old slow path
+ *                       passes it): a Ready hit in HITS, a join in JOINS, a slot still claimed
+ *                       in SPINS_EXHAUSTED; never GETS.
  *   UCM_OUTER_REQUEST   the request's one look: a Ready hit in FAST_HITS; anything else in
  *                       GETS (the request: its caller goes on to the slow step without looking
  *                       again, or waits with the join's pin), a join also in JOINS, a slot
@@ -419,6 +423,7 @@ void ucm_observe(ucm_ctx *c, int32_t hist, uint64_t ns);
  * ucm_read_many, which elects nobody, counts each key as a request: a Ready copy in
  * FAST_HITS, anything else in GETS. */
 typedef enum {
+    UCM_OUTER_INSIDE = 0,
     UCM_OUTER_REQUEST = 1,
     UCM_OUTER_HIT_ONLY = 2
 } ucm_outer;
