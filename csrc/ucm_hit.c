@@ -123,12 +123,24 @@ typedef struct {
 } CacheBase;
 
 /* The re-check after a reentrancy point (see the top of this file): `now` is the cache as the
- * caller may use it now (c itself, or handle_usable / batch_usable of the holder: NULL once the
+ * caller may use it now (c itself, or still_open / batch_usable of the holder: NULL once the
  * holder closed), `was` the context it read before.  True: the code that ran closed the cache
  * or the holder (or the cache forked), whose close removed this process's holds through that
  * context, so nothing may be done through it any more (the full path says why).  `now` is
  * read twice: pass a plain read. */
 #define CLOSED_MEANWHILE(now, was) ((now) == NULL || (now)->ctx != (was))
+
+/* A _closed field: open is exactly False (NULL, a deleted field, counts as closed; Python
+ * stores only the literals True and False). */
+#define IS_OPEN(o) ((o) == Py_False)
+
+/* c, the cache a holder (a handle, a batch) was found usable with, while the holder is still
+ * open (its _closed field `closed`), else NULL: CLOSED_MEANWHILE's `now` for a holder, whose
+ * cache and arrays do not change while it is open. */
+static inline CacheBase *still_open(PyObject *closed, CacheBase *c)
+{
+    return IS_OPEN(closed) ? c : NULL;
+}
 
 /* _open_handles += d from C (small ints are cached: no allocation in practice). */
 static void add_open(CacheBase *c, Py_ssize_t d)
@@ -518,8 +530,6 @@ static Py_ssize_t out_rows(PyObject *out, Py_ssize_t n, Py_buffer *ob)
 
 /* A field the Python code may have stored None in. */
 #define HAS(o) ((o) != NULL && (o) != Py_None)
-/* A _closed field: open is exactly False (NULL, a deleted field, counts as closed). */
-#define IS_OPEN(o) ((o) == Py_False) /* (Python stores only the literals True and False) */
 #define SET_FLAG(field, v) Py_XSETREF(field, Py_NewRef((v) ? Py_True : Py_False))
 
 /* A handle's or batch's _cache as the C paths may use it: a SlotCache, else NULL. */
@@ -1814,9 +1824,9 @@ static PyObject *handle_view(HandleBase *h, CacheBase *c)
         views = Py_NewRef(h->views);
         n = c->value_max;
     }
-    if (CLOSED_MEANWHILE(handle_usable(h), ctx)) goto done;
+    if (CLOSED_MEANWHILE(still_open(h->closed, c), ctx)) goto done;
     if (!(v = slot_view(c, ctx, (uint32_t)slot, (Py_ssize_t)n, writable))) goto done;
-    if (CLOSED_MEANWHILE(handle_usable(h), ctx)) { /* not ours to give: the full path says */
+    if (CLOSED_MEANWHILE(still_open(h->closed, c), ctx)) { /* not ours to give: the full path */
         Py_CLEAR(v);
         goto done;
     }
@@ -2222,16 +2232,16 @@ static PyObject *batch_view(BatchBase *b, CacheBase *c, Py_ssize_t i)
         Py_XSETREF(b->views, fresh);
     }
     views = Py_NewRef(b->views);
-    if (CLOSED_MEANWHILE(batch_usable(b), ctx)) goto done;
+    if (CLOSED_MEANWHILE(still_open(b->closed, c), ctx)) goto done;
     if (!HAS(b->region)) {
         PyObject *made = batch_region_view(c, ctx, b->slot_at, (uint32_t)b->n);
         if (!made) goto done; /* an exception, or none: no longer pinned (the full path) */
         Py_XSETREF(b->region, made);
-        if (CLOSED_MEANWHILE(batch_usable(b), ctx)) goto done;
+        if (CLOSED_MEANWHILE(still_open(b->closed, c), ctx)) goto done;
     }
     region = Py_NewRef(b->region);
     v = narrow_view(region, (Py_ssize_t)b->slot_at[i] * c->stride, (Py_ssize_t)b->len_at[i]);
-    if (v && (CLOSED_MEANWHILE(batch_usable(b), ctx) || b->views != views))
+    if (v && (CLOSED_MEANWHILE(still_open(b->closed, c), ctx) || b->views != views))
         Py_CLEAR(v); /* making it ran a finalizer that closed b: not ours to give */
     if (v) PyList_SetItem(b->views, i, Py_NewRef(v)); /* (steals; drops the None) */
 done:
