@@ -946,14 +946,10 @@ char *ucm_slot_data(ucm_ctx *c, uint32_t s)
 }
 
 int64_t ucm_lookup_pin(ucm_ctx *c, const char *id, uint64_t offset, uint32_t spin_budget,
-                       int32_t outer, uint64_t ticket)
+                       ucm_outer outer, uint64_t ticket)
 {
     /* One call for the whole read step; the answer is a pin answer (UCM_PIN_*), or -code, so the
-     * Python hit path allocates nothing.  `outer`: 1 counts it as an outer request (the fast
-     * path does; the slow path's second look, 0, does not); 2 counts only a hit (a first try
-     * whose caller takes the full path, and counts it there, on anything else); 3 counts a hit,
-     * or a miss as an outer request (ucmcache/_hit: a miss goes to the slow path directly), and
-     * nothing else (a join or a claimed slot: the full path looks again and counts it). */
+     * Python hit path allocates nothing.  What it counts is `outer`'s contract (ucm_outer). */
     uint64_t key[3];
     uint32_t slot = 0, state = 0;
     uint32_t rec = ticket ? inflight_open(c, ticket) : 0;
@@ -961,12 +957,13 @@ int64_t ucm_lookup_pin(ucm_ctx *c, const char *id, uint64_t offset, uint32_t spi
     int r = lookup_pin_one(c, key, (uint32_t)ucm_generation(c), spin_budget, &slot, &state);
     if (r == UCM_OK && ticket) inflight[rec].slot = slot;
     if (r == UCM_OK && state == UCM_READY) {
-        STAT(c, outer ? UCM_ST_FAST_HITS : UCM_ST_HITS, 1); /* the hit path's one counter */
+        /* one counter: the hit path's, or a second look's */
+        STAT(c, outer == UCM_OUTER_INSIDE ? UCM_ST_HITS : UCM_ST_FAST_HITS, 1);
         return pin_answer(c, slot, state, 0);
     }
-    if (outer == 3 && r == UCM_MISS) STAT(c, UCM_ST_GETS, 1);
-    if (outer >= 2) return r == UCM_OK ? pin_answer(c, slot, state, 0) : -(int64_t)r;
-    if (outer) STAT(c, UCM_ST_GETS, 1);
+    if (outer == UCM_OUTER_HIT_ONLY)
+        return r == UCM_OK ? pin_answer(c, slot, state, 0) : -(int64_t)r;
+    if (outer == UCM_OUTER_REQUEST) STAT(c, UCM_ST_GETS, 1);
     if (r == UCM_BUSY) STAT(c, UCM_ST_SPINS_EXHAUSTED, 1);
     if (r != UCM_OK) return -(int64_t)r;
     STAT(c, UCM_ST_JOINS, 1);
@@ -977,8 +974,9 @@ int ucm_pin_all_ready(ucm_ctx *c, const char *ids, const uint64_t *offsets, uint
                       uint32_t spin_budget, uint32_t *slots_out, int64_t *lens_out)
 {
     /* The batch hit path (ucmcache/_hit): every key pinned and Ready, or nothing pinned and
-     * nothing counted (UCM_MISS, or UCM_CORRUPT), so the caller can take the full path and be
-     * counted there.  offsets NULL: every offset 0. */
+     * nothing counted (UCM_MISS, or UCM_CORRUPT): UCM_OUTER_HIT_ONLY's contract for the whole
+     * batch, so the caller can take the full path and be counted there.  offsets NULL: every
+     * offset 0. */
     uint32_t gen = (uint32_t)ucm_generation(c);
     for (uint32_t i = 0; i < n; i++) {
         uint64_t key[3];
@@ -1002,8 +1000,9 @@ int ucm_lookup_pin_many(ucm_ctx *c, const char *ids, const uint64_t *offsets, ui
                         uint32_t spin_budget, uint32_t *slots_out, uint8_t *states_out,
                         uint8_t *codes_out, int64_t *lens_out)
 {
-    /* The batch form: the same step for each key; a position that is not OK holds no pin and
-     * its slot is UCM_NIL, so ucm_release_many can take the array as it is. */
+    /* The batch form: the same step for each key, counted as UCM_OUTER_REQUEST counts it; a
+     * position that is not OK holds no pin and its slot is UCM_NIL, so ucm_release_many can
+     * take the array as it is. */
     uint32_t gen = (uint32_t)ucm_generation(c);
     uint64_t hits = 0, joins = 0, busy = 0;
     int worst = UCM_OK;

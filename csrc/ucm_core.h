@@ -405,8 +405,32 @@ uint64_t ucm_generation(ucm_ctx *c);
 void ucm_stat_add(ucm_ctx *c, int32_t counter, uint64_t n);
 void ucm_observe(ucm_ctx *c, int32_t hist, uint64_t ns);
 
+/* The counting contract of a look: what ucm_lookup_pin counts, by its `outer`, so that every
+ * public request is counted once as a request and each of its outcomes once, whichever path
+ * (the C hit path, the Python full path, the slow step) finishes it.  Requests are GETS +
+ * FAST_HITS and hits HITS + FAST_HITS (see UCM_ST_GETS); the slow step (ucm_get_slow) counts
+ * what it finds under the stripe but never the request, which its caller's look counted.
+ *   UCM_OUTER_INSIDE    a look inside a request its caller counts (as ucm_get_slow's look
+ *                       under the stripe counts; bench/floor.c's copy of the old slow path
+ *                       passes it): a Ready hit in HITS, a join in JOINS, a slot still claimed
+ *                       in SPINS_EXHAUSTED; never GETS.
+ *   UCM_OUTER_REQUEST   the request's one look: a Ready hit in FAST_HITS; anything else in
+ *                       GETS (the request: its caller goes on to the slow step without looking
+ *                       again, or waits with the join's pin), a join also in JOINS, a slot
+ *                       still claimed when the spin budget ran out also in SPINS_EXHAUSTED.
+ *                       ucm_lookup_pin_many counts each key of a batch so.
+ *   UCM_OUTER_HIT_ONLY  a first try whose caller takes the full path on anything but a hit,
+ *                       which counts the request there: a Ready hit in FAST_HITS, nothing
+ *                       else.  ucm_pin_all_ready counts a batch so (all Ready, or nothing).
+ * ucm_read_many, which elects nobody, counts each key as a request: a Ready copy in
+ * FAST_HITS, anything else in GETS. */
+typedef enum {
+    UCM_OUTER_INSIDE = 0,
+    UCM_OUTER_REQUEST = 1,
+    UCM_OUTER_HIT_ONLY = 2
+} ucm_outer;
 int64_t ucm_lookup_pin(ucm_ctx *c, const char *id, uint64_t offset, uint32_t spin_budget,
-                       int32_t outer, uint64_t ticket);
+                       ucm_outer outer, uint64_t ticket);
 int ucm_lookup_pin_many(ucm_ctx *c, const char *ids, const uint64_t *offsets, uint32_t n,
                         uint32_t spin_budget, uint32_t *slots_out, uint8_t *states_out,
                         uint8_t *codes_out, int64_t *lens_out);

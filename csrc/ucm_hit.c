@@ -15,7 +15,15 @@
  * Finalizers: an allocation may start a collection that runs them.  A batch allocates all
  * it needs before it pins and reads its ids and the context after; a single get pins first
  * (a miss allocates nothing) and checks the context after allocating its handle (see
- * hit_handle).  An exception a finalizer raises is reported and dropped, never ours.
+ * pinned_handle).  An exception a finalizer raises is reported and dropped, never ours.
+ *
+ * The reentrancy points, where Python code can run inside this module's C code: an allocation
+ * of an object the collector tracks (its collection runs finalizers, which may close a handle,
+ * a batch or the cache), a call of a Python object (the full path, a loader, a test hook,
+ * _after_drop, the numpy constructors) and a reference dropped that may be the last one of
+ * such an object (a view's).  After each, before a context read earlier is used again, the
+ * code re-checks with CLOSED_MEANWHILE.  Every function funnels its exits into one cleanup
+ * label that releases what it took, so no exit releases by hand.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -79,7 +87,7 @@ static int64_t liveness_ns;      /* _single_flight.LIVENESS_NS, _segment.LIFE_LO
 static uint64_t life_byte0;
 
 static PyObject *s_get_full, *s_hit_bytes_full, *s_get_or_load_full, *s_read_many_full,
-    *s_read_checked, *s_data_slow, *s_exit_slow, *s_close, *s_release, *s_timeout,
+    *s_data_slow, *s_exit_slow, *s_close, *s_release, *s_timeout,
     *s_get_many_full, *s_gather_full, *s_close_with, *s_get_or_load_missed,
     *s_aget_or_load_full, *s_aget_or_load_missed, *s_get_missed, *s_after_drop, *s_tier,
     *s_copy, *s_get_or_load_cold, *s_get_or_load_joined, *s_check_usable, *s_inside_loader,
@@ -113,6 +121,26 @@ typedef struct {
                                * until the child has copied them (_fork_hold): the context is
                                * not taken away meanwhile (cache_detach) */
 } CacheBase;
+
+/* The re-check after a reentrancy point (see the top of this file): `now` is the cache as the
+ * caller may use it now (c itself, or still_open / batch_usable of the holder: NULL once the
+ * holder closed), `was` the context it read before.  True: the code that ran closed the cache
+ * or the holder (or the cache forked), whose close removed this process's holds through that
+ * context, so nothing may be done through it any more (the full path says why).  `now` is
+ * read twice: pass a plain read. */
+#define CLOSED_MEANWHILE(now, was) ((now) == NULL || (now)->ctx != (was))
+
+/* A _closed field: open is exactly False (NULL, a deleted field, counts as closed; Python
+ * stores only the literals True and False). */
+#define IS_OPEN(o) ((o) == Py_False)
+
+/* c, the cache a holder (a handle, a batch) was found usable with, while the holder is still
+ * open (its _closed field `closed`), else NULL: CLOSED_MEANWHILE's `now` for a holder, whose
+ * cache and arrays do not change while it is open. */
+static inline CacheBase *still_open(PyObject *closed, CacheBase *c)
+{
+    return IS_OPEN(closed) ? c : NULL;
+}
 
 /* _open_handles += d from C (small ints are cached: no allocation in practice). */
 static void add_open(CacheBase *c, Py_ssize_t d)
@@ -165,13 +193,11 @@ static int cache_set_ctx(CacheBase *c, PyObject *v, void *closure)
 }
 
 /* One lookup-and-pin step of the fast path on ctx (the caller read it from c with nothing
- * able to run Python after); `outer` as ucm_lookup_pin's (2: counts only a hit, so a caller
- * that goes on to the full path is counted there; 3: a miss too, for get, whose miss goes to
- * the slow path without looking again).  The GIL is kept (a lookup is tens of ns)
- * unless a test point was ever set on this context: a gate then holds this thread, and the
- * other threads of the process must be able to run.  If one of them closed the cache
- * meanwhile, its close recovered our rank's holds: the answer is "not held". */
-static inline int64_t lookup(CacheBase *c, ucm_ctx *ctx, const char *id, int32_t outer)
+ * able to run Python after), counted as `outer` says (ucm_outer in ucm_core.h).  The GIL is
+ * kept (a lookup is tens of ns) unless a test point was ever set on this context: a gate then
+ * holds this thread, and the other threads of the process must be able to run (close() waits
+ * for the call: WITHOUT_GIL). */
+static inline int64_t lookup(CacheBase *c, ucm_ctx *ctx, const char *id, ucm_outer outer)
 {
     if (__builtin_expect(core.ctx_points_set(ctx), 0)) {
         int64_t r;
@@ -181,8 +207,8 @@ static inline int64_t lookup(CacheBase *c, ucm_ctx *ctx, const char *id, int32_t
     return core.lookup_pin(ctx, id, 0, C_SPIN, outer, 0);
 }
 
-/* Drop one pin; with test points set, the GIL released (a thread held at a gate may hold the
- * process-local lock of this slot's group). */
+/* Drop one pin, or one hold on each of n slots; with test points set, the GIL released (a
+ * thread held at a gate may hold the process-local lock of a slot's group). */
 static inline void release_pin(CacheBase *c, ucm_ctx *ctx, uint32_t slot)
 {
     if (__builtin_expect(core.ctx_points_set(ctx), 0)) {
@@ -190,6 +216,15 @@ static inline void release_pin(CacheBase *c, ucm_ctx *ctx, uint32_t slot)
         return;
     }
     core.release(ctx, slot);
+}
+
+static inline void release_pins(CacheBase *c, ucm_ctx *ctx, const uint32_t *slots, uint32_t n)
+{
+    if (__builtin_expect(core.ctx_points_set(ctx), 0)) {
+        WITHOUT_GIL(c, core.release_many(ctx, slots, n));
+        return;
+    }
+    core.release_many(ctx, slots, n);
 }
 
 static inline int plain_id(PyObject *key)
@@ -253,18 +288,10 @@ static void slot_buffer_drop(SlotBuffer *e)
     e->held = 0;
     CacheBase *c = e->cache;
     c->exports--;
-    /* A cache whose context is gone (a forked child's: None) holds nothing through it. */
-    if (c->ctx && c->ctx == e->ctx) {
-        if (e->n == 1 && e->slots == &e->slot) {
-            release_pin(c, e->ctx, e->slot);
-        } else if (__builtin_expect(core.ctx_points_set(e->ctx), 0)) {
-            uint32_t *slots = e->slots, n = e->n;
-            ucm_ctx *ctx = e->ctx;
-            WITHOUT_GIL(c, core.release_many(ctx, slots, n)); /* as release_pin */
-        } else {
-            core.release_many(e->ctx, e->slots, e->n);
-        }
-    }
+    /* A cache whose context is gone (closed, a forked child's: None) holds nothing through it. */
+    if (CLOSED_MEANWHILE(c, e->ctx)) return;
+    if (e->slots == &e->slot) release_pin(c, e->ctx, e->slot);
+    else release_pins(c, e->ctx, e->slots, e->n);
 }
 
 static int slot_buffer_getbuf(SlotBuffer *e, Py_buffer *view, int flags)
@@ -325,6 +352,45 @@ static PyTypeObject SlotBuffer_Type = {
     .tp_as_buffer = &slot_buffer_as_buffer,
 };
 
+/* A new SlotBuffer that holds nothing (Py_DECREF frees it), not tracked yet: its maker sets
+ * its fields and hands it to slot_buffer_view. */
+static SlotBuffer *slot_buffer_new(void)
+{
+    SlotBuffer *e = PyObject_GC_New(SlotBuffer, &SlotBuffer_Type);
+    if (!e) return NULL;
+    e->cache = NULL;
+    e->ctx = NULL;
+    e->buf = NULL;
+    e->len = 0;
+    e->slot = UCM_NIL;
+    e->slots = &e->slot;
+    e->n = 0;
+    e->readonly = 1;
+    e->held = 0;
+    e->exports = 0;
+    return e;
+}
+
+/* The rest of a view's making, once e's fields are set (its cache, context, bytes and slots):
+ * tracked, its holds taken (one more on each of its slots: ucm_pin_again, the process-local
+ * count, no shared word), then the memoryview that exports it.  Steals e: the view's managed
+ * buffer holds it, or, with no view, it drops its holds as it goes.  NULL with no exception:
+ * this process no longer pins those slots (the caller's full path says why). */
+static PyObject *slot_buffer_view(SlotBuffer *e)
+{
+    PyObject *view = NULL;
+    PyObject_GC_Track(e); /* every field set: the collector may look at it from here */
+    int r = e->slots == &e->slot ? core.pin_again(e->ctx, e->slot)
+                                 : core.pin_again_many(e->ctx, e->slots, e->n);
+    if (r == UCM_OK) {
+        e->held = 1;
+        e->cache->exports++;
+        view = PyMemoryView_FromObject((PyObject *)e);
+    }
+    Py_DECREF(e);
+    return view;
+}
+
 /* A memoryview of the first n bytes of slot, which this process pins (the caller holds a pin
  * on ctx), writable or not, holding a hold of its own (SlotBuffer).  NULL with no exception
  * when this process holds no pin on the slot any more (an allocation's finalizer closed the
@@ -334,42 +400,25 @@ static PyObject *slot_view(CacheBase *c, ucm_ctx *ctx, uint32_t slot, Py_ssize_t
 {
     /* The allocation first: it may run a collection, whose finalizers may close the holder or
      * the cache (freeing ctx); ctx is used only once it is known to be the cache's still. */
-    SlotBuffer *e = PyObject_GC_New(SlotBuffer, &SlotBuffer_Type);
-    if (!e) return NULL;
-    e->cache = NULL;
-    e->slots = &e->slot;
-    e->held = 0;
-    if (c->ctx != ctx) {
-        PyObject_GC_Del(e); /* never tracked, holds nothing */
-        return NULL;
-    }
-    char *p = core.slot_data(ctx, slot);
-    if (!p || n < 0 || n > c->stride) {
-        PyObject_GC_Del(e);
+    SlotBuffer *e = slot_buffer_new();
+    char *p = NULL;
+    if (!e || CLOSED_MEANWHILE(c, ctx)) goto error;
+    if (!(p = core.slot_data(ctx, slot)) || n < 0 || n > c->stride) {
         PyErr_Format(PyExc_ValueError, "slot %u's payload of %zd bytes lies outside the mapping",
                      slot, n);
-        return NULL;
+        goto error;
     }
     e->cache = (CacheBase *)Py_NewRef(c);
     e->ctx = ctx;
     e->buf = p;
     e->len = n;
     e->slot = slot;
-    e->slots = &e->slot;
     e->n = 1;
     e->readonly = !writable;
-    e->exports = 0;
-    e->held = 0;
-    PyObject_GC_Track(e); /* every field set: the collector may look at it from here */
-    if (core.pin_again(ctx, slot) != UCM_OK) {
-        Py_DECREF(e);
-        return NULL;
-    }
-    e->held = 1;
-    c->exports++;
-    PyObject *v = PyMemoryView_FromObject((PyObject *)e);
-    Py_DECREF(e); /* the view's managed buffer holds it (or, on failure, it drops its hold) */
-    return v;
+    return slot_buffer_view(e);
+error:
+    Py_XDECREF(e);
+    return NULL;
 }
 
 /* A batch's read-only views share one SlotBuffer (one allocation and one pin step per batch,
@@ -381,54 +430,29 @@ static PyObject *slot_view(CacheBase *c, ucm_ctx *ctx, uint32_t slot, Py_ssize_t
 static PyObject *batch_region_view(CacheBase *c, ucm_ctx *ctx, const uint32_t *slots,
                                    uint32_t n)
 {
+    SlotBuffer *e = NULL;
+    uint32_t *copy = PyMem_Malloc(sizeof(uint32_t) * (n ? n : 1));
+    if (!copy) return PyErr_NoMemory();
+    memcpy(copy, slots, sizeof(uint32_t) * n); /* before the allocation: slots may be freed */
+    /* As slot_view: the allocation may have run finalizers that closed the batch or cache. */
+    if (!(e = slot_buffer_new()) || CLOSED_MEANWHILE(c, ctx)) goto error;
     Py_buffer *ro = c->ro ? PyMemoryView_GET_BUFFER(c->ro) : NULL;
     char *p = core.slot_data(ctx, 0);
     if (!ro || !p || ro->len < c->data_off) {
         PyErr_SetString(PyExc_ValueError, "the cache's mapping has no data region");
-        return NULL;
-    }
-    uint32_t *copy = PyMem_Malloc(sizeof(uint32_t) * (n ? n : 1));
-    if (!copy) return PyErr_NoMemory();
-    memcpy(copy, slots, sizeof(uint32_t) * n); /* before the allocation: slots may be freed */
-    SlotBuffer *e = PyObject_GC_New(SlotBuffer, &SlotBuffer_Type);
-    if (!e) {
-        PyMem_Free(copy);
-        return NULL;
-    }
-    /* As slot_view: the allocation may have run finalizers that closed the batch or cache. */
-    if (c->ctx != ctx || !c->ro) {
-        PyObject_GC_Del(e);
-        PyMem_Free(copy);
-        return NULL;
-    }
-    ro = PyMemoryView_GET_BUFFER(c->ro);
-    p = core.slot_data(ctx, 0);
-    if (!p || ro->len < c->data_off) {
-        PyObject_GC_Del(e);
-        PyMem_Free(copy);
-        PyErr_SetString(PyExc_ValueError, "the cache's mapping has no data region");
-        return NULL;
+        goto error;
     }
     e->cache = (CacheBase *)Py_NewRef(c);
     e->ctx = ctx;
     e->buf = p;
     e->len = ro->len - c->data_off;
-    e->slot = UCM_NIL;
-    e->slots = copy;
+    e->slots = copy; /* e's now: freed with it */
     e->n = n;
-    e->readonly = 1;
-    e->exports = 0;
-    e->held = 0;
-    PyObject_GC_Track(e);
-    if (core.pin_again_many(ctx, copy, n) != UCM_OK) {
-        Py_DECREF(e);
-        return NULL;
-    }
-    e->held = 1;
-    c->exports++;
-    PyObject *v = PyMemoryView_FromObject((PyObject *)e);
-    Py_DECREF(e);
-    return v;
+    return slot_buffer_view(e);
+error:
+    PyMem_Free(copy);
+    Py_XDECREF(e);
+    return NULL;
 }
 
 /* A view of n bytes at offset off of base (a 1-D read-only byte view), registered on base's
@@ -493,22 +517,19 @@ static Py_ssize_t out_rows(PyObject *out, Py_ssize_t n, Py_buffer *ob)
         PyErr_Clear();
         return -2;
     }
-    if (!plain_format(ob->format)) {
+    Py_ssize_t row = -1;
+    if (!plain_format(ob->format))
         PyErr_Format(PyExc_TypeError, "out's items have format '%s': only plain numbers or "
                      "bytes can receive payload bytes (not Python objects or pointers)",
                      ob->format);
-        PyBuffer_Release(ob);
-        return -1;
-    }
-    Py_ssize_t row = row_size(ob->len, ob->ndim, ob->ndim >= 1 ? ob->shape[0] : 1, n);
-    if (row < 0) PyBuffer_Release(ob);
+    else
+        row = row_size(ob->len, ob->ndim, ob->ndim >= 1 ? ob->shape[0] : 1, n);
+    if (row < 0) PyBuffer_Release(ob); /* refused: the caller gets no buffer to release */
     return row;
 }
 
 /* A field the Python code may have stored None in. */
 #define HAS(o) ((o) != NULL && (o) != Py_None)
-/* A _closed field: open is exactly False (NULL, a deleted field, counts as closed). */
-#define IS_OPEN(o) ((o) == Py_False) /* (Python stores only the literals True and False) */
 #define SET_FLAG(field, v) Py_XSETREF(field, Py_NewRef((v) ? Py_True : Py_False))
 
 /* A handle's or batch's _cache as the C paths may use it: a SlotCache, else NULL. */
@@ -517,96 +538,130 @@ static inline CacheBase *cache_of(PyObject *o)
     return o && PyObject_TypeCheck(o, &CacheBase_Type) ? (CacheBase *)o : NULL;
 }
 
-typedef struct HandleBase HandleBase;
-static PyTypeObject HandleBase_Type;
+/* The fields of HandleBase and BatchBase, declared once each, as a table F(name, init, access,
+ * doc) of the objects they hold (HANDLE_FIELDS, BATCH_FIELDS).  From a table come the struct's
+ * `PyObject *name`, its value in a new, inert object (init: NONE, TRUE, FALSE, ZERO, MINUS1,
+ * or UNSET: NULL), traverse and clear, the member `_name` when access is MEMBER (T_OBJECT_EX:
+ * the Python layer reads and writes it; GETSET: a getset reads and writes it, keeping C's view
+ * of it; C: no Python name), and the rows of _hit.FIELDS, against which tests/test_layout.py
+ * checks ucmcache/_hit.pyi.  The expansions name the object `o`.  The fields that follow a
+ * table in its struct are the C paths' own (a weakref list, a token, C views of the arrays):
+ * none holds a strong reference to traverse or clear, none is a member. */
+#define FIELD_DECL(name, init, access, doc) PyObject *name;
+#define FIELD_INIT(name, init, access, doc) FIELD_INIT_##init(o->name);
+#define FIELD_INIT_NONE(f) f = Py_NewRef(Py_None)
+#define FIELD_INIT_TRUE(f) f = Py_NewRef(Py_True)
+#define FIELD_INIT_FALSE(f) f = Py_NewRef(Py_False)
+#define FIELD_INIT_ZERO(f) f = PyLong_FromLong(0)
+#define FIELD_INIT_MINUS1(f) f = PyLong_FromLong(-1)
+#define FIELD_INIT_UNSET(f) (void)0
+#define FIELD_VISIT(name, init, access, doc) Py_VISIT(o->name);
+#define FIELD_CLEAR(name, init, access, doc) Py_CLEAR(o->name);
+#define FIELD_MEMBER(name, init, access, doc) FIELD_MEMBER_##access(name, doc)
+#define FIELD_MEMBER_MEMBER(name, doc) {"_" #name, T_OBJECT_EX, offsetof(FIELDS_OF, name), 0, doc},
+#define FIELD_MEMBER_GETSET(name, doc)
+#define FIELD_MEMBER_C(name, doc)
+#define FIELD_ROW(name, init, access, doc) {"_" #name, #access},
+
+typedef struct {
+    const char *name, *access;
+} field_row;
 
 /* Every field is an object (see CacheBase.open_handles): the full path in Python reads and
  * writes them all. */
+#define HANDLE_FIELDS(F) \
+    F(cache, NONE, MEMBER, "Its SlotCache (cache_of).") \
+    F(token, NONE, MEMBER, "A slow-path pin's token (cffi's ucm_token *): None for a fast-path " \
+      "pin, or one that ctok holds.") \
+    F(timeout, NONE, MEMBER, "The get's timeout: wait()'s default.") \
+    F(views, NONE, MEMBER, "An owner's writable views while it loads (released at its end).") \
+    F(owned, NONE, MEMBER, "An owner's owned-slot set, of the context that became owner.") \
+    F(view, NONE, MEMBER, "The payload's read-only view, made once.") \
+    F(t0, NONE, MEMBER, "An owner's load start (monotonic ns): the load histogram's.") \
+    F(nbytes, MINUS1, MEMBER, "A Ready slot's length when pinned, -1 until known.") \
+    F(slot, ZERO, MEMBER, "The slot pinned.") \
+    F(closed, TRUE, MEMBER, "True: the pin is dropped (or not taken yet: an inert handle).") \
+    F(owner, FALSE, MEMBER, "True: this caller must publish the slot (ready() or fail()).") \
+    F(published, FALSE, MEMBER, "An owner's ready() or fail() went through.") \
+    F(serial, ZERO, MEMBER, "An owner's load serial (ucm_load_serial; 0 otherwise): what its " \
+      "full-path ready()/fail() name (ucm_publish, ucm_fail_load).")
+
+typedef struct HandleBase HandleBase;
+static PyTypeObject HandleBase_Type;
+
 struct HandleBase {
     PyObject_HEAD
-    PyObject *cache;    /* _cache: its SlotCache (cache_of) */
-    PyObject *token;    /* _token: a slow-path pin's token (None: a fast-path pin) */
-    PyObject *timeout;  /* _timeout, _views, _owned, _view, _t0: see ucmcache/_handle.py */
-    PyObject *views;
-    PyObject *owned;
-    PyObject *view;
-    PyObject *t0;
-    PyObject *nbytes;   /* _nbytes: a Ready slot's length when pinned, -1 until known */
-    PyObject *slot;     /* _slot */
-    PyObject *closed;   /* _closed, _owner, _published: bools */
-    PyObject *owner;
-    PyObject *published;
-    PyObject *serial;   /* _serial: an owner's load serial (ucm_load_serial; 0 otherwise): what
-                         * its full-path ready()/fail() name (ucm_publish, ucm_fail_load) */
+    HANDLE_FIELDS(FIELD_DECL)
     PyObject *weakreflist;
-    ucm_token ctok;     /* the pin of a get's cold key taken in C (cold_handle): the C twin of
-                         * _token (zeroed by tp_alloc: unarmed), dropped by handle_drop, by
-                         * dealloc if still armed ("collected without ready()") */
+    ucm_token ctok;     /* the pin of a get's cold key taken in C (cold_handle, or a join's
+                         * token moved in: pinned_handle): the C twin of token (zeroed by
+                         * tp_alloc: unarmed), dropped by handle_drop, by dealloc if still
+                         * armed ("collected without ready()") */
 };
 
 /* A new handle's fields: inert (closed), no cache, no owner.  No allocation (None, bools and
  * small ints are shared). */
-static void handle_init(HandleBase *h)
+static void handle_init(HandleBase *o) { HANDLE_FIELDS(FIELD_INIT) }
+
+/* The handle's cache when it is open and the cache attached, else NULL. */
+static inline CacheBase *handle_usable(HandleBase *h)
 {
-    h->cache = Py_NewRef(Py_None);
-    h->token = Py_NewRef(Py_None);
-    h->timeout = Py_NewRef(Py_None);
-    h->views = Py_NewRef(Py_None);
-    h->owned = Py_NewRef(Py_None);
-    h->view = Py_NewRef(Py_None);
-    h->t0 = Py_NewRef(Py_None);
-    h->nbytes = PyLong_FromLong(-1);
-    h->slot = PyLong_FromLong(0);
-    h->closed = Py_NewRef(Py_True);
-    h->owner = Py_NewRef(Py_False);
-    h->published = Py_NewRef(Py_False);
-    h->serial = PyLong_FromLong(0);
+    CacheBase *c = cache_of(h->cache);
+    return IS_OPEN(h->closed) && c && c->ctx ? c : NULL;
 }
 
-/* A hit: a new open Handle over the pinned Ready slot, or NULL with no exception set for
- * anything else (no pin kept, nothing counted), or NULL with an exception.
- *
- * The lookup comes first, so a miss (most of a churning workload) allocates nothing.  The
- * handle is allocated while we hold the pin: no signal handler can raise there (it would run,
- * if at all, inside a finalizer the allocation's collection runs, where its exception is
- * reported and dropped), and a finalizer that closed the cache meanwhile shows as a changed
- * context (that close's recovery removed our holds: not a hit, the full path says closed). */
-static PyObject *hit_handle(CacheBase *c, PyObject *key, int *missed)
+/* A Handle over the pin of answer r, taken through ctx by the caller, not an owner's: Ready
+ * (its length, from the answer) or Loading (a join: nbytes -1, the caller waits).  Until here
+ * the caller's C frame owns the pin: in `tok`, a token of the frame, which moves into the
+ * handle's ctok (so the handle's drop is the token's: ucm_token_drop), or plain (NULL: the
+ * handle's drop is ucm_release).  The handle is allocated while the frame holds the pin: no
+ * signal handler can raise there (it would run, if at all, inside a finalizer the allocation's
+ * collection runs, where its exception is reported and dropped), and a finalizer that closed
+ * the cache meanwhile shows as a changed context (that close's recovery removed our holds).
+ * The pin becomes the handle's in plain stores, with no Python code between: its bit stays set
+ * and the local count unchanged throughout (I1).  If the handle cannot be made, the pin is
+ * dropped here.  NULL with no exception: the cache was closed meanwhile. */
+static PyObject *pinned_handle(CacheBase *c, ucm_ctx *ctx, int64_t r, ucm_token *tok)
 {
-    ucm_ctx *ctx = c->ctx;
-    if (!ctx) return NULL;
-    int64_t r = lookup(c, ctx, PyBytes_AS_STRING(key), 3);
-    if (r < 0) {
-        *missed = r == -(int64_t)UCM_MISS; /* counted: the slow path directly */
-        return NULL;
-    }
     uint32_t slot = UCM_PIN_SLOT(r);
-    if (!(r & UCM_PIN_READY)) {
-        release_pin(c, ctx, slot); /* a join: the full path pins it again and counts it */
-        return NULL;
-    }
+    PyObject *slot_o = NULL, *len_o = NULL;
     HandleBase *h = (HandleBase *)handle_type->tp_alloc(handle_type, 0);
     if (h) handle_init(h); /* inert until the pin is its own */
-    if (c->ctx != ctx) {
-        Py_XDECREF(h);
-        return NULL;
-    }
     /* Ints are not tracked by the collector: making them runs no Python code. */
-    PyObject *slot_o = h ? PyLong_FromUnsignedLong(slot) : NULL;
-    PyObject *len_o = slot_o ? PyLong_FromUnsignedLong(UCM_PIN_LEN(r)) : NULL;
-    if (!len_o) {
-        Py_XDECREF(slot_o);
-        Py_XDECREF(h);
-        release_pin(c, ctx, slot);
-        return NULL;
+    if (!h || CLOSED_MEANWHILE(c, ctx) || !(slot_o = PyLong_FromUnsignedLong(slot)) ||
+        !(len_o = PyLong_FromLongLong(r & UCM_PIN_READY ? (long long)UCM_PIN_LEN(r) : -1)))
+        goto error;
+    if (tok) {
+        h->ctok = *tok; /* the token moves: its pin and its context reference with it */
+        tok->armed = 0;
     }
-    /* The pin becomes the handle's in plain stores. */
     Py_SETREF(h->cache, Py_NewRef(c));
     Py_SETREF(h->slot, slot_o);
     Py_SETREF(h->nbytes, len_o);
     SET_FLAG(h->closed, 0);
     add_open(c, 1);
     return (PyObject *)h;
+error:
+    Py_XDECREF(slot_o);
+    Py_XDECREF(h);
+    if (tok) core.token_drop(tok, NULL, 0); /* a closed cache's: touches nothing shared */
+    else if (!CLOSED_MEANWHILE(c, ctx)) release_pin(c, ctx, slot); /* else its recovery did */
+    return NULL;
+}
+
+/* get()'s look (UCM_OUTER_REQUEST: the request counted, and a hit or a join): a new open
+ * Handle over its pin, Ready or joined; NULL with *missed set: no pin (a miss, a slot claimed,
+ * a corrupt chain), the caller takes the slow step at once, with no second look; NULL with an
+ * exception; NULL with neither: a finalizer closed the cache (the full path says so). */
+static PyObject *hit_handle(CacheBase *c, PyObject *key, int *missed)
+{
+    ucm_ctx *ctx = c->ctx;
+    int64_t r = lookup(c, ctx, PyBytes_AS_STRING(key), UCM_OUTER_REQUEST);
+    if (r < 0) {
+        *missed = 1;
+        return NULL;
+    }
+    return pinned_handle(c, ctx, r, NULL);
 }
 
 static PyObject *cold_handle(CacheBase *c, PyObject *key);
@@ -618,7 +673,7 @@ static PyObject *cache_get(CacheBase *self, PyObject *const *args, Py_ssize_t na
         int missed = 0;
         PyObject *h = hit_handle(self, args[0], &missed);
         if (h || PyErr_Occurred()) return h;
-        if (missed) { /* counted as a request: the slow path at once */
+        if (missed) { /* the request counted: the slow step at once */
             if (loads_bound && !HAS(self->tier)) return cold_handle(self, args[0]);
             return PyObject_CallMethodOneArg((PyObject *)self, s_get_missed, args[0]);
         }
@@ -626,26 +681,35 @@ static PyObject *cache_get(CacheBase *self, PyObject *const *args, Py_ssize_t na
     return forward((PyObject *)self, s_get_full, args, nargs, kwnames);
 }
 
-/* A Ready entry's bytes, copied under the pin, the pin dropped: NULL with no exception for
- * anything but a hit.  `missed` NULL: nothing but a hit counted; else *missed says the key was
- * not found, which is counted then as a request (the caller goes to the slow path directly). */
-static PyObject *hit_bytes(CacheBase *c, PyObject *key, int *missed)
+/* The payload of Ready answer r, whose slot the caller pins, copied into a new bytes; NULL
+ * with an exception.  A bytes object is not tracked by the collector: making it runs no Python
+ * code. */
+static PyObject *ready_bytes(ucm_ctx *ctx, int64_t r)
 {
-    ucm_ctx *ctx = c->ctx;
-    if (!ctx) return NULL;
-    int64_t r = lookup(c, ctx, PyBytes_AS_STRING(key), missed ? 3 : 2);
-    if (r < 0) {
-        if (missed) *missed = r == -(int64_t)UCM_MISS;
-        return NULL;
-    }
+    const char *src = core.slot_data(ctx, UCM_PIN_SLOT(r)); /* NULL: a slot past the table */
+    PyObject *v = src ? PyBytes_FromStringAndSize(NULL, UCM_PIN_LEN(r)) : NULL;
+    if (v) core.copy_payload(PyBytes_AS_STRING(v), src, UCM_PIN_LEN(r));
+    else if (!src) PyErr_Format(PyExc_RuntimeError, "a pin's slot %u lies past the slot table",
+                                UCM_PIN_SLOT(r));
+    return v;
+}
+
+/* A Ready entry's bytes, copied under the pin, the pin dropped; counted as `outer` says.  NULL
+ * with no exception for anything but a hit, *answer then the look's answer: with
+ * UCM_OUTER_HIT_ONLY any pin is dropped here; with UCM_OUTER_REQUEST a join's pin (*answer >=
+ * 0) is the caller's to hand on.  The caller read ctx from c with nothing able to run Python
+ * after. */
+static PyObject *hit_bytes(CacheBase *c, ucm_ctx *ctx, PyObject *key, ucm_outer outer,
+                           int64_t *answer)
+{
+    int64_t r = *answer = lookup(c, ctx, PyBytes_AS_STRING(key), outer);
+    if (r < 0) return NULL;
     uint32_t slot = UCM_PIN_SLOT(r);
     PyObject *v = NULL;
     if (r & UCM_PIN_READY) {
-        /* A bytes object is not tracked by the collector: making it runs no Python code. */
-        v = PyBytes_FromStringAndSize(NULL, UCM_PIN_LEN(r));
-        char *src = core.slot_data(ctx, slot);
-        if (v && src) core.copy_payload(PyBytes_AS_STRING(v), src, UCM_PIN_LEN(r));
-        else Py_CLEAR(v); /* MemoryError (set), or no such slot: not a hit */
+        v = ready_bytes(ctx, r);
+    } else if (outer == UCM_OUTER_REQUEST) {
+        return NULL; /* a join: the caller's pin */
     }
     release_pin(c, ctx, slot);
     return v;
@@ -654,7 +718,8 @@ static PyObject *hit_bytes(CacheBase *c, PyObject *key, int *missed)
 static PyObject *cache_hit_bytes(CacheBase *self, PyObject *key)
 {
     if (bound && self->ctx && plain_id(key)) {
-        PyObject *v = hit_bytes(self, key, NULL);
+        int64_t r;
+        PyObject *v = hit_bytes(self, self->ctx, key, UCM_OUTER_HIT_ONLY, &r);
         if (v || PyErr_Occurred()) return v;
         Py_RETURN_NONE;
     }
@@ -676,7 +741,7 @@ static PyObject *cache_hit_bytes(CacheBase *self, PyObject *key)
  * ROLLBACK, BUSY, TIMEOUT, CORRUPT) goes to _get_or_load_cold with the step's start, and
  * SlotCache._pin_slow takes it as its own first step (one deadline from that start, no step
  * counted twice) before it runs the step again in its loop; a join goes to
- * _get_or_load_joined with a Handle of its pin. */
+ * _get_or_load_joined with a Handle that the frame's token, and so the pin, moves into. */
 
 static PyObject *exit_message_of(PyObject *typ, PyObject *exc, PyObject **err_t,
                                  PyObject **err_v, PyObject **err_tb);
@@ -716,119 +781,113 @@ static inline int fire_hook(PyObject *name)
     return r ? 0 : -1;
 }
 
-/* A Handle over a pin of a slot another caller loads (a join), made as hit_handle makes one:
- * the pin becomes the handle's in plain stores, and is dropped here if the handle cannot be
- * made.  Not Ready when pinned (nbytes -1), not an owner, no token (ucm_release drops it). */
-static PyObject *join_handle(CacheBase *c, ucm_ctx *ctx, uint32_t slot)
+/* Python code run under us (a finalizer, a loader) closed the cache, and a pin of ours went
+ * with it: raise what the full path raises for a closed cache (_check_usable: NotAttached).
+ * 0, nothing raised: the cache was not closed (or said nothing); the caller names the loss. */
+static int raise_if_closed(CacheBase *c, ucm_ctx *ctx)
 {
-    HandleBase *h = (HandleBase *)handle_type->tp_alloc(handle_type, 0);
-    if (h) handle_init(h);
-    PyObject *slot_o = h ? PyLong_FromUnsignedLong(slot) : NULL;
-    if (!slot_o || c->ctx != ctx) {
-        Py_XDECREF(slot_o);
-        Py_XDECREF(h);
-        if (c->ctx == ctx) release_pin(c, ctx, slot); /* else closed: its recovery dropped it */
-        return NULL;
-    }
-    Py_SETREF(h->cache, Py_NewRef(c));
-    Py_SETREF(h->slot, slot_o);
-    SET_FLAG(h->closed, 0);
-    add_open(c, 1);
-    return (PyObject *)h;
+    if (!CLOSED_MEANWHILE(c, ctx)) return 0;
+    PyObject *r = PyObject_CallMethodNoArgs((PyObject *)c, s_check_usable);
+    Py_XDECREF(r);
+    return PyErr_Occurred() != NULL;
 }
 
-/* The loader run by the owner of `slot` (pinned through tok), and the finish.  The value: a
- * bytes object as it is; anything else through _slots.as_value_view (its checks and messages
- * are the full path's); an exception of either, or of a test hook, fails the load with
+/* get_or_load's wait on another caller's load: a Handle over the join's pin (pinned_handle,
+ * the pin in tok or plain), then the full path's wait and read (_get_or_load_joined). */
+static PyObject *wait_joined(CacheBase *c, ucm_ctx *ctx, int64_t r, ucm_token *tok)
+{
+    PyObject *h = pinned_handle(c, ctx, r, tok), *v = NULL;
+    if (h) v = PyObject_CallMethodOneArg((PyObject *)c, s_get_or_load_joined, h);
+    else if (!PyErr_Occurred() && !raise_if_closed(c, ctx))
+        PyErr_SetString(PyExc_RuntimeError, "get_or_load: the joined slot's pin was lost");
+    Py_XDECREF(h);
+    return v;
+}
+
+/* The loader's value as the bytes the slot gets and the caller is returned (steals value): an
+ * exact bytes of at most the slot size as it is; anything else through _slots.as_value_view
+ * (its checks and messages are the full path's) and copied at once, under the GIL: a writable
+ * value (a bytearray, a numpy array) another thread rewrites cannot make the slot and the
+ * answer differ (two copies, as the full path makes).  NULL with an exception. */
+static PyObject *value_bytes(CacheBase *c, PyObject *value)
+{
+    PyObject *view_o = NULL, *b = NULL;
+    Py_buffer view = {0};
+    if (PyBytes_CheckExact(value) && (uint64_t)PyBytes_GET_SIZE(value) <= (uint64_t)c->value_max)
+        return value;
+    if ((view_o = PyObject_CallFunction(as_value_view, "OK", value,
+                                        (unsigned long long)(uint64_t)c->value_max)) &&
+        PyObject_GetBuffer(view_o, &view, PyBUF_SIMPLE) == 0)
+        b = PyBytes_FromStringAndSize(view.buf, view.len);
+    PyBuffer_Release(&view); /* (a no-op if none was taken) */
+    Py_XDECREF(view_o);
+    Py_DECREF(value);
+    return b;
+}
+
+/* The loader run by the owner of `slot` (pinned through tok), and the finish.  An exception of
+ * the loader, of its value's checks (value_bytes) or of a test hook fails the load with
  * "Type: message" and is raised again. */
 static PyObject *own_load(CacheBase *c, ucm_ctx *ctx, ucm_token *tok, uint32_t slot,
                           PyObject *loader)
 {
-    PyObject *value = NULL, *view_o = NULL, *result = NULL, *owned = NULL, *slot_o = NULL;
-    Py_buffer view = {0};
-    const char *src = NULL;
-    Py_ssize_t n = 0;
+    PyObject *value = NULL, *result = NULL, *owned = NULL, *slot_o = NULL, *msg = NULL;
+    PyObject *et = NULL, *ev = NULL, *etb = NULL, *ft = NULL, *fv = NULL, *ftb = NULL;
     int r;
     c->loads_out++;
     add_open(c, 1);
     int64_t t0 = core.now_ns();
     /* The owned-slot record first: a loader that asks for its own key must be refused, not
      * wait for itself (Handle.wait). */
-    if ((slot_o = PyLong_FromUnsignedLong(slot)) && (owned = owned_set((PyObject *)c)) &&
-        PySet_Add(owned, slot_o) == 0 && fire_hook(s_inside_loader) == 0 &&
-        (value = PyObject_CallNoArgs(loader))) {
-        if (PyBytes_CheckExact(value) && (uint64_t)PyBytes_GET_SIZE(value) <= (uint64_t)c->value_max) {
-            src = PyBytes_AS_STRING(value);
-            n = PyBytes_GET_SIZE(value);
-        } else if ((view_o = PyObject_CallFunction(as_value_view, "OK", value,
-                                                   (unsigned long long)(uint64_t)c->value_max)) &&
-                   PyObject_GetBuffer(view_o, &view, PyBUF_SIMPLE) == 0) {
-            /* A value that is not bytes may be writable (a bytearray, a numpy array) and
-             * rewritten by another thread: its immutable copy is made now, under the GIL, and
-             * is what the slot gets and what we return (the same bytes; two copies, as the
-             * full path makes). */
-            PyObject *b = PyBytes_FromStringAndSize(view.buf, view.len);
-            PyBuffer_Release(&view);
-            Py_SETREF(value, b);
-            if (b) {
-                src = PyBytes_AS_STRING(b);
-                n = PyBytes_GET_SIZE(b);
-            }
-        }
-    }
-    if (src && fire_hook(s_before_ready) < 0) src = NULL;
-    if (!src) {
-        /* The load failed: its message published Failed, the exception raised again. */
-        PyObject *et, *ev, *etb, *ft = NULL, *fv = NULL, *ftb = NULL;
-        PyErr_Fetch(&et, &ev, &etb);
-        PyErr_NormalizeException(&et, &ev, &etb);
-        PyObject *msg = et ? exit_message_of(et, ev ? ev : Py_None, &ft, &fv, &ftb)
-                           : Py_NewRef(unpublished);
-        /* Out of the owned set before the finish, which may unpin with the GIL released: a
-         * thread sharing this set (asyncio.to_thread copies the context) could own the freed
-         * slot's next load meanwhile, and must keep its record (handle_drop does the same). */
-        if (owned && slot_o) owned_discard(owned, slot_o);
-        if (msg) {
-            WITHOUT_GIL(c, r = core.load_finish(tok, UCM_FAILED, PyBytes_AS_STRING(msg),
-                                                (uint64_t)PyBytes_GET_SIZE(msg), t0));
-            Py_DECREF(msg);
-        } else {
-            core.token_drop(tok, NULL, 0);
-        }
-        if (ft) {
-            /* Naming the error raised (str(e) raised, or a signal handler's exception came
-             * meanwhile): that one goes up once the load is failed, the loader's error its
-             * context, as the full path's except raises it. */
-            PyErr_NormalizeException(&ft, &fv, &ftb);
-            if (fv && ev) PyException_SetContext(fv, Py_NewRef(ev));
-            Py_XDECREF(et);
-            Py_XDECREF(ev);
-            Py_XDECREF(etb);
-            PyErr_Restore(ft, fv, ftb);
-        } else {
-            PyErr_Restore(et, ev, etb);
-        }
-        goto done;
-    }
-    if (owned && slot_o) owned_discard(owned, slot_o); /* before the finish, as above */
+    if (!(slot_o = PyLong_FromUnsignedLong(slot)) || !(owned = owned_set((PyObject *)c)) ||
+        PySet_Add(owned, slot_o) < 0 || fire_hook(s_inside_loader) < 0 ||
+        !(value = PyObject_CallNoArgs(loader)) || !(value = value_bytes(c, value)) ||
+        fire_hook(s_before_ready) < 0)
+        goto failed;
+    /* Out of the owned set before the finish, which may unpin with the GIL released: a thread
+     * sharing this set (asyncio.to_thread copies the context) could own the freed slot's next
+     * load meanwhile, and must keep its record (handle_drop does the same). */
+    owned_discard(owned, slot_o);
+    const char *src = PyBytes_AS_STRING(value);
+    Py_ssize_t n = PyBytes_GET_SIZE(value);
     if (__builtin_expect(core.ctx_points_set(ctx), 0) || n > 65536)
         WITHOUT_GIL(c, r = core.load_finish(tok, UCM_READY, src, (uint64_t)n, t0));
     else
         r = core.load_finish(tok, UCM_READY, src, (uint64_t)n, t0);
-    if (r != UCM_OK) {
-        if (c->ctx != ctx) /* closed under the loader, or a forked child: NotAttached */
-            result = PyObject_CallMethodNoArgs((PyObject *)c, s_check_usable);
-        if (!result && !PyErr_Occurred())
+    if (r != UCM_OK) { /* closed under the loader, or a forked child: NotAttached */
+        if (!raise_if_closed(c, ctx))
             PyErr_Format(PyExc_RuntimeError, "get_or_load: the load of slot %u was lost before "
                          "its publish (step answer %d)", slot, r);
-        Py_CLEAR(result);
         goto done;
     }
-    if (fire_hook(s_after_ready) < 0) goto done;
-    result = Py_NewRef(value); /* bytes: the loader's, or the copy the slot got */
+    if (fire_hook(s_after_ready) == 0) result = Py_NewRef(value); /* bytes, as the slot got */
+    goto done;
+failed:
+    /* The load failed: its message published Failed, the exception raised again. */
+    PyErr_Fetch(&et, &ev, &etb);
+    PyErr_NormalizeException(&et, &ev, &etb);
+    msg = et ? exit_message_of(et, ev ? ev : Py_None, &ft, &fv, &ftb) : Py_NewRef(unpublished);
+    owned_discard(owned, slot_o); /* before the finish, as above */
+    if (msg)
+        WITHOUT_GIL(c, r = core.load_finish(tok, UCM_FAILED, PyBytes_AS_STRING(msg),
+                                            (uint64_t)PyBytes_GET_SIZE(msg), t0));
+    else
+        core.token_drop(tok, NULL, 0);
+    if (ft) {
+        /* Naming the error raised (str(e) raised, or a signal handler's exception came
+         * meanwhile): that one goes up once the load is failed, the loader's error its
+         * context, as the full path's except raises it. */
+        PyErr_NormalizeException(&ft, &fv, &ftb);
+        if (fv && ev) PyException_SetContext(fv, Py_NewRef(ev));
+        Py_XDECREF(et);
+        Py_XDECREF(ev);
+        Py_XDECREF(etb);
+        PyErr_Restore(ft, fv, ftb);
+    } else {
+        PyErr_Restore(et, ev, etb);
+    }
 done:
-    if (view.obj) PyBuffer_Release(&view);
-    Py_XDECREF(view_o);
+    Py_XDECREF(msg);
     Py_XDECREF(value);
     Py_XDECREF(owned);
     Py_XDECREF(slot_o);
@@ -846,60 +905,68 @@ done:
 static PyObject *cold_handle(CacheBase *c, PyObject *key)
 {
     ucm_ctx *ctx = c->ctx;
+    PyObject *result = NULL, *slot_o = NULL, *len_o = NULL, *t0_o = NULL, *serial_o = NULL;
+    PyObject *owned = NULL;
+    int64_t r, since;
     HandleBase *h = (HandleBase *)handle_type->tp_alloc(handle_type, 0);
     if (!h) return NULL;
     handle_init(h);
-    if (c->ctx != ctx || !ctx) { /* a finalizer of the allocation closed the cache */
-        Py_DECREF(h);
-        return PyObject_CallMethodOneArg((PyObject *)c, s_get_missed, key);
+    if (CLOSED_MEANWHILE(c, ctx)) { /* a finalizer of the allocation closed the cache */
+        result = PyObject_CallMethodOneArg((PyObject *)c, s_get_missed, key);
+        goto done;
     }
-    int64_t r, since = core.now_ns();
+    since = core.now_ns();
     WITHOUT_GIL(c, r = core.get_slow(ctx, PyBytes_AS_STRING(key), 0, slow_spin, max_rollbacks,
                                      stripe_wait_ns, &h->ctok, NULL, NULL));
     if (r < 0) { /* nothing armed: the full path decides, this step its first (_pin_slow) */
-        Py_DECREF(h);
-        return PyObject_CallMethod((PyObject *)c, "_get_missed", "OLL", key, (long long)-r,
-                                   (long long)since);
+        result = PyObject_CallMethod((PyObject *)c, "_get_missed", "OLL", key, (long long)-r,
+                                     (long long)since);
+        goto done;
     }
     int ready = (r & UCM_PIN_READY) != 0, owner = !ready && (r & UCM_PIN_OWNER);
-    /* Ints are not tracked by the collector: making them runs no Python code. */
-    PyObject *slot_o = PyLong_FromUnsignedLong(UCM_PIN_SLOT(r));
-    PyObject *len_o = slot_o ? PyLong_FromLongLong(ready ? (long long)UCM_PIN_LEN(r) : -1) : NULL;
-    PyObject *t0_o = len_o && owner ? PyLong_FromLongLong(core.now_ns()) : NULL;
+    /* Ints are not tracked by the collector: making them runs no Python code.  On failure the
+     * handle's dealloc drops the armed token: an owner's load fails at once. */
+    if (!(slot_o = PyLong_FromUnsignedLong(UCM_PIN_SLOT(r))) ||
+        !(len_o = PyLong_FromLongLong(ready ? (long long)UCM_PIN_LEN(r) : -1)))
+        goto done;
     /* The load's serial, the token's (armed by the step): ready()/fail() name it (I4). */
-    PyObject *serial_o = t0_o ? PyLong_FromUnsignedLong(h->ctok.serial) : NULL;
-    if (!len_o || (owner && !serial_o)) {
-        Py_XDECREF(slot_o);
-        Py_XDECREF(len_o);
-        Py_XDECREF(t0_o);
-        Py_DECREF(h); /* dealloc drops the armed token: an owner's load fails at once */
-        return NULL;
-    }
+    if (owner && (!(t0_o = PyLong_FromLongLong(core.now_ns())) ||
+                  !(serial_o = PyLong_FromUnsignedLong(h->ctok.serial))))
+        goto done;
     /* The pin is the handle's already (its token); the fields in plain stores. */
     Py_SETREF(h->cache, Py_NewRef(c));
-    Py_SETREF(h->slot, slot_o);
-    Py_SETREF(h->nbytes, len_o);
+    Py_SETREF(h->slot, Py_NewRef(slot_o));
+    Py_SETREF(h->nbytes, Py_NewRef(len_o));
     SET_FLAG(h->owner, owner);
     SET_FLAG(h->closed, 0);
     add_open(c, 1);
     if (owner) {
-        Py_SETREF(h->serial, serial_o);
-        Py_SETREF(h->t0, t0_o);
+        Py_SETREF(h->serial, Py_NewRef(serial_o));
+        Py_SETREF(h->t0, Py_NewRef(t0_o));
         /* may run a collection (finalizers): the handle is open and owns its pin by now */
-        PyObject *owned = owned_set((PyObject *)c);
-        if (!owned || PySet_Add(owned, h->slot) < 0) {
-            Py_XDECREF(owned);
-            PyObject *x = handle_close_with(h, unpublished, NULL, NULL, NULL);
+        if (!(owned = owned_set((PyObject *)c)) || PySet_Add(owned, h->slot) < 0) {
+            /* closed as an owner's with-block that raised: the load fails, the error goes up */
+            PyObject *et, *ev, *tb;
+            PyErr_Fetch(&et, &ev, &tb);
+            PyObject *x = handle_close_with(h, unpublished, et, ev, tb);
             Py_XDECREF(x);
-            Py_DECREF(h);
-            return NULL;
+            goto done;
         }
-        Py_SETREF(h->owned, owned);
+        Py_SETREF(h->owned, Py_NewRef(owned));
     }
-    return (PyObject *)h;
+    result = Py_NewRef((PyObject *)h);
+done:
+    Py_XDECREF(slot_o);
+    Py_XDECREF(len_o);
+    Py_XDECREF(t0_o);
+    Py_XDECREF(serial_o);
+    Py_XDECREF(owned);
+    Py_DECREF(h);
+    return result;
 }
 
-/* get_or_load of a plain id the hit path looked for, missed and counted as a request. */
+/* get_or_load of a plain id whose look found no pin to hold (a miss, a slot claimed), counted
+ * as the request: the slow step at once, no second look before the stripe. */
 static PyObject *cold_load(CacheBase *c, PyObject *const *args, Py_ssize_t nargs,
                            PyObject *kwnames)
 {
@@ -918,27 +985,13 @@ static PyObject *cold_load(CacheBase *c, PyObject *const *args, Py_ssize_t nargs
     /* READY first: a Ready answer's length overlaps the OWNER bit (UCM_PIN_* in the header). */
     if (!(r & UCM_PIN_READY) && (r & UCM_PIN_OWNER))
         return own_load(c, ctx, &tok, slot, args[1]);
-    PyObject *v = NULL;
-    if (r & UCM_PIN_READY) {
-        /* Found Ready under the stripe (another caller's load landed meanwhile): a copy. */
-        v = PyBytes_FromStringAndSize(NULL, UCM_PIN_LEN(r));
-        char *src = core.slot_data(ctx, slot);
-        if (v && src) core.copy_payload(PyBytes_AS_STRING(v), src, UCM_PIN_LEN(r));
-        core.token_drop(&tok, NULL, 0);
-        return v;
-    }
-    /* A join: the pin moves from the token to a Handle (one more local hold, then the
-     * token's dropped), which waits in the full path. */
-    PyObject *h = NULL;
-    if (core.pin_again(ctx, slot) == UCM_OK) h = join_handle(c, ctx, slot);
+    if (!(r & UCM_PIN_READY))
+        /* A join: the token, and with it the pin, moves into the Handle that waits in the full
+         * path: pinned once (I1: the pin bit set throughout, the token's drop the handle's). */
+        return wait_joined(c, ctx, r, &tok);
+    /* Found Ready under the stripe (another caller's load landed meanwhile): a copy. */
+    PyObject *v = ready_bytes(ctx, r);
     core.token_drop(&tok, NULL, 0);
-    if (!h) {
-        if (!PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, "get_or_load: the joined "
-                                               "slot's pin was lost (the cache closed?)");
-        return NULL;
-    }
-    v = PyObject_CallMethodOneArg((PyObject *)c, s_get_or_load_joined, h);
-    Py_DECREF(h);
     return v;
 }
 
@@ -947,15 +1000,16 @@ static PyObject *cache_get_or_load(CacheBase *self, PyObject *const *args, Py_ss
 {
     if (bound && self->ctx && nargs == 2 && plain_id(args[0]) && PyCallable_Check(args[1]) &&
         no_timeout(args, 2, kwnames)) {
-        int missed = 0;
-        PyObject *v = hit_bytes(self, args[0], &missed);
+        ucm_ctx *ctx = self->ctx;
+        int64_t r;
+        PyObject *v = hit_bytes(self, ctx, args[0], UCM_OUTER_REQUEST, &r);
         if (v || PyErr_Occurred()) return v;
-        if (missed) { /* counted as a request: the slow path at once, no second look */
-            if (loads_bound && !HAS(self->tier)) return cold_load(self, args, nargs, kwnames);
-            return forward((PyObject *)self, s_get_or_load_cold, args, nargs, kwnames);
-        }
-        /* a join or a claimed slot: the full path looks again and counts it */
-        return forward((PyObject *)self, s_get_or_load_missed, args, nargs, kwnames);
+        /* The request counted by the look: a join waits with the look's pin; anything else
+         * (a miss, a slot claimed) takes the slow step at once.  So a cold key is looked up
+         * once before the stripe, once under it. */
+        if (r >= 0) return wait_joined(self, ctx, r, NULL);
+        if (loads_bound && !HAS(self->tier)) return cold_load(self, args, nargs, kwnames);
+        return forward((PyObject *)self, s_get_or_load_cold, args, nargs, kwnames);
     }
     return forward((PyObject *)self, s_get_or_load_full, args, nargs, kwnames);
 }
@@ -1059,7 +1113,8 @@ static PyObject *cache_aget_or_load(CacheBase *self, PyObject *const *args, Py_s
 {
     if (bound && self->ctx && nargs == 2 && plain_id(args[0]) && PyCallable_Check(args[1]) &&
         no_timeout(args, 2, kwnames)) {
-        PyObject *v = hit_bytes(self, args[0], NULL);
+        int64_t r;
+        PyObject *v = hit_bytes(self, self->ctx, args[0], UCM_OUTER_HIT_ONLY, &r);
         if (v) return ready_new_value(v);
         if (PyErr_Occurred()) return NULL;
         return forward((PyObject *)self, s_aget_or_load_missed, args, nargs, kwnames);
@@ -1088,58 +1143,56 @@ static int all_plain(PyObject *keys)
     return 1;
 }
 
+static PyObject *call_n(PyObject *f, Py_ssize_t n);
+
+/* The lengths of a copy of n keys into rows of `row` bytes (read_many, gather: lens, whose
+ * items are at lp; rc the step's answer), checked as the full path checks them: a corrupt
+ * chain, or a payload longer than its row, is raised by _read_checked, which says which.  A
+ * new reference to lens, or NULL with the error. */
+static PyObject *checked_lengths(CacheBase *c, int rc, PyObject *lens, const int64_t *lp,
+                                 Py_ssize_t n, Py_ssize_t row)
+{
+    int64_t worst = -1;
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (lp[i] > worst) worst = lp[i];
+    if (rc != UCM_OK || worst > (int64_t)row) {
+        PyObject *checked = PyObject_CallMethod((PyObject *)c, "_read_checked", "iOn", rc, lens,
+                                                row);
+        if (!checked) return NULL;
+        Py_DECREF(checked);
+    }
+    return Py_NewRef(lens);
+}
+
 static PyObject *read_many_fast(CacheBase *c, PyObject *keys, PyObject *out)
 {
     Py_ssize_t n = PyList_GET_SIZE(keys);
     if (n == 0 || n > (Py_ssize_t)UINT32_MAX || !all_plain(keys)) return NULL;
-    Py_buffer ob, lb;
+    Py_buffer ob, lb = {0};
     Py_ssize_t row_n = out_rows(out, n, &ob);
     if (row_n < 0) return NULL; /* -1: said; -2: the full path takes it (a tensor...) */
-    PyObject *lens = NULL;
-    char small[16 * 64], *ids = small;
-    int got_lens = 0;
-    /* Everything that can run Python code first (see copy_ids) */
-    PyObject *pn = PyLong_FromSsize_t(n);
-    if (!pn) goto out;
-    lens = PyObject_CallOneArg(new_lengths, pn);
-    Py_DECREF(pn);
-    if (!lens) goto out;
-    if (PyObject_GetBuffer(lens, &lb, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
-        Py_CLEAR(lens);
-        goto out;
-    }
-    got_lens = 1;
-    if (n > 64 && !(ids = PyMem_Malloc(16 * (size_t)n))) {
-        Py_CLEAR(lens);
-        PyErr_NoMemory();
-        goto out;
-    }
     ucm_ctx *ctx = c->ctx;
-    if (!ctx || !copy_ids(keys, n, ids)) {
-        Py_CLEAR(lens); /* no exception: the full path */
-        goto out;
+    PyObject *lens = NULL, *result = NULL;
+    char small[16 * 64], *ids = small;
+    /* Everything that can run Python code first (see copy_ids) */
+    if (!(lens = call_n(new_lengths, n)) ||
+        PyObject_GetBuffer(lens, &lb, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
+        goto done;
+    if (n > 64 && !(ids = PyMem_Malloc(16 * (size_t)n))) {
+        PyErr_NoMemory();
+        goto done;
     }
-    uint64_t row = (uint64_t)row_n;
-    int64_t *lp = lb.buf, worst = -1;
+    if (CLOSED_MEANWHILE(c, ctx) || !copy_ids(keys, n, ids)) goto done; /* the full path */
     int rc;
-    WITHOUT_GIL(c, rc = core.read_many(ctx, ids, NULL, (uint32_t)n, ob.buf, row, lp));
-    for (Py_ssize_t i = 0; i < n; i++)
-        if (lp[i] > worst) worst = lp[i];
-    if (rc != UCM_OK || worst > (int64_t)row) {
-        /* Corrupt, or a payload longer than a row: the full path's checks say which. */
-        PyObject *rr = PyLong_FromLong(rc), *rw = PyLong_FromUnsignedLongLong(row);
-        PyObject *r = rr && rw ? PyObject_CallMethodObjArgs((PyObject *)c, s_read_checked, rr,
-                                                            lens, rw, NULL) : NULL;
-        Py_XDECREF(rr);
-        Py_XDECREF(rw);
-        if (!r) Py_CLEAR(lens);
-        Py_XDECREF(r);
-    }
-out:
+    WITHOUT_GIL(c, rc = core.read_many(ctx, ids, NULL, (uint32_t)n, ob.buf, (uint64_t)row_n,
+                                       lb.buf));
+    result = checked_lengths(c, rc, lens, lb.buf, n, row_n);
+done:
     if (ids != small) PyMem_Free(ids);
-    if (got_lens) PyBuffer_Release(&lb);
+    PyBuffer_Release(&lb); /* (a no-op if none was taken) */
     PyBuffer_Release(&ob);
-    return lens;
+    Py_XDECREF(lens);
+    return result;
 }
 
 static PyObject *cache_read_many(CacheBase *self, PyObject *const *args, Py_ssize_t nargs,
@@ -1159,8 +1212,32 @@ static PyObject *cache_new(PyTypeObject *type, PyObject *args, PyObject *kw)
     return (PyObject *)c;
 }
 
+/* Tracked by the collector: a cache's objects can lead back to it (its tier is bound with the
+ * cache's own _count, a bound method: cache -> tier -> method -> cache), and such a cycle is
+ * collectable only if the collector sees the cache's edges.  (A cycle through the SlotCache's
+ * __dict__ is traversed by its Python subclass.) */
+static int cache_traverse(CacheBase *c, visitproc visit, void *arg)
+{
+    Py_VISIT(c->ctx_obj);
+    Py_VISIT(c->open_handles);
+    Py_VISIT(c->ro);
+    Py_VISIT(c->tier);
+    return 0;
+}
+
+/* Breaks a cycle at the tier, the one field whose object can refer back to the cache.  By
+ * then the cache's finalizer (SlotCache.__del__) has closed it; the context, the mapping's
+ * view and the count stay until dealloc, since other garbage of the same collection (handles,
+ * views: a SlotBuffer's drop reads the context) may still read them as it goes. */
+static int cache_clear(CacheBase *c)
+{
+    Py_CLEAR(c->tier);
+    return 0;
+}
+
 static void cache_dealloc(CacheBase *c)
 {
+    PyObject_GC_UnTrack(c);
     Py_CLEAR(c->open_handles);
     Py_CLEAR(c->tier);
     Py_CLEAR(c->ctx_obj);
@@ -1204,44 +1281,43 @@ static PyObject *cache_fork_hold(CacheBase *c, PyObject *const *args, Py_ssize_t
         PyErr_SetString(PyExc_TypeError, "_fork_hold(slots, holds)");
         return NULL;
     }
-    PyObject *ctx_obj = c->ctx_obj;
+    ucm_ctx *ctx = c->ctx;
     Py_buffer *ro = c->ro ? PyMemoryView_GET_BUFFER(c->ro) : NULL;
-    if (!ctx_obj || !c->ctx || !ro || c->stride <= 0 || ro->len < c->data_off) Py_RETURN_FALSE;
+    if (!ctx || !c->ctx_obj || !ro || c->stride <= 0 || ro->len < c->data_off) Py_RETURN_FALSE;
     /* At least one item per slot of the data region: ucm_hold_pins writes one per pinned slot */
     Py_ssize_t need = (ro->len - c->data_off) / c->stride;
-    PyObject *rec = PyTuple_New(4);
-    if (!rec) return NULL;
-    Py_buffer b;
-    if (PyObject_GetBuffer(args[0], &b, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
-        Py_DECREF(rec);
-        return NULL;
+    PyObject *rec = NULL, *n_obj = NULL, *result = NULL;
+    Py_buffer b = {0};
+    uint32_t n = 0;
+    if (!(rec = PyTuple_New(4)) ||
+        PyObject_GetBuffer(args[0], &b, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
+        goto done;
+    if (CLOSED_MEANWHILE(c, ctx)) { /* the context gone while we allocated: nothing to hold */
+        result = Py_NewRef(Py_False);
+        goto done;
     }
-    if (b.len < need * (Py_ssize_t)sizeof(uint32_t) || c->ctx_obj != ctx_obj) {
-        /* (a buffer too small for the slots, or the context gone while we allocated) */
-        PyBuffer_Release(&b);
-        Py_DECREF(rec);
-        if (c->ctx_obj != ctx_obj) Py_RETURN_FALSE;
+    if (b.len < need * (Py_ssize_t)sizeof(uint32_t)) {
         PyErr_Format(PyExc_ValueError, "_fork_hold: slots holds %zd bytes, %zd needed", b.len,
                      need * (Py_ssize_t)sizeof(uint32_t));
-        return NULL;
+        goto done;
     }
-    uint32_t n = core.hold_pins(c->ctx, (uint32_t *)b.buf);
-    PyObject *n_obj = n ? PyLong_FromUnsignedLong(n) : NULL;
-    int r = n_obj ? 0 : -1;
-    if (n_obj) {
-        PyTuple_SET_ITEM(rec, 0, Py_NewRef(c));
-        PyTuple_SET_ITEM(rec, 1, Py_NewRef(ctx_obj));
-        PyTuple_SET_ITEM(rec, 2, Py_NewRef(args[0]));
-        PyTuple_SET_ITEM(rec, 3, n_obj);
-        r = PyList_Append(args[1], rec);
+    if (!(n = core.hold_pins(ctx, (uint32_t *)b.buf))) {
+        result = Py_NewRef(Py_False);
+        goto done;
     }
-    if (r < 0 && n) core.release_many(c->ctx, (const uint32_t *)b.buf, n); /* unrecorded: none held */
-    else if (n) c->forks_out++;
+    if (!(n_obj = PyLong_FromUnsignedLong(n))) goto done;
+    PyTuple_SET_ITEM(rec, 0, Py_NewRef(c));
+    PyTuple_SET_ITEM(rec, 1, Py_NewRef(c->ctx_obj));
+    PyTuple_SET_ITEM(rec, 2, Py_NewRef(args[0]));
+    PyTuple_SET_ITEM(rec, 3, n_obj);
+    if (PyList_Append(args[1], rec) < 0) goto done;
+    c->forks_out++;
+    result = Py_NewRef(Py_True);
+done:
+    if (!result && n) core.release_many(ctx, (const uint32_t *)b.buf, n); /* held, unrecorded */
     PyBuffer_Release(&b);
-    Py_DECREF(rec);
-    if (r < 0 && n) return NULL; /* the allocation's error */
-    if (!n) PyErr_Clear();
-    return Py_NewRef(n ? Py_True : Py_False);
+    Py_XDECREF(rec);
+    return result;
 }
 
 static PyObject *cache_fork_release(CacheBase *c, PyObject *const *args, Py_ssize_t nargs)
@@ -1380,10 +1456,12 @@ static PyTypeObject CacheBase_Type = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "ucmcache._hit.CacheBase",
     .tp_basicsize = sizeof(CacheBase),
-    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE,
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
     .tp_doc = "SlotCache's hit path (get, get_or_load, read_many) in C.",
     .tp_new = cache_new,
     .tp_dealloc = (destructor)cache_dealloc,
+    .tp_traverse = (traverseproc)cache_traverse,
+    .tp_clear = (inquiry)cache_clear,
     .tp_methods = cache_methods,
     .tp_members = cache_members,
     .tp_getset = cache_getset,
@@ -1440,10 +1518,10 @@ static void owned_discard(PyObject *owned, PyObject *slot)
 
 static int handle_drop(HandleBase *h, PyObject *msg)
 {
-    if (!IS_OPEN(h->closed)) return 0;
-    CacheBase *c = cache_of(h->cache);
-    SET_FLAG(h->closed, 1);
-    if (!c || !c->ctx) return 0;
+    CacheBase *c = handle_usable(h);
+    if (IS_OPEN(h->closed)) SET_FLAG(h->closed, 1);
+    if (!c) return 0; /* closed already, or a closed or forked cache's: not our pin */
+    ucm_ctx *ctx = c->ctx;
     Py_INCREF(c);
     add_open(c, -1);
     /* The handle's own view: one nobody else holds goes now with its hold; one still held
@@ -1475,9 +1553,10 @@ static int handle_drop(HandleBase *h, PyObject *msg)
         unsigned long slot = h->slot && PyLong_CheckExact(h->slot)
                                  ? PyLong_AsUnsignedLong(h->slot) : (unsigned long)-1;
         if (slot == (unsigned long)-1 && PyErr_Occurred()) PyErr_Clear();
-        /* Read now: if dropping the view ran code that closed the cache, its close's recovery
-         * removed our holds and ctx is NULL. */
-        if (slot <= UCM_PIN_SLOT_MASK && c->ctx) release_pin(c, c->ctx, (uint32_t)slot);
+        /* Dropping the view may have run code that closed the cache: its close's recovery
+         * removed our holds then. */
+        if (slot <= UCM_PIN_SLOT_MASK && !CLOSED_MEANWHILE(c, ctx))
+            release_pin(c, ctx, (uint32_t)slot);
     }
     Py_DECREF(c);
     return rc;
@@ -1591,23 +1670,24 @@ static PyObject *handle_ready(HandleBase *h, PyObject *const *args, Py_ssize_t n
     owned_discard(h->owned, h->slot);
     Py_SETREF(h->owned, Py_NewRef(Py_None));
     Py_SETREF(h->view, Py_NewRef(Py_None));
-    PyObject *views = h->views;
+    PyObject *views = h->views, *result = NULL;
     h->views = Py_NewRef(Py_None);
     if (HAS(views) && PyList_Check(views)) {
         /* The owner's writable views end with the load: released, unless an export (a numpy
          * array) still holds one, whose own pin then keeps the slot (_slots.release_views). */
         for (Py_ssize_t i = 0; i < PyList_GET_SIZE(views); i++) {
-            PyObject *x = PyObject_CallMethodNoArgs(PyList_GET_ITEM(views, i), s_release);
+            PyObject *view = Py_NewRef(PyList_GET_ITEM(views, i)); /* held across the call */
+            PyObject *x = PyObject_CallMethodNoArgs(view, s_release);
+            Py_DECREF(view);
             if (x) Py_DECREF(x);
             else if (PyErr_ExceptionMatches(PyExc_BufferError)) PyErr_Clear();
-            else {
-                Py_DECREF(views);
-                return NULL;
-            }
+            else goto done;
         }
     }
+    result = Py_NewRef(Py_None);
+done:
     Py_XDECREF(views);
-    Py_RETURN_NONE;
+    return result;
 }
 
 /* wait(timeout=None): a reader's wait on a slot another caller loads, one core step with the
@@ -1661,7 +1741,7 @@ static PyObject *handle_wait(HandleBase *h, PyObject *const *args, Py_ssize_t na
     int64_t deadline = secs < 0 ? -1 : t0 + (int64_t)(secs * 1e9);
     for (;;) {
         int r;
-        if (c->ctx != ctx) goto full; /* closed by Python code run below: named there */
+        if (CLOSED_MEANWHILE(c, ctx)) goto full; /* closed by Python code run below: named there */
         WITHOUT_GIL(c, r = core.wait_ready(ctx, (uint32_t)slot, deadline, liveness_ns,
                                            c->lock_fd, life_byte0, t0, &st));
         if (r == UCM_OK) {
@@ -1690,7 +1770,7 @@ static PyObject *handle_wait(HandleBase *h, PyObject *const *args, Py_ssize_t na
 raised:
     /* The wait ends on our own exception, with no final answer of the step: its time counted
      * here, once (c->ctx: a handler may have closed the cache, whose counters went with it). */
-    if (c->ctx == ctx) {
+    if (!CLOSED_MEANWHILE(c, ctx)) {
         uint64_t waited = (uint64_t)(core.now_ns() - t0);
         core.stat_add(ctx, UCM_ST_WAIT_NS, waited);
         core.observe(ctx, UCM_HIST_WAIT, waited);
@@ -1716,50 +1796,57 @@ static PyObject *handle_owner(HandleBase *h, void *closure)
     return Py_NewRef(h->owner ? h->owner : Py_False);
 }
 
+/* data of an open handle whose view C makes, made once: a slot Ready when pinned (the payload,
+ * read-only) or an owner's Loading slot from cold_handle (the whole slot, writable, kept in
+ * its views until the load ends, as _data_slow makes it).  NULL with no exception: anything
+ * else, or Python code run by an allocation closed h (the full path says so). */
+static PyObject *handle_view(HandleBase *h, CacheBase *c)
+{
+    if (HAS(h->view)) return Py_NewRef(h->view);
+    ucm_ctx *ctx = c->ctx;
+    PyObject *views = NULL, *v = NULL;
+    long long n = h->nbytes && PyLong_CheckExact(h->nbytes) ? PyLong_AsLongLong(h->nbytes) : -1;
+    unsigned long slot = h->slot && PyLong_CheckExact(h->slot) ? PyLong_AsUnsignedLong(h->slot)
+                                                               : (unsigned long)-1;
+    if (PyErr_Occurred() || slot > UCM_PIN_SLOT_MASK) {
+        PyErr_Clear(); /* not a slot and a length: the full path says so */
+        return NULL;
+    }
+    int writable = n < 0; /* not Ready when pinned: only an owner's C-made handle is ours */
+    if (writable) {
+        if (!h->ctok.armed || !h->ctok.owner || h->owner != Py_True || h->published != Py_False)
+            return NULL;
+        if (!HAS(h->views)) {
+            PyObject *l = PyList_New(0);
+            if (!l) return NULL;
+            Py_XSETREF(h->views, l);
+        }
+        views = Py_NewRef(h->views);
+        n = c->value_max;
+    }
+    if (CLOSED_MEANWHILE(still_open(h->closed, c), ctx)) goto done;
+    if (!(v = slot_view(c, ctx, (uint32_t)slot, (Py_ssize_t)n, writable))) goto done;
+    if (CLOSED_MEANWHILE(still_open(h->closed, c), ctx)) { /* not ours to give: the full path */
+        Py_CLEAR(v);
+        goto done;
+    }
+    if (writable) {
+        if (PyList_Append(views, v) < 0) Py_CLEAR(v);
+    } else if (HAS(h->view)) {
+        Py_SETREF(v, Py_NewRef(h->view)); /* a finalizer read data meanwhile: made once */
+    } else {
+        Py_XSETREF(h->view, Py_NewRef(v));
+    }
+done:
+    Py_XDECREF(views);
+    return v;
+}
+
 static PyObject *handle_data(HandleBase *h, void *closure)
 {
-    CacheBase *c = cache_of(h->cache);
-    if (IS_OPEN(h->closed) && c && c->ctx) {
-        if (HAS(h->view)) return Py_NewRef(h->view); /* made once */
-        long long n = h->nbytes && PyLong_CheckExact(h->nbytes) ? PyLong_AsLongLong(h->nbytes)
-                                                                 : -1;
-        unsigned long slot = h->slot && PyLong_CheckExact(h->slot)
-                                 ? PyLong_AsUnsignedLong(h->slot) : (unsigned long)-1;
-        if (PyErr_Occurred() || slot > UCM_PIN_SLOT_MASK) {
-            PyErr_Clear(); /* not a slot and a length: the full path says so */
-            n = -1;
-        }
-        if (n >= 0) {
-            /* Ready when pinned (the hit path): the payload, read-only, pinned by itself */
-            PyObject *v = slot_view(c, c->ctx, (uint32_t)slot, (Py_ssize_t)n, 0);
-            if (!v && PyErr_Occurred()) return NULL;
-            if (v && IS_OPEN(h->closed) && !HAS(h->view)) {
-                Py_XSETREF(h->view, Py_NewRef(v));
-                return v;
-            }
-            /* making it ran a finalizer that closed h (or read data): not ours to give */
-            Py_XDECREF(v);
-        } else if (h->ctok.armed && h->ctok.owner && h->owner == Py_True &&
-                   h->published == Py_False && slot <= UCM_PIN_SLOT_MASK) {
-            /* An owner's slot, Loading and ours (cold_handle): writable, the whole slot, kept
-             * in its views (released when the load ends), as _data_slow makes it. */
-            if (!HAS(h->views)) {
-                PyObject *l = PyList_New(0);
-                if (!l) return NULL;
-                Py_XSETREF(h->views, l);
-            }
-            PyObject *views = Py_NewRef(h->views);
-            PyObject *v = slot_view(c, c->ctx, (uint32_t)slot, c->value_max, 1);
-            if (v && IS_OPEN(h->closed) && PyList_Append(views, v) == 0) {
-                Py_DECREF(views);
-                return v;
-            }
-            Py_DECREF(views);
-            if (!v && PyErr_Occurred()) return NULL;
-            Py_XDECREF(v);
-            PyErr_Clear(); /* closed meanwhile: the full path says so */
-        }
-    }
+    CacheBase *c = handle_usable(h);
+    PyObject *v = c ? handle_view(h, c) : NULL;
+    if (v || PyErr_Occurred()) return v;
     return PyObject_CallMethodNoArgs((PyObject *)h, s_data_slow);
 }
 
@@ -1790,33 +1877,17 @@ static void handle_finalize(PyObject *self)
     if (IS_OPEN(h->closed)) finalize_by_close(self, &h->closed, h->cache);
 }
 
-static int handle_traverse(HandleBase *h, visitproc visit, void *arg)
+static int handle_traverse(HandleBase *o, visitproc visit, void *arg)
 {
-    Py_VISIT(h->cache);
-    Py_VISIT(h->token);
-    Py_VISIT(h->timeout);
-    Py_VISIT(h->views);
-    Py_VISIT(h->owned);
-    Py_VISIT(h->view);
-    Py_VISIT(h->t0);
-    return 0; /* (ints and bools refer to nothing) */
+    HANDLE_FIELDS(FIELD_VISIT)
+    return 0;
 }
 
-static int handle_clear(HandleBase *h)
+/* Never the armed ctok: its drop is dealloc's (a cycle's handle is finalized, so closed, by
+ * then). */
+static int handle_clear(HandleBase *o)
 {
-    Py_CLEAR(h->cache);
-    Py_CLEAR(h->token);
-    Py_CLEAR(h->timeout);
-    Py_CLEAR(h->views);
-    Py_CLEAR(h->owned);
-    Py_CLEAR(h->view);
-    Py_CLEAR(h->t0);
-    Py_CLEAR(h->nbytes);
-    Py_CLEAR(h->slot);
-    Py_CLEAR(h->closed);
-    Py_CLEAR(h->owner);
-    Py_CLEAR(h->published);
-    Py_CLEAR(h->serial);
+    HANDLE_FIELDS(FIELD_CLEAR)
     return 0;
 }
 
@@ -1847,22 +1918,13 @@ static PyMethodDef handle_methods[] = {
     {NULL},
 };
 
+#define FIELDS_OF HandleBase
 static PyMemberDef handle_members[] = {
-    {"_cache", T_OBJECT_EX, offsetof(HandleBase, cache), 0, NULL},
-    {"_token", T_OBJECT_EX, offsetof(HandleBase, token), 0, NULL},
-    {"_timeout", T_OBJECT_EX, offsetof(HandleBase, timeout), 0, NULL},
-    {"_views", T_OBJECT_EX, offsetof(HandleBase, views), 0, NULL},
-    {"_owned", T_OBJECT_EX, offsetof(HandleBase, owned), 0, NULL},
-    {"_view", T_OBJECT_EX, offsetof(HandleBase, view), 0, NULL},
-    {"_t0", T_OBJECT_EX, offsetof(HandleBase, t0), 0, NULL},
-    {"_nbytes", T_OBJECT_EX, offsetof(HandleBase, nbytes), 0, NULL},
-    {"_slot", T_OBJECT_EX, offsetof(HandleBase, slot), 0, NULL},
-    {"_closed", T_OBJECT_EX, offsetof(HandleBase, closed), 0, NULL},
-    {"_owner", T_OBJECT_EX, offsetof(HandleBase, owner), 0, NULL},
-    {"_published", T_OBJECT_EX, offsetof(HandleBase, published), 0, NULL},
-    {"_serial", T_OBJECT_EX, offsetof(HandleBase, serial), 0, NULL},
+    HANDLE_FIELDS(FIELD_MEMBER)
     {NULL},
 };
+static const field_row handle_fields[] = {HANDLE_FIELDS(FIELD_ROW)};
+#undef FIELDS_OF
 
 static PyGetSetDef handle_getset[] = {
     {"owner", (getter)handle_owner, NULL,
@@ -1893,49 +1955,38 @@ static PyTypeObject HandleBase_Type = {
 
 /* ---------------------------------------------------------------- BatchBase */
 
+#define BATCH_FIELDS(F) \
+    F(cache, NONE, MEMBER, "Its SlotCache (cache_of).") \
+    F(slots, UNSET, GETSET, "numpy uint32: each position's slot (UCM_NIL: no pin).") \
+    F(lens, UNSET, GETSET, "numpy int64: a position's length if Ready when pinned, else -1.") \
+    F(owner, NONE, MEMBER, "numpy bool: the positions this caller owns (`owner`: a copy).") \
+    F(serials, NONE, MEMBER, "numpy uint32: an owned position's load serial (or None).") \
+    F(slots_p, NONE, MEMBER, "The full path's cffi pointer to _slots (its token's drop takes " \
+      "it).") \
+    F(owner_p, NONE, MEMBER, "The full path's cffi pointer to _owner, likewise.") \
+    F(token, NONE, MEMBER, "The full path's batch token (None: an all-hit batch).") \
+    F(timeout, NONE, MEMBER, "The get_many's timeout: its waits' default.") \
+    F(views, NONE, MEMBER, "None, or a list of n: position i's read-only view, made once.") \
+    F(region, NONE, C, "None, or the view of the data region the positions' views narrow " \
+      "(batch_region_view).") \
+    F(owner_views, NONE, MEMBER, "Position -> the owner's writable views (released when its " \
+      "load ends).") \
+    F(owned, NONE, MEMBER, "The owned-slot set of the context that owns positions.") \
+    F(closed, TRUE, MEMBER, "True: the pins are dropped (or not taken yet: an inert batch).") \
+    F(any_owner, FALSE, MEMBER, "False: an all-hit batch, no owner bookkeeping.")
+
 typedef struct {
     PyObject_HEAD
-    PyObject *cache;      /* _cache: its SlotCache (cache_of) */
-    PyObject *slots;      /* _slots: numpy uint32 (slot per position, UCM_NIL: no pin) */
-    PyObject *lens;       /* _lens: numpy int64 (a Ready position's length, -1 unknown) */
-    PyObject *owner;      /* _owner: numpy bool (`owner` gives a copy) */
-    PyObject *serials;    /* _serials: numpy uint32, an owned position's load serial (None) */
-    PyObject *slots_p;    /* _slots_p, _owner_p: the full path's cffi pointers to _slots and
-                           * _owner, which its token's drop takes */
-    PyObject *owner_p;
-    PyObject *token;      /* _token: the full path's batch token (None: an all-hit batch) */
-    PyObject *timeout;    /* _timeout, _views, _owner_views, _owned: see ucmcache/_handle.py */
-    PyObject *views;      /* None, or a list of n: position i's read-only view, made once */
-    PyObject *region;     /* None, or the view of the data region its views narrow (see
-                           * batch_region_view) */
-    PyObject *owner_views;
-    PyObject *owned;
+    BATCH_FIELDS(FIELD_DECL)
     PyObject *weakreflist;
-    uint32_t *slot_at;    /* _slots' and _lens' items, and how many each holds */
-    int64_t *len_at;
+    uint32_t *slot_at;    /* slots' and lens' items (kept by their setters), and how many each */
+    int64_t *len_at;      /* holds: the arrays stay referenced, so their memory does not move */
     Py_ssize_t n_slot_at, n_len_at;
-    Py_ssize_t n;         /* _n */
-    PyObject *closed;     /* _closed, _any_owner: bools (objects: see HandleBase) */
-    PyObject *any_owner;
+    Py_ssize_t n;         /* _n: the positions (a getset: never more than the arrays hold) */
 } BatchBase;
 
 /* A new batch's fields: inert (closed), no cache, no owner (no allocation). */
-static void batch_init(BatchBase *b)
-{
-    b->cache = Py_NewRef(Py_None);
-    b->owner = Py_NewRef(Py_None);
-    b->slots_p = Py_NewRef(Py_None);
-    b->owner_p = Py_NewRef(Py_None);
-    b->token = Py_NewRef(Py_None);
-    b->timeout = Py_NewRef(Py_None);
-    b->views = Py_NewRef(Py_None);
-    b->region = Py_NewRef(Py_None);
-    b->owner_views = Py_NewRef(Py_None);
-    b->owned = Py_NewRef(Py_None);
-    b->closed = Py_NewRef(Py_True);
-    b->any_owner = Py_NewRef(Py_False);
-    b->serials = Py_NewRef(Py_None);
-}
+static void batch_init(BatchBase *o) { BATCH_FIELDS(FIELD_INIT) }
 
 static PyTypeObject BatchBase_Type;
 
@@ -1946,15 +1997,15 @@ static int items_of(PyObject *v, Py_ssize_t itemsize, int writable, void **at, P
     Py_buffer b;
     if (PyObject_GetBuffer(v, &b, PyBUF_C_CONTIGUOUS | (writable ? PyBUF_WRITABLE : 0)) < 0)
         return -1;
-    if (b.itemsize != itemsize) {
-        PyBuffer_Release(&b);
+    int r = b.itemsize == itemsize ? 0 : -1;
+    if (r == 0) {
+        *at = b.buf;
+        *n = b.len / itemsize;
+    } else {
         PyErr_Format(PyExc_TypeError, "expected an array of %zd-byte items", itemsize);
-        return -1;
     }
-    *at = b.buf;
-    *n = b.len / itemsize;
     PyBuffer_Release(&b);
-    return 0;
+    return r;
 }
 
 static int batch_set_slots(BatchBase *b, PyObject *v, void *closure)
@@ -2006,28 +2057,25 @@ static PyObject *batch_hit(CacheBase *c, PyObject *keys)
 {
     Py_ssize_t n = PyList_GET_SIZE(keys);
     if (n == 0 || n > (Py_ssize_t)UCM_PIN_SLOT_MASK || !all_plain(keys)) return NULL;
+    ucm_ctx *ctx = c->ctx;
+    BatchBase *b = NULL;
+    PyObject *slots = NULL, *lens = NULL, *owner = NULL, *result = NULL;
+    char small[16 * 64], *ids = small;
+    int rc;
     /* Everything is allocated before the pins (see the top of this file), and before the ids
      * are read (see copy_ids). */
-    BatchBase *b = (BatchBase *)batch_type->tp_alloc(batch_type, 0);
-    if (!b) return NULL;
+    if (!(b = (BatchBase *)batch_type->tp_alloc(batch_type, 0))) goto done;
     batch_init(b);
-    PyObject *slots = NULL, *lens = NULL, *owner = NULL;
-    char small[16 * 64], *ids = small;
     if (!(slots = call_n(new_slots, n)) || !(lens = call_n(new_lengths, n)) ||
         !(owner = call_n(new_owner, n)) ||
         batch_set_slots(b, slots, NULL) < 0 || batch_set_lens(b, lens, NULL) < 0 ||
         b->n_slot_at < n || b->n_len_at < n)
-        goto fail;
+        goto done;
     if (n > 64 && !(ids = PyMem_Malloc(16 * (size_t)n))) {
         PyErr_NoMemory();
-        goto fail;
+        goto done;
     }
-    int rc;
-    ucm_ctx *ctx = c->ctx;
-    if (!ctx || !copy_ids(keys, n, ids)) {
-        if (ids != small) PyMem_Free(ids);
-        goto fail;
-    }
+    if (CLOSED_MEANWHILE(c, ctx) || !copy_ids(keys, n, ids)) goto done;
     if (__builtin_expect(core.ctx_points_set(ctx), 0)) {
         uint32_t *slot_at = b->slot_at;
         int64_t *lens_at = b->len_at;
@@ -2036,24 +2084,22 @@ static PyObject *batch_hit(CacheBase *c, PyObject *keys)
     } else {
         rc = core.pin_all_ready(ctx, ids, NULL, (uint32_t)n, C_SPIN, b->slot_at, b->len_at);
     }
-    if (ids != small) PyMem_Free(ids);
-    if (rc != UCM_OK) goto fail; /* nothing pinned: the full path */
+    if (rc != UCM_OK) goto done; /* nothing pinned: the full path */
     /* The pins become the batch's in plain stores (the fields replaced are None). */
-    Py_XSETREF(b->owner, owner);
-    Py_XSETREF(b->owned, Py_NewRef(no_owned));
-    Py_XSETREF(b->cache, Py_NewRef(c));
+    Py_SETREF(b->owner, Py_NewRef(owner));
+    Py_SETREF(b->owned, Py_NewRef(no_owned));
+    Py_SETREF(b->cache, Py_NewRef(c));
     b->n = n;
     SET_FLAG(b->closed, 0);
     add_open(c, 1);
-    Py_DECREF(slots);
-    Py_DECREF(lens);
-    return (PyObject *)b;
-fail:
+    result = Py_NewRef((PyObject *)b);
+done:
+    if (ids != small) PyMem_Free(ids);
     Py_XDECREF(slots);
     Py_XDECREF(lens);
     Py_XDECREF(owner);
-    Py_DECREF(b);
-    return NULL;
+    Py_XDECREF(b);
+    return result;
 }
 
 static PyObject *cache_get_many(CacheBase *self, PyObject *const *args, Py_ssize_t nargs,
@@ -2080,12 +2126,10 @@ static void batch_owned_discard(BatchBase *b)
         PyErr_Clear();
         return;
     }
-    if (own.itemsize != 1) { /* a bool array (new_owner): one byte per position */
-        PyBuffer_Release(&own);
-        return;
-    }
     const char *is_owner = own.buf;
-    for (Py_ssize_t i = 0; i < b->n && i < own.len && i < b->n_slot_at; i++) {
+    /* (a bool array, new_owner's: one byte per position; anything else is no owner array) */
+    Py_ssize_t n = own.itemsize == 1 ? own.len : 0;
+    for (Py_ssize_t i = 0; i < b->n && i < n && i < b->n_slot_at; i++) {
         if (!is_owner[i]) continue;
         PyObject *slot = PyLong_FromUnsignedLong(b->slot_at[i]);
         if (slot) owned_discard(b->owned, slot);
@@ -2097,10 +2141,11 @@ static void batch_owned_discard(BatchBase *b)
 
 static int batch_drop(BatchBase *b, PyObject *msg)
 {
-    if (!IS_OPEN(b->closed)) return 0;
     CacheBase *c = cache_of(b->cache);
+    if (!IS_OPEN(b->closed)) return 0;
     SET_FLAG(b->closed, 1);
-    if (!c || !c->ctx) return 0;
+    if (!c || !c->ctx) return 0; /* a closed or forked cache's batch: not our pins */
+    ucm_ctx *ctx = c->ctx;
     Py_INCREF(c);
     add_open(c, -1);
     Py_SETREF(b->views, Py_NewRef(Py_None));
@@ -2117,16 +2162,10 @@ static int batch_drop(BatchBase *b, PyObject *msg)
         Py_XDECREF(len);
         if (r) Py_DECREF(r);
         else rc = -1;
-    } else {
-        ucm_ctx *ctx = c->ctx; /* read now: as handle_drop */
-        if (ctx && b->slot_at && b->n_slot_at >= b->n) {
-            if (__builtin_expect(core.ctx_points_set(ctx), 0)) {
-                uint32_t *slots = b->slot_at, n = (uint32_t)b->n;
-                WITHOUT_GIL(c, core.release_many(ctx, slots, n)); /* as release_pin */
-            } else {
-                core.release_many(ctx, b->slot_at, (uint32_t)b->n);
-            }
-        }
+    } else if (!CLOSED_MEANWHILE(c, ctx) && b->slot_at && b->n_slot_at >= b->n) {
+        /* (closed meanwhile: dropping the views ran code that closed the cache, whose
+         * recovery removed our holds) */
+        release_pins(c, ctx, b->slot_at, (uint32_t)b->n);
     }
     Py_DECREF(c);
     return rc;
@@ -2176,116 +2215,102 @@ static PyObject *batch_drop_pins(BatchBase *b, PyObject *msg)
     return Py_NewRef(r ? Py_True : Py_False);
 }
 
+/* Position i's read-only view (Ready when pinned: the payload, pinned by itself), one per
+ * position, made once.  NULL with no exception: Python code run by an allocation closed b or
+ * its cache (the full path says so). */
+static PyObject *batch_view(BatchBase *b, CacheBase *c, Py_ssize_t i)
+{
+    ucm_ctx *ctx = c->ctx;
+    PyObject *views = NULL, *region = NULL, *v = NULL;
+    if (HAS(b->views) && PyList_CheckExact(b->views) && PyList_GET_SIZE(b->views) == b->n) {
+        PyObject *had = PyList_GET_ITEM(b->views, i);
+        if (had != Py_None) return Py_NewRef(had);
+    } else {
+        PyObject *fresh = PyList_New(b->n);
+        if (!fresh) return NULL;
+        for (Py_ssize_t k = 0; k < b->n; k++) PyList_SET_ITEM(fresh, k, Py_NewRef(Py_None));
+        Py_XSETREF(b->views, fresh);
+    }
+    views = Py_NewRef(b->views);
+    if (CLOSED_MEANWHILE(still_open(b->closed, c), ctx)) goto done;
+    if (!HAS(b->region)) {
+        PyObject *made = batch_region_view(c, ctx, b->slot_at, (uint32_t)b->n);
+        if (!made) goto done; /* an exception, or none: no longer pinned (the full path) */
+        Py_XSETREF(b->region, made);
+        if (CLOSED_MEANWHILE(still_open(b->closed, c), ctx)) goto done;
+    }
+    region = Py_NewRef(b->region);
+    v = narrow_view(region, (Py_ssize_t)b->slot_at[i] * c->stride, (Py_ssize_t)b->len_at[i]);
+    if (v && (CLOSED_MEANWHILE(still_open(b->closed, c), ctx) || b->views != views))
+        Py_CLEAR(v); /* making it ran a finalizer that closed b: not ours to give */
+    if (v) PyList_SetItem(b->views, i, Py_NewRef(v)); /* (steals; drops the None) */
+done:
+    Py_XDECREF(views);
+    Py_XDECREF(region);
+    return v;
+}
+
 static PyObject *batch_data(BatchBase *b, PyObject *pos)
 {
     CacheBase *c = batch_usable(b);
-    if (c && PyLong_CheckExact(pos)) {
-        Py_ssize_t i = PyLong_AsSsize_t(pos);
-        if (i >= 0 && i < b->n && b->len_at[i] >= 0) {
-            /* Ready when pinned: the payload, read-only, pinned by itself; one per position */
-            if (HAS(b->views) && PyList_CheckExact(b->views) && PyList_GET_SIZE(b->views) == b->n) {
-                PyObject *had = PyList_GET_ITEM(b->views, i);
-                if (had != Py_None) return Py_NewRef(had);
-            } else {
-                PyObject *fresh = PyList_New(b->n);
-                if (!fresh) return NULL;
-                for (Py_ssize_t k = 0; k < b->n; k++) PyList_SET_ITEM(fresh, k, Py_NewRef(Py_None));
-                Py_XSETREF(b->views, fresh);
-                if (batch_usable(b) != c) goto slow; /* the allocation closed it */
-            }
-            PyObject *views = Py_NewRef(b->views);
-            if (!HAS(b->region)) {
-                PyObject *region = batch_region_view(c, c->ctx, b->slot_at, (uint32_t)b->n);
-                if (!region) {
-                    Py_DECREF(views);
-                    if (PyErr_Occurred()) return NULL;
-                    goto slow;
-                }
-                Py_XSETREF(b->region, region);
-            }
-            PyObject *region = Py_NewRef(b->region);
-            PyObject *v = narrow_view(region, (Py_ssize_t)b->slot_at[i] * c->stride,
-                                      (Py_ssize_t)b->len_at[i]);
-            Py_DECREF(region);
-            if (!v) {
-                Py_DECREF(views);
-                return NULL;
-            }
-            if (!v || !IS_OPEN(b->closed) || b->views != views) {
-                /* making it ran a finalizer that closed b: not ours to give */
-                Py_XDECREF(v);
-                Py_DECREF(views);
-                goto slow;
-            }
-            Py_DECREF(views);
-            PyList_SetItem(b->views, i, Py_NewRef(v)); /* (steals; drops the None) */
-            return v;
-        }
-        PyErr_Clear(); /* an index out of range: the full path says so */
+    Py_ssize_t i = c && PyLong_CheckExact(pos) ? PyLong_AsSsize_t(pos) : -1;
+    if (i == -1) PyErr_Clear(); /* -1, or an index too large: the full path says so */
+    if (i >= 0 && i < b->n && b->len_at[i] >= 0) {
+        PyObject *v = batch_view(b, c, i);
+        if (v || PyErr_Occurred()) return v;
     }
-slow:
     return PyObject_CallMethodOneArg((PyObject *)b, s_data_slow, pos);
 }
 
+/* gather's copies, as SlotCache.read_many's: the rows of out (made by out_rows), one core call
+ * with the GIL released. */
 static PyObject *batch_gather(BatchBase *b, PyObject *out)
 {
-    if (!batch_usable(b) || b->n == 0)
-        return PyObject_CallMethodOneArg((PyObject *)b, s_gather_full, out);
-    Py_buffer ob, lb;
+    CacheBase *c = batch_usable(b);
+    if (!c || b->n == 0) return PyObject_CallMethodOneArg((PyObject *)b, s_gather_full, out);
+    ucm_ctx *ctx = c->ctx;
+    Py_buffer ob, lb = {0};
     Py_ssize_t row = out_rows(out, b->n, &ob);
     if (row == -1) return NULL; /* rows that cannot take the payloads: said */
     if (row < 0) /* a tensor, or not writable/contiguous: the full path says so */
         return PyObject_CallMethodOneArg((PyObject *)b, s_gather_full, out);
     uint32_t small[64], *slots = small, n = (uint32_t)b->n;
-    PyObject *lens = call_n(new_lengths, b->n);
-    if (n > 64 && lens && !(slots = PyMem_Malloc(sizeof(uint32_t) * n))) {
-        Py_CLEAR(lens);
+    PyObject *lens = NULL, *result = NULL;
+    int full = 0;
+    if (!(lens = call_n(new_lengths, b->n)) ||
+        PyObject_GetBuffer(lens, &lb, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
+        goto done;
+    if (n > 64 && !(slots = PyMem_Malloc(sizeof(uint32_t) * n))) {
         PyErr_NoMemory();
+        goto done;
     }
-    if (!lens || PyObject_GetBuffer(lens, &lb, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
-        if (slots != small) PyMem_Free(slots);
-        PyBuffer_Release(&ob);
-        Py_XDECREF(lens);
-        return NULL;
-    }
-    CacheBase *c = batch_usable(b);
-    ucm_ctx *ctx = c && b->n == n ? c->ctx : NULL;
     /* The copy's own slots and holds on them (the process-local count), taken with the GIL
      * held: a close of the batch by another thread while the GIL is released drops only the
      * batch's pins (and sets its positions to NIL as it goes), so every row copied is its
      * key's bytes and this call releases exactly what it took.  None taken: making lens ran
      * a finalizer that closed b (or its cache): the full path says so. */
-    if (ctx) memcpy(slots, b->slot_at, sizeof(uint32_t) * n);
-    if (!ctx || core.pin_again_many(ctx, slots, n) != UCM_OK) {
-        if (slots != small) PyMem_Free(slots);
-        PyBuffer_Release(&lb);
-        PyBuffer_Release(&ob);
-        Py_DECREF(lens);
-        return PyObject_CallMethodOneArg((PyObject *)b, s_gather_full, out);
+    if (CLOSED_MEANWHILE(batch_usable(b), ctx) || b->n != n) {
+        full = 1;
+        goto done;
     }
-    int64_t *lp = lb.buf, worst = -1;
+    memcpy(slots, b->slot_at, sizeof(uint32_t) * n);
+    if (core.pin_again_many(ctx, slots, n) != UCM_OK) {
+        full = 1;
+        goto done;
+    }
+    int64_t *lp = lb.buf;
     WITHOUT_GIL(c, core.gather(ctx, slots, n, ob.buf, (uint64_t)row, lp));
-    /* c->ctx is still ctx: close() does not take it while calls_out > 0 */
-    if (__builtin_expect(core.ctx_points_set(ctx), 0)) {
-        WITHOUT_GIL(c, core.release_many(ctx, slots, n));
-    } else {
-        core.release_many(ctx, slots, n);
-    }
+    /* c->ctx is still ctx (close() does not take it while calls_out > 0), and the holds are
+     * dropped before any Python code runs (after which it might not be). */
+    release_pins(c, ctx, slots, n);
+    result = checked_lengths(c, UCM_OK, lens, lp, n, row);
+done:
     if (slots != small) PyMem_Free(slots);
-    for (uint32_t i = 0; i < n; i++)
-        if (lp[i] > worst) worst = lp[i];
-    PyBuffer_Release(&lb);
+    PyBuffer_Release(&lb); /* (a no-op if none was taken) */
     PyBuffer_Release(&ob);
-    if (worst > (int64_t)row) {
-        PyObject *rw = PyLong_FromSsize_t(row), *zero = PyLong_FromLong(0);
-        PyObject *r = rw && zero ? PyObject_CallMethodObjArgs((PyObject *)c, s_read_checked,
-                                                              zero, lens, rw, NULL) : NULL;
-        Py_XDECREF(rw);
-        Py_XDECREF(zero);
-        if (!r) Py_CLEAR(lens);
-        Py_XDECREF(r);
-    }
-    return lens;
+    Py_XDECREF(lens);
+    if (full) return PyObject_CallMethodOneArg((PyObject *)b, s_gather_full, out);
+    return result;
 }
 
 static void batch_finalize(PyObject *self)
@@ -2294,44 +2319,18 @@ static void batch_finalize(PyObject *self)
     if (IS_OPEN(b->closed)) finalize_by_close(self, &b->closed, b->cache);
 }
 
-static int batch_traverse(BatchBase *b, visitproc visit, void *arg)
+static int batch_traverse(BatchBase *o, visitproc visit, void *arg)
 {
-    Py_VISIT(b->cache);
-    Py_VISIT(b->slots);
-    Py_VISIT(b->lens);
-    Py_VISIT(b->owner);
-    Py_VISIT(b->serials);
-    Py_VISIT(b->slots_p);
-    Py_VISIT(b->owner_p);
-    Py_VISIT(b->token);
-    Py_VISIT(b->timeout);
-    Py_VISIT(b->views);
-    Py_VISIT(b->region);
-    Py_VISIT(b->owner_views);
-    Py_VISIT(b->owned);
+    BATCH_FIELDS(FIELD_VISIT)
     return 0;
 }
 
-static int batch_clear(BatchBase *b)
+static int batch_clear(BatchBase *o)
 {
-    b->slot_at = NULL;
-    b->len_at = NULL;
-    b->n_slot_at = b->n_len_at = 0;
-    Py_CLEAR(b->cache);
-    Py_CLEAR(b->slots);
-    Py_CLEAR(b->lens);
-    Py_CLEAR(b->owner);
-    Py_CLEAR(b->serials);
-    Py_CLEAR(b->slots_p);
-    Py_CLEAR(b->owner_p);
-    Py_CLEAR(b->token);
-    Py_CLEAR(b->timeout);
-    Py_CLEAR(b->views);
-    Py_CLEAR(b->region);
-    Py_CLEAR(b->owner_views);
-    Py_CLEAR(b->owned);
-    Py_CLEAR(b->closed);
-    Py_CLEAR(b->any_owner);
+    o->slot_at = NULL; /* first: C's views of the arrays go with them */
+    o->len_at = NULL;
+    o->n_slot_at = o->n_len_at = 0;
+    BATCH_FIELDS(FIELD_CLEAR)
     return 0;
 }
 
@@ -2375,21 +2374,13 @@ static PyMethodDef batch_methods[] = {
     {NULL},
 };
 
+#define FIELDS_OF BatchBase
 static PyMemberDef batch_members[] = {
-    {"_cache", T_OBJECT_EX, offsetof(BatchBase, cache), 0, NULL},
-    {"_owner", T_OBJECT_EX, offsetof(BatchBase, owner), 0, NULL},
-    {"_serials", T_OBJECT_EX, offsetof(BatchBase, serials), 0, NULL},
-    {"_slots_p", T_OBJECT_EX, offsetof(BatchBase, slots_p), 0, NULL},
-    {"_owner_p", T_OBJECT_EX, offsetof(BatchBase, owner_p), 0, NULL},
-    {"_token", T_OBJECT_EX, offsetof(BatchBase, token), 0, NULL},
-    {"_timeout", T_OBJECT_EX, offsetof(BatchBase, timeout), 0, NULL},
-    {"_views", T_OBJECT_EX, offsetof(BatchBase, views), 0, NULL},
-    {"_owner_views", T_OBJECT_EX, offsetof(BatchBase, owner_views), 0, NULL},
-    {"_owned", T_OBJECT_EX, offsetof(BatchBase, owned), 0, NULL},
-    {"_closed", T_OBJECT_EX, offsetof(BatchBase, closed), 0, NULL},
-    {"_any_owner", T_OBJECT_EX, offsetof(BatchBase, any_owner), 0, NULL},
+    BATCH_FIELDS(FIELD_MEMBER)
     {NULL},
 };
+static const field_row batch_fields[] = {BATCH_FIELDS(FIELD_ROW)};
+#undef FIELDS_OF
 
 static PyObject *batch_get_n(BatchBase *b, void *c) { return PyLong_FromSsize_t(b->n); }
 
@@ -2580,6 +2571,21 @@ static PyMethodDef mod_methods[] = {
     {NULL},
 };
 
+/* _hit.FIELDS: {type name: ((Python name, access), ...)}, the field tables as data (what
+ * tests/test_layout.py checks ucmcache/_hit.pyi against). */
+static int add_fields(PyObject *fields, const char *type, const field_row *rows, size_t n)
+{
+    PyObject *t = PyTuple_New((Py_ssize_t)n);
+    for (size_t i = 0; t && i < n; i++) {
+        PyObject *row = Py_BuildValue("(ss)", rows[i].name, rows[i].access);
+        if (!row) Py_CLEAR(t);
+        else PyTuple_SET_ITEM(t, (Py_ssize_t)i, row);
+    }
+    int r = t ? PyDict_SetItemString(fields, type, t) : -1;
+    Py_XDECREF(t);
+    return r;
+}
+
 static struct PyModuleDef hit_module = {
     PyModuleDef_HEAD_INIT, "ucmcache._hit",
     "The hit path as CPython types (see csrc/ucm_hit.c).", -1, mod_methods,
@@ -2594,7 +2600,7 @@ PyMODINIT_FUNC PyInit__hit(void)
 #define INTERN(v, s) if (!(v = PyUnicode_InternFromString(s))) return NULL
     INTERN(s_get_full, "_get_full"); INTERN(s_hit_bytes_full, "_hit_bytes_full");
     INTERN(s_get_or_load_full, "_get_or_load_full"); INTERN(s_read_many_full, "_read_many_full");
-    INTERN(s_read_checked, "_read_checked"); INTERN(s_data_slow, "_data_slow");
+    INTERN(s_data_slow, "_data_slow");
     INTERN(s_exit_slow, "_exit_slow"); INTERN(s_close, "close"); INTERN(s_release, "release");
     INTERN(s_timeout, "timeout"); INTERN(s_get_many_full, "_get_many_full");
     INTERN(s_gather_full, "_gather_full"); INTERN(s_close_with, "_close");
@@ -2615,9 +2621,21 @@ PyMODINIT_FUNC PyInit__hit(void)
         PyModule_AddObjectRef(m, "HandleBase", (PyObject *)&HandleBase_Type) < 0 ||
         PyModule_AddObjectRef(m, "BatchBase", (PyObject *)&BatchBase_Type) < 0 ||
         PyModule_AddObjectRef(m, "Ready", (PyObject *)&Ready_Type) < 0 ||
-        PyModule_AddObjectRef(m, "SlotBuffer", (PyObject *)&SlotBuffer_Type) < 0) {
-        Py_DECREF(m);
-        return NULL;
+        PyModule_AddObjectRef(m, "SlotBuffer", (PyObject *)&SlotBuffer_Type) < 0)
+        goto error;
+    PyObject *fields = PyDict_New();
+    if (!fields ||
+#define ROWS(t) t, sizeof t / sizeof *t
+        add_fields(fields, "HandleBase", ROWS(handle_fields)) < 0 ||
+        add_fields(fields, "BatchBase", ROWS(batch_fields)) < 0 ||
+#undef ROWS
+        PyModule_AddObjectRef(m, "FIELDS", fields) < 0) {
+        Py_XDECREF(fields);
+        goto error;
     }
+    Py_DECREF(fields);
     return m;
+error:
+    Py_DECREF(m);
+    return NULL;
 }

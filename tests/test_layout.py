@@ -119,3 +119,30 @@ def test_the_hit_stub_declares_exactly_what_the_c_types_have():
         made = set(vars(getattr(hit, node.name)))
         assert {n for n in declared if not n.startswith("__")} == \
             {n for n in made if not n.startswith("__")}, node.name
+
+
+def test_the_hit_stub_declares_every_field_of_the_c_field_tables():
+    # HandleBase's and BatchBase's fields are declared once, in csrc/ucm_hit.c's HANDLE_FIELDS and
+    # BATCH_FIELDS (_hit.FIELDS, the tables as data): each one Python reaches is in _hit.pyi and
+    # made as the table says (a member, or a getset over it); a C-only one is in neither; every
+    # other field the stub declares for those types is a getset of the type.
+    import ast
+    import pathlib
+
+    import ucmcache._hit as hit
+    stub = ast.parse((pathlib.Path(hit.__file__).parent / "_hit.pyi").read_text())
+    classes = {n.name: n for n in stub.body if isinstance(n, ast.ClassDef)}
+    made_as = {"MEMBER": "member_descriptor", "GETSET": "getset_descriptor"}
+    assert set(hit.FIELDS) == {"HandleBase", "BatchBase"}
+    for type_name, rows in hit.FIELDS.items():
+        declared = {n.target.id for n in classes[type_name].body if isinstance(n, ast.AnnAssign)}
+        made = vars(getattr(hit, type_name))
+        for name, access in rows:
+            if access == "C":
+                assert name not in declared and name not in made, f"{type_name}.{name}"
+            else:
+                assert name in declared, f"{type_name}.{name}: in the C table, not in _hit.pyi"
+                assert type(made[name]).__name__ == made_as[access], f"{type_name}.{name}"
+        others = declared - {name for name, _ in rows}
+        assert {type(made.get(n)).__name__ for n in others} <= {"getset_descriptor"}, \
+            f"{type_name}: {sorted(others)} in _hit.pyi, not in the C table"

@@ -158,7 +158,8 @@ def test_inconsistent_links_are_reported_and_the_claim_given_back(make_cache):
 def test_close_removes_a_leaked_pin_of_its_own_rank(uuid):
     c = SlotCache.create(uuid, slots_per_rank=2, slot_size=64, max_ranks=2)
     c.get_or_load(X, lambda: b"x")
-    r = lib.ucm_lookup_pin(c._ctx, X, 0, 64, 1, 0)  # a pin no Handle owns (an exception hit)
+    # a pin no Handle owns (an exception hit)
+    r = lib.ucm_lookup_pin(c._ctx, X, 0, 64, lib.UCM_OUTER_REQUEST, 0)
     assert r >= 0
     c.close()
     d = SlotCache.attach(uuid)

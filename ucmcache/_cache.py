@@ -491,8 +491,8 @@ class SlotCache(CacheBase, SingleFlight, Batches, Prefetching, Mapping):
         token = None
         ticket = _next_ticket()
         try:
-            r = lib.ucm_lookup_pin(ctx, block_id, offset, FAST_SPIN, 1, ticket) if look \
-                else -lib.UCM_MISS
+            r = lib.ucm_lookup_pin(ctx, block_id, offset, FAST_SPIN, lib.UCM_OUTER_REQUEST,
+                                   ticket) if look else -lib.UCM_MISS
             if r < 0:
                 token = ffi.gc(ffi.new("ucm_token *"), self._token_release)
                 r = self._pin_slow(block_id, offset, -r, timeout, token, ffi.NULL, ffi.NULL,
@@ -647,7 +647,8 @@ class SlotCache(CacheBase, SingleFlight, Batches, Prefetching, Mapping):
         # anywhere drops it (see get()).
         ticket = _next_ticket()
         try:
-            r = lib.ucm_lookup_pin(ctx, block_id, offset, FAST_SPIN, 2, ticket)  # a hit counts
+            r = lib.ucm_lookup_pin(ctx, block_id, offset, FAST_SPIN, lib.UCM_OUTER_HIT_ONLY,
+                                   ticket)
             if r >= 0:
                 slot, length, _ = decode_pin(r)
                 if length >= 0:                     # Ready

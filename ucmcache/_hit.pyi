@@ -1,6 +1,6 @@
 # Types of ucmcache._hit (csrc/ucm_hit.c): the hit path as CPython types, bases of SlotCache,
 # Handle and HandleBatch.  The methods below are the public API of those classes.
-from typing import Any, Callable, Coroutine, Optional, Sequence
+from typing import Any, Callable, Coroutine, Dict, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -35,8 +35,12 @@ class CacheBase:
     def _fork_release(self, slots: Any, n: int, /) -> None: ...
     def _forks_out(self) -> int: ...
 
+# The field tables of HandleBase and BatchBase (HANDLE_FIELDS, BATCH_FIELDS in ucm_hit.c), as
+# data: type name -> ((Python name, "MEMBER" | "GETSET" | "C"), ...).
+FIELDS: Dict[str, Tuple[Tuple[str, str], ...]]
+
 class HandleBase:
-    # Its fields (handle_members in ucm_hit.c: objects the Python layer sets and reads).
+    # Its fields (HANDLE_FIELDS in ucm_hit.c: objects the Python layer sets and reads).
     _cache: Any
     _token: Any
     _timeout: Any
@@ -62,7 +66,7 @@ class HandleBase:
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None: ...
 
 class BatchBase:
-    # Its fields (batch_members and batch_getset in ucm_hit.c).
+    # Its fields (BATCH_FIELDS in ucm_hit.c, and the getset _n).
     _cache: Any
     _owner: Any
     _slots_p: Any

@@ -1,0 +1,221 @@
+"""The hit path's C types as a maintainer meets them (csrc/ucm_hit.c; DESIGN 4.1, 4.6): a
+get_or_load or get of a key another caller loads looks it up once before the stripe and waits
+with that look's pin, or with the slow step's pin moved out of its token; the counting contract
+(ucm_outer) is one look's; and a SlotCache in a reference cycle through its C fields is
+collected."""
+import gc
+import os
+import threading
+import time
+import weakref
+
+import pytest
+
+import ucmcache
+from ucmcache import SlotCache
+from ucmcache._tier import BoundTier, Tier
+
+from conftest import run_uuid
+
+K = [i.to_bytes(8, "little") * 2 for i in range(200)]
+TIMING = ("wait_ns", "load_sum_ns", "wait_sum_ns", "wait_seconds")
+FULL = {"timeout": 30.0}  # a timeout sends get and get_or_load to the full path (Python)
+WAIT = 10.0
+
+
+def counters(c):
+    return {k: v for k, v in c.stats().items() if isinstance(v, int) and k not in TIMING}
+
+
+def warm(c):
+    """The first miss of a rank takes its share of the arenas (MOVED: the full path's decision);
+    after it, cold keys take the C path."""
+    c.get_or_load(K[199], lambda: b"first")
+    return c
+
+
+def until(what, done, thread):
+    """Wait (bounded) for a step of `thread` that has no gate of its own to reach a shared
+    counter: the counter is the signal, never the passing of time.  A thread that ended first
+    raises its error here."""
+    deadline = time.monotonic() + WAIT
+    while not done():
+        if not thread.is_alive():
+            thread.result()
+            raise AssertionError(f"the thread ended before {what}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} did not happen within {WAIT} s")
+        os.sched_yield()
+
+
+def no_full_path(monkeypatch):
+    """Every full-path entry a get or get_or_load of a plain id could take, made to fail; the
+    wait of a join (_get_or_load_joined, _load_or_wait) stays allowed."""
+    for name in ("_get_or_load_missed", "_get_or_load_cold", "_get_or_load_full", "_get_full",
+                 "_get_missed", "_pin_handle"):
+        monkeypatch.setattr(SlotCache, name,
+                            lambda *a, name=name, **k: pytest.fail(f"{name} ran"))
+
+
+def in_thread(fn):
+    """fn() in a thread; .result() joins it (bounded), then returns fn's value or raises."""
+    box = {}
+
+    def run():
+        try:
+            box["value"] = fn()
+        except BaseException as e:  # noqa: B902 (handed to the test's thread)
+            box["error"] = e
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+
+    def result():
+        t.join(WAIT)
+        assert not t.is_alive(), "the thread did not finish"
+        if "error" in box:
+            raise box["error"]
+        return box["value"]
+    t.result = result
+    return t
+
+
+@pytest.fixture
+def two(uuid):
+    """Two caches alike, warmed: (a, b), a for the C path and b for the full path; both closed
+    and unlinked after the test, pass or fail."""
+    full_uuid = run_uuid()
+    made = []
+    try:
+        for u in (uuid, full_uuid):
+            made.append(SlotCache.create(u, slots_per_rank=16, slot_size=64, max_ranks=1))
+            warm(made[-1])
+        yield made
+    finally:
+        for c in made:
+            try:
+                c.close()
+            except ucmcache.UcmError:
+                pass  # the test's own failure says why (the segments go below anyway)
+        SlotCache.unlink(full_uuid)
+
+
+def join_at_the_look(c, kw):
+    """A get_or_load of a key this process's owner handle holds Loading (another thread's
+    context): its look finds it Loading and joins; the owner publishes once its wait began."""
+    with c.get(K[3]) as owner:
+        assert owner.owner
+        waiter = in_thread(lambda: c.get_or_load(K[3], lambda: b"never", **kw))
+        until("the waiter's wait", lambda: counters(c)["waits"] == 1, waiter)  # (joined first)
+        owner.data[:5] = b"value"
+        owner.ready(5)
+    return waiter.result()
+
+
+def test_a_join_found_by_the_look_waits_with_its_pin_and_counts_as_the_full_path(two,
+                                                                                   monkeypatch):
+    a, b = two
+    assert join_at_the_look(b, FULL) == b"value"
+    no_full_path(monkeypatch)                          # the C path: one look, no Python look
+    assert join_at_the_look(a, {}) == b"value"
+    ca, cb = counters(a), counters(b)
+    assert ca == cb and ca["joins"] == 1 and ca["waits"] == 1
+    assert ucmcache.verify(a.uuid).ok
+
+
+def join_under_the_stripe(c, kw, gate):
+    """The owner held at before_handover (its slot linked, still claimed, its stripe held): the
+    waiter's look finds the slot claimed (BUSY, counted as the request), its slow step waits for
+    the stripe and finds the owner's load under it: a join whose pin the step's token holds."""
+    held = gate()
+    c._arm("before_handover", "gate", held)
+    owner = in_thread(lambda: c.get(K[4]))
+    held.wait_arrived()
+    waiter = in_thread(lambda: c.get_or_load(K[4], lambda: b"never", **kw))
+    try:
+        until("the waiter's look", lambda: counters(c)["spins_exhausted"] == 1, waiter)
+    finally:
+        held.release()  # (on a failure too: the owner's step holds the stripe until then)
+    with owner.result() as h:
+        assert h.owner
+        until("the waiter's wait", lambda: counters(c)["waits"] == 1, waiter)  # (joined first)
+        h.data[:5] = b"strip"
+        h.ready(5)
+    return waiter.result()
+
+
+def test_a_join_found_under_the_stripe_waits_with_the_slow_steps_pin(two, gate, monkeypatch):
+    a, b = two
+    assert join_under_the_stripe(b, FULL, gate) == b"strip"
+    no_full_path(monkeypatch)                          # the C path: the slow step at once
+    assert join_under_the_stripe(a, {}, gate) == b"strip"
+    ca, cb = counters(a), counters(b)
+    assert ca == cb and ca["joins"] == 1 and ca["spins_exhausted"] == 1 and ca["waits"] == 1
+    assert ucmcache.verify(a.uuid).ok
+    a.close()  # refuses while a handle of ours is open; its pins went with the handle
+
+
+def test_a_get_of_a_key_being_loaded_joins_from_its_one_look(two, monkeypatch):
+    a, b = two
+    for c, kw in ((b, FULL), (a, {})):
+        if c is a:
+            no_full_path(monkeypatch)
+        with c.get(K[5]) as owner, c.get(K[5], **kw) as joined:
+            assert owner.owner and not joined.owner
+            owner.data[:2] = b"ok"
+            owner.ready(2)
+            assert bytes(joined.wait().data) == b"ok"
+    assert counters(a) == counters(b) and counters(a)["joins"] == 1
+
+
+class _CountingTier(Tier):
+    """A tier that keeps the `count` it is bound with, as RedisTier does: the cache's bound
+    method, so cache -> _tier (a C field of CacheBase) -> the bound tier -> count -> cache."""
+
+    def bind(self, count, slot_size):
+        return _BoundCounting(count)
+
+
+class _BoundCounting(BoundTier):
+    def __init__(self, count):
+        self.count = count
+
+    def lookup(self, owned, may_wait, timeout):
+        return [None] * len(owned)
+
+    def exist_prefix(self, keys):
+        return 0
+
+    def write_through(self, slot, payload):
+        pass
+
+    def abandon(self, slot):
+        pass
+
+    def close(self):
+        pass
+
+
+def test_a_cache_in_a_reference_cycle_through_its_tier_is_collected(uuid):
+    c = SlotCache.create(uuid, slots_per_rank=4, slot_size=64, max_ranks=1,
+                         tier2=_CountingTier())
+    assert c.get_or_load(K[0], lambda: b"v") == b"v"
+    gone = weakref.ref(c)
+    del c
+    with pytest.warns(ResourceWarning, match="collected without close"):
+        gc.collect()
+    assert gone() is None
+    d = SlotCache.attach(uuid)  # its rank was freed by the finalizer's close
+    try:
+        assert d.get_or_load(K[0], lambda: b"never") == b"v"
+    finally:
+        d.close()
+
+
+def test_a_cache_in_a_reference_cycle_through_an_attribute_is_collected(uuid):
+    c = SlotCache.create(uuid, slots_per_rank=4, slot_size=64, max_ranks=1)
+    c.itself = c
+    gone = weakref.ref(c)
+    del c
+    with pytest.warns(ResourceWarning, match="collected without close"):
+        gc.collect()
+    assert gone() is None
