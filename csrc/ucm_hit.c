@@ -800,6 +800,17 @@ static PyObject *wait_joined(CacheBase *c, ucm_ctx *ctx, int64_t r, ucm_token *t
     if (h) v = PyObject_CallMethodOneArg((PyObject *)c, s_get_or_load_joined, h);
     else if (!PyErr_Occurred() && !raise_if_closed(c, ctx))
         PyErr_SetString(PyExc_RuntimeError, "get_or_load: the joined slot's pin was lost");
+    if (!v && h && IS_OPEN(((HandleBase *)h)->closed)) {
+        /* The full path raised before its `with` took h (a signal handler's exception at its
+         * first line): h is this frame's, so its pin is dropped here, now, and not with a
+         * traceback the caller may keep (I1's pin is never held by nobody's code). */
+        PyObject *et, *ev, *etb;
+        PyErr_Fetch(&et, &ev, &etb);
+        PyObject *x = handle_close_with((HandleBase *)h, unpublished, NULL, NULL, NULL);
+        if (x) Py_DECREF(x);
+        else PyErr_Clear(); /* the first exception is the one the caller must see */
+        PyErr_Restore(et, ev, etb);
+    }
     Py_XDECREF(h);
     return v;
 }
@@ -1736,6 +1747,9 @@ static PyObject *handle_wait(HandleBase *h, PyObject *const *args, Py_ssize_t na
         if (mine < 0) return NULL;
         goto full;
     }
+    /* owned_set may have allocated, and a collection run finalizers that closed h or the
+     * cache (its ctx freed): nothing of ctx's is touched before this re-check */
+    if (CLOSED_MEANWHILE(still_open(h->closed, c), ctx)) goto full;
     core.stat_add(ctx, UCM_ST_WAITS, 1);
     int64_t t0 = core.now_ns();
     int64_t deadline = secs < 0 ? -1 : t0 + (int64_t)(secs * 1e9);

@@ -219,3 +219,85 @@ def test_a_cache_in_a_reference_cycle_through_an_attribute_is_collected(uuid):
     with pytest.warns(ResourceWarning, match="collected without close"):
         gc.collect()
     assert gone() is None
+
+
+# ---------------------------------------------------------------- the review's two findings
+
+
+def test_a_join_found_by_the_look_drops_its_pin_when_the_full_path_raises_at_once(uuid):
+    """The C look found the key Loading and handed its join to the full path, which raised at
+    its first line (as a signal handler's exception does there) before its `with` took the
+    handle: the pin is dropped in C at once, not when the kept traceback goes, so close()
+    succeeds while the exception is still held."""
+    import sys
+    c = warm(SlotCache.create(uuid, slots_per_rank=16, slot_size=64, max_ranks=2))
+    try:
+        owner = c.get(K[0])
+        assert owner.owner
+
+        def tracer(frame, event, arg):
+            if event == "call" and frame.f_code.co_name == "_get_or_load_joined":
+                sys.settrace(None)
+                raise KeyboardInterrupt("a signal handler's, at the full path's first line")
+            return None
+
+        kept = None
+        sys.settrace(tracer)
+        try:
+            c.get_or_load(K[0], lambda: b"never")
+        except KeyboardInterrupt as e:
+            kept = e
+        finally:
+            sys.settrace(None)
+        assert kept is not None, "the join did not reach the full path"
+        owner.data[:5] = b"value"
+        owner.ready(5)
+        owner.close()
+        c.close()                                   # refused while a handle stayed open
+        del kept
+    finally:
+        c.close()
+
+
+WAIT_UAF = r'''
+import contextvars, gc, sys
+from ucmcache import SlotCache, HandleClosed
+c = SlotCache.create(sys.argv[1], slots_per_rank=16, slot_size=64, max_ranks=1)
+try:
+    c.get_or_load(b"w" * 16, lambda: b"warm")
+    owner = c.get(b"k" * 16); j = c.get(b"k" * 16)
+    assert owner.owner and not j.owner
+    ran = []
+    class Closer:
+        def __del__(self):
+            ran.append(1); owner.close(); j.close(); c.close()
+    wait = j.wait                      # bound first: the call itself allocates nothing
+    empty = contextvars.Context()      # an empty context: the owned-slot record allocates
+    gc.disable()
+    x = Closer(); x.me = x; del x     # cyclic garbage with a finalizer
+    gc.set_threshold(1)
+    gc.enable()
+    try:
+        empty.run(wait)                # the first allocation: inside the wait
+        print("returned")
+    except HandleClosed:
+        print("HandleClosed", ran)
+    finally:
+        gc.set_threshold(700)
+finally:
+    c.close()
+    SlotCache.unlink(sys.argv[1])
+'''
+
+
+def test_a_wait_whose_allocation_runs_a_finalizer_that_closes_the_cache_never_touches_it(uuid):
+    """Handle.wait (C) allocates the owned-slot record, and that allocation runs a collection
+    whose finalizer closes both handles and the cache (its context freed, its segment
+    unmapped): the wait re-checks before it counts, and raises HandleClosed instead of writing
+    through freed memory (a segfault before).  In a child process: a crash fails the test."""
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "-c", WAIT_UAF, uuid], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0, f"rc {r.returncode}: {r.stderr[-2000:]}"
+    assert r.stdout.strip() == "HandleClosed [1]", r.stdout
