@@ -1170,6 +1170,21 @@ def test_ended_counter_files_fold_into_one_sum_and_keep_every_count(tmp_path):
             _reap(live, kill=True)
 
 
+def _fold_killed_at_its_first_unlink(stats):
+    """A fold in another process, killed (a real SIGKILL) at its first unlink: after its sum's
+    rename when it had anything to fold."""
+    from ucmcache.disktier.counters import fold_ended
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.unlink = lambda p: os.kill(os.getpid(), signal.SIGKILL)   # dies at the window
+            fold_ended(stats, 0o644)
+        finally:
+            os._exit(3)
+    status = _reap(pid)
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
+
+
 def test_a_fold_killed_between_its_sum_and_its_unlinks_counts_nothing_twice(tmp_path):
     """A real SIGKILL at the fold's first unlink, after ended.sum is renamed into place: the
     folded files are still there, named in the sum, and counted once; the next fold unlinks
@@ -1180,15 +1195,7 @@ def test_a_fold_killed_between_its_sum_and_its_unlinks_counts_nothing_twice(tmp_
         _counting_child(stats, n, hold=False)
     before = _cnt_files(stats)
     assert len(before) == 3 and read_all(stats)["t2_hits"] == 7
-    pid = os.fork()
-    if pid == 0:
-        try:
-            os.unlink = lambda p: os.kill(os.getpid(), signal.SIGKILL)   # dies at the window
-            fold_ended(stats, 0o644)
-        finally:
-            os._exit(3)
-    status = _reap(pid)
-    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
+    _fold_killed_at_its_first_unlink(stats)
     assert _cnt_files(stats) == before and "ended.sum" in os.listdir(stats)
     assert read_all(stats)["t2_hits"] == 7
     assert fold_ended(stats, 0o644) == []           # nothing new ended: the leftovers go
@@ -1299,14 +1306,7 @@ def test_a_fold_names_the_leftovers_it_unlinks(tmp_path):
     for n in (1, 2):
         _counting_child(stats, n, hold=False)
     first = _cnt_files(stats)
-    pid = os.fork()
-    if pid == 0:
-        try:
-            os.unlink = lambda p: os.kill(os.getpid(), signal.SIGKILL)   # dies at the window
-            fold_ended(stats, 0o644)
-        finally:
-            os._exit(3)
-    _reap(pid)
+    _fold_killed_at_its_first_unlink(stats)
     _counting_child(stats, 4, hold=False)
     assert sorted(fold_ended(stats, 0o644)) != first
     _, named = _read_ended(stats)
