@@ -21,6 +21,19 @@ load falls on both sides; each figure's ratio new/base is computed within a roun
 as the median [min-max] over the rounds.  Judged figures: scenario 3's 2-process hit-heavy mix
 and scenario 5's churn, 4 KiB and 64 KiB; scenario 3's 1-process figures are shown, not judged.
 
+The two sides' processes are not byte for byte alike even when the commits are: their paths,
+PYTHONPATH and TMPDIR differ in length ("base" vs "new", a worktree vs this tree), and that moves
+where the heap puts a bytes object.  The 64 KiB payload's data landed at a side-dependent
+alignment, the same in every round (48 mod 64 on one side and 32 on the other: new/base 1.12; or
+both 48 mod 64 but 1392 and 304 mod 4096, the slot being page-aligned: 1.10 at 2 processes),
+and with the copy's source at 16 mod 32 instead of a page start the 64 KiB mix ran ~14% slower
+here (same environment, only the source moved): an A/A run (--base X --new X) read new/base
+0.84-0.89 at 64 KiB, every round, and 1.0 at 4 KiB.  The mixes (bench/systems.py
+HandleClient.mix) therefore copy from a page-aligned copy of the payload (bench/common.py
+page_aligned): the source's place in its page is the same on both sides and in every run.
+An A/A run is this harness's control: its medians should sit within a few % of 1 (on a busy
+machine single rounds still swing by tens of %).
+
 Writes bench/results/ab.md and ab.json (--out DIR to put them elsewhere); exits 0 when every
 judged figure is no worse, 1 when one is worse, undecided or missing, 2 when the harness itself
 failed.  The worktree, its build and the

@@ -35,7 +35,7 @@ import shutil
 import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from .common import cpu_clock_overhead, spin_ns
+from .common import cpu_clock_overhead, page_aligned, spin_ns
 
 POLL_S = 50e-6  # baselines without a wake-up mechanism poll this often
 
@@ -210,6 +210,7 @@ class HandleClient:
         get = self.c.get
         pc = time.perf_counter_ns
         n = len(payload)
+        payload = page_aligned(payload)  # the copy's source: the same alignment in every run
         ops = hits = cold = i = 0
         L = len(seq)
         while True:
