@@ -161,11 +161,11 @@ static int get_pin(cli_t *k, const char *id, uint32_t *slot, int *owner, uint32_
         return 0;
     }
     ucm_ctx *c = k->c;
-    int64_t r = ucm_lookup_pin(c, id, 0, 64, 1, 0);
+    int64_t r = ucm_lookup_pin(c, id, 0, 64, UCM_OUTER_REQUEST, 0);
     if (r < 0) {
         uint32_t stripe = ucm_stripe_of(c, ucm_bucket_of(c, id, 0)), s = 0;
         ucm_stripe_lock(c, stripe, -1);
-        r = ucm_lookup_pin(c, id, 0, 1u << 16, 0, 0);
+        r = ucm_lookup_pin(c, id, 0, 1u << 16, UCM_OUTER_INSIDE, 0);
         if (r < 0) {
             int ok = 0;
             if (-r == UCM_MISS) {
@@ -232,13 +232,13 @@ static int op_fill(cli_t *k, const char *id, const char *payload, uint32_t len)
         return 1;
     }
     ucm_ctx *c = k->c;
-    int64_t r = ucm_lookup_pin(c, id, 0, 64, 1, 0);
+    int64_t r = ucm_lookup_pin(c, id, 0, 64, UCM_OUTER_REQUEST, 0);
     uint32_t s, st;
     if (r < 0) {
         /* The slow path of SlotCache._pin_slow / _alloc. */
         uint32_t stripe = ucm_stripe_of(c, ucm_bucket_of(c, id, 0));
         ucm_stripe_lock(c, stripe, -1);
-        r = ucm_lookup_pin(c, id, 0, 1u << 16, 0, 0);
+        r = ucm_lookup_pin(c, id, 0, 1u << 16, UCM_OUTER_INSIDE, 0);
         if (r < 0) {
             int ok = 0;
             if (-r == UCM_MISS) {
@@ -276,7 +276,7 @@ static inline int op_hit(cli_t *k, const char *id)
         old_release(k->o, (uint32_t)(r & 0xffffffffu));
         return 0;
     }
-    int64_t r = ucm_lookup_pin(k->c, id, 0, 64, 1, 0);
+    int64_t r = ucm_lookup_pin(k->c, id, 0, 64, UCM_OUTER_REQUEST, 0);
     if (r < 0) return -1;
     ucm_release(k->c, UCM_PIN_SLOT(r));
     return 0;

@@ -862,7 +862,7 @@ static void op_get(struct worker *w, uint32_t key)
     uint64_t off;
     key_of(key, id, &off);
     COUNT(C_GETS, 1);
-    int64_t r = ucm_lookup_pin(w->c, id, off, SPIN, 1, 0);
+    int64_t r = ucm_lookup_pin(w->c, id, off, SPIN, UCM_OUTER_REQUEST, 0);
     if (r >= 0) {
         took(w, key, r, 0);
         return;
@@ -1125,7 +1125,7 @@ static void die_now(struct worker *w)
         }
         case UCM_PT_AFTER_PIN:
         case UCM_PT_BEFORE_PIN_CAS:
-            ucm_lookup_pin(w->c, id, off, SPIN, 1, 0); /* a pin taken here is held at death */
+            ucm_lookup_pin(w->c, id, off, SPIN, UCM_OUTER_REQUEST, 0); /* a pin taken here is held at death */
             break;
         case UCM_PT_COUNTED_NOT_READY:
             for (uint32_t i = 0; i < w->n_held; i++)
