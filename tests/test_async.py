@@ -230,3 +230,54 @@ def test_a_thousand_tasks_on_one_cold_key_share_one_wait_and_the_loop_keeps_tick
     stats = c.stats()
     assert stats["waits"] - waits0 == n + 1 and stats["wait_timeouts"] >= 1
     assert c._open_handles == 0 and ucmcache.verify(c.uuid).ok
+
+
+def test_an_exception_at_any_call_of_the_shared_wait_leaves_nothing_waiting_past_close(uuid):
+    """A signal handler's exception lands at the calls of wait_loaded_async (CPython runs
+    handlers there): raised here after each of its C calls in turn (a profile function at their
+    return), before its wait (no awaiter left counted: the entry is unused) or in its cleanup
+    (the thread may be left running): once the cache closes, no 'ucmcache-wait' thread runs,
+    so none waits on through its freed context."""
+    import sys
+    import threading
+    from ucmcache import _slots
+    other = ucmcache.SlotCache.create(uuid, slots_per_rank=4, slot_size=64, max_ranks=2)
+    try:
+        k = b"k" * 16
+        owner = other.get(k)
+        assert owner.owner
+        at = 0
+        while True:
+            c = ucmcache.SlotCache.attach(uuid)
+            assert at < 50, "the wait never reached its timeout"
+            seen = [0]
+
+            def prof(frame, event, arg):
+                if event == "c_return" and frame.f_code.co_name == "wait_loaded_async":
+                    seen[0] += 1
+                    if seen[0] == at + 1:
+                        raise KeyboardInterrupt(f"at the wait's C call {at + 1}")
+
+            async def main():
+                sys.setprofile(prof)
+                try:
+                    await c.aget_or_load(k, lambda: b"x", timeout=0.05)
+                except (KeyboardInterrupt, TimeoutError) as e:
+                    return e
+                finally:
+                    sys.setprofile(None)
+
+            got = asyncio.run(main())
+            waits = [w for t in list(_slots._loop_waits.values()) for w in t.values()]
+            assert all(w.awaiting == 0 for w in waits), (at, got)
+            c.close()
+            alive = [t for t in threading.enumerate()
+                     if t.name == "ucmcache-wait" and t.is_alive()]
+            assert not alive, (at, got)
+            if not isinstance(got, KeyboardInterrupt):
+                break  # past the wait's last C call: it timed out as asked
+            at += 1
+        assert at >= 6  # before the wait: the loop, the lock, the clock, the table, the count
+        owner.close()
+    finally:
+        other.close()

@@ -274,6 +274,7 @@ class SlotCache(CacheBase, SingleFlight, Batches, Prefetching, Mapping):
         self._check_closable()
         if self._tier is not None:
             self._tier.close()  # write-throughs queued by this process go out first (bounded)
+        _slots.stop_shared_waits(self)  # a shared async wait left running: joined, bounded
         # Unusable first: from here no call of this cache (the C hit path of another thread
         # included) takes a pin through ctx, and no copy of another thread still runs on it;
         # then closed: no pin drop or token through ctx touches the segment, before the rank

@@ -100,6 +100,8 @@ class SingleFlight(CacheCore):
         try:
             h = self._get_full(key, timeout=timeout)  # (get() would look for the hit again)
         except CacheFull:
+            h = None  # the bypass runs after the except: a loader's error is not chained to it
+        if h is None:
             return (yield from self._bypass(loader))
         with h:
             return (yield from self._in_handle(h, loader, timeout))
@@ -110,6 +112,8 @@ class SingleFlight(CacheCore):
         try:
             h = self._get_missed(key, answer, since_ns)
         except CacheFull:
+            h = None  # as in _missed
+        if h is None:
             return (yield from self._bypass(loader))
         with h:
             return (yield from self._in_handle(h, loader, None))

@@ -4,6 +4,7 @@ all use.  Below the cache API: this module never imports SlotCache (no import ci
 from __future__ import annotations
 
 import contextvars
+import os
 import threading
 import time
 import weakref
@@ -235,12 +236,13 @@ class _SharedWait:
     The last task to stop awaiting tells the thread to stop and joins it before its pin can go:
     while any task awaits, some task's pin keeps the slot and the cache's context in use."""
 
-    __slots__ = ("fut", "cancel", "thread", "awaiting", "__weakref__")
+    __slots__ = ("fut", "cancel", "thread", "awaiting", "cache_id", "__weakref__")
 
     def __init__(self, loop: Any, cache: "SlotCache", slot: int, key: tuple, table: dict):
         self.fut = loop.create_future()
         self.cancel = threading.Event()
         self.awaiting = 0
+        self.cache_id = id(cache)
         fut, cancel = self.fut, self.cancel
 
         def settle(result: Any, error: Optional[BaseException]) -> None:
@@ -261,10 +263,18 @@ class _SharedWait:
                     loop.call_soon_threadsafe(settle, None, e)
                 except RuntimeError:
                     pass  # the loop is closed: nobody waits any more
+            finally:
+                _running.discard(self)
 
+        # Started by the first awaiter, once it is counted (wait_loaded_async): a thread
+        # nobody counts would be stopped by nobody.
         self.thread = threading.Thread(target=run, name="ucmcache-wait", daemon=True)
-        self.thread.start()
 
+
+# Every shared wait whose thread was started and has not ended (stop_shared_waits).  A forked
+# child has none of those threads: it starts with none.
+_running: "set[_SharedWait]" = set()
+os.register_at_fork(after_in_child=_running.clear)
 
 # Per event loop, the shared waits in progress: (id(cache), slot) -> _SharedWait.  Read and
 # changed only by the loop's own thread (a loop runs in one thread); the lock guards the map of
@@ -285,21 +295,26 @@ async def wait_loaded_async(cache: "SlotCache", slot: int, timeout: Optional[flo
         table = _loop_waits.get(loop)
         if table is None:
             table = _loop_waits[loop] = {}
+    # Counted as the blocking wait counts (cache._wait_ready): `waits` as the try's first call,
+    # its time and a timeout once at the end, by the one C step that holds that rule
+    # (ucm_wait_end).  The clock is read first, and from the entry's making to the try nothing
+    # calls out but the entry's plain constructor (no thread yet): no signal handler's
+    # exception (CPython runs handlers at calls) can leave an awaiter counted and not
+    # uncounted, or a thread running that no awaiter will stop.  The thread starts inside the
+    # try, so the last awaiter's finally always sees it.
+    ctx = cache._ctx
+    timed_out = False
+    t0 = lib.ucm_now_ns()
     key = (id(cache), slot)
     shared = table.get(key)
     if shared is None or shared.fut.done():
         shared = table[key] = _SharedWait(loop, cache, slot, key, table)
-    # Counted as the blocking wait counts (cache._wait_ready): `waits` as the try's first call,
-    # its time and a timeout once at the end, by the one C step that holds that rule
-    # (ucm_wait_end).  From `awaiting += 1` to that call nothing calls out, so no signal
-    # handler's exception can land between them (CPython runs handlers at calls): an awaiter
-    # counted is always uncounted by the finally, and the last one always stops the thread.
-    ctx = cache._ctx
-    timed_out = False
-    t0 = lib.ucm_now_ns()
     shared.awaiting += 1
     try:
         lib.ucm_stat_add(ctx, lib.UCM_ST_WAITS, 1)
+        if shared.thread.ident is None:
+            _running.add(shared)  # before the start: the thread's end discards it
+            shared.thread.start()
         if timeout is None:
             return await asyncio.shield(shared.fut)
         try:
@@ -310,19 +325,36 @@ async def wait_loaded_async(cache: "SlotCache", slot: int, timeout: Optional[flo
             timed_out = True
             raise still_loading(timeout) from None
     finally:
+        shared.awaiting -= 1  # first: no call before it (an exception in this cleanup may cut
+        # it short after any call; a thread then left running is stopped by the slot's end or
+        # by close: stop_shared_waits)
         if cache._ctx is not None:
             lib.ucm_wait_end(ctx, t0, timed_out)
-        shared.awaiting -= 1
         if shared.awaiting == 0 and not shared.fut.done():
             # The last awaiter: the thread stops (it looks every CANCEL_SLICE) and is joined
             # before this task's pin, the last one keeping the slot, can go.
             if table.get(key) is shared:
                 del table[key]
             shared.cancel.set()
-            shared.thread.join(WAIT_CANCEL_JOIN)
+            if shared.thread.ident is not None:  # started (an interrupted start: not yet)
+                shared.thread.join(WAIT_CANCEL_JOIN)
 
 
 WAIT_CANCEL_JOIN = 1.0  # seconds; the thread returns within one CANCEL_SLICE
+
+
+def stop_shared_waits(cache: "SlotCache") -> None:
+    """A step of close(), before the context goes: the shared waits on this cache's slots stop
+    and are joined.  Every awaiter has gone by then (close refuses while handles are open), so
+    only a wait left running is found here: one whose last awaiter was interrupted inside its
+    cleanup (a signal handler's exception in a finally), which would otherwise wait on through
+    a freed context."""
+    cid = id(cache)
+    for shared in list(_running):  # (a copy: the threads discard themselves as they end)
+        if shared.cache_id == cid:
+            shared.cancel.set()
+            if shared.thread.ident is not None:
+                shared.thread.join(WAIT_CANCEL_JOIN)
 
 
 def still_loading(timeout: Optional[float]) -> TimeoutError:
