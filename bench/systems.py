@@ -72,10 +72,10 @@ def _stamp(value) -> int:
 
 def polled_flight(get, claim, set_, keys, payload: bytes, load_ns: int, timeout: float,
                   what: str) -> Dict[str, Any]:
-    """Scenario 4 for a store with no wake-up (Redis, the Manager dict, diskcache): the usual
-    single-flight pattern over get(key), claim(lock key) (an atomic add-if-absent: True for the
-    one caller that adds it) and set_(key, value); a waiter polls every POLL_S.  The CPU of the
-    waiter's process only: a server's (Redis, the Manager) is not counted."""
+    """Scenario 4 for a store with no wake-up (py-lmdb, Redis, the Manager dict, diskcache):
+    the usual single-flight pattern over get(key), claim(lock key) (an atomic add-if-absent:
+    True for the one caller that adds it) and set_(key, value); a waiter polls every POLL_S.
+    The CPU of the waiter's process only: a server's (Redis, the Manager) is not counted."""
     cpu, mono = time.thread_time_ns, time.monotonic_ns
     body = payload[8:]
     log = FlightLog()
@@ -450,40 +450,20 @@ class LmdbClient:
 
     def flight(self, keys, payload, load_ns, timeout) -> Dict[str, Any]:
         begin = self.env.begin
-        cpu, mono = time.thread_time_ns, time.monotonic_ns
-        body = payload[8:]
-        log = FlightLog()
-        for k in keys:
-            with begin(buffers=True) as txn:
-                hit = txn.get(k) is not None
-            if hit:
-                log.hits += 1
-                continue
-            lock = b"L" + k
+
+        def get(k):
+            with begin() as txn:
+                return txn.get(k)
+
+        def claim(lock):  # the lock key added in the write txn that finds the key absent
             with begin(write=True) as w:
-                owner = w.get(k) is None and w.put(lock, b"1", overwrite=False)
-            if owner:
-                spin_ns(load_ns)
-                value = mono().to_bytes(8, "little") + body
-                c0 = cpu()
-                with begin(write=True) as w:
-                    w.put(k, value)
-                log.published(cpu() - c0)
-                continue
-            c0 = cpu()
-            deadline = time.monotonic() + timeout
-            while True:
-                with begin() as txn:
-                    v = txn.get(k)
-                if v is not None:
-                    t = mono()
-                    c1 = cpu()
-                    log.woke(t - _stamp(v), c1 - c0)
-                    break
-                if time.monotonic() > deadline:
-                    raise TimeoutError("lmdb flight wait")
-                time.sleep(POLL_S)
-        return log.result()
+                return w.get(lock[1:]) is None and w.put(lock, b"1", overwrite=False)
+
+        def set_(k, v):
+            with begin(write=True) as w:
+                w.put(k, v)
+
+        return polled_flight(get, claim, set_, keys, payload, load_ns, timeout, "lmdb")
 
 
 class LmdbSystem:

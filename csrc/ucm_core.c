@@ -1944,6 +1944,9 @@ static int take_finish(ucm_ctx *c, uint32_t s, uint32_t serial, int hold)
  * is still current) or Failed, waking waiters only if one said it sleeps. */
 static int publish_taken(ucm_ctx *c, uint32_t s, uint32_t state, uint32_t length)
 {
+    /* Relaxed: the right is ours, and only its holder moves a live rank's Loading slot on
+     * (recovery acts on dead ranks' slots); a slot not Loading was finished by an earlier
+     * install's right and is not ours to write. */
     if ((RLX(state_w(c, s)) & UCM_STATE_MASK) != UCM_LOADING) return UCM_PUBLISHED;
     SET_RLX(len_w(c, s), length);
     if (state == UCM_READY) {
@@ -2007,6 +2010,9 @@ int ucm_fail_load(ucm_ctx *c, uint32_t s, uint32_t serial, const char *msg, uint
     if ((uint64_t)len > c->l.slot_size) len = (uint32_t)c->l.slot_size;
     int r = take_finish(c, s, serial, 1);
     if (r != UCM_OK) return r;
+    /* Relaxed: the slot is pinned by us and the finish right is ours (take_finish); a Loading
+     * slot of a live rank leaves Loading only through that right, so what we read is our own
+     * last store (publish_taken reads it again, as every finish does). */
     if ((RLX(state_w(c, s)) & UCM_STATE_MASK) != UCM_LOADING) {
         r = UCM_PUBLISHED;
     } else {
