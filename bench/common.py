@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Dict, Iterable, List, Sequence
+from typing import Any, Dict, Iterable, List, Sequence
 
 import numpy as np
 
@@ -79,6 +79,25 @@ def stats_ns(samples: Sequence[float], overhead: float = 0.0, div: float = 1.0) 
     return {"p50_ns": round(float(np.percentile(a, 50)), 1),
             "p99_ns": round(float(np.percentile(a, 99)), 1),
             "mean_ns": round(float(a.mean()), 1), "n": int(a.size)}
+
+
+def wake_orders(key_indexes: Sequence[int], latencies_ns: Sequence[int]) -> Dict[str, Any]:
+    """Scenario 4's wake latencies by wake-up order: the waiters of one key all measure from its
+    owner's one stamp, so sorting a key's latencies puts them in the order they returned.  The
+    first woken of each key measures the wake-up itself; the second and third also wait for a
+    CPU behind the ones woken before them (2 cores, the owner on one), so a p50 over every wait
+    depends on how often two or three waiters met, which differs between systems and runs.
+    {"by_order": {"1": {"waits", "p50_us"}, "2": ...}}, the comparison made like for like."""
+    per_key: Dict[int, List[int]] = {}
+    for k, lat in zip(key_indexes, latencies_ns):
+        per_key.setdefault(k, []).append(lat)
+    by_order: Dict[int, List[int]] = {}
+    for lats in per_key.values():
+        for order, lat in enumerate(sorted(lats), 1):
+            by_order.setdefault(order, []).append(lat)
+    return {"by_order": {str(o): {"waits": len(v),
+                                  "p50_us": round(stats_ns(v)["p50_ns"] / 1000, 1)}
+                         for o, v in sorted(by_order.items())}}
 
 
 def timer_overhead(n: int = 20000) -> float:

@@ -510,7 +510,11 @@ static int mode_mix(int old, int argc, char **argv)
  * wake-up, the futex sleep costing nothing and every poll counted), and its lead: how long
  * before the publish its wait began (negative: it began after, the waiter having been off the
  * CPU between its get and its wait).  The leads say what a spin before the futex sleep could
- * catch: only the waits that begin within the spin's length of the publish. */
+ * catch: only the waits that begin within the spin's length of the publish.  Each wait's key
+ * index and latency are printed too ("wakes": [key, ns] pairs), so the harness can put the
+ * waiters of each key in their wake-up order (bench/run.py wake_orders) as it does for the
+ * Python systems: the second and third waiters woken of a key also wait for a CPU behind the
+ * first, and how often three waiters meet differs from run to run. */
 typedef struct {
     volatile uint64_t arrived;
     uint64_t pad[7];
@@ -519,7 +523,7 @@ typedef struct {
         int64_t publish_cpu_ns; /* the owner's CPU time in its publishes (a wake's other half) */
         uint64_t pad[3];
     } res[64];
-    int64_t lat[]; /* [nprocs][n_keys] each of wake latencies, waiter CPU times, leads */
+    int64_t lat[]; /* [nprocs][n_keys] each of wake latencies, waiter CPU times, leads, keys */
 } flight_shared;
 
 /* How many of the n sorted values v are below x. */
@@ -557,7 +561,7 @@ static int mode_flight(int old, int argc, char **argv)
     if (nprocs > 63) die("nprocs");
     seg_t g = seg_new(old, (uint32_t)nprocs, n + 64, slot_size);
     char *ids = make_keys(n, KEY_SEED + 4);
-    size_t shsz = sizeof(flight_shared) + 3 * sizeof(int64_t) * nprocs * n;
+    size_t shsz = sizeof(flight_shared) + 4 * sizeof(int64_t) * nprocs * n;
     flight_shared *sh = mmap(NULL, shsz, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
     if (sh == MAP_FAILED) die("mmap shared");
     int64_t cpu_overhead = thread_cpu_overhead_ns();
@@ -567,7 +571,7 @@ static int mode_flight(int old, int argc, char **argv)
         if (pid == 0) {
             cli_t k = cli_new(&g, (int)p);
             int64_t *lat = sh->lat + p * n, *cpu = sh->lat + (nprocs + p) * n;
-            int64_t *lead = sh->lat + (2 * nprocs + p) * n;
+            int64_t *lead = sh->lat + (2 * nprocs + p) * n, *key = sh->lat + (3 * nprocs + p) * n;
             uint64_t runs = 0, waits = 0, hits = 0, full = 0;
             __atomic_add_fetch(&sh->arrived, 1, __ATOMIC_SEQ_CST);
             while (__atomic_load_n(&sh->arrived, __ATOMIC_SEQ_CST) < nprocs) sched_yield();
@@ -597,6 +601,7 @@ static int mode_flight(int old, int argc, char **argv)
                     memcpy(&ts, d, 8);
                     cpu[waits] = used > 0 ? used : 0;
                     lead[waits] = ts - w0;
+                    key[waits] = (int64_t)i;
                     lat[waits++] = t - ts;
                 } else {
                     hits++;
@@ -644,7 +649,7 @@ static int mode_flight(int old, int argc, char **argv)
            "\"wake_p50_us\":%.2f,\"wake_p99_us\":%.2f,\"waiter_cpu_us\":%.2f,"
            "\"waiter_cpu_p50_us\":%.2f,\"publish_cpu_us\":%.2f,\"cpu_overhead_ns\":%ld,"
            "\"lead_p01_us\":%.2f,\"lead_p50_us\":%.2f,\"lead_within_5us\":%.4f,"
-           "\"lead_negative\":%.4f,\"child_failed\":%d}\n",
+           "\"lead_negative\":%.4f,\"child_failed\":%d,\"wakes\":[",
            old ? "old" : "new", n, nprocs, load_us, runs, waits, hits, full,
            (double)pct(all, waits, 0.5) / 1000.0, (double)pct(all, waits, 0.99) / 1000.0,
            waits ? (double)cpu_sum / (double)waits / 1000.0 : 0.0,
@@ -653,6 +658,12 @@ static int mode_flight(int old, int argc, char **argv)
            (double)pct(lead, waits, 0.01) / 1000.0, (double)pct(lead, waits, 0.5) / 1000.0,
            waits ? (double)lead_within_5us / (double)waits : 0.0,
            waits ? (double)count_below(lead, waits, 0) / (double)waits : 0.0, bad);
+    const char *sep = "";
+    for (uint64_t p = 0; p < nprocs; p++)
+        for (uint64_t j = 0; j < sh->res[p].waits; j++, sep = ",")
+            printf("%s[%ld,%ld]", sep, (long)sh->lat[(3 * nprocs + p) * n + j],
+                   (long)sh->lat[p * n + j]);
+    printf("]}\n");
     free(all);
     free(cpu);
     free(lead);

@@ -10,7 +10,8 @@ ORDER = ["ucmcache", "old", "lmdb", "redis", "manager", "diskcache"]
 LABELS = {"ucmcache": "ucmcache", "old": "old design (Python API)", "lmdb": "py-lmdb",
           "redis": "Redis (unix socket)", "manager": "Manager dict", "diskcache": "diskcache",
           "c_floor_new": "C floor: ucmcache steps (futex wait)",
-          "c_floor_old": "C floor: old design (polls: yield, then 50 µs sleeps)"}
+          "c_floor_old": "C floor: old design (polls: yield, then 50 µs sleeps)",
+          "core_wait": "Python floor: ucmcache, the core's wait step called directly (cffi)"}
 WRAPPER = "ucmcache bench"
 
 
@@ -113,7 +114,8 @@ def compute_ratios(out: Dict[str, Any]) -> Dict[str, Any]:
     uw = _get(s4, "ucmcache", "wake_p50_us")
     R["s4_wake_p50"] = {b: _ratio(_get(v, "wake_p50_us"), uw) for b, v in s4.items() if b != "ucmcache"}
     if uw is not None:
-        R["s4_flight"] = _flight_ratios(s4, _get(out, "c_floor", "flight", default={}))
+        R["s4_flight"] = _flight_ratios(s4, _get(out, "c_floor", "flight", default={}),
+                                        _get(out, "s4_flight", "core_wait", default={}))
     s9 = _get(out, "s9_cold", "systems", default={})
     for fig in ("p50_ns", "p99_ns"):
         u = _get(s9, "ucmcache", "cold", fig)
@@ -166,18 +168,28 @@ _FLIGHT_FIGURES = (("p99", "wake_p99_us"), ("waiter_cpu", "waiter_cpu_us"),
                    ("p99_x_cpu", "p99_x_cpu_us2"))
 
 
-def _flight_ratios(s4: Dict[str, Any], floors: Dict[str, Any]) -> Dict[str, Any]:
-    """Scenario 4 against each other system and the C floors (c_floor_new: the futex floor,
-    c_floor_old: the old design's polling floor): the other's figure / ucmcache's (above 1:
-    ucmcache lower, better), and ucmcache's own p50 over the futex floor's and p99 over the old
-    design's (the targets: <= 1.2x, <= 2x)."""
+def _flight_ratios(s4: Dict[str, Any], floors: Dict[str, Any],
+                   core_wait: Dict[str, Any]) -> Dict[str, Any]:
+    """Scenario 4 against each other system and the floors (c_floor_new: the futex floor,
+    c_floor_old: the old design's polling floor, core_wait: ucmcache's Python floor): the
+    other's figure / ucmcache's (above 1: ucmcache lower, better), and ucmcache's own p50 over
+    the futex floor's and p99 over the old design's (the targets: <= 1.2x, <= 2x), the p50
+    also wake-up order by wake-up order (common.wake_orders: like for like) and over the
+    Python floor's."""
     u = s4["ucmcache"]
     others = {b: v for b, v in s4.items() if b != "ucmcache"}
     others.update({f"c_floor_{d}": v for d, v in floors.items()})
+    if core_wait:
+        others["core_wait"] = core_wait
     R: Dict[str, Any] = {name: {b: _ratio(_get(v, fig), u.get(fig)) for b, v in others.items()}
                          for name, fig in _FLIGHT_FIGURES}
     R["p50_over_c_floor"] = _ratio(u.get("wake_p50_us"), _get(floors, "new", "wake_p50_us"))
     R["p99_over_old"] = _ratio(u.get("wake_p99_us"), _get(s4, "old", "wake_p99_us"))
+    for name, floor in (("c_floor", _get(floors, "new", default={})), ("core_wait", core_wait)):
+        R[f"by_order_over_{name}"] = {
+            o: _ratio(_get(u, "by_order", o, "p50_us"), _get(floor, "by_order", o, "p50_us"))
+            for o in _get(u, "by_order", default={}) if _get(floor, "by_order", o)}
+    R["p50_over_core_wait"] = _ratio(u.get("wake_p50_us"), core_wait.get("wake_p50_us"))
     return R
 
 
@@ -773,7 +785,8 @@ def _fig(out: Dict[str, Any], unit: str, *path) -> str:
         if lo is None:
             return fmt_ns(v * scale)
         return fmt_ns_range(v * scale, lo * scale, hi * scale)
-    num = (lambda x: f"{x:,.0f}" if x >= 100 else f"{x:.1f}" if x >= 10 else f"{x:.2f}")
+    num = (lambda x: f"{x:,}" if isinstance(x, int) else f"{x:,.0f}" if x >= 100
+           else f"{x:.1f}" if x >= 10 else f"{x:.2f}")
     return num(v) + ("" if lo is None else f" [{num(lo)}-{num(hi)}]")
 
 
@@ -801,6 +814,8 @@ def _md_flight(out: Dict[str, Any]) -> List[str]:
              "x (p50) | x (p99) | x (p99 x CPU) |")
     L.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     rows = [(sysn, ("s4_flight", "systems", sysn)) for sysn in _systems_in(s4)]
+    if _get(out, "s4_flight", "core_wait"):
+        rows.insert(1, ("core_wait", ("s4_flight", "core_wait")))
     rows += [(f"c_floor_{d}", ("c_floor", "flight", d))
              for d in _get(out, "c_floor", "flight", default={})]
     for name, path in rows:
@@ -830,6 +845,7 @@ def _md_flight(out: Dict[str, Any]) -> List[str]:
                  "when the old design's waiters spin, latency per CPU: its p99 x CPU / ours "
                  f"{fmt_xr(out, 's4_flight', 'p99_x_cpu', 'old')} (above 1: ours better).")
         L.append("")
+    L += _md_wake_orders(out, rows)
     fl = _get(out, "c_floor", "flight", "new", default={})
     if "lead_within_5us" in fl:
         pct = (lambda k: _fig(out, "", "c_floor", "flight", "new", k))
@@ -842,6 +858,47 @@ def _md_flight(out: Dict[str, Any]) -> List[str]:
                  "only the first share.")
         L.append("")
     return L
+
+
+def _md_wake_orders(out: Dict[str, Any], rows) -> List[str]:
+    """Scenario 4's wake p50 by wake-up order (common.wake_orders), each row beside the C futex
+    floor's and ucmcache's Python floor's in the same order."""
+    orders = sorted({o for _, path in rows for o in _get(out, *path, "by_order", default={})},
+                    key=int)
+    if not orders:
+        return []
+    L = ["Wake p50 by wake-up order: the waiters of each key sorted by when they returned "
+         "(they measure from one stamp). The first woken measures the wake-up itself; the "
+         "second and third also wait for a CPU behind those woken before them (2 cores, the "
+         "owner running on into its next load on one), so the p50 over every wait above "
+         "depends on how often two or three waiters met, which differs between systems and "
+         "between runs: these rows compare like with like. The Python floor is ucmcache's "
+         "own loop with its waiters calling the core's wait step (`ucm_wait_loaded`) "
+         "directly: what any Python process pays to be woken, with none of `Handle.wait`. "
+         "Figures: median [min-max] over the passes (waits: how many of that order).", "",
+         "| system | " + " | ".join(f"{_ORDINAL.get(o, o + 'th')} woken: waits | p50"
+                                   for o in orders) + " |",
+         "|---|" + "---|---|" * len(orders)]
+    for name, path in rows:
+        r = _get(out, *path, default={})
+        if "by_order" not in r:
+            continue
+        cells = [f"{_fig(out, '', *path, 'by_order', o, 'waits')} | "
+                 f"{_fig(out, 'us', *path, 'by_order', o, 'p50_us')}" for o in orders]
+        L.append(f"| {LABELS[name]} | " + " | ".join(cells) + " |")
+    L.append("")
+    by = (lambda floor: ", ".join(
+        f"{_ORDINAL.get(o, o + 'th')} {fmt_xr(out, 's4_flight', f'by_order_over_{floor}', o)}"
+        for o in orders))
+    L.append("ucmcache's wake p50 over the C futex floor's, order by order (target <= 1.2x): "
+             f"{by('c_floor')}; over every wait {fmt_xr(out, 's4_flight', 'p50_over_c_floor')}. "
+             f"Over its Python floor's: {by('core_wait')}; over every wait "
+             f"{fmt_xr(out, 's4_flight', 'p50_over_core_wait')}.")
+    L.append("")
+    return L
+
+
+_ORDINAL = {"1": "1st", "2": "2nd", "3": "3rd"}
 
 
 def _md_cold(out: Dict[str, Any]) -> List[str]:

@@ -262,7 +262,9 @@ def _mix_child(client, proc, *, seqs, prefix, payload, duration):
     return {"ops": ops, "hits": hits, "elapsed_ns": pc() - t0}
 
 
-def _flight_child(client, proc, *, keys, payload, load_ns):
+def _flight_child(client, proc, *, keys, payload, load_ns, core_wait=False):
+    if core_wait:  # ucmcache's Python floor of a wake-up (HandleClient.flight)
+        return client.flight(keys, payload, load_ns, timeout=60.0, core_wait=True)
     return client.flight(keys, payload, load_ns, timeout=60.0)
 
 
@@ -322,11 +324,14 @@ def c_floor(env: Env, cfg, out: Dict[str, Any]) -> None:
     for d in ("new", "old"):
         r = run_floor(env, "flight", d, n_keys=cfg["s4_keys"], nprocs=cfg["s4_procs"],
                       load_us=cfg["s4_load_us"], slot_size=4096)
+        wakes = r.pop("wakes")
+        r.update(common.wake_orders([k for k, _ in wakes], [lat for _, lat in wakes]))
         r.update(flight_cpu_figures(r["waiter_cpu_us"], r["wake_p99_us"]))
         res["flight"][d] = r
     for d, what in (("new", "futex"), ("old", "polling")):
         r = res["flight"][d]
         log(f"[floor] flight {d} ({what}): runs {r['loader_runs']} wake p50 {r['wake_p50_us']} us "
+            f"(first woken {_get_first_p50(r)} us) "
             f"p99 {r['wake_p99_us']} us, waiter CPU {r['waiter_cpu_us']} us per wake-up; waits "
             f"begun within 5 us before the publish {r['lead_within_5us']}, after it "
             f"{r['lead_negative']}")
@@ -609,6 +614,10 @@ def flight_cpu_figures(per_wake_us: Optional[float], wake_p99_us: Optional[float
             "p99_x_cpu_us2": None if wake_p99_us is None else round(wake_p99_us * per_wake_us, 1)}
 
 
+def _get_first_p50(r: Dict[str, Any]) -> Optional[float]:
+    return r.get("by_order", {}).get("1", {}).get("p50_us")
+
+
 def scenario4(env: Env, systems, cfg, out) -> None:
     n, P = cfg["s4_keys"], cfg["s4_procs"]
     size = 4096
@@ -617,11 +626,18 @@ def scenario4(env: Env, systems, cfg, out) -> None:
     load_ns = cfg["s4_load_us"] * 1000
     res: Dict[str, Any] = {"keys": n, "procs": P, "load_us": cfg["s4_load_us"], "slot_size": size,
                            "systems": {}}
-    for system in systems:
+    # ucmcache runs twice: as users call it, and as its Python floor of a wake-up (core_wait:
+    # the same loop with the core's wait step called directly), stored apart from the systems
+    runs = [(system, False) for system in systems]
+    at = next((i for i, s in enumerate(systems) if s.name == "ucmcache"), None)
+    if at is not None:
+        runs.insert(at + 1, (systems[at], True))
+    for system, core_wait in runs:
         def body(spec, cl):
             cl.close()
-            rs = run_procs(system, spec, P, _flight_child, dict(keys=ks, payload=pay,
-                                                                 load_ns=load_ns), timeout=120)
+            rs = run_procs(system, spec, P, _flight_child,
+                           dict(keys=ks, payload=pay, load_ns=load_ns, core_wait=core_wait),
+                           timeout=120)
             lat = [x for r in rs for x in r["lat"]]
             st = common.stats_ns(lat)
             r4 = {"loader_runs": sum(r["runs"] for r in rs), "waits": sum(r["waits"] for r in rs),
@@ -630,17 +646,20 @@ def scenario4(env: Env, systems, cfg, out) -> None:
                   "wake_p99_us": None if st["p99_ns"] is None else round(st["p99_ns"] / 1000, 1),
                   "wake_mean_us": None if st["mean_ns"] is None else round(st["mean_ns"] / 1000, 1)}
             r4.update(_waiter_cpu(rs, r4["wake_p99_us"]))
+            r4.update(common.wake_orders([k for r in rs for k in r["keys"]], lat))
             return r4
+        into, name = ((res, "core_wait") if core_wait else (res["systems"], system.name))
         try:
             r = _with_store(system, dict(slot_size=size, slots_per_rank=n + 64, max_ranks=P,
                                          n_keys=2 * n), body)
-            res["systems"][system.name] = r
-            log(f"[4 flight] {system.name:<10} loader runs {r['loader_runs']} (want {n}), waits "
+            into[name] = r
+            log(f"[4 flight] {name:<10} loader runs {r['loader_runs']} (want {n}), waits "
                 f"{r['waits']}, wake p50 {r['wake_p50_us']} us p99 {r['wake_p99_us']} us, "
+                f"first woken p50 {_get_first_p50(r)} us, "
                 f"waiter CPU {r.get('waiter_cpu_us')} us per wake-up")
         except Exception as e:
-            res["systems"][system.name] = {"error": f"{type(e).__name__}: {e}"}
-            log(f"[4 flight] {system.name} ERROR {e}")
+            into[name] = {"error": f"{type(e).__name__}: {e}"}
+            log(f"[4 flight] {name} ERROR {e}")
     out["s4_flight"] = res
 
 

@@ -47,6 +47,7 @@ class FlightLog:
     def __init__(self):
         self.runs = self.waits = self.hits = 0
         self.lat: List[int] = []
+        self.keys: List[int] = []  # each wait's key index: its waiters' wake-up order (run.py)
         self.wait_cpu: List[int] = []
         self.publish_cpu: List[int] = []
 
@@ -54,13 +55,15 @@ class FlightLog:
         self.publish_cpu.append(cpu_ns)
         self.runs += 1
 
-    def woke(self, latency_ns: int, cpu_ns: int) -> None:
+    def woke(self, key_index: int, latency_ns: int, cpu_ns: int) -> None:
+        self.keys.append(key_index)
         self.lat.append(latency_ns)
         self.wait_cpu.append(cpu_ns)
         self.waits += 1
 
     def result(self) -> Dict[str, Any]:
         return {"runs": self.runs, "waits": self.waits, "hits": self.hits, "lat": self.lat,
+                "keys": self.keys,
                 "wait_cpu": self.wait_cpu, "publish_cpu": self.publish_cpu,
                 "cpu_overhead": cpu_clock_overhead()}
 
@@ -79,7 +82,7 @@ def polled_flight(get, claim, set_, keys, payload: bytes, load_ns: int, timeout:
     cpu, mono = time.thread_time_ns, time.monotonic_ns
     body = payload[8:]
     log = FlightLog()
-    for k in keys:
+    for i, k in enumerate(keys):
         if get(k) is not None:
             log.hits += 1
             continue
@@ -97,7 +100,7 @@ def polled_flight(get, claim, set_, keys, payload: bytes, load_ns: int, timeout:
             if v is not None:
                 t = mono()
                 c1 = cpu()
-                log.woke(t - _stamp(v), c1 - c0)
+                log.woke(i, t - _stamp(v), c1 - c0)
                 break
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{what} flight wait")
@@ -233,13 +236,22 @@ class HandleClient:
             if pc() >= deadline:
                 return ops, hits
 
-    def flight(self, keys, payload: bytes, load_ns: int, timeout: float) -> Dict[str, Any]:
+    def flight(self, keys, payload: bytes, load_ns: int, timeout: float,
+               core_wait: bool = False) -> Dict[str, Any]:
+        """core_wait (ucmcache only): a waiter calls the core's wait step (ucm_wait_loaded,
+        through cffi, the GIL released) instead of Handle.wait: the same Python process and
+        loop with none of the handle's wait path, so the row tells the handle's cost apart from
+        what any Python process pays to be woken."""
         get = self.c.get
         cpu, mono = time.thread_time_ns, time.monotonic_ns
         n = len(payload)
         body = payload[8:]
         log = FlightLog()
-        for k in keys:
+        if core_wait:
+            from ucmcache._core import ffi, lib
+            core_step, ctx, state = lib.ucm_wait_loaded, self.c._ctx, ffi.new("uint32_t *")
+            timeout_ns = int(timeout * 1e9)
+        for i, k in enumerate(keys):
             h = get(k)
             try:
                 if h.owner:
@@ -252,10 +264,13 @@ class HandleClient:
                     log.published(cpu() - c0)
                 elif h.state == "loading":
                     c0 = cpu()
-                    h.wait(timeout)
+                    if not core_wait:
+                        h.wait(timeout)
+                    elif core_step(ctx, h.slot, timeout_ns, state) != lib.UCM_OK:
+                        raise TimeoutError("ucmcache core wait")
                     t = mono()
                     c1 = cpu()
-                    log.woke(t - _stamp(h.data), c1 - c0)
+                    log.woke(i, t - _stamp(h.data), c1 - c0)
                 else:
                     log.hits += 1
             finally:

@@ -50,6 +50,13 @@ def test_bench_quick_run_writes_results(tmp_path):
         if "error" not in r4:
             assert r4["loader_runs"] == keys, name
     assert "error" not in out["s4_flight"]["systems"]["ucmcache"]
+    # ucmcache's Python floor of a wake-up ran too, and every wait is in one wake-up order.
+    assert out["s4_flight"]["core_wait"]["loader_runs"] == keys
+    floor = out["c_floor"].get("flight", {}).get("new")  # skipped with no C compiler
+    for r4 in (out["s4_flight"]["systems"]["ucmcache"], out["s4_flight"]["core_wait"], floor):
+        if r4 is None:
+            continue
+        assert sum(o["waits"] for o in r4["by_order"].values()) == r4["waits"]
     for size, blk in out["s5_churn"]["by_size"].items():
         assert blk["systems"]["ucmcache"]["ops"] > 0, size
     assert {t["target"] for t in out["targets"]}
@@ -60,3 +67,15 @@ def test_bench_quick_run_writes_results(tmp_path):
     else:
         assert out.get("chart_skipped")
     assert _leftovers(proc.pid) == []
+
+
+def test_wake_orders_sorts_each_keys_waiters_by_their_return():
+    sys.path.insert(0, ROOT)
+    from bench.common import wake_orders
+
+    # key 7: three waiters (30, 10, 20 us), key 3: one (50 us), key 5: two (40, 60 us)
+    got = wake_orders([7, 3, 7, 5, 7, 5], [30_000, 50_000, 10_000, 40_000, 20_000, 60_000])
+    assert got == {"by_order": {"1": {"waits": 3, "p50_us": 40.0},   # 10, 40, 50
+                                "2": {"waits": 2, "p50_us": 40.0},   # 20, 60
+                                "3": {"waits": 1, "p50_us": 30.0}}}
+    assert wake_orders([], []) == {"by_order": {}}
