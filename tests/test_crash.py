@@ -1,9 +1,11 @@
 """Random kills (100 rounds, workers that fork, thread, take signals, detach and attach again,
 and not) and corrupted segments: recovery is exact, nothing crashes."""
+import asyncio
 import multiprocessing as mp
 import os
 import random
 
+import numpy as np
 import pytest
 
 import ucmcache
@@ -54,16 +56,35 @@ def _poke_corrupted(uuid, q):
     except (ucmcache.UcmError, TimeoutError) as e:
         outcomes.append(type(e).__name__)
     else:
+        keys = [bytes([i]) * 16 for i in range(20)]
+        rows = np.zeros((len(keys), 64), np.uint8)
+
+        def through_handle(k):
+            c.exist([k])
+            with c.get(k, timeout=0.2) as h:
+                if h.owner:
+                    h.ready(1)
+                else:
+                    h.wait(0.2)
+
+        def batch(k):
+            with c.get_many(keys[:6]) as hb:
+                for i in np.flatnonzero(hb.owner):
+                    hb.ready(int(i), 1)
+                hb.wait(0.2)
+                hb.gather(rows)
+
+        # Each call path of the API once per key in turn, the C miss paths included (a cold
+        # get_or_load, put, aget_or_load), so every one meets the flipped words.
+        ops = (through_handle, lambda k: c.get_or_load(k, lambda: b"loaded"),
+               lambda k: c.put(k, b"put"), batch, lambda k: c.read_many(keys, rows),
+               lambda k: c.delete(k, timeout=0.2),
+               lambda k: asyncio.run(c.aget_or_load(k, lambda: b"async")),
+               lambda k: (c.exist_prefix(keys), len(c), c.size_bytes(), c.stats()))
         try:
-            for i in range(20):
-                k = bytes([i]) * 16
+            for i, k in enumerate(keys):
                 try:
-                    c.exist([k])
-                    with c.get(k, timeout=0.2) as h:
-                        if h.owner:
-                            h.ready(1)
-                        else:
-                            h.wait(0.2)
+                    ops[i % len(ops)](k)
                     outcomes.append("op-ok")
                 except (ucmcache.UcmError, TimeoutError) as e:
                     outcomes.append(type(e).__name__)
