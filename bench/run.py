@@ -858,15 +858,20 @@ def parse(argv):
                    help="multiplies the measurement window of scenarios 3 and 5 (s3_time, "
                         "s5_time; default 1.0): longer windows average out other work on a "
                         "shared machine (bench.ab passes 4)")
+    p.add_argument("--flight-procs", type=int, default=None,
+                   help="scenario 4's processes (default 4: two per core here, so a woken "
+                        "waiter often waits for a CPU; 2: one per core)")
     return p.parse_args(argv)
 
 
-def config_for(quick: bool, time_scale: float) -> Dict[str, Any]:
-    """QUICK or FULL, with scenarios 3 and 5's measurement windows scaled (a copy: the tables
-    stay as they are)."""
+def config_for(quick: bool, time_scale: float, flight_procs: Optional[int] = None) -> Dict[str, Any]:
+    """QUICK or FULL, with scenarios 3 and 5's measurement windows scaled and scenario 4's
+    process count replaced when given (a copy: the tables stay as they are)."""
     cfg = dict(QUICK if quick else FULL)
     for k in ("s3_time", "s5_time"):
         cfg[k] = round(cfg[k] * time_scale, 6)
+    if flight_procs is not None:
+        cfg["s4_procs"] = flight_procs
     return cfg
 
 
@@ -879,7 +884,7 @@ def main(argv=None) -> int:
     if bad:
         print(bad, file=sys.stderr)
         return 2
-    cfg = config_for(args.quick, args.time_scale)
+    cfg = config_for(args.quick, args.time_scale, args.flight_procs)
     t_start = time.monotonic()
     started = time.strftime("%Y-%m-%d %H:%M:%S %z")
     tmpdir = tempfile.mkdtemp(prefix="ucmbench-")
@@ -908,6 +913,8 @@ def _bad_args(args, repeat: int, want: List[str]) -> Optional[str]:
         return "--repeat must be >= 1"
     if not args.time_scale > 0:  # also refuses nan
         return "--time-scale must be > 0"
+    if args.flight_procs is not None and not 2 <= args.flight_procs <= 63:
+        return "--flight-procs must be 2..63 (one owner and at least one waiter; floor.c: 63)"
     unknown = [w for w in want if w not in {s.name for s in ALL_SYSTEMS}]
     if unknown or "ucmcache" not in want:  # every ratio is against ucmcache: it must run
         return f"--systems must include ucmcache and name only {[s.name for s in ALL_SYSTEMS]}"

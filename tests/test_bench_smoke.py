@@ -79,3 +79,10 @@ def test_wake_orders_sorts_each_keys_waiters_by_their_return():
                                 "2": {"waits": 2, "p50_us": 40.0},   # 20, 60
                                 "3": {"waits": 1, "p50_us": 30.0}}}
     assert wake_orders([], []) == {"by_order": {}}
+
+
+def test_flight_procs_out_of_range_is_refused_before_anything_runs(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "bench.run", "--flight-procs", "1", "--out",
+                        str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "--flight-procs must be 2..63" in r.stderr
+    assert not (tmp_path / "latest.json").exists()
