@@ -272,7 +272,7 @@ try:
         def __del__(self):
             ran.append(1); owner.close(); j.close(); c.close()
     wait = j.wait                      # bound first: the call itself allocates nothing
-    empty = contextvars.Context()      # an empty context: the owned-slot record allocates
+    empty = contextvars.Context()      # the owned-slot record's check (Python code) allocates
     gc.disable()
     x = Closer(); x.me = x; del x     # cyclic garbage with a finalizer
     gc.set_threshold(1)
@@ -291,10 +291,11 @@ finally:
 
 
 def test_a_wait_whose_allocation_runs_a_finalizer_that_closes_the_cache_never_touches_it(uuid):
-    """Handle.wait (C) allocates the owned-slot record, and that allocation runs a collection
-    whose finalizer closes both handles and the cache (its context freed, its segment
-    unmapped): the wait re-checks before it counts, and raises HandleClosed instead of writing
-    through freed memory (a segfault before).  In a child process: a crash fails the test."""
+    """Handle.wait (C) checks the owned-slot record (_slots.owns_load, which allocates), and a
+    collection run there has a finalizer close both handles and the cache (its context freed,
+    its segment unmapped): the wait re-checks before it counts, and raises HandleClosed instead
+    of writing through freed memory (a segfault before).  In a child process: a crash fails the
+    test."""
     import subprocess
     import sys
     r = subprocess.run([sys.executable, "-c", WAIT_UAF, uuid], capture_output=True, text=True,

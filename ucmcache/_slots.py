@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import contextvars
 import os
+import sys
 import threading
 import time
 import weakref
-from typing import Any, Optional, Tuple
+from typing import Any, Iterator, Optional, Tuple
 
 import numpy as np
 
@@ -43,26 +44,134 @@ def decode_pin(answer: int) -> Tuple[int, int, bool]:
         return slot, (answer >> _PIN_LEN_SHIFT) & _PIN_SLOT_MASK, False
     return slot, -1, bool(answer & _PIN_OWNER)
 
-# Slots whose load this caller owns (per cache): waiting on one of them would wait forever.
-# A context variable, so a loader that hands its work to code running in a copy of its context
-# (asyncio.to_thread, contextvars.copy_context().run in a pool) is caught too.
-_owning: "contextvars.ContextVar[dict]" = contextvars.ContextVar("ucmcache_owning")
+# The owned-slot record: the slots whose loads this caller owns (per cache), so that a wait on
+# one of them, which would wait forever, is refused.  A context variable, so a loader that hands
+# its work to code running in a copy of its context (asyncio.to_thread,
+# contextvars.copy_context().run in a pool) is caught too: the copy holds the same record.
+#
+# asyncio tasks start with a copy of their creator's context too, so sibling tasks would share
+# their creator's record and refuse to wait for each other's loads.  A task's aget_or_load
+# gives it a record of its own (isolate_owned), once, linked to the record it came from (its
+# parent): a load is this context's own when any record of the chain holds it.  Linked, not
+# copied: a handle records its slot in the set it found (Handle._owned) and discards it from
+# that set when its load ends, whichever record the context holds by then, so a copy would
+# keep the slot for good (and refuse a later join of it, reused for another key, as a wait for
+# itself).  Adds go to the context's current record only.
+_owning: "contextvars.ContextVar[OwnedRecord]" = contextvars.ContextVar("ucmcache_owning")
+
+
+class OwnedRecord(dict):
+    """id(cache) -> the set of slots whose loads the contexts holding this record own (a dict,
+    so csrc/ucm_hit.c's owned_set finds a set with one lookup); ``parent``: the record it came
+    from (its loads are this record's too) or None; ``task``: a weak reference to the asyncio
+    task it was made for, or None (made outside a task)."""
+
+    __slots__ = ("parent", "task")
+
+    def __init__(self, parent: "Optional[OwnedRecord]" = None,
+                 task: "Optional[weakref.ref]" = None):
+        super().__init__()
+        self.parent = parent
+        self.task = task
+
+    def made_for(self, task: Any) -> bool:
+        return self.task is not None and self.task() is task
+
+    def spent(self) -> bool:
+        """Made for a task that has ended, and holding no load: a chain may skip it.  (Only a
+        thread its task started and left running could still add to it: such a load is not
+        seen by the tasks linked past it.)"""
+        if self.task is None:
+            return False  # a thread's or the program's: it may own loads again at any time
+        task = self.task()
+        return (task is None or task.done()) and not any(self.values())
+
+
+def _current_task() -> Any:
+    """The asyncio task running in this thread, or None (no event loop runs here)."""
+    asyncio = sys.modules.get("asyncio")  # not imported: no task can be running
+    if asyncio is None:
+        return None
+    try:
+        return asyncio.current_task()
+    except RuntimeError:  # no running event loop in this thread
+        return None
+
+
+def owned_records() -> "Iterator[OwnedRecord]":
+    """The current context's record, then each record it came from (parent links)."""
+    record = _owning.get(None)
+    while record is not None:
+        yield record
+        record = record.parent
+
+
+def owns_load(cache: "SlotCache", slot: int) -> bool:
+    """Whether this context owns the load of the cache's slot (a wait on it would wait for
+    itself): its record, or any record it came from, holds the slot."""
+    key = id(cache)
+    return any(slot in record.get(key, ()) for record in owned_records())
+
+
+_NO_SLOTS: frozenset = frozenset()
+
+
+def owns_loads_besides(cache: "SlotCache", slots: "set[int]") -> bool:
+    """Whether this context owns a load of the cache other than those of ``slots`` (a caller
+    owning other loads must not wait for another node's: it may be waiting for one of ours)."""
+    key = id(cache)
+    return any(not record.get(key, _NO_SLOTS) <= slots for record in owned_records())
+
+
+def _unspent(record: "Optional[OwnedRecord]") -> "Optional[OwnedRecord]":
+    """record, or the nearest record it came from that is not spent, with every link of the
+    chain from there moved past spent records: a chain stays as long as the tasks on it that
+    still run or own loads, however many generations of tasks made it."""
+    while record is not None and record.spent():
+        record = record.parent
+    kept = record
+    while kept is not None:
+        parent = kept.parent
+        while parent is not None and parent.spent():
+            parent = parent.parent
+        kept.parent = parent  # (one store: a walk in another thread sees either link)
+        kept = parent
+    return record
 
 
 def isolate_owned() -> None:
-    """Give the current context an owned-slot record of its own.  asyncio tasks start with a
-    copy of their creator's context, whose record is the same object: without this, a task's
-    own load would look like its siblings' own too, and they would refuse to wait for it."""
-    d = _owning.get(None)
-    _owning.set({} if d is None else {k: set(v) for k, v in d.items()})
+    """Give the current asyncio task an owned-slot record of its own (see _owning), linked to
+    the one it had: its own loads go there, unseen by its sibling tasks, while the loads of the
+    tasks it came from stay its own.  Once per task: a task calling aget_or_load a million
+    times keeps one record.  Outside a task nothing shares the context's record: no change."""
+    task = _current_task()
+    if task is None:
+        return
+    record = _owning.get(None)
+    if record is not None and record.made_for(task):
+        return
+    _owning.set(OwnedRecord(_unspent(record), weakref.ref(task)))
 
 
 def _owned_slots(cache: "SlotCache") -> set:
-    d = _owning.get(None)
-    if d is None:
-        d = {}
-        _owning.set(d)
-    return d.setdefault(id(cache), set())
+    """The set the current context's owned loads of the cache go to (its record's own set),
+    made with the record if there is none yet (csrc/ucm_hit.c's owned_set calls this then)."""
+    record = _owning.get(None)
+    if record is None:
+        task = _current_task()
+        record = OwnedRecord(None, None if task is None else weakref.ref(task))
+        _owning.set(record)
+    return record.setdefault(id(cache), set())
+
+
+def _fresh_record_after_fork() -> None:
+    """A forked child owns none of its parent's loads (the parent's caches are unusable in it):
+    it starts with an empty record rather than copies naming the parent's caches by id, which
+    a cache the child makes could reuse."""
+    _owning.set(OwnedRecord())
+
+
+os.register_at_fork(after_in_child=_fresh_record_after_fork)
 
 
 # ---------------------------------------------------------------- slot operations
