@@ -67,8 +67,23 @@ async def join_and_wait(c, how):
             b.wait(SHORT)
 
 
+def run_task(c, main, record):
+    """asyncio.run(main()) in a new context, whose owned-slot record is made either outside the
+    task ("outside": an owner's get there, so the task's first aget_or_load miss links a record
+    of its own to it) or inside it ("in_task": by the task's first owner, for the task)."""
+    def run():
+        if record == "outside":
+            with c.get(K1) as h:
+                assert h.owner
+                h.fail("a load of this context, outside any task")
+        return asyncio.run(main())
+    return contextvars.Context().run(run)
+
+
+@pytest.mark.parametrize("record", ["outside", "in_task"])
 @pytest.mark.parametrize("how", ["aget_or_load", "wait", "wait_async", "batch"])
-def test_a_slot_this_task_loaded_once_is_not_its_own_when_another_loads_it(make_cache, how):
+def test_a_slot_this_task_loaded_once_is_not_its_own_when_another_loads_it(make_cache, how,
+                                                                           record):
     """The review's repro: a task owns a load, isolates (an aget_or_load miss), ends its load;
     the slot is reused for K3, whose load another caller owns: the task's join waits."""
     c = one_slot_cache(make_cache)
@@ -86,7 +101,7 @@ def test_a_slot_this_task_loaded_once_is_not_its_own_when_another_loads_it(make_
             other.close()
         return await c.aget_or_load(K3, lambda: b"never")
 
-    assert asyncio.run(main()) == b"three"
+    assert run_task(c, main, record) == b"three"
     assert c._open_handles == 0 and ucmcache.verify(c.uuid).ok
 
 
@@ -111,7 +126,7 @@ def test_a_tasks_own_load_is_refused_after_it_isolated(make_cache):
         with pytest.raises(UcmError, match=REFUSED):
             await c.aget_or_load(K3, loader)
 
-    asyncio.run(main())
+    run_task(c, main, "outside")
     assert c._open_handles == 0 and ucmcache.verify(c.uuid).ok
 
 
@@ -147,7 +162,7 @@ def test_a_child_task_sees_its_creators_loads_until_they_end(make_cache):
         ended.set()
         await task
 
-    asyncio.run(main())
+    run_task(c, main, "in_task")
     assert c._open_handles == 0 and ucmcache.verify(c.uuid).ok
 
 
@@ -164,7 +179,7 @@ def test_a_task_isolates_once_however_often_it_misses(make_cache):
             assert await c.aget_or_load(key, lambda: b"v") == b"v"   # each a miss
         return first, list(_slots.owned_records())
 
-    first, last = contextvars.Context().run(asyncio.run, main())
+    first, last = run_task(c, main, "in_task")
     assert len(first) == 1 and len(last) == 1 and last[0] is first[0]
     assert [len(s) for s in last[0].values()] == [0]     # one cache's set, its loads ended
 
@@ -192,7 +207,7 @@ def test_generations_of_tasks_keep_a_short_chain(make_cache):
         while task is not None:                 # each generation's result: the next one
             task = await task
 
-    contextvars.Context().run(asyncio.run, main())
+    run_task(c, main, "in_task")
     assert len(lengths) == 301
     assert max(lengths) == 2, lengths
 

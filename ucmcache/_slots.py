@@ -84,7 +84,8 @@ class OwnedRecord(dict):
         if self.task is None:
             return False  # a thread's or the program's: it may own loads again at any time
         task = self.task()
-        return (task is None or task.done()) and not any(self.values())
+        # (the values copied in one call: a thread sharing the record may add a cache's set)
+        return (task is None or task.done()) and not any(tuple(self.values()))
 
 
 def _current_task() -> Any:
