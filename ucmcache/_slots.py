@@ -51,41 +51,50 @@ def decode_pin(answer: int) -> Tuple[int, int, bool]:
 #
 # asyncio tasks start with a copy of their creator's context too, so sibling tasks would share
 # their creator's record and refuse to wait for each other's loads.  A task's aget_or_load
-# gives it a record of its own (isolate_owned), once, linked to the record it came from (its
-# parent): a load is this context's own when any record of the chain holds it.  Linked, not
-# copied: a handle records its slot in the set it found (Handle._owned) and discards it from
-# that set when its load ends, whichever record the context holds by then, so a copy would
-# keep the slot for good (and refuse a later join of it, reused for another key, as a wait for
-# itself).  Adds go to the context's current record only.
+# gives it a record of its own (isolate_owned), once, which inherits the loads its creator's
+# record holds at that moment: the creator may be awaiting the task, so a wait for one of those
+# would never end; loads the creator starts later are not the task's (it may wait for them).
+# Inherited by reference, not copied: a handle records its slot in the set it found
+# (Handle._owned) and discards it from that set when its load ends, whichever record the
+# context holds by then, so the inherited entry ends with it (a copy kept the slot for good and
+# refused a later join of it, reused for another key, as a wait for itself).
 _owning: "contextvars.ContextVar[OwnedRecord]" = contextvars.ContextVar("ucmcache_owning")
 
 
 class OwnedRecord(dict):
     """id(cache) -> the set of slots whose loads the contexts holding this record own (a dict,
-    so csrc/ucm_hit.c's owned_set finds a set with one lookup); ``parent``: the record it came
-    from (its loads are this record's too) or None; ``task``: a weak reference to the asyncio
-    task it was made for, or None (made outside a task)."""
+    so csrc/ucm_hit.c's owned_set finds the set with one lookup).  ``inherited``: the loads of
+    the records it was made from that were in flight when it was made, as (id(cache), their
+    record's set, the slots it held then) per set; a slot stays inherited while it is in both
+    (its load not ended).  ``task``: a weak reference to the asyncio task it was made for, or
+    None (made outside a task)."""
 
-    __slots__ = ("parent", "task")
+    __slots__ = ("inherited", "task")
 
-    def __init__(self, parent: "Optional[OwnedRecord]" = None,
+    def __init__(self, inherited: "Tuple[Tuple[int, set, set], ...]" = (),
                  task: "Optional[weakref.ref]" = None):
         super().__init__()
-        self.parent = parent
+        self.inherited = inherited
         self.task = task
 
     def made_for(self, task: Any) -> bool:
         return self.task is not None and self.task() is task
 
-    def spent(self) -> bool:
-        """Made for a task that has ended, and holding no load: a chain may skip it.  (Only a
-        thread its task started and left running could still add to it: such a load is not
-        seen by the tasks linked past it.)"""
-        if self.task is None:
-            return False  # a thread's or the program's: it may own loads again at any time
-        task = self.task()
-        # (the values copied in one call: a thread sharing the record may add a cache's set)
-        return (task is None or task.done()) and not any(tuple(self.values()))
+    def loads(self) -> "Iterator[Tuple[int, set, set]]":
+        """Every set of loads this record holds: (id(cache), the set, the slots of it that are
+        this record's), its own sets first; an inherited slot whose load ended is dropped from
+        the slots here (set operations in C: atomic under the GIL for int slots)."""
+        for key, own in tuple(self.items()):  # (one copy: a thread sharing it may add a set)
+            yield key, own, own
+        for key, theirs, slots in self.inherited:
+            slots.intersection_update(theirs)
+            yield key, theirs, slots
+
+    def inherit(self) -> "Tuple[Tuple[int, set, set], ...]":
+        """What a record made from this one inherits: every load in flight now (each set
+        referred to, with a snapshot of its slots); a set with none is left out, so what a line
+        of records inherits is bounded by the loads in flight, not by how many were made."""
+        return tuple((key, theirs, set(slots)) for key, theirs, slots in self.loads() if slots)
 
 
 def _current_task() -> Any:
@@ -99,59 +108,38 @@ def _current_task() -> Any:
         return None
 
 
-def owned_records() -> "Iterator[OwnedRecord]":
-    """The current context's record, then each record it came from (parent links)."""
-    record = _owning.get(None)
-    while record is not None:
-        yield record
-        record = record.parent
-
-
 def owns_load(cache: "SlotCache", slot: int) -> bool:
     """Whether this context owns the load of the cache's slot (a wait on it would wait for
-    itself): its record, or any record it came from, holds the slot."""
+    itself): its record holds it, as its own or inherited from the record it was made from."""
+    record = _owning.get(None)
+    if record is None:
+        return False
     key = id(cache)
-    return any(slot in record.get(key, ()) for record in owned_records())
-
-
-_NO_SLOTS: frozenset = frozenset()
+    return any(k == key and slot in slots for k, _, slots in record.loads())
 
 
 def owns_loads_besides(cache: "SlotCache", slots: "set[int]") -> bool:
     """Whether this context owns a load of the cache other than those of ``slots`` (a caller
     owning other loads must not wait for another node's: it may be waiting for one of ours)."""
+    record = _owning.get(None)
+    if record is None:
+        return False
     key = id(cache)
-    return any(not record.get(key, _NO_SLOTS) <= slots for record in owned_records())
-
-
-def _unspent(record: "Optional[OwnedRecord]") -> "Optional[OwnedRecord]":
-    """record, or the nearest record it came from that is not spent, with every link of the
-    chain from there moved past spent records: a chain stays as long as the tasks on it that
-    still run or own loads, however many generations of tasks made it."""
-    while record is not None and record.spent():
-        record = record.parent
-    kept = record
-    while kept is not None:
-        parent = kept.parent
-        while parent is not None and parent.spent():
-            parent = parent.parent
-        kept.parent = parent  # (one store: a walk in another thread sees either link)
-        kept = parent
-    return record
+    return any(k == key and not mine <= slots for k, _, mine in record.loads())
 
 
 def isolate_owned() -> None:
-    """Give the current asyncio task an owned-slot record of its own (see _owning), linked to
-    the one it had: its own loads go there, unseen by its sibling tasks, while the loads of the
-    tasks it came from stay its own.  Once per task: a task calling aget_or_load a million
-    times keeps one record.  Outside a task nothing shares the context's record: no change."""
+    """Give the current asyncio task an owned-slot record of its own (see _owning): its own
+    loads go there, unseen by its sibling tasks, and it inherits the loads in flight of the
+    record it had.  Once per task: a task calling aget_or_load a million times keeps one
+    record.  Outside a task nothing shares the context's record: no change."""
     task = _current_task()
     if task is None:
         return
     record = _owning.get(None)
     if record is not None and record.made_for(task):
         return
-    _owning.set(OwnedRecord(_unspent(record), weakref.ref(task)))
+    _owning.set(OwnedRecord(() if record is None else record.inherit(), weakref.ref(task)))
 
 
 def _owned_slots(cache: "SlotCache") -> set:
@@ -160,7 +148,7 @@ def _owned_slots(cache: "SlotCache") -> set:
     record = _owning.get(None)
     if record is None:
         task = _current_task()
-        record = OwnedRecord(None, None if task is None else weakref.ref(task))
+        record = OwnedRecord((), None if task is None else weakref.ref(task))
         _owning.set(record)
     return record.setdefault(id(cache), set())
 
