@@ -9,7 +9,7 @@ import sys
 import threading
 import time
 import weakref
-from typing import Any, Iterator, Optional, Tuple
+from typing import Any, Optional, Tuple
 
 import numpy as np
 
@@ -80,21 +80,17 @@ class OwnedRecord(dict):
     def made_for(self, task: Any) -> bool:
         return self.task is not None and self.task() is task
 
-    def loads(self) -> "Iterator[Tuple[int, set, set]]":
-        """Every set of loads this record holds: (id(cache), the set, the slots of it that are
-        this record's), its own sets first; an inherited slot whose load ended is dropped from
-        the slots here (set operations in C: atomic under the GIL for int slots)."""
-        for key, own in tuple(self.items()):  # (one copy: a thread sharing it may add a set)
-            yield key, own, own
-        for key, theirs, slots in self.inherited:
-            slots.intersection_update(theirs)
-            yield key, theirs, slots
-
     def inherit(self) -> "Tuple[Tuple[int, set, set], ...]":
-        """What a record made from this one inherits: every load in flight now (each set
-        referred to, with a snapshot of its slots); a set with none is left out, so what a line
-        of records inherits is bounded by the loads in flight, not by how many were made."""
-        return tuple((key, theirs, set(slots)) for key, theirs, slots in self.loads() if slots)
+        """What a record made from this one inherits: every load in flight now, its own and
+        those it inherited (each set referred to, with a snapshot of its slots still in it); a
+        set with none is left out, so what a line of records inherits is bounded by the loads
+        in flight, not by how many records were made.  (The keys are listed first, which
+        allocates nothing per item: a collection run meanwhile may let a thread sharing the
+        record add a cache's set; each set operation on int slots runs whole under the GIL.)"""
+        own = ((key, self.get(key)) for key in list(self))
+        mine = tuple((key, theirs, set(theirs)) for key, theirs in own if theirs)
+        return mine + tuple((key, theirs, live) for key, theirs, slots in self.inherited
+                            if (live := slots & theirs))
 
 
 def _current_task() -> Any:
@@ -115,7 +111,13 @@ def owns_load(cache: "SlotCache", slot: int) -> bool:
     if record is None:
         return False
     key = id(cache)
-    return any(k == key and slot in slots for k, _, slots in record.loads())
+    own = record.get(key)
+    if own is not None and slot in own:
+        return True
+    for k, theirs, slots in record.inherited:
+        if k == key and slot in slots and slot in theirs:
+            return True
+    return False
 
 
 def owns_loads_besides(cache: "SlotCache", slots: "set[int]") -> bool:
@@ -125,7 +127,13 @@ def owns_loads_besides(cache: "SlotCache", slots: "set[int]") -> bool:
     if record is None:
         return False
     key = id(cache)
-    return any(k == key and not mine <= slots for k, _, mine in record.loads())
+    own = record.get(key)
+    if own and not own <= slots:
+        return True
+    for k, theirs, inherited in record.inherited:
+        if k == key and not (inherited & theirs) <= slots:
+            return True
+    return False
 
 
 def isolate_owned() -> None:
