@@ -20,10 +20,11 @@
  * The reentrancy points, where Python code can run inside this module's C code: an allocation
  * of an object the collector tracks (its collection runs finalizers, which may close a handle,
  * a batch or the cache), a call of a Python object (the full path, a loader, a test hook,
- * _after_drop, the numpy constructors) and a reference dropped that may be the last one of
- * such an object (a view's).  After each, before a context read earlier is used again, the
- * code re-checks with CLOSED_MEANWHILE.  Every function funnels its exits into one cleanup
- * label that releases what it took, so no exit releases by hand.
+ * _after_drop, the numpy constructors, the owned-slot record's functions) and a reference
+ * dropped that may be the last one of such an object (a view's).  After each, before a context
+ * read earlier is used again, the code re-checks with CLOSED_MEANWHILE.  Every function
+ * funnels its exits into one cleanup label that releases what it took, so no exit releases by
+ * hand.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -78,6 +79,8 @@ static PyObject *batch_token_drop; /* functions (calling them runs no Python cod
 /* The cold get_or_load's pieces (bind_loads, from ucmcache/_cache.py): 0 until bound. */
 static int loads_bound;
 static PyObject *owning;         /* ucmcache._slots._owning: the owned-slot record (a ContextVar) */
+static PyObject *owned_slots;    /* _slots._owned_slots: the record's own set, made if missing */
+static PyObject *owns_load;      /* _slots.owns_load: whether this context owns a slot's load */
 static PyObject *as_value_view;  /* ucmcache._slots.as_value_view: a value's checks and messages */
 static PyObject *hooks_armed;    /* ucmcache._hooks._armed (a dict) and _hooks.fire */
 static PyObject *hooks_fire;
@@ -749,24 +752,27 @@ static void owned_discard(PyObject *owned, PyObject *slot);
 static PyObject *handle_close_with(HandleBase *h, PyObject *msg, PyObject *et, PyObject *ev,
                                    PyObject *tb);
 
-/* The owned-slot record's set for cache c in the current context, as _slots._owned_slots
- * makes it (a new reference), or NULL with an exception. */
+/* The set the current context's owned loads of cache go to (its owned-slot record's own set:
+ * the record, a dict, maps id(cache) to it), a new reference, or NULL with an exception.  One
+ * lookup when the context has it; otherwise _slots._owned_slots makes it (the record's rules
+ * are written there once). */
 static PyObject *owned_set(PyObject *cache)
 {
     PyObject *d = NULL, *set = NULL;
     if (PyContextVar_Get(owning, NULL, &d) < 0) return NULL;
-    if (!d) {
-        PyObject *tok;
-        if (!(d = PyDict_New()) || !(tok = PyContextVar_Set(owning, d))) goto done;
-        Py_DECREF(tok);
+    if (d && PyDict_Check(d)) {
+        PyObject *id = PyLong_FromVoidPtr(cache); /* id(cache) */
+        if (!id) goto done;
+        set = PyDict_GetItemWithError(d, id);
+        Py_DECREF(id);
+        if (set && PySet_CheckExact(set)) {
+            Py_INCREF(set);
+            goto done;
+        }
+        set = NULL;
+        if (PyErr_Occurred()) goto done;
     }
-    PyObject *id = PyLong_FromVoidPtr(cache); /* id(cache) */
-    if (!id) goto done;
-    set = PyDict_GetItemWithError(d, id);
-    if (set) Py_INCREF(set);
-    else if (!PyErr_Occurred() && (set = PySet_New(NULL)) && PyDict_SetItem(d, id, set) < 0)
-        Py_CLEAR(set);
-    Py_DECREF(id);
+    set = PyObject_CallOneArg(owned_slots, cache);
 done:
     Py_XDECREF(d);
     return set;
@@ -1715,7 +1721,7 @@ static PyObject *handle_wait(HandleBase *h, PyObject *const *args, Py_ssize_t na
     if (kwnames) /* wait(timeout=...): the full path reads its keywords */
         return forward((PyObject *)h, s_wait_full, args, nargs, kwnames);
     CacheBase *c = cache_of(h->cache);
-    PyObject *t = nargs ? args[0] : Py_None, *owned = NULL;
+    PyObject *t = nargs ? args[0] : Py_None;
     double secs = -1.0;
     unsigned long slot = (unsigned long)-1;
     if (t == Py_None) t = h->timeout;
@@ -1740,15 +1746,19 @@ static PyObject *handle_wait(HandleBase *h, PyObject *const *args, Py_ssize_t na
     uint32_t st = core.slot_state(ctx, (uint32_t)slot);
     if (st == UCM_READY) return Py_NewRef(h);
     if (st != UCM_LOADING) goto full;
-    if (!(owned = owned_set((PyObject *)c))) return NULL;
-    int mine = PySet_Contains(owned, h->slot);
-    Py_DECREF(owned);
+    /* The owned-slot record's check walks the record's chain (_slots.owns_load: the rule is
+     * written there once); a wait of ours then goes on with the GIL released, so the call's
+     * cost is paid before a sleep, never after a wake-up. */
+    PyObject *mine_o = PyObject_CallFunctionObjArgs(owns_load, (PyObject *)c, h->slot, NULL);
+    if (!mine_o) return NULL;
+    int mine = PyObject_IsTrue(mine_o);
+    Py_DECREF(mine_o);
     if (mine != 0) {
         if (mine < 0) return NULL;
         goto full;
     }
-    /* owned_set may have allocated, and a collection run finalizers that closed h or the
-     * cache (its ctx freed): nothing of ctx's is touched before this re-check */
+    /* That Python code may have allocated, and a collection run finalizers that closed h or
+     * the cache (its ctx freed): nothing of ctx's is touched before this re-check */
     if (CLOSED_MEANWHILE(still_open(h->closed, c), ctx)) goto full;
     core.stat_add(ctx, UCM_ST_WAITS, 1);
     int64_t t0 = core.now_ns();
@@ -2497,25 +2507,26 @@ static PyObject *mod_bind(PyObject *m, PyObject *args, PyObject *kw)
 
 static PyObject *mod_bind_loads(PyObject *m, PyObject *args, PyObject *kw)
 {
-    static char *names[] = {"steps", "owning", "as_value_view", "hooks_armed", "hooks_fire",
-                            "slow_spin", "max_rollbacks", "stripe_wait", "liveness_ns",
-                            "life_byte0", NULL};
-    PyObject *steps, *ow, *avv, *ha, *hf;
+    static char *names[] = {"steps", "owning", "owned_slots", "owns_load", "as_value_view",
+                            "hooks_armed", "hooks_fire", "slow_spin", "max_rollbacks",
+                            "stripe_wait", "liveness_ns", "life_byte0", NULL};
+    PyObject *steps, *ow, *own_set_fn, *owns_fn, *avv, *ha, *hf;
     unsigned int spin, rollbacks;
     double wait;
     long long live;
     unsigned long long byte0;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "O!OOO!OIIdLK", names, &PyDict_Type, &steps,
-                                     &ow, &avv, &PyDict_Type, &ha, &hf, &spin, &rollbacks, &wait,
-                                     &live, &byte0))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O!OOOOO!OIIdLK", names, &PyDict_Type, &steps,
+                                     &ow, &own_set_fn, &owns_fn, &avv, &PyDict_Type, &ha, &hf,
+                                     &spin, &rollbacks, &wait, &live, &byte0))
         return NULL;
     if (live <= 0) {
         PyErr_SetString(PyExc_ValueError, "bind_loads(): liveness_ns must be > 0");
         return NULL;
     }
-    if (!PyContextVar_CheckExact(ow) || !PyCallable_Check(avv) || !PyCallable_Check(hf)) {
+    if (!PyContextVar_CheckExact(ow) || !PyCallable_Check(own_set_fn) ||
+        !PyCallable_Check(owns_fn) || !PyCallable_Check(avv) || !PyCallable_Check(hf)) {
         PyErr_SetString(PyExc_TypeError, "bind_loads(): owning must be a ContextVar, "
-                        "as_value_view and hooks_fire callables");
+                        "owned_slots, owns_load, as_value_view and hooks_fire callables");
         return NULL;
     }
 #define STEP(f) if (bind_step(steps, "ucm_" #f, (void **)&core.f) < 0) return NULL
@@ -2524,6 +2535,8 @@ static PyObject *mod_bind_loads(PyObject *m, PyObject *args, PyObject *kw)
     STEP(observe);
 #undef STEP
     Py_XSETREF(owning, Py_NewRef(ow));
+    Py_XSETREF(owned_slots, Py_NewRef(own_set_fn));
+    Py_XSETREF(owns_load, Py_NewRef(owns_fn));
     Py_XSETREF(as_value_view, Py_NewRef(avv));
     Py_XSETREF(hooks_armed, Py_NewRef(ha));
     Py_XSETREF(hooks_fire, Py_NewRef(hf));
@@ -2574,9 +2587,10 @@ static PyMethodDef mod_methods[] = {
     {"buffer_row", (PyCFunction)(void (*)(void))mod_buffer_row, METH_FASTCALL,
      "buffer_row(out, n): row_size of a buffer-protocol out, its item format checked."},
     {"bind_loads", (PyCFunction)(void (*)(void))mod_bind_loads, METH_VARARGS | METH_KEYWORDS,
-     "bind_loads(steps, owning, as_value_view, hooks_armed, hooks_fire, slow_spin,\n"
-     "max_rollbacks, stripe_wait): what the cold get_or_load needs (after bind(); called once\n"
-     "by ucmcache/_cache.py, where the slow path's budgets are)."},
+     "bind_loads(steps, owning, owned_slots, owns_load, as_value_view, hooks_armed, hooks_fire,\n"
+     "slow_spin, max_rollbacks, stripe_wait, liveness_ns, life_byte0): what the cold\n"
+     "get_or_load needs (after bind(); called once by ucmcache/_cache.py, where the slow\n"
+     "path's budgets are)."},
     {"bind", (PyCFunction)(void (*)(void))mod_bind, METH_VARARGS | METH_KEYWORDS,
      "bind(steps, addr_of, handle_type, batch_type, new_lengths, new_slots, new_owner,\n"
      "no_owned, unpublished, token_drop, batch_token_drop): the core's step addresses and the\n"

@@ -675,8 +675,7 @@ def test_a_cold_loads_slot_leaves_the_owned_set_before_the_finish(make_cache, ga
         seen.append(set(_slots._owning.get()[id(c)]))   # recorded while the loader runs
         return b"v"
     c._arm("load_published", "gate", g)
-    if _slots._owning.get(None) is None:
-        _slots._owning.set({})
+    _slots._owned_slots(c)                              # the record exists before the copy
     records = _slots._owning.get()
     ctx = contextvars.copy_context()                    # shares the owned set (its dict)
     t = threading.Thread(target=lambda: ctx.run(c.get_or_load, K[6], loader))

@@ -260,30 +260,24 @@ def test_a_join_found_by_the_look_drops_its_pin_when_the_full_path_raises_at_onc
 
 
 WAIT_UAF = r'''
-import contextvars, gc, sys
-from ucmcache import SlotCache, HandleClosed
+import sys
+from ucmcache import SlotCache, HandleClosed, _slots
 c = SlotCache.create(sys.argv[1], slots_per_rank=16, slot_size=64, max_ranks=1)
 try:
     c.get_or_load(b"w" * 16, lambda: b"warm")
     owner = c.get(b"k" * 16); j = c.get(b"k" * 16)
     assert owner.owner and not j.owner
     ran = []
-    class Closer:
-        def __del__(self):
+    class Closing(_slots.OwnedRecord):
+        def get(self, key, default=None):  # the record's look: Python code inside the wait
             ran.append(1); owner.close(); j.close(); c.close()
-    wait = j.wait                      # bound first: the call itself allocates nothing
-    empty = contextvars.Context()      # an empty context: the owned-slot record allocates
-    gc.disable()
-    x = Closer(); x.me = x; del x     # cyclic garbage with a finalizer
-    gc.set_threshold(1)
-    gc.enable()
+            return default
+    _slots._owning.set(Closing())
     try:
-        empty.run(wait)                # the first allocation: inside the wait
+        j.wait()
         print("returned")
     except HandleClosed:
         print("HandleClosed", ran)
-    finally:
-        gc.set_threshold(700)
 finally:
     c.close()
     SlotCache.unlink(sys.argv[1])
@@ -291,10 +285,12 @@ finally:
 
 
 def test_a_wait_whose_allocation_runs_a_finalizer_that_closes_the_cache_never_touches_it(uuid):
-    """Handle.wait (C) allocates the owned-slot record, and that allocation runs a collection
-    whose finalizer closes both handles and the cache (its context freed, its segment
-    unmapped): the wait re-checks before it counts, and raises HandleClosed instead of writing
-    through freed memory (a segfault before).  In a child process: a crash fails the test."""
+    """Handle.wait (C) checks the owned-slot record (_slots.owns_load: Python code, where a
+    finalizer or another thread may run), and code run there closes both handles and the cache
+    (its context freed, its segment unmapped): the wait re-checks before it counts, and raises
+    HandleClosed instead of writing through freed memory (a segfault before).  The record's
+    look is made to close them, so the step is deterministic.  In a child process: a crash
+    fails the test."""
     import subprocess
     import sys
     r = subprocess.run([sys.executable, "-c", WAIT_UAF, uuid], capture_output=True, text=True,

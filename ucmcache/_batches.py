@@ -16,7 +16,8 @@ from ._errors import CorruptSegment
 from ._buffers import check_rows, rows_of
 from ._handle import _NO_OWNED, HandleBatch
 from ._keys import Key, pack_keys
-from ._slots import ABANDONED, ABANDONED_LEN, FAST_SPIN, check_timeout, decode_pin
+from ._slots import (ABANDONED, ABANDONED_LEN, FAST_SPIN, check_timeout, decode_pin,
+                     owns_loads_besides)
 
 
 def _ptr(ctype: str, arr: np.ndarray):
@@ -134,7 +135,7 @@ class Batches(CacheCore):
         published and no longer owned."""
         idx = np.flatnonzero(batch._owner).tolist()
         slots = [int(batch._slots[i]) for i in idx]
-        may_wait = not (batch._owned - set(slots))
+        may_wait = not owns_loads_besides(self, set(slots))
         assert self._tier is not None   # asked only under a tier (get_many's caller checks)
         payloads = self._tier.lookup([(s, *split[i]) for s, i in zip(slots, idx)], may_wait,
                                      timeout)

@@ -41,7 +41,7 @@ from ._single_flight import SingleFlight
 from ._mapping import Mapping
 from ._slots import (ABANDONED, ABANDONED_LEN, FAST_SPIN, _PIN_LEN_SHIFT, _PIN_OWNER,
                      _PIN_OWNER_OR_READY, _PIN_READY, _PIN_SLOT_MASK, check_timeout,
-                     decode_pin)
+                     decode_pin, owns_loads_besides)
 from ._keys import Key, split_key
 from ._layout import DEFAULT_STRIPES, Layout
 from ._locks import Stripes, describe_stripe_holder
@@ -82,7 +82,8 @@ def _bind_loads() -> None:
                                         "ucm_now_ns", "ucm_token_publish", "ucm_token_release",
                                         "ucm_wait_ready", "ucm_slot_state", "ucm_stat_add",
                                         "ucm_observe")},
-                    owning=_slots._owning, as_value_view=_slots.as_value_view,
+                    owning=_slots._owning, owned_slots=_slots._owned_slots,
+                    owns_load=_slots.owns_load, as_value_view=_slots.as_value_view,
                     hooks_armed=_hooks._armed, hooks_fire=_hooks.fire, slow_spin=SLOW_SPIN,
                     max_rollbacks=MAX_ROLLBACKS, stripe_wait=STRIPE_WAIT,
                     liveness_ns=_single_flight.LIVENESS_NS, life_byte0=LIFE_LOCK_BYTE0)
@@ -839,8 +840,8 @@ class SlotCache(CacheBase, SingleFlight, Batches, Prefetching, Mapping):
         a reader of it; else h stays the owner (the tier may hold a lease for its slot)."""
         # Waiting for another node is safe only when this caller owns no other load.
         assert self._tier is not None   # asked only under a tier (get's miss checks)
-        (payload,) = self._tier.lookup([(h._slot, block_id, offset)], len(h._owned) == 1,
-                                       timeout)
+        (payload,) = self._tier.lookup([(h._slot, block_id, offset)],
+                                       not owns_loads_besides(self, {h._slot}), timeout)
         if payload is not None:
             h._served(payload)
 

@@ -23,9 +23,9 @@ from ._drivers import WAIT_LOADED, Steps, run_async, run_blocking
 from ._hit import BatchBase, HandleBase, Ready, bind
 from ._errors import HandleClosed, LoadFailed, UcmError
 from ._slots import (STATE_NAMES, UNPUBLISHED, _now, _owned_slots, as_array, check_timeout,
-                     exit_message, failure_message, fill, observe_load, publish_failed,
-                     publish_ready, ready_length, release_views, slot_length, slot_view,
-                     write_through)
+                     exit_message, failure_message, fill, observe_load, owns_load,
+                     publish_failed, publish_ready, ready_length, release_views, slot_length,
+                     slot_view, write_through)
 
 SlotCache = Any  # see ucmcache/_slots.py: not imported
 
@@ -222,7 +222,7 @@ class Handle(HandleBase, _Pins):
             if self._owner:
                 raise UcmError("the owner of a loading slot cannot wait for it: call ready() or "
                                "fail()")
-            if self._slot in _owned_slots(self._cache):
+            if owns_load(self._cache, self._slot):
                 raise UcmError(f"this {waiter} is loading this key itself (a loader asked for "
                                "its own key): waiting would never end")
             st = yield (WAIT_LOADED, self, timeout)
@@ -420,7 +420,7 @@ class HandleBatch(BatchBase, _Pins):
                 continue  # ours to fill: waiting would never end
             st = lib.ucm_slot_state(cache._ctx, s)
             if st == lib.UCM_LOADING:
-                if s in _owned_slots(cache):
+                if owns_load(cache, s):
                     raise UcmError("this thread is loading one of these keys itself: waiting "
                                    "would never end")
                 left = None if deadline is None else max(0.0, deadline - _now())

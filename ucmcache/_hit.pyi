@@ -107,6 +107,8 @@ def bind(*, steps: dict, addr_of: Callable[[Any], int], handle_type: type, batch
          new_lengths: Callable[[int], np.ndarray], new_slots: Callable[[int], np.ndarray],
          new_owner: Callable[[int], np.ndarray], no_owned: Any, unpublished: bytes,
          token_drop: Callable[..., None], batch_token_drop: Callable[..., None]) -> None: ...
-def bind_loads(steps: dict, owning: Any, as_value_view: Callable[..., Any], hooks_armed: dict,
-               hooks_fire: Callable[..., Any], slow_spin: int, max_rollbacks: int,
-               stripe_wait: float, liveness_ns: int, life_byte0: int) -> None: ...
+def bind_loads(steps: dict, owning: Any, owned_slots: Callable[[Any], set],
+               owns_load: Callable[[Any, int], bool], as_value_view: Callable[..., Any],
+               hooks_armed: dict, hooks_fire: Callable[..., Any], slow_spin: int,
+               max_rollbacks: int, stripe_wait: float, liveness_ns: int,
+               life_byte0: int) -> None: ...

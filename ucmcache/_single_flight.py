@@ -52,9 +52,7 @@ class SingleFlight(CacheCore):
         value = self._loader_then_hit(key, loader, "a callable or a coroutine function")
         if value is not None:
             return value
-        # After the hit look, as _aget_or_load_missed: a hit must not swap the task's record
-        # for a copy (a handle this task owns discards its slot from the record it captured).
-        isolate_owned()  # this task's own loads only (sibling tasks share the parent's set)
+        isolate_owned()  # as _aget_or_load_missed
         return await run_async(self._missed(key, loader, timeout))
 
     def _get_or_load_missed(self, key: Key, loader: Callable[[], Any], *,
@@ -65,7 +63,7 @@ class SingleFlight(CacheCore):
     async def _aget_or_load_missed(self, key: Key, loader: Callable[[], Any], *,
                                    timeout: Optional[float] = None) -> bytes:
         """aget_or_load() once a hit was looked for (in C) and not found."""
-        isolate_owned()  # this task's own loads only (sibling tasks share the parent's set)
+        isolate_owned()  # the task's own record, once: sibling tasks do not see its loads
         return await run_async(self._missed(key, loader, timeout))
 
     def _get_or_load_cold(self, key: bytes, loader: Callable[[], Any], answer: int = 0,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextvars
 import os
+import sys
 import threading
 import time
 import weakref
@@ -43,26 +44,131 @@ def decode_pin(answer: int) -> Tuple[int, int, bool]:
         return slot, (answer >> _PIN_LEN_SHIFT) & _PIN_SLOT_MASK, False
     return slot, -1, bool(answer & _PIN_OWNER)
 
-# Slots whose load this caller owns (per cache): waiting on one of them would wait forever.
-# A context variable, so a loader that hands its work to code running in a copy of its context
-# (asyncio.to_thread, contextvars.copy_context().run in a pool) is caught too.
-_owning: "contextvars.ContextVar[dict]" = contextvars.ContextVar("ucmcache_owning")
+# The owned-slot record: the slots whose loads this caller owns (per cache), so that a wait on
+# one of them, which would wait forever, is refused.  A context variable, so a loader that hands
+# its work to code running in a copy of its context (asyncio.to_thread,
+# contextvars.copy_context().run in a pool) is caught too: the copy holds the same record.
+#
+# asyncio tasks start with a copy of their creator's context too, so sibling tasks would share
+# their creator's record and refuse to wait for each other's loads.  A task's aget_or_load
+# gives it a record of its own (isolate_owned), once, which inherits the loads its creator's
+# record holds at that moment: the creator may be awaiting the task, so a wait for one of those
+# would never end; loads the creator starts later are not the task's (it may wait for them).
+# Inherited by reference, not copied: a handle records its slot in the set it found
+# (Handle._owned) and discards it from that set when its load ends, whichever record the
+# context holds by then, so the inherited entry ends with it (a copy kept the slot for good and
+# refused a later join of it, reused for another key, as a wait for itself).
+_owning: "contextvars.ContextVar[OwnedRecord]" = contextvars.ContextVar("ucmcache_owning")
+
+
+class OwnedRecord(dict):
+    """id(cache) -> the set of slots whose loads the contexts holding this record own (a dict,
+    so csrc/ucm_hit.c's owned_set finds the set with one lookup).  ``inherited``: the loads of
+    the records it was made from that were in flight when it was made, as (id(cache), their
+    record's set, the slots it held then) per set; a slot stays inherited while it is in both
+    (its load not ended).  ``task``: a weak reference to the asyncio task it was made for, or
+    None (made outside a task)."""
+
+    __slots__ = ("inherited", "task")
+
+    def __init__(self, inherited: "Tuple[Tuple[int, set, set], ...]" = (),
+                 task: "Optional[weakref.ref]" = None):
+        super().__init__()
+        self.inherited = inherited
+        self.task = task
+
+    def made_for(self, task: Any) -> bool:
+        return self.task is not None and self.task() is task
+
+    def inherit(self) -> "Tuple[Tuple[int, set, set], ...]":
+        """What a record made from this one inherits: every load in flight now, its own and
+        those it inherited (each set referred to, with a snapshot of its slots still in it); a
+        set with none is left out, so what a line of records inherits is bounded by the loads
+        in flight, not by how many records were made.  (The keys are listed first, which
+        allocates nothing per item: a collection run meanwhile may let a thread sharing the
+        record add a cache's set; each set operation on int slots runs whole under the GIL.)"""
+        own = ((key, self.get(key)) for key in list(self))
+        mine = tuple((key, theirs, set(theirs)) for key, theirs in own if theirs)
+        return mine + tuple((key, theirs, live) for key, theirs, slots in self.inherited
+                            if (live := slots & theirs))
+
+
+def _current_task() -> Any:
+    """The asyncio task running in this thread, or None (no event loop runs here)."""
+    asyncio = sys.modules.get("asyncio")  # not imported: no task can be running
+    if asyncio is None:
+        return None
+    try:
+        return asyncio.current_task()
+    except RuntimeError:  # no running event loop in this thread
+        return None
+
+
+def owns_load(cache: "SlotCache", slot: int) -> bool:
+    """Whether this context owns the load of the cache's slot (a wait on it would wait for
+    itself): its record holds it, as its own or inherited from the record it was made from."""
+    record = _owning.get(None)
+    if record is None:
+        return False
+    key = id(cache)
+    own = record.get(key)
+    if own is not None and slot in own:
+        return True
+    for k, theirs, slots in record.inherited:
+        if k == key and slot in slots and slot in theirs:
+            return True
+    return False
+
+
+def owns_loads_besides(cache: "SlotCache", slots: "set[int]") -> bool:
+    """Whether this context owns a load of the cache other than those of ``slots`` (a caller
+    owning other loads must not wait for another node's: it may be waiting for one of ours)."""
+    record = _owning.get(None)
+    if record is None:
+        return False
+    key = id(cache)
+    own = record.get(key)
+    if own and not own <= slots:
+        return True
+    for k, theirs, inherited in record.inherited:
+        if k == key and not (inherited & theirs) <= slots:
+            return True
+    return False
 
 
 def isolate_owned() -> None:
-    """Give the current context an owned-slot record of its own.  asyncio tasks start with a
-    copy of their creator's context, whose record is the same object: without this, a task's
-    own load would look like its siblings' own too, and they would refuse to wait for it."""
-    d = _owning.get(None)
-    _owning.set({} if d is None else {k: set(v) for k, v in d.items()})
+    """Give the current asyncio task an owned-slot record of its own (see _owning): its own
+    loads go there, unseen by its sibling tasks, and it inherits the loads in flight of the
+    record it had.  Once per task: a task calling aget_or_load a million times keeps one
+    record.  Outside a task nothing shares the context's record: no change."""
+    task = _current_task()
+    if task is None:
+        return
+    record = _owning.get(None)
+    if record is not None and record.made_for(task):
+        return
+    _owning.set(OwnedRecord(() if record is None else record.inherit(), weakref.ref(task)))
 
 
 def _owned_slots(cache: "SlotCache") -> set:
-    d = _owning.get(None)
-    if d is None:
-        d = {}
-        _owning.set(d)
-    return d.setdefault(id(cache), set())
+    """The set the current context's owned loads of the cache go to (its record's own set),
+    made with the record if there is none yet (csrc/ucm_hit.c's owned_set calls this then)."""
+    record = _owning.get(None)
+    if record is None:
+        task = _current_task()
+        record = OwnedRecord((), None if task is None else weakref.ref(task))
+        _owning.set(record)
+    return record.setdefault(id(cache), set())
+
+
+def _fresh_record_after_fork() -> None:
+    """A forked child owns none of its parent's loads (the parent's caches are unusable in it):
+    it starts with an empty record rather than copies naming the parent's caches by id, which
+    a cache the child makes could reuse."""
+    _owning.set(OwnedRecord())
+
+
+os.register_at_fork(after_in_child=_fresh_record_after_fork)
 
 
 # ---------------------------------------------------------------- slot operations
