@@ -19,8 +19,9 @@
  *   floor batch new|old n_keys=100000 batch=64 reqs=20000
  *   floor mix   new|old slot_size=4096 spr=4096 nprocs=2 duration_ms=1000 miss_pct=5
  *               hot=2048 preload=1          (hot: keys drawn uniformly; miss_pct: fresh keys)
- *   floor flight new|old n_keys=1000 nprocs=4 load_us=50   (cold single flight: wake latency and
- *                                                         the waiter's CPU time per wake-up)
+ *   floor flight new|old n_keys=1000 nprocs=4 load_us=50 resident_mb=0   (cold single flight:
+ *               wake latency and the waiter's CPU time per wake-up; resident_mb: memory each
+ *               process holds resident, as a Python process does)
  * Key i is (splitmix64(seed + 2i), splitmix64(seed + 2i + 1)) as in bench/common.py.
  */
 #define _GNU_SOURCE
@@ -558,6 +559,7 @@ static int mode_flight(int old, int argc, char **argv)
 {
     uint64_t n = arg(argc, argv, "n_keys", 1000), nprocs = arg(argc, argv, "nprocs", 4);
     uint64_t load_us = arg(argc, argv, "load_us", 50), slot_size = arg(argc, argv, "slot_size", 4096);
+    uint64_t resident_mb = arg(argc, argv, "resident_mb", 0);
     if (nprocs > 63) die("nprocs");
     seg_t g = seg_new(old, (uint32_t)nprocs, n + 64, slot_size);
     char *ids = make_keys(n, KEY_SEED + 4);
@@ -570,6 +572,15 @@ static int mode_flight(int old, int argc, char **argv)
         if (pid < 0) die("fork");
         if (pid == 0) {
             cli_t k = cli_new(&g, (int)p);
+            /* resident_mb: each process holds that much memory resident (touched once, never
+             * again), as large as a Python process with numpy: what the size of the woken
+             * process alone costs its wake-up, with the same steps */
+            if (resident_mb) {
+                size_t sz = (size_t)resident_mb << 20;
+                char *held = malloc(sz);
+                if (!held) die("malloc resident");
+                for (size_t o = 0; o < sz; o += 4096) held[o] = 1;
+            }
             int64_t *lat = sh->lat + p * n, *cpu = sh->lat + (nprocs + p) * n;
             int64_t *lead = sh->lat + (2 * nprocs + p) * n, *key = sh->lat + (3 * nprocs + p) * n;
             uint64_t runs = 0, waits = 0, hits = 0, full = 0;

@@ -11,6 +11,8 @@ LABELS = {"ucmcache": "ucmcache", "old": "old design (Python API)", "lmdb": "py-
           "redis": "Redis (unix socket)", "manager": "Manager dict", "diskcache": "diskcache",
           "c_floor_new": "C floor: ucmcache steps (futex wait)",
           "c_floor_old": "C floor: old design (polls: yield, then 50 µs sleeps)",
+          "c_floor_new_resident": "C floor: ucmcache steps (futex wait), processes as large as "
+                                  "Python's",
           "core_wait": "Python floor: ucmcache, the core's wait step called directly (cffi)"}
 WRAPPER = "ucmcache bench"
 
@@ -185,7 +187,9 @@ def _flight_ratios(s4: Dict[str, Any], floors: Dict[str, Any],
                          for name, fig in _FLIGHT_FIGURES}
     R["p50_over_c_floor"] = _ratio(u.get("wake_p50_us"), _get(floors, "new", "wake_p50_us"))
     R["p99_over_old"] = _ratio(u.get("wake_p99_us"), _get(s4, "old", "wake_p99_us"))
-    for name, floor in (("c_floor", _get(floors, "new", default={})), ("core_wait", core_wait)):
+    for name, floor in (("c_floor", _get(floors, "new", default={})),
+                        ("c_floor_resident", _get(floors, "new_resident", default={})),
+                        ("core_wait", core_wait)):
         R[f"by_order_over_{name}"] = {
             o: _ratio(_get(u, "by_order", o, "p50_us"), _get(floor, "by_order", o, "p50_us"))
             for o in _get(u, "by_order", default={}) if _get(floor, "by_order", o)}
@@ -893,7 +897,10 @@ def _md_wake_orders(out: Dict[str, Any], rows) -> List[str]:
         for o in orders))
     L.append("ucmcache's wake p50 over the C futex floor's, order by order (target <= 1.2x): "
              f"{by('c_floor')}; over every wait {fmt_xr(out, 's4_flight', 'p50_over_c_floor')}. "
-             f"Over its Python floor's: {by('core_wait')}; over every wait "
+             "Over the same C floor in processes as large as a Python process "
+             f"({_get(out, 'c_floor', 'flight', 'new_resident', 'resident_mb', default='—')} MB "
+             f"resident each): {by('c_floor_resident')}. Over its Python floor's: "
+             f"{by('core_wait')}; over every wait "
              f"{fmt_xr(out, 's4_flight', 'p50_over_core_wait')}.")
     L.append("")
     return L

@@ -321,14 +321,21 @@ def c_floor(env: Env, cfg, out: Dict[str, Any]) -> None:
     log(f"[floor] churn 4096: new {res['churn']['new']['ops_per_s']:.3g}/s old "
         f"{res['churn']['old']['ops_per_s']:.3g}/s")
     res["flight"] = {}
-    for d in ("new", "old"):
-        r = run_floor(env, "flight", d, n_keys=cfg["s4_keys"], nprocs=cfg["s4_procs"],
-                      load_us=cfg["s4_load_us"], slot_size=4096)
+    # new_resident: ucmcache's steps in processes holding as much memory resident as this
+    # Python process (numpy and ucmcache imported, as each scenario 4 process is): what the
+    # size of a woken process alone costs, beside the tiny C processes of "new"
+    resident_mb = python_resident_mb()
+    for d, design, extra in (("new", "new", {}), ("old", "old", {}),
+                             ("new_resident", "new", {"resident_mb": resident_mb})):
+        r = run_floor(env, "flight", design, n_keys=cfg["s4_keys"], nprocs=cfg["s4_procs"],
+                      load_us=cfg["s4_load_us"], slot_size=4096, **extra)
         wakes = r.pop("wakes")
         r.update(common.wake_orders([k for k, _ in wakes], [lat for _, lat in wakes]))
         r.update(flight_cpu_figures(r["waiter_cpu_us"], r["wake_p99_us"]))
+        r.update(extra)
         res["flight"][d] = r
-    for d, what in (("new", "futex"), ("old", "polling")):
+    for d, what in (("new", "futex"), ("old", "polling"),
+                    ("new_resident", f"futex, {resident_mb} MB resident")):
         r = res["flight"][d]
         log(f"[floor] flight {d} ({what}): runs {r['loader_runs']} wake p50 {r['wake_p50_us']} us "
             f"(first woken {_get_first_p50(r)} us) "
@@ -353,6 +360,13 @@ class _EmptyCM:
 
 _NOOP_RELEASE = None
 _NULL = None
+
+
+def python_resident_mb() -> int:
+    """This process's resident memory in MB (VmRSS), at least 1."""
+    with open("/proc/self/status") as f:
+        kb = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+    return max(1, round(kb / 1024))
 
 
 def py_floor(env: Env, cfg, out: Dict[str, Any]) -> None:
