@@ -302,3 +302,48 @@ def test_a_forked_child_starts_with_an_empty_record(make_cache):
         h.fail("done")
     assert got == [[], []]
     assert p.exitcode == 0
+
+
+@pytest.mark.parametrize("end", ["fail", "ready_then_clear"])
+def test_a_later_load_of_the_creator_on_the_same_slot_is_not_inherited(make_cache, end):
+    """The creator owns a load when its child isolates (the child inherits it); that load ends,
+    and the creator's next load, of another key, takes the same slot before the child looks
+    again: the child waits for it and reads its value (an inherited load known by its slot
+    alone was refused as the child's own)."""
+    c = one_slot_cache(make_cache)
+
+    async def main():
+        h1 = c.get(K1)
+        assert h1.owner
+        isolated, go, asked = asyncio.Event(), asyncio.Event(), asyncio.Event()
+
+        async def child():
+            assert await c.aget_or_load(K2, lambda: b"two") == b"two"  # isolates (a bypass)
+            isolated.set()
+            await go.wait()
+            with c.get(K3) as j:                  # the creator's later load, on h1's slot
+                assert not j.owner
+                asked.set()
+                await j.wait_async(30)
+                return bytes(j.data)
+
+        task = asyncio.create_task(child())
+        await isolated.wait()
+        if end == "fail":
+            h1.fail("ended")
+        else:
+            h1.ready(0)
+        h1.close()
+        if end == "ready_then_clear":
+            c.clear()                             # K1 invisible: its slot is taken next
+        h3 = c.get(K3)
+        assert h3.owner and h3.slot == h1.slot
+        go.set()
+        await asyncio.wait_for(asked.wait(), 30)
+        h3.data[:5] = b"three"
+        h3.ready(5)
+        h3.close()
+        return await task
+
+    assert run_task(c, main, "in_task") == b"three"
+    assert c._open_handles == 0 and ucmcache.verify(c.uuid).ok

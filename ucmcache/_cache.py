@@ -213,6 +213,7 @@ class SlotCache(CacheBase, SingleFlight, Batches, Prefetching, Mapping):
         lib.ucm_ctx_set_rank(ctx, self._rank)
         self._arenas = Arenas(seg, ctx, self._rank)
         _live_caches.add(self)
+        _slots.note_cache(self)
         self.recover()
 
     # ---------------------------------------------------------------- lifecycle

@@ -9,7 +9,7 @@ import sys
 import threading
 import time
 import weakref
-from typing import Any, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import numpy as np
 
@@ -57,21 +57,41 @@ def decode_pin(answer: int) -> Tuple[int, int, bool]:
 # Inherited by reference, not copied: a handle records its slot in the set it found
 # (Handle._owned) and discards it from that set when its load ends, whichever record the
 # context holds by then, so the inherited entry ends with it (a copy kept the slot for good and
-# refused a later join of it, reused for another key, as a wait for itself).
+# refused a later join of it, reused for another key, as a wait for itself).  And each inherited
+# load is known by its slot and its install's serial (ucm_load_serial: this process's latest
+# install there), so a later load of the creator that takes the same slot is not inherited.
 _owning: "contextvars.ContextVar[OwnedRecord]" = contextvars.ContextVar("ucmcache_owning")
+
+# The caches of this process by id (a record's keys): an inherited load's serial is read
+# through its cache's context.  Weak: a record does not keep a cache alive.
+_caches: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
+
+
+def note_cache(cache: "SlotCache") -> None:
+    """A cache made in this process (SlotCache's construction): its loads may be inherited."""
+    _caches[id(cache)] = cache
+
+
+def _install_serial(key: int, slot: int) -> int:
+    """The serial of this process's latest install of the slot in the cache id(cache) == key,
+    or -1 if the cache is gone or closed (none of its loads is in flight)."""
+    cache = _caches.get(key)
+    ctx = None if cache is None else cache._ctx
+    return -1 if ctx is None else lib.ucm_load_serial(ctx, slot)
 
 
 class OwnedRecord(dict):
     """id(cache) -> the set of slots whose loads the contexts holding this record own (a dict,
     so csrc/ucm_hit.c's owned_set finds the set with one lookup).  ``inherited``: the loads of
     the records it was made from that were in flight when it was made, as (id(cache), their
-    record's set, the slots it held then) per set; a slot stays inherited while it is in both
-    (its load not ended).  ``task``: a weak reference to the asyncio task it was made for, or
-    None (made outside a task)."""
+    record's set, {slot: its install's serial} then) per set; a load stays inherited while its
+    slot is in that set and its install's serial is the same (the load has not ended, and no
+    later load of that set took its slot).  ``task``: a weak reference to the asyncio task it
+    was made for, or None (made outside a task)."""
 
     __slots__ = ("inherited", "task")
 
-    def __init__(self, inherited: "Tuple[Tuple[int, set, set], ...]" = (),
+    def __init__(self, inherited: "Tuple[Tuple[int, set, Dict[int, int]], ...]" = (),
                  task: "Optional[weakref.ref]" = None):
         super().__init__()
         self.inherited = inherited
@@ -80,17 +100,25 @@ class OwnedRecord(dict):
     def made_for(self, task: Any) -> bool:
         return self.task is not None and self.task() is task
 
-    def inherit(self) -> "Tuple[Tuple[int, set, set], ...]":
+    def inherit(self) -> "Tuple[Tuple[int, set, Dict[int, int]], ...]":
         """What a record made from this one inherits: every load in flight now, its own and
-        those it inherited (each set referred to, with a snapshot of its slots still in it); a
-        set with none is left out, so what a line of records inherits is bounded by the loads
+        those it inherited (each set referred to, with its loads' slots and install serials);
+        a set with none is left out, so what a line of records inherits is bounded by the loads
         in flight, not by how many records were made.  (The keys are listed first, which
         allocates nothing per item: a collection run meanwhile may let a thread sharing the
-        record add a cache's set; each set operation on int slots runs whole under the GIL.)"""
+        record add a cache's set; a set is copied in one call, whole under the GIL.)"""
         own = ((key, self.get(key)) for key in list(self))
-        mine = tuple((key, theirs, set(theirs)) for key, theirs in own if theirs)
-        return mine + tuple((key, theirs, live) for key, theirs, slots in self.inherited
-                            if (live := slots & theirs))
+        mine = tuple((key, theirs, {s: _install_serial(key, s) for s in set(theirs)})
+                     for key, theirs in own if theirs)
+        return mine + tuple((key, theirs, live) for key, theirs, loads in self.inherited
+                            if (live := {s: n for s, n in loads.items()
+                                         if _inherited(key, theirs, s, n)}))
+
+
+def _inherited(key: int, theirs: set, slot: int, serial: int) -> bool:
+    """Whether an inherited load is still in flight: its slot in its set, its install the
+    same (a later load of that set on the same slot has another serial)."""
+    return slot in theirs and serial == _install_serial(key, slot) != -1
 
 
 def _current_task() -> Any:
@@ -114,8 +142,9 @@ def owns_load(cache: "SlotCache", slot: int) -> bool:
     own = record.get(key)
     if own is not None and slot in own:
         return True
-    for k, theirs, slots in record.inherited:
-        if k == key and slot in slots and slot in theirs:
+    for k, theirs, loads in record.inherited:
+        serial = loads.get(slot) if k == key else None
+        if serial is not None and _inherited(key, theirs, slot, serial):
             return True
     return False
 
@@ -130,8 +159,9 @@ def owns_loads_besides(cache: "SlotCache", slots: "set[int]") -> bool:
     own = record.get(key)
     if own and not own <= slots:
         return True
-    for k, theirs, inherited in record.inherited:
-        if k == key and not (inherited & theirs) <= slots:
+    for k, theirs, loads in record.inherited:
+        if k == key and any(s not in slots and _inherited(key, theirs, s, n)
+                            for s, n in loads.items()):
             return True
     return False
 
