@@ -347,3 +347,27 @@ def test_a_later_load_of_the_creator_on_the_same_slot_is_not_inherited(make_cach
 
     assert run_task(c, main, "in_task") == b"three"
     assert c._open_handles == 0 and ucmcache.verify(c.uuid).ok
+
+
+def test_a_load_inherited_while_its_caches_context_is_away_is_known_by_its_slot(make_cache):
+    """Another thread's close() takes the cache's context away while it looks for handles made
+    meanwhile, and gives it back when it refuses: a record made then cannot read its inherited
+    load's install serial, and knows that load by its slot alone, so the child's wait for it is
+    still refused (taken for no load, it would wait for a creator awaiting it: forever)."""
+    c = make_cache(slots_per_rank=4, max_ranks=1, slot_size=64)
+    creator, child = contextvars.Context(), contextvars.Context()
+    h = creator.run(c.get, K1)
+    assert h.owner
+    try:
+        ctx, c._ctx = c._ctx, None                 # as inside close(), before it refuses
+        try:
+            inherited = creator.run(lambda: _slots._owning.get().inherit())
+        finally:
+            c._ctx = ctx
+        child.run(_slots._owning.set, _slots.OwnedRecord(inherited))
+        assert child.run(_slots.owns_load, c, h.slot)
+        with pytest.raises(UcmError, match=REFUSED):
+            child.run(wait_for, c, K1, 30)
+    finally:
+        h.fail("done")
+        h.close()

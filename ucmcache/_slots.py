@@ -117,8 +117,14 @@ class OwnedRecord(dict):
 
 def _inherited(key: int, theirs: set, slot: int, serial: int) -> bool:
     """Whether an inherited load is still in flight: its slot in its set, its install the
-    same (a later load of that set on the same slot has another serial)."""
-    return slot in theirs and serial == _install_serial(key, slot) != -1
+    same (a later load of that set on the same slot has another serial).  A serial that could
+    not be read (-1: the cache's context away, as inside another thread's close() until it
+    refuses) is no answer: the load is then known by its slot alone, so a wait that may be for
+    the creator is refused rather than left to hang."""
+    if slot not in theirs:
+        return False
+    now = -1 if serial == -1 else _install_serial(key, slot)
+    return now == -1 or now == serial
 
 
 def _current_task() -> Any:
