@@ -74,7 +74,8 @@ def note_cache(cache: "SlotCache") -> None:
 
 def _install_serial(key: int, slot: int) -> int:
     """The serial of this process's latest install of the slot in the cache id(cache) == key,
-    or -1 if the cache is gone or closed (none of its loads is in flight)."""
+    or -1 when it cannot be read: the cache gone or closed, or its context away for a moment
+    inside another thread's close() (see _inherited)."""
     cache = _caches.get(key)
     ctx = None if cache is None else cache._ctx
     return -1 if ctx is None else lib.ucm_load_serial(ctx, slot)
