@@ -1536,8 +1536,15 @@ static void owned_discard(PyObject *owned, PyObject *slot)
 static int handle_drop(HandleBase *h, PyObject *msg)
 {
     CacheBase *c = handle_usable(h);
-    if (IS_OPEN(h->closed)) SET_FLAG(h->closed, 1);
-    if (!c) return 0; /* closed already, or a closed or forked cache's: not our pin */
+    if (!IS_OPEN(h->closed)) return 0; /* closed already: its load ended then */
+    SET_FLAG(h->closed, 1);
+    if (!c) {
+        /* A closed or forked cache's: not our pin.  But an owner's load ends with its handle
+         * whatever became of the cache (collected first, in a cycle with it): its slot leaves
+         * the owned set, which a cache made later with the same id() would read. */
+        if (h->owner == Py_True) owned_discard(h->owned, h->slot);
+        return 0;
+    }
     ucm_ctx *ctx = c->ctx;
     Py_INCREF(c);
     add_open(c, -1);
@@ -2168,7 +2175,12 @@ static int batch_drop(BatchBase *b, PyObject *msg)
     CacheBase *c = cache_of(b->cache);
     if (!IS_OPEN(b->closed)) return 0;
     SET_FLAG(b->closed, 1);
-    if (!c || !c->ctx) return 0; /* a closed or forked cache's batch: not our pins */
+    if (!c || !c->ctx) {
+        /* A closed or forked cache's batch: not our pins; its owned loads end with it (as in
+         * handle_drop). */
+        if (b->any_owner == Py_True) batch_owned_discard(b);
+        return 0;
+    }
     ucm_ctx *ctx = c->ctx;
     Py_INCREF(c);
     add_open(c, -1);

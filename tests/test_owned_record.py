@@ -371,3 +371,35 @@ def test_a_load_inherited_while_its_caches_context_is_away_is_known_by_its_slot(
     finally:
         h.fail("done")
         h.close()
+
+
+def _close_parents_owner_in_child(h, q):
+    owned = h._owned                      # the set the parent recorded the load in (a copy)
+    was = h.slot in owned
+    h.close()                             # the cache is not usable here: no pin to drop
+    q.put((was, h.slot in owned))
+
+
+def test_an_owners_load_leaves_its_owned_set_when_its_cache_is_not_usable(make_cache):
+    """An owner's handle dropped when its cache is no longer usable (closed, collected first
+    in a cycle with the handle, or a forked child's copy) has no pin to drop, but its load ends
+    with it: its slot leaves the owned set it was recorded in (left there, a cache made later
+    with the same id() would read it and refuse that slot's joins as this context's own load).
+    Driven in a forked child, where the parent's cache is not usable."""
+    c = make_cache(slot_size=64)
+    h = c.get(K1)
+    assert h.owner
+    try:
+        ctx = multiprocessing.get_context("fork")
+        q = ctx.Queue()
+        p = ctx.Process(target=_close_parents_owner_in_child, args=(h, q))
+        p.start()
+        try:
+            got = q.get(timeout=30)
+        finally:
+            p.join(30)
+        assert p.exitcode == 0
+        assert got == (True, False)
+    finally:
+        h.fail("done")
+        h.close()
