@@ -94,7 +94,7 @@ static PyObject *s_get_full, *s_hit_bytes_full, *s_get_or_load_full, *s_read_man
     *s_get_many_full, *s_gather_full, *s_close_with, *s_get_or_load_missed,
     *s_aget_or_load_full, *s_aget_or_load_missed, *s_get_missed, *s_after_drop, *s_tier,
     *s_copy, *s_get_or_load_cold, *s_get_or_load_joined, *s_check_usable, *s_inside_loader,
-    *s_before_ready, *s_after_ready, *s_ready_full, *s_wait_full;
+    *s_before_ready, *s_after_ready, *s_ready_full, *s_wait_full, *s_why_unusable;
 
 /* ---------------------------------------------------------------- CacheBase */
 
@@ -1533,6 +1533,24 @@ static void owned_discard(PyObject *owned, PyObject *slot)
     if (PySet_Discard(owned, slot) < 0) PyErr_Clear(); /* hashing a small int cannot fail */
 }
 
+/* Whether a cache that is not usable is so for good (closed, or a forked child's copy: its
+ * _why_unusable says which, set once a close commits), not for a moment: another thread's
+ * close() has the context away while it checks for handles made meanwhile, and gives it back
+ * when it refuses.  An owner dropped then keeps its slot in the owned set (its load may go on).
+ * Reads an attribute; any exception pending is kept, none is added. */
+static int unusable_for_good(PyObject *cache)
+{
+    if (!cache_of(cache)) return 1;
+    PyObject *et, *ev, *tb;
+    PyErr_Fetch(&et, &ev, &tb); /* (a finalizer's caller may have one pending: kept) */
+    PyObject *why = PyObject_GetAttr(cache, s_why_unusable);
+    int r = why && PyUnicode_Check(why) && PyUnicode_GET_LENGTH(why) > 0;
+    Py_XDECREF(why);
+    PyErr_Clear();
+    PyErr_Restore(et, ev, tb);
+    return r;
+}
+
 static int handle_drop(HandleBase *h, PyObject *msg)
 {
     CacheBase *c = handle_usable(h);
@@ -1540,9 +1558,9 @@ static int handle_drop(HandleBase *h, PyObject *msg)
     SET_FLAG(h->closed, 1);
     if (!c) {
         /* A closed or forked cache's: not our pin.  But an owner's load ends with its handle
-         * whatever became of the cache (collected first, in a cycle with it): its slot leaves
-         * the owned set, which a cache made later with the same id() would read. */
-        if (h->owner == Py_True) owned_discard(h->owned, h->slot);
+         * when the cache is gone for good (closed, finalized first in a cycle with it): its
+         * slot leaves the owned set, which a cache made later with the same id() would read. */
+        if (h->owner == Py_True && unusable_for_good(h->cache)) owned_discard(h->owned, h->slot);
         return 0;
     }
     ucm_ctx *ctx = c->ctx;
@@ -2176,9 +2194,9 @@ static int batch_drop(BatchBase *b, PyObject *msg)
     if (!IS_OPEN(b->closed)) return 0;
     SET_FLAG(b->closed, 1);
     if (!c || !c->ctx) {
-        /* A closed or forked cache's batch: not our pins; its owned loads end with it (as in
-         * handle_drop). */
-        if (b->any_owner == Py_True) batch_owned_discard(b);
+        /* A closed or forked cache's batch: not our pins; its owned loads end with it when the
+         * cache is gone for good (as in handle_drop). */
+        if (b->any_owner == Py_True && unusable_for_good(b->cache)) batch_owned_discard(b);
         return 0;
     }
     ucm_ctx *ctx = c->ctx;
@@ -2652,6 +2670,7 @@ PyMODINIT_FUNC PyInit__hit(void)
     INTERN(s_get_or_load_cold, "_get_or_load_cold");
     INTERN(s_get_or_load_joined, "_get_or_load_joined");
     INTERN(s_check_usable, "_check_usable"); INTERN(s_inside_loader, "inside_loader");
+    INTERN(s_why_unusable, "_why_unusable");
     INTERN(s_before_ready, "before_ready"); INTERN(s_after_ready, "after_ready");
     INTERN(s_ready_full, "_ready_full"); INTERN(s_wait_full, "_wait_full");
 #undef INTERN

@@ -17,6 +17,7 @@ import pytest
 
 import ucmcache
 from ucmcache import UcmError, _slots
+from ucmcache._core import lib
 
 K1, K2, K3 = b"1" * 16, b"2" * 16, b"3" * 16
 SHORT = 0.05  # a wait that must end by its timeout: nobody publishes meanwhile
@@ -403,3 +404,65 @@ def test_an_owners_load_leaves_its_owned_set_when_its_cache_is_not_usable(make_c
     finally:
         h.fail("done")
         h.close()
+
+
+@pytest.mark.parametrize("order", ["cache_first", "handle_first"])
+def test_an_owner_collected_with_its_cache_leaves_no_slot_owned(uuid, order):
+    """An owner's handle and its cache collected together in a cycle (the cache closed by its
+    finalizer, which may run before the handle's): the handle's load ends with it, and its
+    slot leaves the owned set, which a cache made later with the same id() would read."""
+    import gc
+    import warnings
+    c = ucmcache.SlotCache.create(uuid, slots_per_rank=4, slot_size=64, max_ranks=1)
+    try:
+        h = c.get(K1)
+        assert h.owner
+        owned = h._owned
+        assert owned == {h.slot}
+        c.cycle = h if order == "cache_first" else [h]     # cache -> handle -> cache
+        del c, h
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ResourceWarning)  # collected without close()
+            gc.collect()
+        assert owned == set()
+    finally:
+        ucmcache.SlotCache.unlink(uuid)
+
+
+def test_an_owner_closed_while_a_close_has_the_context_away_keeps_its_slot_owned(make_cache):
+    """Another thread's close() takes the context away while it looks for handles made
+    meanwhile, and gives it back when it refuses.  An owner's handle closed in that moment
+    drops no pin (its load goes on until the handle is collected: design 8) and keeps its slot
+    in the owned set: its context's wait for that key is refused, not left waiting for itself.
+    (The other thread's steps are played by the close's own hooks, as in test_promises.)"""
+    c = make_cache(slots_per_rank=4, max_ranks=1, slot_size=64)
+    made = {}
+    detach, live = c._detach_ctx, c._live_handles
+
+    def detach_after_gets():          # "another thread" gets K1 (owner) and K2 meanwhile
+        made["owner"], made["other"] = c.get(K1), c.get(K2)
+        return detach()
+
+    def live_closing_the_owner():     # ... and closes its owner while the context is away
+        if c._ctx is None and "closed" not in made:
+            made["closed"] = True
+            made["owner"].close()
+        return live()
+
+    c._detach_ctx, c._live_handles = detach_after_gets, live_closing_the_owner
+    try:
+        with pytest.raises(UcmError, match="cannot close"):
+            c.close()
+    finally:
+        del c._detach_ctx, c._live_handles
+    owner, other = made.pop("owner"), made.pop("other")
+    try:
+        assert owner.slot in owner._owned
+        with pytest.raises(UcmError, match=REFUSED):
+            wait_for(c, K1, 30)
+    finally:
+        slot = owner.slot
+        del owner
+        other.fail("done")
+        other.close()
+    assert lib.ucm_slot_state(c._ctx, slot) == lib.UCM_FAILED   # the collected owner failed it
