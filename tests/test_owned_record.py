@@ -71,6 +71,15 @@ async def join_and_wait(c, how):
             b.wait(SHORT)
 
 
+async def join_and_read(c, key, asked):
+    """Join key's load (another caller's), say so, wait for it and read its value."""
+    with c.get(key) as j:
+        assert not j.owner
+        asked.set()
+        await j.wait_async(30)
+        return bytes(j.data)
+
+
 def run_task(c, main, record):
     """asyncio.run(main()) in a new context, whose owned-slot record is made either outside the
     task ("outside": an owner's get there, so the task's first aget_or_load miss links a record
@@ -228,19 +237,16 @@ def test_a_load_the_creator_starts_later_is_not_the_tasks_own(make_cache):
 
     async def main():
         assert await c.aget_or_load(K3, lambda: b"m") == b"m"      # the creator isolated
-        go, asked = asyncio.Event(), asyncio.Event()
+        isolated, go, asked = asyncio.Event(), asyncio.Event(), asyncio.Event()
 
         async def worker():
             assert await c.aget_or_load(K2, lambda: b"w") == b"w"  # the worker isolated
+            isolated.set()
             await go.wait()
-            with c.get(K1) as j:                                   # the creator's load
-                assert not j.owner
-                asked.set()
-                await j.wait_async(30)
-                return bytes(j.data)
+            return await join_and_read(c, K1, asked)               # the creator's load
 
         w = asyncio.create_task(worker())
-        await asyncio.sleep(0)                                     # the worker isolates
+        await isolated.wait()
 
         async def loader():
             go.set()
@@ -322,11 +328,7 @@ def test_a_later_load_of_the_creator_on_the_same_slot_is_not_inherited(make_cach
             assert await c.aget_or_load(K2, lambda: b"two") == b"two"  # isolates (a bypass)
             isolated.set()
             await go.wait()
-            with c.get(K3) as j:                  # the creator's later load, on h1's slot
-                assert not j.owner
-                asked.set()
-                await j.wait_async(30)
-                return bytes(j.data)
+            return await join_and_read(c, K3, asked)  # the creator's later load, on h1's slot
 
         task = asyncio.create_task(child())
         await isolated.wait()
