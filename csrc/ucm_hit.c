@@ -59,6 +59,7 @@ static struct {
     __typeof__(ucm_slot_state) *slot_state;
     __typeof__(ucm_stat_add) *stat_add;
     __typeof__(ucm_observe) *observe;
+    __typeof__(ucm_load_serial) *load_serial;
 } core;
 static int bound;
 /* No spinning here: a claimed slot answers BUSY at once and the full path (which spins with
@@ -1276,6 +1277,26 @@ static PyObject *cache_detach(CacheBase *c, PyObject *unused)
     return ctx;
 }
 
+/* _load_serial(slot): the serial of this process's latest install of the slot (ucm_load_serial),
+ * or -1 with no context (closed, a forked child's copy, or away inside another thread's
+ * close()).  The context is read and used under the GIL (or counted in calls_out), in one step:
+ * a close in another thread cannot free it in between, as it could between a Python read of
+ * _ctx and a cffi call (which releases the GIL). */
+static PyObject *cache_load_serial(CacheBase *c, PyObject *arg)
+{
+    unsigned long slot = PyLong_AsUnsignedLong(arg);
+    if (slot == (unsigned long)-1 && PyErr_Occurred()) return NULL;
+    if (!loads_bound || !c->ctx || slot > UCM_PIN_SLOT_MASK) return PyLong_FromLong(-1);
+    uint32_t serial;
+    /* With test points set, the GIL released (a gate may hold the slot's process-local lock,
+     * as in handle_drop), counted so close() cannot take the context meanwhile. */
+    if (__builtin_expect(core.ctx_points_set(c->ctx), 0))
+        WITHOUT_GIL(c, serial = core.load_serial(c->ctx, (uint32_t)slot));
+    else
+        serial = core.load_serial(c->ctx, (uint32_t)slot);
+    return PyLong_FromUnsignedLong(serial);
+}
+
 /* A fork's parent side: the context, counted as held by a fork until _fork_release (close()
  * waits for it: the parent drops the pins it holds across the fork through this context after
  * the child's copies are made), or None if the cache has none.  One step under the GIL, as
@@ -1383,6 +1404,9 @@ static PyMethodDef cache_methods[] = {
      "appends (cache, ctx, slots, n) to holds, in one step; False if nothing was held."},
     {"_fork_release", (PyCFunction)(void (*)(void))cache_fork_release, METH_FASTCALL,
      "_fork_release(slots, n): drops one _fork_hold's pins and its count."},
+    {"_load_serial", (PyCFunction)cache_load_serial, METH_O,
+     "_load_serial(slot): the serial of this process's latest install of the slot, or -1 with\n"
+     "no context; read under the GIL (the owned-slot record's inherited loads)."},
     {"_forks_out", (PyCFunction)cache_forks_out, METH_NOARGS,
      "Forks whose parent side holds pins through this cache now."},
     {"_detach", (PyCFunction)cache_detach, METH_NOARGS,
@@ -2562,7 +2586,7 @@ static PyObject *mod_bind_loads(PyObject *m, PyObject *args, PyObject *kw)
 #define STEP(f) if (bind_step(steps, "ucm_" #f, (void **)&core.f) < 0) return NULL
     STEP(get_slow); STEP(load_finish); STEP(token_drop); STEP(now_ns); STEP(token_publish);
     STEP(token_release); STEP(wait_ready); STEP(slot_state); STEP(stat_add);
-    STEP(observe);
+    STEP(observe); STEP(load_serial);
 #undef STEP
     Py_XSETREF(owning, Py_NewRef(ow));
     Py_XSETREF(owned_slots, Py_NewRef(own_set_fn));

@@ -81,7 +81,7 @@ def _bind_loads() -> None:
                            for name in ("ucm_get_slow", "ucm_load_finish", "ucm_token_drop",
                                         "ucm_now_ns", "ucm_token_publish", "ucm_token_release",
                                         "ucm_wait_ready", "ucm_slot_state", "ucm_stat_add",
-                                        "ucm_observe")},
+                                        "ucm_observe", "ucm_load_serial")},
                     owning=_slots._owning, owned_slots=_slots._owned_slots,
                     owns_load=_slots.owns_load, as_value_view=_slots.as_value_view,
                     hooks_armed=_hooks._armed, hooks_fire=_hooks.fire, slow_spin=SLOW_SPIN,

@@ -77,8 +77,7 @@ def _install_serial(key: int, slot: int) -> int:
     or -1 when it cannot be read: the cache gone or closed, or its context away for a moment
     inside another thread's close() (see _inherited)."""
     cache = _caches.get(key)
-    ctx = None if cache is None else cache._ctx
-    return -1 if ctx is None else lib.ucm_load_serial(ctx, slot)
+    return -1 if cache is None else cache._load_serial(slot)  # (the context read in C)
 
 
 class OwnedRecord(dict):
