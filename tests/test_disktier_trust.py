@@ -132,6 +132,11 @@ def test_a_tree_another_user_owns_is_refused_unless_allowed(tmp_path):
         DiskTier(tier.path, CAP, allow_other_user=True).close()
         os.chown(d, 0, 0)
     assert issubclass(ForeignTierDirectory, UcmError)
+    # The tools say how to opt in (root's CLI on a service's directory).
+    from ucmcache import cli
+    os.chown(tier.root, NOBODY, NOBODY)
+    assert cli.main(["tier", "verify", tier.path]) == 2
+    assert cli.main(["tier", "verify", tier.path, "--allow-other-user"]) == 0
 
 
 @needs_root
@@ -320,6 +325,7 @@ def test_the_capacity_is_the_directorys_and_another_is_refused(tmp_path, capsys)
     path = tmp_path / "disk"
     with pytest.raises(ValueError, match=r"records no capacity_bytes .*: give one"):
         DiskTier(path)
+    assert not path.exists()  # refused before anything is made
     DiskTier(path, CAP).close()
     with pytest.raises(TierCapacityMismatch,
                        match=rf"made with capacity_bytes={CAP} \(recorded in .*capacity\), not "

@@ -64,11 +64,14 @@ def _tiers(paths: List[str]) -> Dict[str, Any]:
 
 
 def _tier_dir(path: str, allow_other_user: bool = False):
+    from ..disktier import ForeignTierDirectory
     from ..disktier.facts import NotATierDirectory, open_dir
     try:
         return open_dir(path, allow_other_user=allow_other_user)
     except NotATierDirectory as e:
         raise CliError(str(e)) from None
+    except ForeignTierDirectory as e:
+        raise CliError(f"{e} (here: --allow-other-user)") from None
 
 
 def cmd_tier_ls(args) -> int:

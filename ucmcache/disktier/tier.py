@@ -166,6 +166,8 @@ class DiskTier(Tier):
             raise ValueError(f"path {path!r} exists and is not a directory")
         self.path = os.path.abspath(path)
         self.root = os.path.join(self.path, DIR_NAME)
+        if capacity_bytes is None and not os.path.isdir(self.root):
+            raise _no_capacity(self.path)
         self.timeout = float(timeout)
         self.fsync = bool(fsync)
         self.allow_other_user = allow_other_user
@@ -288,8 +290,7 @@ class DiskTier(Tier):
         recorded = read_capacity_record(self.root, self._owner)
         if recorded is None:
             if asked is None:
-                raise ValueError(f"disk tier {self.path!r} records no capacity_bytes (made "
-                                 "before capacities were recorded, or new): give one")
+                raise _no_capacity(self.path)
             if not self._records_capacity:
                 return asked
             recorded = self._record_capacity(asked)
@@ -1135,6 +1136,11 @@ def _foreign(path: str, what: str) -> ForeignTierDirectory:
                                 "allow_other_user=True to use it anyway")
 
 
+def _no_capacity(path: str) -> ValueError:
+    return ValueError(f"disk tier {path!r} records no capacity_bytes (new, or made before "
+                      "capacities were recorded): give one")
+
+
 def _kind(st_mode: int) -> str:
     for test, name in ((stat_mod.S_ISLNK, "a symbolic link"), (stat_mod.S_ISDIR, "a directory"),
                        (stat_mod.S_ISFIFO, "a FIFO"), (stat_mod.S_ISSOCK, "a socket"),
@@ -1252,8 +1258,8 @@ def remove_entry(path: str) -> bool:
 
 def _place_no_replace(tmp: str, final: str) -> bool:
     """Give the complete file at tmp the name final unless final exists (a hard link: never
-    over another's); True if placed.  Where links are not supported, a rename after a
-    check (a racing writer may then be replaced).  tmp stays: the caller removes it."""
+    over another's; tmp keeps its name, the caller removes it); True if placed.  Where links
+    are not supported, a rename after a check (a racing writer may then be replaced)."""
     try:
         os.link(tmp, final)
         return True
