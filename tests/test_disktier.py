@@ -869,11 +869,10 @@ def test_a_signal_handlers_exception_during_the_probe_leaves_the_disk_usable(seg
                     breaker_reset=10.0, readers=1, clock=lambda: now[0])
     c = segs()
     cc = SlotCache.attach(c.uuid, tier2=tier)
-    k_bad, k_held, k_good = _keys(3)
-    bad = tier.key_path(k_bad)
-    os.makedirs(os.path.dirname(bad), exist_ok=True)
-    os.symlink(bad, bad)                  # ELOOP: a read error
-    good = tier.key_path(k_good)
+    k_bad, k_held, k_good = (bytes([i]) + k[1:] for i, k in enumerate(_keys(3)))
+    bad_dir = os.path.dirname(tier.key_path(k_bad))
+    os.symlink(bad_dir, bad_dir)          # ELOOP above the name: a read error (a link at
+    good = tier.key_path(k_good)          # the name itself is a bad block, not an error)
     os.makedirs(os.path.dirname(good), exist_ok=True)
     with open(good, "wb") as f:
         f.write(_block(k_good))

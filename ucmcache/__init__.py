@@ -12,7 +12,7 @@ from ._errors import (CacheFull, CorruptSegment, ForeignSegment, HalfMadeSegment
 from ._handle import Handle, HandleBatch
 from ._keys import Key, chain_keys, make_key
 from .tier2 import RedisTier
-from .disktier import DiskTier
+from .disktier import DiskTier, ForeignTierDirectory, TierCapacityMismatch
 from ._verify import VerifyReport, verify
 
 __all__ = [
@@ -20,7 +20,7 @@ __all__ = [
     "VerifyReport", "UcmError", "CacheFull", "LoadFailed", "SegmentExists", "SegmentNotFound",
     "IncompatibleSegment", "CorruptSegment", "HalfMadeSegment", "ForeignSegment",
     "SharedMemoryFull", "RankUnavailable", "HandleClosed", "NotAttached", "LockTimeout",
-    "RedisTier", "DiskTier", "Unsupported",
+    "RedisTier", "DiskTier", "Unsupported", "ForeignTierDirectory", "TierCapacityMismatch",
 ]
 __version__ = "0.1.0"
 

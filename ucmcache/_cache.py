@@ -455,8 +455,10 @@ class SlotCache(CacheBase, SingleFlight, Batches, Prefetching, Mapping):
     aget_or_load = CacheBase.aget_or_load
     read_many = CacheBase.read_many
 
-    def _get_full(self, key: Key, *, timeout: Optional[float] = None) -> Handle:
-        """get() for everything but a plain hit (see CacheBase.get)."""
+    def _get_full(self, key: Key, *, timeout: Optional[float] = None,
+                  put: bool = False) -> Handle:
+        """get() for everything but a plain hit (see CacheBase.get).  ``put``: for put() under
+        a tier (an owner asks the tier's put, not its lookup: see _ask_tier)."""
         ctx = self._ctx
         if ctx is None:
             self._check_usable()
@@ -466,7 +468,7 @@ class SlotCache(CacheBase, SingleFlight, Batches, Prefetching, Mapping):
             block_id, offset = key, 0
         else:
             block_id, offset = split_key(key)
-        return self._pin_handle(block_id, offset, timeout, True)
+        return self._pin_handle(block_id, offset, timeout, True, put=put)
 
     def _get_missed(self, key: bytes, answer: int = 0, since_ns: int = -1) -> Handle:
         """get() of a plain id the C hit path looked for, missed and counted as a request:
@@ -476,7 +478,8 @@ class SlotCache(CacheBase, SingleFlight, Batches, Prefetching, Mapping):
         return self._pin_handle(key, 0, None, False, answer, since_ns)
 
     def _pin_handle(self, block_id: bytes, offset: int, timeout: Optional[float],
-                    look: bool, answer: int = 0, since_ns: int = -1) -> Handle:
+                    look: bool, answer: int = 0, since_ns: int = -1,
+                    put: bool = False) -> Handle:
         """A Handle holding key's pin: looked up first (``look``), else the slow path at once."""
         t0 = time.monotonic() if timeout is not None else 0.0  # the tier gets what is left
         # No window without an owner object (a signal handler may raise at any call): the
@@ -522,7 +525,7 @@ class SlotCache(CacheBase, SingleFlight, Batches, Prefetching, Mapping):
                 h.own()
                 if self._tier is not None:  # the handle owns the pin: a raise here closes it
                     self._ask_tier(h, block_id, offset, timeout if timeout is None else
-                                   max(0.0, timeout - (time.monotonic() - t0)))
+                                   max(0.0, timeout - (time.monotonic() - t0)), put)
         except BaseException:
             if h._closed:
                 if token is None:
@@ -836,13 +839,15 @@ class SlotCache(CacheBase, SingleFlight, Batches, Prefetching, Mapping):
     # get_many's side of this is _ask_tier_many, beside it in _batches.
 
     def _ask_tier(self, h: Handle, block_id: bytes, offset: int,
-                  timeout: Optional[float]) -> None:
+                  timeout: Optional[float], put: bool = False) -> None:
         """get(): h owns a cold slot.  When the tier has the value, h publishes it and becomes
-        a reader of it; else h stays the owner (the tier may hold a lease for its slot)."""
+        a reader of it; else h stays the owner (the tier may hold a lease for its slot).
+        ``put``: h is put()'s, whose value is the caller's: the tier's put, not its lookup."""
         # Waiting for another node is safe only when this caller owns no other load.
         assert self._tier is not None   # asked only under a tier (get's miss checks)
-        (payload,) = self._tier.lookup([(h._slot, block_id, offset)],
-                                       not owns_loads_besides(self, {h._slot}), timeout)
+        ask = self._tier.put if put else self._tier.lookup
+        (payload,) = ask([(h._slot, block_id, offset)],
+                         not owns_loads_besides(self, {h._slot}), timeout)
         if payload is not None:
             h._served(payload)
 

@@ -44,8 +44,8 @@ PY_POINTS = ("inside_loader", "before_ready", "after_ready", "before_magic", "af
              # none of its own); the background writer is about to send a batch
              "lease_wait", "before_write",
              # the disk tier (ucmcache.disktier): an owner is about to read the disk; a read
-             # pool thread is about to open a block file; the writer wrote a block's header
-             # and half its payload into its temporary file
+             # pool thread is about to open (for a put: remove) a block file; the writer wrote
+             # a block's header and half its payload into its temporary file
              "disk_lookup", "disk_read_io", "disk_mid_write")
 POINTS = tuple(C_POINTS) + PY_POINTS
 

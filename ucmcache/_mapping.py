@@ -41,9 +41,16 @@ class Mapping(CacheCore):
         loader.  True if this call stored it; False, without waiting, if the key is Ready
         already or another caller (any process) is loading it: single flight holds, the
         other load wins.  ``data`` is checked before any shared word changes.  Raises
-        CacheFull when no slot can be had, as get does."""
+        CacheFull when no slot can be had, as get does.
+
+        Under a DiskTier the value is the caller's: the disk is not read for it, the key's
+        older block there is removed before the value is published (OSError, TimeoutError past
+        the tier's timeout, when it cannot be: nothing is stored) and the value is written
+        through over it, so no older block of the key is served after a put that returned
+        True.  Under a RedisTier a value Redis holds wins, as over a load (False)."""
         value = as_value_view(data, self.slot_size)  # TypeError/ValueError before anything
-        with self.get(key, timeout=timeout) as h:
+        with (self.get(key, timeout=timeout) if self._tier is None else
+              self._get_full(key, timeout=timeout, put=True)) as h:
             if not h.owner:
                 return False
             n = value.nbytes

@@ -14,6 +14,10 @@ once: ``Tier.bind`` returns the ``BoundTier`` the cache calls, at four points an
    whatever the tier holds for that slot (a lease), so another node need not wait it out.
 4. ``exist_prefix`` (the keys the cache lacks) and ``close`` (the cache detaches).
 
+``put`` stands for ``lookup`` at 1 when the owner is a ``put()`` (its value is the caller's):
+a tier that can be written over (DiskTier) does not serve what it holds and writes the put's
+value over it; the default is lookup (RedisTier: a value it holds wins).
+
 Slots name an owner's load from ``lookup`` to ``write_through``/``abandon``; keys are
 ``(block_id, offset)``.  A tier may report into the caller's shared counters through the ``count``
 it is bound with (``UCM_ST_T2_*``: RedisTier does; DiskTier keeps its own in its directory).
@@ -43,6 +47,16 @@ class BoundTier(abc.ABC):
         loads it).  ``may_wait`` False: the caller owns other unpublished slots, so waiting
         for another node could close a cycle.  ``timeout`` bounds any wait (None: the tier's
         own bound)."""
+
+    def put(self, owned: Sequence[Owned], may_wait: bool,
+            timeout: Optional[float]) -> List[Optional[memoryview]]:
+        """As lookup, for the owners of cold slots that put() will publish with the caller's
+        value.  A tier that can be written over answers None for each, does not serve what it
+        holds, and keeps what write_through then hands it in place of anything it held for the
+        key (DiskTier: an older block is never served after the put; it raises OSError when it
+        cannot make sure of that, and the put stores nothing).  This default is lookup: a value
+        the tier holds wins, as over a load (RedisTier)."""
+        return self.lookup(owned, may_wait, timeout)
 
     @abc.abstractmethod
     def exist_prefix(self, keys: Sequence[Tuple[bytes, int]]) -> int:
@@ -118,6 +132,29 @@ class BoundChain(BoundTier):
                     continue
                 out[i] = p
                 for above in self.bound[:k]:  # they missed it: they keep a copy now
+                    above.write_through(owned[i][0], p)
+            rest = missed
+        return out
+
+    def put(self, owned: Sequence[Owned], may_wait: bool,
+            timeout: Optional[float]) -> List[Optional[memoryview]]:
+        """Each tier's put in order; the first that serves a value (one whose rule is that
+        its value wins) ends it, and the tiers above keep that value as they would a put's."""
+        out: List[Optional[memoryview]] = [None] * len(owned)
+        rest = list(range(len(owned)))
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for k, tier in enumerate(self.bound):
+            if not rest:
+                break
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            found = tier.put([owned[i] for i in rest], may_wait, left)
+            missed = []
+            for i, p in zip(rest, found):
+                if p is None:
+                    missed.append(i)
+                    continue
+                out[i] = p
+                for above in self.bound[:k]:
                     above.write_through(owned[i][0], p)
             rest = missed
         return out

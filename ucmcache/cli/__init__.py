@@ -92,6 +92,7 @@ ignore keys they do not know.  Counter names come from the C core (``UCM_ST_*``)
       "ok": bool,                   # problems is empty
       "tiers": {"disk:<path>": {    # only with --tier PATH (each given)
           "tier": str, "path": str, "format_version": int,
+          "capacity_bytes": int | None, # recorded in the directory when it was made
           "files": int, "bytes": int,   # block files found by a scan, their bytes
           "usage_bytes": int,           # the tier's shared usage record
           "counters": {"t2_hits": int, ...}}}   # summed over every process that used it

@@ -63,12 +63,15 @@ def _tiers(paths: List[str]) -> Dict[str, Any]:
         raise CliError(str(e)) from None
 
 
-def _tier_dir(path: str, capacity: Optional[int] = None):
+def _tier_dir(path: str, allow_other_user: bool = False):
+    from ..disktier import ForeignTierDirectory
     from ..disktier.facts import NotATierDirectory, open_dir
     try:
-        return open_dir(path, capacity)
+        return open_dir(path, allow_other_user=allow_other_user)
     except NotATierDirectory as e:
         raise CliError(str(e)) from None
+    except ForeignTierDirectory as e:
+        raise CliError(f"{e} (here: --allow-other-user)") from None
 
 
 def cmd_tier_ls(args) -> int:
@@ -81,7 +84,7 @@ def cmd_tier_ls(args) -> int:
 
 
 def cmd_tier_verify(args) -> int:
-    t = _tier_dir(args.path)
+    t = _tier_dir(args.path, args.allow_other_user)
     r = t.verify(remove_bad=args.remove_bad)
     if args.json:
         print(json.dumps({"tier": t.label, "ok": r.ok, "removed": r.removed,
@@ -102,7 +105,7 @@ SHOWN_BAD = 20
 def cmd_tier_trim(args) -> int:
     if args.to < 0:
         raise CliError(f"--to must be >= 0 bytes, got {args.to}")
-    t = _tier_dir(args.path)
+    t = _tier_dir(args.path, args.allow_other_user)
     removed, left = t.trim(args.to)
     render.out([f"tier {t.label}", f"  removed {removed} block file(s), least recently used "
                 f"first; {render.human_bytes(left)} left"])
@@ -431,12 +434,20 @@ def _tier_command(sub) -> None:
     sp.add_argument("path", metavar="PATH")
     sp.add_argument("--remove-bad", action="store_true", help="remove the bad ones (exit 0)")
     sp.add_argument("--json", action="store_true", help="as JSON")
+    _allow_other_user(sp)
     sp.set_defaults(fn=cmd_tier_verify)
     sp = tsub.add_parser("trim", help="remove least recently used block files down to a size")
     sp.add_argument("path", metavar="PATH")
     sp.add_argument("--to", type=int, required=True, metavar="BYTES",
                     help="the bytes the block files may take afterwards")
+    _allow_other_user(sp)
     sp.set_defaults(fn=cmd_tier_trim)
+
+
+def _allow_other_user(sp) -> None:
+    sp.add_argument("--allow-other-user", action="store_true",
+                    help="use a directory another user owns or can write (as "
+                         "DiskTier(allow_other_user=True): their block files count as good)")
 
 
 def build_parser() -> argparse.ArgumentParser:

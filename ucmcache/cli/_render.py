@@ -329,7 +329,9 @@ def tier_lines(t: Dict[str, Any]) -> List[str]:
     c = t["counters"]
     lines = [f"tier {t['tier']}",
              f"  format v{t['format_version']}  {t['files']} block file(s)  "
-             f"{human_bytes(t['bytes'])} (usage record {human_bytes(t['usage_bytes'])})",
+             f"{human_bytes(t['bytes'])} (usage record {human_bytes(t['usage_bytes'])})  "
+             + (f"capacity {human_bytes(t['capacity_bytes'])} ({t['capacity_bytes']} B)"
+                if t.get("capacity_bytes") is not None else "capacity not recorded"),
              f"  hits {c['t2_hits']}  misses {c['t2_misses']}  bypasses {c['t2_bypasses']}  "
              f"bad {c['t2_bad_values']}",
              f"  writes {c['t2_writes']}  dedups {c['t2_write_dedups']}  drops "

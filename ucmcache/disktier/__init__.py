@@ -8,6 +8,7 @@
 * ``tier``: ``DiskTier`` (reads on a bounded pool, the background writer, capacity and
   eviction under a shared lock, verify and trim) and ``BoundDisk`` (the tier as a cache uses it).
 """
-from .tier import BlockFile, DiskTier, VerifyResult
+from .tier import BlockFile, DiskTier, ForeignTierDirectory, TierCapacityMismatch, VerifyResult
 
-__all__ = ["DiskTier", "BlockFile", "VerifyResult"]
+__all__ = ["DiskTier", "BlockFile", "VerifyResult", "ForeignTierDirectory",
+           "TierCapacityMismatch"]

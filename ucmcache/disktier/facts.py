@@ -9,17 +9,29 @@ from typing import Any, Dict, List, Optional, Tuple
 from .._errors import UcmError
 from .counters import read_all
 from .fileformat import FORMAT_VERSION
-from .tier import DIR_NAME, DiskTier, read_usage_record, scan_blocks
+from .tier import DIR_NAME, DiskTier, read_capacity_record, read_usage_record, scan_blocks
 
 
 class NotATierDirectory(UcmError, ValueError):
     """The path holds no disk tier (no ``ucm-disk-v1`` directory in it)."""
 
 
-def open_dir(path: str, capacity_bytes: Optional[int] = None) -> DiskTier:
-    """A DiskTier on an existing tier directory (capacity: given, or the bytes it holds)."""
-    _root_of(path)
-    return DiskTier(path, capacity_bytes if capacity_bytes is not None else 1 << 62)
+class _ToolTier(DiskTier):
+    """The tools' DiskTier on a directory that records no capacity (made by an earlier
+    version): it records none either (the first DiskTier the application makes does)."""
+    _records_capacity = False
+
+
+def open_dir(path: str, capacity_bytes: Optional[int] = None,
+             allow_other_user: bool = False) -> DiskTier:
+    """A DiskTier on an existing tier directory (capacity: the recorded one; where none is
+    recorded, the one given, or unbounded, recording nothing).  Another user's directory
+    raises ForeignTierDirectory unless allow_other_user (as DiskTier)."""
+    root = _root_of(path)
+    if read_capacity_record(root) is not None:
+        return DiskTier(path, capacity_bytes, allow_other_user=allow_other_user)
+    return _ToolTier(path, capacity_bytes if capacity_bytes is not None else 1 << 62,
+                     allow_other_user=allow_other_user)
 
 
 def _root_of(path: str) -> str:
@@ -41,15 +53,20 @@ def tier_usage(path: str) -> Tuple[str, Dict[str, int], int]:
 
 
 def tier_facts(path: str, files: bool = False) -> Dict[str, Any]:
-    """{"tier": "disk:<path>", "path", "format_version", "files", "bytes" (scanned),
+    """{"tier": "disk:<path>", "path", "format_version", "capacity_bytes" (the recorded one,
+    or None), "files", "bytes" (scanned: regular block files),
     "usage_bytes" (the shared record), "counters": {t2_*: int}, "blocks": [...] (with files)}.
     Read only (no DiskTier is built, nothing is written or kept open)."""
     root = _root_of(path)
     found = scan_blocks(os.path.join(root, "blocks"))
     used = read_usage_record(root)
+    try:
+        capacity = read_capacity_record(root)
+    except (UcmError, ValueError):
+        capacity = None  # not a record a DiskTier would use (it says why when made)
     out: Dict[str, Any] = {
         "tier": f"disk:{os.path.abspath(path)}", "path": os.path.abspath(path),
-        "format_version": FORMAT_VERSION, "files": len(found),
+        "format_version": FORMAT_VERSION, "capacity_bytes": capacity, "files": len(found),
         "bytes": sum(f.size for f in found),
         "usage_bytes": used if used is not None else sum(f.size for f in found),
         "counters": read_all(os.path.join(root, "stats"))}

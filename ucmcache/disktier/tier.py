@@ -10,7 +10,15 @@ Layout of the directory (``<path>/ucm-disk-v1/``, versioned with the file format
   temporary file (removed at the next start, scan or periodic clean);
 * ``usage``: the bytes the blocks take (a u64), read and written under ``flock`` on it, the
   lock also serialising eviction passes across processes;
-* ``stats/``: the counters (ucmcache.disktier.counters).
+* ``stats/``: the counters (ucmcache.disktier.counters);
+* ``capacity``: the ``capacity_bytes`` the directory was made with (decimal text), which every
+  later DiskTier on it uses (a different one is refused: ``TierCapacityMismatch``).
+
+Trust: every directory of the tree (``path`` itself, the root, ``blocks/`` and its fan-out
+directories, ``tmp/``, ``stats/``) must belong to this user and be writable by nobody else, and
+a block file is served only when it is a regular file this user owns (opened with
+``O_NOFOLLOW | O_NONBLOCK``, then ``fstat``): another user's bytes never reach a caller
+(``allow_other_user=True`` trusts them, as ``SlotCache.attach`` does another user's segment).
 
 Reads run on a few per-process daemon threads so that the get waiting for them waits at most
 ``timeout`` (and a read that never returns holds neither the get nor process exit);
@@ -36,6 +44,7 @@ from collections import deque
 from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 from .. import _hooks
+from .._errors import UcmError
 from .._tier import BoundTier, Owned, Tier
 from .._write_through import WriteThroughQueue
 from ..tier2.breaker import Breaker
@@ -51,7 +60,24 @@ LOCK_WAIT = 5.0      # seconds a usage-lock taker waits (a stopped holder): then
 CLEAN_TMP_EVERY = 60.0  # seconds between a writer's cleans of dead writers' temporary files
 _U64 = struct.Struct("<Q")
 
+CAPACITY_FILE = "capacity"
+# A block file is opened without following a symbolic link and without waiting (a FIFO at its
+# name must hold no thread), then judged by fstat.
+_OPEN_BLOCK = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
+
 _live_tiers: "weakref.WeakSet[DiskTier]" = weakref.WeakSet()
+
+
+class ForeignTierDirectory(UcmError):
+    """A disk tier's directory (``path``, or one the tier reads or writes in it) belongs to
+    another user, can be written by group or others, or is not a plain directory: another
+    user could plant blocks there (refused unless allow_other_user=True)."""
+
+
+class TierCapacityMismatch(UcmError, ValueError):
+    """DiskTier(path, capacity_bytes) names a capacity other than the one the directory was
+    made with (recorded in it): two capacities on one directory would evict each other's
+    blocks."""
 
 
 class BlockFile(NamedTuple):
@@ -78,27 +104,44 @@ class DiskTier(Tier):
     segment (unlink, re-create, a layout change) and the processes (a node restart).  A cold
     key's owner asks the disk before its loader, through the segment's single flight; what it
     loads is written through in the background.  ``capacity_bytes`` bounds the files' bytes
-    (least recently used files go first).  ``timeout`` bounds a get's wait for the disk
+    (least recently used files go first); it is recorded in the directory when the directory
+    is made, every later DiskTier on it uses that one (``None``: the recorded one; another
+    value raises TierCapacityMismatch naming both).  ``timeout`` bounds a get's wait for the disk
     (seconds); ``breaker_failures`` consecutive errors or timeouts bypass the disk for
     ``breaker_reset`` seconds.  ``fsync`` makes each file durable before it is named (off: a
     power loss may lose recent blocks, never serve a torn one; the checks on read catch it).
     ``max_pending_bytes`` bounds write-throughs queued in this process; ``readers`` is the
-    size of this process's read pool; ``mode`` the permission bits of files it makes.
+    size of this process's read pool; ``mode`` the permission bits of files it makes (group or
+    others' write bits only with ``allow_other_user``).
+
+    Trust (as a segment's): the directories must be this user's and writable by nobody else,
+    and only regular files this user owns are served; anything else raises
+    ForeignTierDirectory (a directory) or is a bad block (a file: counted, never served,
+    removed).  ``allow_other_user=True`` shares the directory with other users: their
+    directories and blocks are trusted (a block is still checked, never trusted to be honest:
+    the CRC is not authentication, and ``memoize`` unpickles what it reads).
     """
 
-    def __init__(self, path: "os.PathLike[str] | str", capacity_bytes: int, *,
+    # Whether this object records capacity_bytes in a directory that has none (the tools'
+    # DiskTier on a directory made before the record existed does not: facts.open_dir).
+    _records_capacity = True
+
+    def __init__(self, path: "os.PathLike[str] | str", capacity_bytes: Optional[int] = None, *,
                  timeout: float = 1.0, breaker_failures: int = 3, breaker_reset: float = 5.0,
                  fsync: bool = False, max_pending_bytes: int = 64 << 20, readers: int = 4,
-                 mode: int = 0o600, clock: Optional[Callable[[], float]] = None):
+                 mode: int = 0o600, allow_other_user: bool = False,
+                 clock: Optional[Callable[[], float]] = None):
         if not isinstance(path, (str, os.PathLike)):
             raise TypeError(f"path must be a str or os.PathLike, got {type(path).__name__}")
         path = os.fspath(path)
         if not isinstance(path, str) or not path:
             raise ValueError(f"path must be a non-empty directory path, got {path!r}")
-        if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int) or \
-                capacity_bytes <= HEADER_SIZE:
+        if capacity_bytes is not None and (
+                isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int) or
+                capacity_bytes <= HEADER_SIZE):
             raise ValueError(f"capacity_bytes must be an int > {HEADER_SIZE} (one block file's "
-                             f"header), got {capacity_bytes!r}")
+                             f"header), or None for the one the directory records, got "
+                             f"{capacity_bytes!r}")
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
             raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
         if isinstance(breaker_failures, bool) or not isinstance(breaker_failures, int) or \
@@ -112,17 +155,24 @@ class DiskTier(Tier):
                 raise ValueError(f"{name} must be an int >= 1, got {v!r}")
         if isinstance(mode, bool) or not isinstance(mode, int) or not 0 <= mode <= 0o777:
             raise ValueError(f"mode must be permission bits in [0, 0o777], got {mode!r}")
+        if not isinstance(allow_other_user, bool):
+            raise TypeError(f"allow_other_user must be a bool, got "
+                            f"{type(allow_other_user).__name__}")
+        if mode & 0o022 and not allow_other_user:
+            raise ValueError(f"mode {mode:#o} lets group or others write the tier's files: "
+                             "their bytes would be served; pass allow_other_user=True to share "
+                             "the directory with them, or drop those bits")
         if os.path.exists(path) and not os.path.isdir(path):
             raise ValueError(f"path {path!r} exists and is not a directory")
         self.path = os.path.abspath(path)
         self.root = os.path.join(self.path, DIR_NAME)
-        self.capacity_bytes = capacity_bytes
+        if capacity_bytes is None and not os.path.isdir(self.root):
+            raise _no_capacity(self.path)
         self.timeout = float(timeout)
         self.fsync = bool(fsync)
-        self._config = dict(capacity_bytes=capacity_bytes, timeout=float(timeout),
-                            breaker_failures=breaker_failures, breaker_reset=float(breaker_reset),
-                            fsync=bool(fsync), max_pending_bytes=max_pending_bytes,
-                            readers=readers, mode=mode)
+        self.allow_other_user = allow_other_user
+        # The owner a block file must have to be served (None: any, the caller opted in).
+        self._owner: Optional[int] = None if allow_other_user else os.geteuid()
         self._max_pending = max_pending_bytes
         self._readers = readers
         self._mode = mode
@@ -131,10 +181,15 @@ class DiskTier(Tier):
         self._blocks = os.path.join(self.root, "blocks")
         self._tmp = os.path.join(self.root, "tmp")
         self._stats_dir = os.path.join(self.root, "stats")
-        # Directories: the files' read/write bits, each readable one searchable too.
+        # Directories: the files' read/write bits, each readable one searchable too; made with
+        # exactly these bits whatever the umask (_make_dir).
         self._dir_mode = 0o700 | mode | ((mode & 0o444) >> 2)
-        for d in (self._blocks, self._tmp, self._stats_dir):
-            os.makedirs(d, mode=self._dir_mode, exist_ok=True)
+        self._make_tree()
+        self.capacity_bytes = self._settle_capacity(capacity_bytes)
+        self._config = dict(capacity_bytes=self.capacity_bytes, timeout=float(timeout),
+                            breaker_failures=breaker_failures, breaker_reset=float(breaker_reset),
+                            fsync=bool(fsync), max_pending_bytes=max_pending_bytes,
+                            readers=readers, mode=mode, allow_other_user=allow_other_user)
         # Two breakers: a full disk (writes failing) must not stop serving what is on it, and
         # a read's success must not reset the count of failing writes.
         self._breaker = Breaker(breaker_failures, float(breaker_reset), self._clock,
@@ -181,10 +236,88 @@ class DiskTier(Tier):
         self._usage_lock = threading.Lock()  # flock does not exclude threads sharing the fd
         self._next_clean = time.monotonic() + CLEAN_TMP_EVERY
         self._resync = False
+        # Keys a put() of this process is replacing on the disk (see _begin_replace).
+        self._replacing: Dict[Tuple[bytes, int], int] = {}
+        self._replacing_lock = threading.Lock()
 
     def _check_pid(self) -> None:
         if self._pid != os.getpid():
             self._reset_process_state()  # threads and fds of the parent are not ours
+
+    # ---------------------------------------------------------------- the tree (trust)
+
+    def _make_tree(self) -> None:
+        """Make what is missing of ``path`` and the tree (each directory with ``_dir_mode``
+        exactly), then check every directory the tier reads or writes (DESIGN 4.14, trust):
+        ForeignTierDirectory, before anything is read from it, for one that another user owns,
+        group or others can write (``path`` itself: unless sticky, as /tmp), or that is not a
+        plain directory (a symbolic link inside the tree)."""
+        _make_dirs(self.path, self._dir_mode)
+        st = os.stat(self.path)  # the caller named it: a link to it is the caller's choice
+        if not self.allow_other_user:
+            if st.st_uid not in (os.geteuid(), 0):
+                raise _foreign(self.path, f"belongs to uid {st.st_uid}, not to us (uid "
+                               f"{os.geteuid()}) nor root")
+            if st.st_mode & 0o022 and not st.st_mode & stat_mod.S_ISVTX:
+                raise _foreign(self.path, f"can be written by group or others (mode "
+                               f"{stat_mod.S_IMODE(st.st_mode):#o}, not sticky): they could "
+                               f"put a tree of their own in its place")
+        for d in (self.root, self._blocks, self._tmp, self._stats_dir):
+            _make_dir(d, self._dir_mode)
+            self._check_dir(d)
+        with os.scandir(self._blocks) as it:  # the fan-out directories the writer fills
+            for e in it:
+                if e.is_dir(follow_symlinks=False) or e.is_symlink():
+                    self._check_dir(e.path)
+
+    def _check_dir(self, d: str) -> None:
+        st = os.lstat(d)
+        if not stat_mod.S_ISDIR(st.st_mode):
+            raise _foreign(d, f"is {_kind(st.st_mode)}, not a directory (the tier's "
+                           f"directories are real ones: link or mount `path` instead)")
+        if self.allow_other_user:
+            return
+        if st.st_uid != os.geteuid():
+            raise _foreign(d, f"belongs to uid {st.st_uid}, not to us (uid {os.geteuid()})")
+        if st.st_mode & 0o022:
+            raise _foreign(d, f"can be written by group or others (mode "
+                           f"{stat_mod.S_IMODE(st.st_mode):#o}): they could plant blocks")
+
+    def _settle_capacity(self, asked: Optional[int]) -> int:
+        """The capacity this tier runs with: the one recorded in the directory; a directory
+        without a record gets ``asked`` (the first maker's wins a race); ``asked`` other than
+        the record raises TierCapacityMismatch."""
+        recorded = read_capacity_record(self.root, self._owner)
+        if recorded is None:
+            if asked is None:
+                raise _no_capacity(self.path)
+            if not self._records_capacity:
+                return asked
+            recorded = self._record_capacity(asked)
+        if asked is not None and asked != recorded:
+            raise TierCapacityMismatch(
+                f"disk tier {self.path!r} was made with capacity_bytes={recorded} (recorded in "
+                f"{os.path.join(self.root, CAPACITY_FILE)}), not {asked}: two capacities on one "
+                f"directory evict each other's blocks; give {recorded} or None (to change it: "
+                f"stop every process using it, remove that file, and make the tier again)")
+        return recorded
+
+    def _record_capacity(self, capacity: int) -> int:
+        """Write the record (a temporary file linked into place: never over another's);
+        returns the capacity recorded (ours, or a racing maker's)."""
+        tmp, fd = self._make_tmp()
+        try:
+            _write_all(fd, f"{capacity}\n".encode(), 0)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        try:
+            _place_no_replace(tmp, os.path.join(self.root, CAPACITY_FILE))
+        finally:
+            _unlink_quiet(tmp)
+        recorded = read_capacity_record(self.root, self._owner)
+        assert recorded is not None
+        return recorded
 
     # ---------------------------------------------------------------- facts
 
@@ -312,16 +445,20 @@ class DiskTier(Tier):
 
     def _read_one(self, block_id: bytes, offset: int, limit: int) -> Any:
         """The payload (a view of a private buffer), None (no file), or a str saying why the
-        file was bad (it is removed).  Other OSErrors propagate (the breaker counts them)."""
+        file was bad (it is removed where that is safe: remove_entry).  Other OSErrors
+        propagate (the breaker counts them)."""
         path = self._path_of(block_id, offset)
         if _hooks._armed:
             _hooks.fire("disk_read_io")  # a test holds this read: a disk that does not answer
+        if self._replacing and (block_id, offset) in self._replacing:
+            return None  # a put of this key is on its way to the disk (see _put): not served
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        except FileNotFoundError:
+            fd, st = open_block(path, self._owner)
+        except (FileNotFoundError, NotADirectoryError):
             return None
+        except BadBlock as e:
+            return self._drop_bad(path, e)
         try:
-            st = os.fstat(fd)
             size = st.st_size
             if size > HEADER_SIZE + limit:
                 # Not bad: written under a segment with larger slots; this one cannot hold it.
@@ -333,15 +470,20 @@ class DiskTier(Tier):
         try:
             _, _, payload = decode(buf, block_id, offset, limit)
         except BadBlock as e:
-            log.warning("ucmcache disk tier %s: %s is bad (%s); removed", self.label, path, e)
-            _unlink_quiet(path)
-            return str(e)
+            return self._drop_bad(path, e)
         if time.time_ns() - st.st_mtime_ns > TOUCH_AFTER_NS:
             try:
-                os.utime(path)  # the LRU clock: a served block is young again
+                os.utime(path, follow_symlinks=False)  # the LRU clock: served, young again
             except OSError:
                 pass
         return payload
+
+    def _drop_bad(self, path: str, e: BadBlock) -> str:
+        """A bad block at path: removed where safe (remove_entry); the reason, for the count."""
+        gone = remove_entry(path)
+        log.warning("ucmcache disk tier %s: %s is bad (%s); %s", self.label, path, e,
+                    "removed" if gone else "left in place (a directory with something in it)")
+        return str(e)
 
     def _exist_prefix(self, keys: Sequence[Tuple[bytes, int]], limit: int) -> int:
         """How many leading keys have a file a lookup would serve.  The stats run on the read
@@ -373,44 +515,114 @@ class DiskTier(Tier):
         n = 0
         for bid, off in keys:
             try:
-                st = os.stat(self._path_of(bid, off))
+                st = os.lstat(self._path_of(bid, off))
             except (FileNotFoundError, NotADirectoryError):
                 break
             # What _read_one would refuse (larger than this cache's slots, shorter than a
-            # header, not a file) is not there for this cache.
+            # header, not a regular file, another user's) is not there for this cache.
             if not stat_mod.S_ISREG(st.st_mode) or not \
-                    HEADER_SIZE <= st.st_size <= HEADER_SIZE + limit:
+                    HEADER_SIZE <= st.st_size <= HEADER_SIZE + limit or \
+                    (self._owner is not None and st.st_uid != self._owner) or \
+                    (bid, off) in self._replacing:
                 break
             n += 1
         return n
 
     # ---------------------------------------------------------------- write-through (background)
 
-    def _put(self, block_id: bytes, offset: int, payload: memoryview) -> bool:
-        """Queue a copy of payload for the writer thread; False (counted) when dropped."""
+    def _put(self, block_id: bytes, offset: int, payload: memoryview,
+             replace: bool = False) -> bool:
+        """Queue a copy of payload for the writer thread; False (counted) when dropped.
+        ``replace``: a put()'s value (its key is in _replacing until this write is done),
+        written over whatever the disk holds for the key; else a loaded value, written only
+        where the key has no file."""
         self._check_pid()
         size = HEADER_SIZE + payload.nbytes
+        key = (block_id, offset)
         if size > self.capacity_bytes or not self._write_breaker.would_allow():
             self.counters.add("t2_write_drops", 1)
+            if replace:
+                self._end_replace(key)
             return False
         data = bytes(payload)  # the copy: the slot's view is valid only during this call
-        if not self._writes.put((block_id, offset, data), size):
+        if not self._writes.put((block_id, offset, data, replace), size):
             self.counters.add("t2_write_drops", 1)
+            if replace:
+                self._end_replace(key)
             return False
         return True
 
-    def _write_batch(self, batch: List[Tuple[bytes, int, bytes]]) -> None:
+    # put() under this tier (BoundDisk.put): the key's older block goes before the value is
+    # published, and until the put's own write is done the key is in _replacing (key -> puts
+    # of it in flight in this process): reads here do not serve it and loaded values queued
+    # before the put are not written over the name (the put's value wins, never an older one).
+
+    def _begin_replace(self, keys: Sequence[Tuple[bytes, int]],
+                       timeout: Optional[float]) -> None:
+        """Mark keys as being put, then remove their block files, on the read threads within
+        ``min(self.timeout, timeout)``.  OSError (TimeoutError past the bound) if any could not
+        be removed: the marks are taken back and the put must not publish (an older block
+        would be served again once its value leaves RAM)."""
+        self._check_pid()
+        with self._replacing_lock:
+            for k in keys:
+                self._replacing[k] = self._replacing.get(k, 0) + 1
+        try:
+            bound = self.timeout if timeout is None else max(0.0, min(self.timeout, timeout))
+            pool = self._read_pool()
+            batch = _Batch(len(keys))
+            jobs = [pool.submit(self._remove_block, b, o, batch=batch) for b, o in keys]
+            finished = batch.wait(jobs, bound)
+            for (b, o), j, ok in zip(keys, jobs, finished):
+                if not ok:
+                    raise TimeoutError(errno.ETIMEDOUT, f"put: the disk tier {self.label} did "
+                                       f"not remove the key's older block within {bound:.3f} s "
+                                       "(nothing stored)")
+                if j.error is not None:
+                    raise j.error
+                if not j.value:
+                    raise OSError(errno.ENOTEMPTY, f"put: the disk tier {self.label} cannot "
+                                  f"remove the directory at the key's name "
+                                  f"{self._path_of(b, o)} (nothing stored)")
+        except BaseException:
+            for k in keys:
+                self._end_replace(k)
+            raise
+
+    def _remove_block(self, block_id: bytes, offset: int) -> bool:
+        if _hooks._armed:
+            _hooks.fire("disk_read_io")  # a test holds this removal: a disk that does not answer
+        return remove_entry(self._path_of(block_id, offset))
+
+    def _end_replace(self, key: Tuple[bytes, int]) -> None:
+        with self._replacing_lock:
+            n = self._replacing.get(key, 0) - 1
+            if n > 0:
+                self._replacing[key] = n
+            else:
+                self._replacing.pop(key, None)
+
+    def _write_batch(self, batch: List[Tuple[bytes, int, bytes, bool]]) -> None:
         """The writer thread's work: one block at a time (a batch of one, so a failing write
         is logged alone)."""
-        for block_id, offset, data in batch:
-            self._write_block(block_id, offset, data)
+        for block_id, offset, data, replace in batch:
+            try:
+                self._write_block(block_id, offset, data, replace)
+            finally:
+                if replace:
+                    self._end_replace((block_id, offset))
 
-    def _write_block(self, block_id: bytes, offset: int, data: bytes) -> None:
-        """Write one block file: temporary name, complete, then renamed into place."""
+    def _write_block(self, block_id: bytes, offset: int, data: bytes, replace: bool) -> None:
+        """Write one block file: temporary name, complete, then given the block's name (over
+        what is there for a put's value, only where nothing is for a loaded one)."""
         final = self._path_of(block_id, offset)
-        if os.path.exists(final):
-            self.counters.add("t2_write_dedups", 1)
-            return
+        if not replace:
+            if (block_id, offset) in self._replacing:
+                # A put of this key is queued behind: its value wins, this older one goes.
+                self.counters.add("t2_write_dedups", 1)
+                return
+            if not self._clear_name(final):
+                return
         b = self._write_breaker
         if not b.allow():
             self.counters.add("t2_write_drops", 1)
@@ -449,11 +661,21 @@ class DiskTier(Tier):
                     os.fsync(fd)
             finally:
                 os.close(fd)
+            if replace and not self._clear_name(final, replace=True):
+                _unlink_quiet(tmp)
+                self._unreserve(size)
+                return
             try:
-                os.rename(tmp, final)
+                placed = self._place(tmp, final, replace)
             except FileNotFoundError:
-                os.makedirs(os.path.dirname(final), mode=self._dir_mode, exist_ok=True)
-                os.rename(tmp, final)
+                _make_dir(os.path.dirname(final), self._dir_mode)  # a new fan-out directory
+                placed = self._place(tmp, final, replace)
+            if not placed:  # a loaded value, and another writer named the key's file first
+                _unlink_quiet(tmp)
+                self._unreserve(size)
+                self.counters.add("t2_write_dedups", 1)
+                b.success()
+                return
         except UsageLockBusy as e:
             # Another process holds the lock past lock_wait (stopped, or a long pass): not a
             # fault of the disk; this write is dropped.
@@ -481,6 +703,41 @@ class DiskTier(Tier):
         b.success()
         self.counters.add("t2_writes", 1)
         self.counters.add("t2_written_bytes", size)
+
+    def _clear_name(self, final: str, replace: bool = False) -> bool:
+        """Before a write: True if the block's name may be written.  A loaded value's write
+        finds a block file that would be served there: a dedup (counted), False.  Anything else
+        at the name (another user's file, a FIFO, a link, a directory) is not a dedup: it is
+        removed where safe (remove_entry) and the write goes on; a directory that cannot be
+        removed drops the write (counted, logged: not a fault of the disk)."""
+        try:
+            st = os.lstat(final)
+        except OSError:
+            return True  # nothing there, or the path fails: the write meets it and counts it
+        regular = stat_mod.S_ISREG(st.st_mode)
+        if regular and (self._owner is None or st.st_uid == self._owner):
+            if replace:
+                return True  # the rename replaces it in one step
+            self.counters.add("t2_write_dedups", 1)
+            return False
+        if remove_entry(final):
+            log.warning("ucmcache disk tier %s: %s at %s (%s) removed before writing the "
+                        "block", self.label, _kind(st.st_mode), final,
+                        f"uid {st.st_uid}" if regular else "not a regular file")
+            return True
+        log.warning("ucmcache disk tier %s: %s at %s cannot be removed: the key's block is "
+                    "not written", self.label, _kind(st.st_mode), final)
+        self.counters.add("t2_write_drops", 1)
+        return False
+
+    def _place(self, tmp: str, final: str, replace: bool) -> bool:
+        if replace:
+            os.rename(tmp, final)
+            return True
+        placed = _place_no_replace(tmp, final)
+        if placed:
+            _unlink_quiet(tmp)  # the link's other name (gone already where it was a rename)
+        return placed
 
     def _make_tmp(self) -> Tuple[str, int]:
         """A new temporary file, flocked by this writer for its life: a cleaner removes a temp
@@ -523,7 +780,7 @@ class DiskTier(Tier):
         fd = res.usage_fd
         if fd is None:
             fd = os.open(os.path.join(self.root, "usage"),
-                         os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, self._mode)
+                         os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, self._mode)
             res.usage_fd = fd
         return fd
 
@@ -568,6 +825,9 @@ class DiskTier(Tier):
                 os.unlink(f.path)
             except FileNotFoundError:
                 pass
+            except OSError as e:  # e.g. made a directory since the scan: not freed
+                log.debug("ucmcache disk tier %s: evict %s: %s", self.label, f.path, e)
+                continue
             freed += f.size
             n += 1
         self.counters.add("t2_evictions", n)
@@ -593,7 +853,7 @@ class DiskTier(Tier):
             if not e.name.endswith(".tmp"):
                 continue
             try:
-                fd = os.open(e.path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+                fd = os.open(e.path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOFOLLOW)
             except OSError:
                 continue
             try:
@@ -614,21 +874,28 @@ class DiskTier(Tier):
         return self._scan()
 
     def verify(self, remove_bad: bool = False) -> VerifyResult:
-        """Read and check every block file; with remove_bad, remove those that fail."""
+        """Read and check every block file; with remove_bad, remove those that fail (where
+        that is safe: remove_entry).  Whatever has a block's name is judged as a read would
+        judge it and never waited for: a FIFO, a directory, a link or another user's file is
+        bad, with what it is."""
         ok = removed = 0
         bad: List[Tuple[str, str]] = []
-        for f in self._scan():
+        self._clean_tmp()
+        for f in scan_blocks(self._blocks, every=True):
             try:
-                with open(f.path, "rb") as fh:
-                    buf = fh.read()
+                fd, st = open_block(f.path, self._owner)
+                try:
+                    buf = bytearray(st.st_size)
+                    _read_all(fd, buf)
+                finally:
+                    os.close(fd)
                 decode(buf, f.block_id, f.offset)
                 ok += 1
             except FileNotFoundError:
                 continue
             except (BadBlock, OSError) as e:
                 bad.append((f.path, str(e)))
-                if remove_bad:
-                    _unlink_quiet(f.path)
+                if remove_bad and remove_entry(f.path):
                     removed += 1
         if removed:
             with self._usage():
@@ -864,8 +1131,153 @@ class _Readers:
             job.run()
 
 
-def scan_blocks(blocks_dir: str) -> List[BlockFile]:
-    """Every block file under a tier's ``blocks/`` (reads only: the tools use it)."""
+def _foreign(path: str, what: str) -> ForeignTierDirectory:
+    return ForeignTierDirectory(f"disk tier directory {path!r} {what}; pass "
+                                "allow_other_user=True to use it anyway")
+
+
+def _no_capacity(path: str) -> ValueError:
+    return ValueError(f"disk tier {path!r} records no capacity_bytes (new, or made before "
+                      "capacities were recorded): give one")
+
+
+def _kind(st_mode: int) -> str:
+    for test, name in ((stat_mod.S_ISLNK, "a symbolic link"), (stat_mod.S_ISDIR, "a directory"),
+                       (stat_mod.S_ISFIFO, "a FIFO"), (stat_mod.S_ISSOCK, "a socket"),
+                       (stat_mod.S_ISCHR, "a character device"),
+                       (stat_mod.S_ISBLK, "a block device"), (stat_mod.S_ISREG, "a regular file")):
+        if test(st_mode):
+            return name
+    return f"a file of type {stat_mod.S_IFMT(st_mode):#o}"
+
+
+def _make_dir(d: str, mode: int) -> bool:
+    """mkdir with exactly ``mode`` (the umask would clear bits: set again on the new directory
+    itself, through an fd that does not follow a link); False if it was there already."""
+    try:
+        os.mkdir(d, mode)
+    except FileExistsError:
+        return False
+    fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        os.fchmod(fd, mode)
+    finally:
+        os.close(fd)
+    return True
+
+
+def _make_dirs(path: str, mode: int) -> None:
+    """path and the directories missing above it, each made with exactly ``mode``."""
+    missing = []
+    p = path
+    while not os.path.isdir(p):
+        missing.append(p)
+        parent = os.path.dirname(p)
+        if parent == p:
+            break
+        p = parent
+    for d in reversed(missing):
+        _make_dir(d, mode)
+
+
+def read_capacity_record(root: str, owner: Optional[int] = None) -> Optional[int]:
+    """The capacity_bytes a tier's ``ucm-disk-v1`` directory was made with; None if it records
+    none.  A record that is not a regular file, not ``owner``'s (when given) or not a number
+    raises ForeignTierDirectory or ValueError, naming it."""
+    path = os.path.join(root, CAPACITY_FILE)
+    try:
+        fd = os.open(path, _OPEN_BLOCK)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise _foreign(path, f"cannot be read as a capacity record ({e.strerror})") from None
+    try:
+        st = os.fstat(fd)
+        if not stat_mod.S_ISREG(st.st_mode):
+            raise _foreign(path, f"is {_kind(st.st_mode)}, not a capacity record")
+        if owner is not None and st.st_uid != owner:
+            raise _foreign(path, f"belongs to uid {st.st_uid}, not to us (uid {owner})")
+        raw = os.pread(fd, 32, 0)
+    finally:
+        os.close(fd)
+    try:
+        value = int(raw.decode("ascii").strip())
+    except (UnicodeDecodeError, ValueError):
+        value = 0
+    if value <= HEADER_SIZE:
+        raise ValueError(f"{path}: {raw!r} is not a capacity record (a number of bytes > "
+                         f"{HEADER_SIZE}); remove it and make the tier again to record one")
+    return value
+
+
+def open_block(path: str, owner: Optional[int]) -> Tuple[int, os.stat_result]:
+    """An fd of the block file at path and its fstat: FileNotFoundError when there is none;
+    BadBlock (saying why) when what is there must not be read as a block: a symbolic link, a
+    FIFO or any file that is not regular (never waited for: O_NONBLOCK), or a file of another
+    user than ``owner`` (None: any).  Other OSErrors are the disk's."""
+    try:
+        fd = os.open(path, _OPEN_BLOCK)
+    except OSError as e:
+        if e.errno not in (errno.ELOOP, errno.ENXIO, errno.EISDIR, errno.EWOULDBLOCK):
+            raise
+        # A link at the name (O_NOFOLLOW), a socket, ...: name what is there.  A name that
+        # cannot even be looked at (a loop above it) is the disk's error, not a bad block.
+        try:
+            what = _kind(os.lstat(path).st_mode)
+        except OSError:
+            raise e from None
+        raise BadBlock(f"{what}, not a regular file") from None
+    try:
+        st = os.fstat(fd)
+        if not stat_mod.S_ISREG(st.st_mode):
+            raise BadBlock(f"{_kind(st.st_mode)}, not a regular file")
+        if owner is not None and st.st_uid != owner:
+            raise BadBlock(f"owned by uid {st.st_uid}, not by us (uid {owner}): another "
+                           "user's block is never served (allow_other_user=True trusts it)")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, st
+
+
+def remove_entry(path: str) -> bool:
+    """Remove what is at a block's name where that is safe: any name but a directory (only
+    the name goes: a link's target, a FIFO's reader are untouched), an empty directory; a
+    directory with something in it stays (what is in it is not ours to judge).  True if gone."""
+    try:
+        if stat_mod.S_ISDIR(os.lstat(path).st_mode):
+            os.rmdir(path)
+        else:
+            os.unlink(path)
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
+    return True
+
+
+def _place_no_replace(tmp: str, final: str) -> bool:
+    """Give the complete file at tmp the name final unless final exists (a hard link: never
+    over another's; tmp keeps its name, the caller removes it); True if placed.  Where links
+    are not supported, a rename after a check (a racing writer may then be replaced)."""
+    try:
+        os.link(tmp, final)
+        return True
+    except FileExistsError:
+        return False
+    except OSError as e:
+        if e.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.EMLINK, errno.EXDEV):
+            raise
+    if os.path.lexists(final):
+        return False
+    os.rename(tmp, final)
+    return True
+
+
+def scan_blocks(blocks_dir: str, every: bool = False) -> List[BlockFile]:
+    """Every block file under a tier's ``blocks/`` (reads only: the tools use it): regular
+    files named as blocks; with ``every``, whatever else has a block's name too (a FIFO, a
+    directory, a link: what verify reports)."""
     out: List[BlockFile] = []
     try:
         subdirs = list(os.scandir(blocks_dir))
@@ -886,6 +1298,8 @@ def scan_blocks(blocks_dir: str) -> List[BlockFile]:
                 st = e.stat(follow_symlinks=False)
             except FileNotFoundError:
                 continue
+            if not every and not stat_mod.S_ISREG(st.st_mode):
+                continue
             out.append(BlockFile(key[0], key[1], st.st_size, st.st_mtime_ns, e.path))
     return out
 
@@ -905,18 +1319,19 @@ def read_usage_record(root: str) -> Optional[int]:
 
 
 class BoundDisk(BoundTier):
-    """A DiskTier as one SlotCache uses it: the keys of the owned loads it missed (slot ->
-    key) until their owners publish (written through) or close."""
+    """A DiskTier as one SlotCache uses it: the keys of the owned loads it missed or a put
+    owns (slot -> (block_id, offset, whether a put's)) until their owners publish (written
+    through) or close."""
 
     def __init__(self, tier: DiskTier, slot_size: int):
         self.tier = tier
         self._limit = slot_size
-        self.pending: Dict[int, Tuple[bytes, int]] = {}
+        self.pending: Dict[int, Tuple[bytes, int, bool]] = {}
 
     def lookup(self, owned: Sequence[Owned], may_wait: bool,
                timeout: Optional[float]) -> List[Optional[memoryview]]:
         for slot, _, _ in owned:
-            self.pending.pop(slot, None)
+            self._forget(slot)
         if _hooks._armed:
             _hooks.fire("disk_lookup")  # an owner is about to read the disk
         try:
@@ -930,8 +1345,21 @@ class BoundDisk(BoundTier):
             out = [None] * len(owned)
         for (slot, b, o), p in zip(owned, out):
             if p is None:
-                self.pending[slot] = (b, o)
+                self.pending[slot] = (b, o, False)
         return out
+
+    def put(self, owned: Sequence[Owned], may_wait: bool,
+            timeout: Optional[float]) -> List[Optional[memoryview]]:
+        """put(): the disk is not read (the value is the caller's); each key's older block is
+        removed now, bounded (_begin_replace: OSError if it cannot be, and the put stores
+        nothing), and what the owner publishes is written over whatever the disk holds."""
+        for slot, _, _ in owned:
+            self._forget(slot)
+        keys = [(b, o) for _, b, o in owned]
+        self.tier._begin_replace(keys, timeout)
+        for slot, b, o in owned:
+            self.pending[slot] = (b, o, True)
+        return [None] * len(owned)
 
     def exist_prefix(self, keys: Sequence[Tuple[bytes, int]]) -> int:
         return self.tier._exist_prefix(keys, self._limit)
@@ -939,13 +1367,19 @@ class BoundDisk(BoundTier):
     def write_through(self, slot: int, payload: memoryview) -> None:
         key = self.pending.pop(slot, None)
         if key is not None:
-            self.tier._put(key[0], key[1], payload)
+            self.tier._put(key[0], key[1], payload, key[2])
 
     def abandon(self, slot: int) -> None:
-        self.pending.pop(slot, None)
+        self._forget(slot)
+
+    def _forget(self, slot: int) -> None:
+        key = self.pending.pop(slot, None)
+        if key is not None and key[2]:
+            self.tier._end_replace((key[0], key[1]))
 
     def close(self) -> None:
-        self.pending.clear()
+        for slot in list(self.pending):
+            self._forget(slot)
         self.tier.flush(2.0)
 
 
