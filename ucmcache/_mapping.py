@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, TypeVar
 
 from ._errors import LoadFailed
 from ._keys import Key, make_key
-from ._slots import as_value_view
+from ._slots import as_value_view, check_timeout
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -94,6 +94,7 @@ class Mapping(CacheCore):
         if not isinstance(namespace, str) or not namespace:
             raise ValueError("memoize needs a non-empty namespace string (what changes the "
                              "function's meaning: its version, a model id)")
+        timeout = check_timeout(timeout)  # refused when decorating, not at the first call
 
         def decorate(fn: F) -> F:
             name = f"{fn.__module__}.{fn.__qualname__}"

@@ -17,6 +17,7 @@ from . import _hooks
 from ._core import lib
 from ._errors import LoadFailed, UcmError
 from ._results import code_name
+from ._timeouts import check_timeout  # noqa: F401  (the waits' one rule, imported from here)
 
 # The SlotCache these operations serve.  Not imported, not even for type checkers: slot
 # operations sit below the cache API and never reach back into it (no import circle).
@@ -504,14 +505,6 @@ def still_loading(timeout: Optional[float]) -> TimeoutError:
     in C)."""
     return TimeoutError(f"key still loading after {timeout} s (the load goes on; get() again "
                         "to wait more)")
-
-
-def check_timeout(timeout: object) -> float:
-    """A wait's timeout: None (checked by the caller) or a number of seconds >= 0."""
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout != timeout \
-            or timeout < 0:
-        raise ValueError(f"timeout must be None or a number of seconds >= 0, got {timeout!r}")
-    return float(timeout)
 
 
 def _now() -> float:
