@@ -16,6 +16,7 @@ import numpy as np
 from . import _hooks
 from ._core import lib
 from ._errors import LoadFailed, UcmError
+from ._hit import plain_format
 from ._results import code_name
 from ._timeouts import check_timeout  # noqa: F401  (the waits' one rule, imported from here)
 
@@ -257,18 +258,30 @@ def failure_message(cache: "SlotCache", slot: int) -> str:
 
 
 def as_value_view(value: Any, slot_size: int) -> memoryview:
-    """A loader's value as bytes to copy into a slot, or the error naming what is wrong."""
+    """A loader's (or put's) value as bytes to copy into a slot, or the error naming what is
+    wrong, raised before anything is stored.  Its items must be plain numbers or bytes, the
+    rule ``out`` buffers are held to (_hit.plain_format): an object array's items are PyObject*
+    addresses, meaningless (and a leak of heap addresses) in every other process.  An empty
+    value of any shape is an empty payload, as b"" is."""
     try:
         mv = memoryview(value)
     except TypeError:
         raise TypeError(f"a loader must return a bytes-like object, got "
                         f"{type(value).__name__}") from None
+    if not plain_format(mv.format):
+        raise TypeError(f"a value's items have format {mv.format!r} ({type(value).__name__}): "
+                        "only plain numbers or bytes can be stored (not Python objects or "
+                        "pointers, which mean nothing in another process)")
     if not mv.c_contiguous:
         raise ValueError("a loader's value must be C-contiguous")
-    mv = mv.cast("B")
+    if mv.nbytes == 0:
+        return _EMPTY  # (memoryview.cast refuses a shape with a zero in it)
     if mv.nbytes > slot_size:
         raise ValueError(f"the loader returned {mv.nbytes} bytes, more than slot_size={slot_size}")
-    return mv
+    return mv.cast("B")
+
+
+_EMPTY = memoryview(b"")
 
 
 def observe_load(cache: "SlotCache", t0: int) -> None:
