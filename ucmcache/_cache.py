@@ -213,7 +213,8 @@ class SlotCache(CacheBase, SingleFlight, Batches, Prefetching, Mapping):
         lib.ucm_ctx_set_rank(ctx, self._rank)
         self._arenas = Arenas(seg, ctx, self._rank)
         _live_caches.add(self)
-        _slots.note_cache(self)
+        st = os.fstat(seg.fd)  # the segment is its file: another cache of it shares its loads'
+        _slots.note_cache(self, seg.uuid, (st.st_dev, st.st_ino))  # record (owns_load)
         self.recover()
 
     # ---------------------------------------------------------------- lifecycle
