@@ -2634,7 +2634,26 @@ static PyObject *mod_buffer_row(PyObject *m, PyObject *const *args, Py_ssize_t n
     return PyLong_FromSsize_t(row);
 }
 
+/* plain_format(format): whether a buffer's item format (memoryview.format) is one of plain
+ * numbers or bytes, by the rule out buffers are held to (plain_format): a value stored in a
+ * slot is held to it too (ucmcache/_slots.as_value_view), so no PyObject* address reaches
+ * shared memory. */
+static PyObject *mod_plain_format(PyObject *m, PyObject *arg)
+{
+    if (!PyUnicode_Check(arg)) {
+        PyErr_Format(PyExc_TypeError, "plain_format(format): format must be a str, got %s",
+                     Py_TYPE(arg)->tp_name);
+        return NULL;
+    }
+    const char *f = PyUnicode_AsUTF8(arg);
+    if (!f) return NULL;
+    return PyBool_FromLong(plain_format(f));
+}
+
 static PyMethodDef mod_methods[] = {
+    {"plain_format", (PyCFunction)mod_plain_format, METH_O,
+     "plain_format(format): whether items of this buffer format (memoryview.format) are plain\n"
+     "numbers or bytes, the rule out buffers and stored values are held to."},
     {"row_size", (PyCFunction)(void (*)(void))mod_row_size, METH_FASTCALL,
      "row_size(nbytes, ndim, rows, n): the row size of a destination of nbytes for n keys\n"
      "(rows: its first dimension), or ValueError (the rule of gather and read_many)."},

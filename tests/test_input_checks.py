@@ -219,3 +219,99 @@ def test_stalled_creator_whose_file_was_replaced_starts_again(uuid, make_cache, 
     p.join(30)
     assert p.exitcode == 0
     assert ucmcache.verify(uuid).ok
+
+
+# ------------------------------------------------------------------------- values
+
+# Values whose items are not plain numbers or bytes: the rule out buffers are held to
+# (read_many, gather) holds for what is stored too.  An object array's items are PyObject*
+# addresses: stored, they leaked heap addresses into shared memory and handed every other
+# process garbage.
+NOT_PLAIN = {
+    "object array": lambda: np.array([1, "a", None], dtype=object),
+    "empty object array": lambda: np.zeros(0, dtype=object),
+    "structured array": lambda: np.zeros(2, dtype="i4,f4"),
+    "numpy bytes (S2)": lambda: np.array([b"ab"], dtype="S2"),
+    "numpy str (U2)": lambda: np.array(["ab"], dtype="U2"),
+}
+NOT_PLAIN_MSG = r"^a value's items have format '[^']+' \(ndarray\): only plain numbers or bytes"
+PLAIN = {
+    "float16 2-D": lambda: np.arange(6, dtype=np.float16).reshape(2, 3),
+    "big-endian int32": lambda: np.arange(3, dtype=">i4"),
+    "complex128": lambda: np.array([1 + 2j]),
+    "bool": lambda: np.array([True, False]),
+    "array('d')": lambda: array.array("d", [1.5, 2.5]),
+    "bytearray": lambda: bytearray(b"abc"),
+}
+
+
+@pytest.mark.parametrize("how", ["put", "get_or_load", "get_or_load_full", "aget_or_load"])
+@pytest.mark.parametrize("value", list(NOT_PLAIN), ids=list(NOT_PLAIN))
+def test_a_value_of_objects_is_refused_and_stores_nothing(make_cache, value, how):
+    import asyncio
+    c = make_cache(**PARAMS)
+    v = NOT_PLAIN[value]()
+    with pytest.raises(TypeError, match=NOT_PLAIN_MSG):
+        if how == "put":
+            c.put(A, v)
+        elif how == "get_or_load":                       # the cold path in C
+            c.get_or_load(A, lambda: v)
+        elif how == "get_or_load_full":                  # the full path (a timeout)
+            c.get_or_load(A, lambda: v, timeout=30)
+        else:
+            asyncio.run(c.aget_or_load(A, lambda: v))
+    assert A not in c and len(c) == 0 and c.stats()["loads_ready"] == 0
+    # put refuses before its get; a loader's value fails the load it owned (never Ready,
+    # never left Loading): either way the next get is the owner of a cold key.
+    with c.get(A) as h:
+        assert h.owner
+        h.fail("done")
+    assert c._open_handles == 0 and ucmcache.verify(c.uuid).ok
+
+
+@pytest.mark.parametrize("value", list(PLAIN), ids=list(PLAIN))
+def test_a_value_of_plain_numbers_is_stored_as_its_bytes(make_cache, value):
+    c = make_cache(**PARAMS)
+    assert c.put(A, PLAIN[value]()) is True
+    assert c.get_or_load(B, PLAIN[value]) == bytes(memoryview(PLAIN[value]()).cast("B"))
+    assert c[A] == c[B]
+
+
+@pytest.mark.parametrize("how", ["put", "get_or_load", "get_or_load_full"])
+@pytest.mark.parametrize("shape", [(0, 3), (2, 0), (0,), (0, 0, 4)])
+def test_an_empty_value_of_any_shape_is_an_empty_payload_as_b_empty_is(make_cache, shape, how):
+    """b"" is a value (an empty payload, Ready); so is an empty array of any shape, where
+    memoryview's cast used to refuse a shape with a zero in it with its own message."""
+    c = make_cache(**PARAMS)
+    v = np.zeros(shape, dtype=np.float32)
+    if how == "put":
+        assert c.put(A, v) is True and c.put(B, b"") is True
+    else:
+        timeout = None if how == "get_or_load" else 30
+        assert c.get_or_load(A, lambda: v, timeout=timeout) == b""
+        assert c.get_or_load(B, lambda: b"", timeout=timeout) == b""
+    assert c[A] == c[B] == b"" and len(c) == 2
+    assert c.stats()["size_bytes"] == 0
+
+
+def test_a_refused_loader_value_fails_the_load_for_a_waiter_in_another_process(make_cache,
+                                                                               procs, gate):
+    """The owner's loader returns an object array while another process waits for the key:
+    the load is failed (the waiter gets LoadFailed naming the refusal, not a hang or the
+    addresses), and the next get_or_load loads it again."""
+    import workers
+    c = make_cache(**PARAMS)
+    joined = gate()
+
+    def loader():
+        p, q = procs.start(workers.wait_for_load, c.uuid, A, joined.path, 30)
+        joined.wait_value(1)                          # it holds a handle on our Loading slot
+        loader.q = q
+        return np.array([object(), object()], dtype=object)
+    with pytest.raises(TypeError, match=NOT_PLAIN_MSG):
+        c.get_or_load(A, loader)
+    state, message = procs.result(loader.q)
+    assert state == "failed"
+    assert re.match(r"^TypeError: a value's items have format 'O'", message), message
+    assert c.get_or_load(A, lambda: b"again") == b"again"
+    assert c.stats()["loads_failed"] == 1

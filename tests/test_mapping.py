@@ -118,14 +118,19 @@ def test_memoize_passes_exceptions_and_returns_values_too_large_for_a_slot_uncac
         f(lambda: 1)
 
 
+# What the memoized function of the next test waits on: a module global, since memoize keys a
+# function by its closure cells as pickled values and refuses an Event there.
+EVENTS = {}
+
+
 def test_a_waiter_of_a_failed_memoized_call_gets_load_failed(make_cache, gate):
     c = make_cache(slot_size=64)
-    inside, release = threading.Event(), threading.Event()
+    inside, release = EVENTS["inside"], EVENTS["release"] = threading.Event(), threading.Event()
 
     @c.memoize("tests.mapping.v1")
     def g(x):
-        inside.set()
-        assert release.wait(30)
+        EVENTS["inside"].set()
+        assert EVENTS["release"].wait(30)
         raise RuntimeError("boom")
 
     errors = []

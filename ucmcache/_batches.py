@@ -55,8 +55,7 @@ class Batches(CacheCore):
         ctx = self._ctx
         if ctx is None:
             self._check_usable()
-        if timeout is not None:
-            timeout = check_timeout(timeout)
+        timeout = check_timeout(timeout)  # inf: None (no deadline)
         t0 = time.monotonic() if timeout is not None else 0.0  # the tier gets what is left
         ids, offsets, split = pack_keys(keys)
         n = len(split)

@@ -213,7 +213,8 @@ class SlotCache(CacheBase, SingleFlight, Batches, Prefetching, Mapping):
         lib.ucm_ctx_set_rank(ctx, self._rank)
         self._arenas = Arenas(seg, ctx, self._rank)
         _live_caches.add(self)
-        _slots.note_cache(self)
+        st = os.fstat(seg.fd)  # the segment is its file: another cache of it shares its loads'
+        _slots.note_cache(self, seg.uuid, (st.st_dev, st.st_ino))  # record (owns_load)
         self.recover()
 
     # ---------------------------------------------------------------- lifecycle
@@ -224,8 +225,10 @@ class SlotCache(CacheBase, SingleFlight, Batches, Prefetching, Mapping):
                mode: int = 0o600, exist_ok: bool = False, timeout: float = 10.0,
                tier2: TierArg = None) -> "SlotCache":
         """Create the segment ``uuid`` and attach to it.  With exist_ok, a segment that exists
-        with the same params is attached instead (other params: IncompatibleSegment)."""
+        with the same params is attached instead (other params: IncompatibleSegment), waiting up
+        to ``timeout`` for one still being created."""
         check_tier(tier2)
+        check_timeout(timeout)  # refused before the segment is made, not only when it exists
         layout = Layout.compute(max_ranks=max_ranks, slots_per_rank=slots_per_rank,
                                 slot_size=slot_size, n_buckets=n_buckets, n_stripes=n_stripes)
         try:
@@ -462,8 +465,7 @@ class SlotCache(CacheBase, SingleFlight, Batches, Prefetching, Mapping):
         ctx = self._ctx
         if ctx is None:
             self._check_usable()
-        if timeout is not None:
-            timeout = check_timeout(timeout)
+        timeout = check_timeout(timeout)  # inf: None (no deadline)
         if type(key) is bytes and len(key) == 16:
             block_id, offset = key, 0
         else:
@@ -686,27 +688,27 @@ class SlotCache(CacheBase, SingleFlight, Batches, Prefetching, Mapping):
         ``timeout``, or DELETE_WAIT s: LockTimeout).  Crash-safe: a deleter killed inside the
         step leaves a mark that recovery finishes (DESIGN 5.8).  With a tier 2 beneath the
         cache it raises Unsupported (the tier would serve the bytes again)."""
-        block_id, offset = self._delete_args(key, timeout)
+        block_id, offset, timeout = self._delete_args(key, timeout)
         return self._delete_one(block_id, offset, timeout)
 
     def delete_many(self, keys: Iterable[Key], *, timeout: Optional[float] = None) -> List[bool]:
         """delete() of each key, in order: a list of bools (a key twice: True, then False).
         Every key is checked before any is deleted; ``timeout`` bounds each key's wait."""
-        self._delete_args(None, timeout)
+        timeout = self._delete_args(None, timeout)[2]
         parsed = [split_key(k) for k in keys]  # TypeError/ValueError before any shared word
         return [self._delete_one(block_id, offset, timeout) for block_id, offset in parsed]
 
     def _delete_args(self, key: Any, timeout: Optional[float]):
-        """Everything a delete can refuse, refused before any shared word changes."""
+        """Everything a delete can refuse, refused before any shared word changes: the key
+        split (None for None) and the timeout checked (inf: None), (block_id, offset, timeout)."""
         if self._ctx is None:
             self._check_usable()
-        if timeout is not None:
-            check_timeout(timeout)
+        timeout = check_timeout(timeout)
         if self._tier is not None:
             raise Unsupported(
                 f"segment {self.uuid!r}: delete with a tier 2 beneath the cache is not "
                 "supported: the tier keeps the value, and the next get would be served it again")
-        return None if key is None else split_key(key)
+        return (None, None, timeout) if key is None else (*split_key(key), timeout)
 
     def _delete_one(self, block_id: bytes, offset: int, timeout: Optional[float]) -> bool:
         """One key: the C step (ucm_delete: find, pin, mark, unlink, uncount, under the key's

@@ -11,8 +11,9 @@ import pickle
 from typing import TYPE_CHECKING, Any, Callable, Optional, TypeVar
 
 from ._errors import LoadFailed
+from ._function_key import FunctionKey
 from ._keys import Key, make_key
-from ._slots import as_value_view
+from ._slots import as_value_view, check_timeout
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -90,25 +91,35 @@ class Mapping(CacheCore):
         attached to it, with single flight across them: while one call computes a result for
         some arguments, the others wait for it (``timeout``, as get_or_load's).
 
-        The key is ``make_key`` over the pickled ``(module.qualname, args, kwargs)`` under
-        ``namespace`` (name there what changes the function's meaning: its version, a model
-        id), so the arguments must pickle the same way in every process (no sets of str,
-        whose order follows the hash seed); the result is pickled.  An exception of the
-        function reaches its caller, and callers waiting for that call get LoadFailed with its
-        message (the next call computes again: no negative caching).  A result whose pickle
-        is larger than slot_size is returned uncached: the callers waiting for it each compute
-        their own (their single flight is lost, never their answer)."""
+        The key is ``make_key`` over the pickled ``(module.qualname, the function's digest,
+        args, kwargs)`` under ``namespace``.  The digest (ucmcache/_function_key.py) covers
+        the function's code, its defaults and its closure cells as pickled values, so closures
+        of one factory, the lambdas of one module and a function redefined under its old name
+        never share entries; a function whose defaults or cells cannot be pickled is refused
+        (TypeError), as is a callable that is not a plain or builtin function.  What the
+        function reads from module globals is not in the key: name in ``namespace`` what
+        changes its meaning (its version, a model id, the helpers it calls).  The arguments
+        must pickle the same way in every process (no sets of str, whose order follows the
+        hash seed); the result is pickled.  An exception of the function reaches its caller,
+        and callers waiting for that call get LoadFailed with its message (the next call
+        computes again: no negative caching).  A result whose pickle is larger than slot_size
+        is returned uncached: the callers waiting for it each compute their own (their single
+        flight is lost, never their answer)."""
         if not isinstance(namespace, str) or not namespace:
             raise ValueError("memoize needs a non-empty namespace string (what changes the "
                              "function's meaning: its version, a model id)")
+        timeout = check_timeout(timeout)  # refused when decorating, not at the first call
 
         def decorate(fn: F) -> F:
-            name = f"{fn.__module__}.{fn.__qualname__}"
+            function_key = FunctionKey(fn)  # TypeError now for what it cannot tell apart
+            name = function_key.name
 
             @functools.wraps(fn)
             def memoized(*args: Any, **kwargs: Any) -> Any:
+                digest = function_key.digest()  # taken again if a cell was rebound
                 try:
-                    blob = pickle.dumps((name, args, sorted(kwargs.items())), protocol=4)
+                    blob = pickle.dumps((name, digest, args, sorted(kwargs.items())),
+                                        protocol=4)
                 except Exception as e:
                     raise TypeError(f"memoize: the arguments of {name} cannot be pickled "
                                     f"({e}); only picklable arguments make a key") from None
@@ -131,6 +142,9 @@ class Mapping(CacheCore):
                     return fn(*args, **kwargs)
 
             memoized.cache = self  # type: ignore[attr-defined]
+            # Another memoized function's key reads this one as its namespace and function (a
+            # closure capturing it is keyed by what it computes, not by this cache object).
+            memoized._ucm_memoized = (namespace, fn)  # type: ignore[attr-defined]
             return memoized  # type: ignore[return-value]
 
         return decorate

@@ -18,7 +18,7 @@ from ._core import ffi, lib
 from ._errors import CacheFull, CorruptSegment, UcmError
 from ._keys import Key, pack_keys
 from ._recovery import rank_alive
-from ._slots import as_value_view
+from ._slots import as_value_view, check_timeout
 
 # The cache these operations serve, as a Protocol: this module sits below _cache (which mixes
 # Prefetching in) and never imports it (no import circle).
@@ -109,7 +109,9 @@ class Prefetcher:
         return self._thread.is_alive()
 
     def stop(self, timeout: Optional[float] = 10.0) -> None:
-        """Stop and join the thread; returns promptly even while it sleeps on an empty ring."""
+        """Stop and join the thread; returns promptly even while it sleeps on an empty ring.
+        ``timeout``: None or inf waits for a loader still running without bound."""
+        timeout = check_timeout(timeout)
         self._stop.set()
         ctx = self._cache._ctx
         if ctx is not None:

@@ -18,6 +18,7 @@ create() replaces it.  Nobody unlinks implicitly: close() detaches, unlink() rem
 """
 from __future__ import annotations
 
+import math
 import mmap
 import os
 import re
@@ -34,6 +35,7 @@ from ._core import ffi, lib
 from ._errors import (CorruptSegment, ForeignSegment, HalfMadeSegment, IncompatibleSegment,
                       SegmentExists, SegmentNotFound, SharedMemoryFull, UcmError)
 from ._layout import HEADER, Layout, LayoutError
+from ._timeouts import check_timeout
 
 SHM_DIR = "/dev/shm"
 PREFIX = "ucmcache-"
@@ -363,14 +365,13 @@ class Segment:
     def attach(cls, uuid: str, *, timeout: float = 10.0, allow_other_user: bool = False,
                writable: bool = True) -> "Segment":
         check_uuid(uuid)
-        if not isinstance(timeout, (int, float)) or timeout < 0:
-            raise ValueError(f"timeout must be a number of seconds >= 0, got {timeout!r}")
+        wait = check_timeout(timeout)  # None or inf: no deadline
         shm = _open_existing(uuid)
         try:
             st = os.fstat(shm.fd)
             if st.st_uid != os.getuid() and not allow_other_user:
                 raise not_ours_error(uuid, st.st_uid, "pass allow_other_user=True to use it anyway")
-            header = _wait_for_magic(uuid, shm.fd, timeout)
+            header = _wait_for_magic(uuid, shm.fd, math.inf if wait is None else wait)
             size = os.fstat(shm.fd).st_size
             layout = _validate(uuid, header, size)
             prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)

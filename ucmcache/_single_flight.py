@@ -16,7 +16,7 @@ from ._segment import LIFE_LOCK_BYTE0
 from ._keys import Key
 from ._recovery import rank_alive
 from ._drivers import LOAD, WAIT_HANDLE, Steps, run_async, run_blocking
-from ._slots import as_value_view, isolate_owned, still_loading
+from ._slots import as_value_view, check_timeout, isolate_owned, still_loading
 
 LIVENESS_SLICE = 0.5    # a waiter checks that the loader still lives this often (seconds)
 LIVENESS_NS = int(LIVENESS_SLICE * 1e9)
@@ -43,12 +43,14 @@ class SingleFlight(CacheCore):
     def _get_or_load_full(self, key: Key, loader: Callable[[], Any], *,
                           timeout: Optional[float] = None) -> bytes:
         """get_or_load() for everything but a plain hit (see CacheBase.get_or_load)."""
+        timeout = check_timeout(timeout)  # on a hit too (inf: None, no deadline)
         value = self._loader_then_hit(key, loader, "a callable")
         return value if value is not None else run_blocking(self._missed(key, loader, timeout))
 
     async def _aget_or_load_full(self, key: Key, loader: Callable[[], Any], *,
                                  timeout: Optional[float] = None) -> bytes:
         """aget_or_load() for everything but a plain hit (see CacheBase.aget_or_load)."""
+        timeout = check_timeout(timeout)  # on a hit too (inf: None, no deadline)
         value = self._loader_then_hit(key, loader, "a callable or a coroutine function")
         if value is not None:
             return value

@@ -16,7 +16,9 @@ import numpy as np
 from . import _hooks
 from ._core import lib
 from ._errors import LoadFailed, UcmError
+from ._hit import plain_format
 from ._results import code_name
+from ._timeouts import check_timeout  # noqa: F401  (the waits' one rule, imported from here)
 
 # The SlotCache these operations serve.  Not imported, not even for type checkers: slot
 # operations sit below the cache API and never reach back into it (no import circle).
@@ -45,7 +47,8 @@ def decode_pin(answer: int) -> Tuple[int, int, bool]:
     return slot, -1, bool(answer & _PIN_OWNER)
 
 # The owned-slot record: the slots whose loads this caller owns (per cache), so that a wait on
-# one of them, which would wait forever, is refused.  A context variable, so a loader that hands
+# one of them, which would wait forever, is refused, through any cache of the same segment in
+# this process (owns_load).  A context variable, so a loader that hands
 # its work to code running in a copy of its context (asyncio.to_thread,
 # contextvars.copy_context().run in a pool) is caught too: the copy holds the same record.
 #
@@ -63,13 +66,48 @@ def decode_pin(answer: int) -> Tuple[int, int, bool]:
 _owning: "contextvars.ContextVar[OwnedRecord]" = contextvars.ContextVar("ucmcache_owning")
 
 # The caches of this process by id (a record's keys): an inherited load's serial is read
-# through its cache's context.  Weak: a record does not keep a cache alive.
+# through its cache's context, and a load owned through one cache is found for another of the
+# same segment (owns_load).  Weak: a record does not keep a cache alive.
 _caches: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
 
 
-def note_cache(cache: "SlotCache") -> None:
-    """A cache made in this process (SlotCache's construction): its loads may be inherited."""
+class SegmentId:
+    """One segment as this process knows it: every cache of this process attached to it holds
+    this object (``cache._segment_id``), so "the same segment" is one identity test.  A
+    segment is its file, (device, inode), not its uuid: a uuid unlinked and created again names
+    another file, another segment, and a cache still attached to the old one is not the new
+    one's.  (An inode is not reused while a cache maps it; a closed cache owns no load.)"""
+
+    __slots__ = ("uuid", "__weakref__")
+
+    def __init__(self, uuid: str):
+        self.uuid = uuid
+
+
+# (device, inode) -> the SegmentId of this process's caches of that file; weak: it goes with
+# the last of them.  A forked child starts with none (its parent's caches are unusable in it).
+_segment_ids: "weakref.WeakValueDictionary[Tuple[int, int], SegmentId]" = \
+    weakref.WeakValueDictionary()
+_segment_ids_lock = threading.Lock()
+os.register_at_fork(after_in_child=_segment_ids.clear)
+
+
+def note_cache(cache: "SlotCache", uuid: str, file: Tuple[int, int]) -> None:
+    """A cache made in this process (SlotCache's construction), attached to segment ``uuid``
+    whose file is ``file`` (device, inode): its loads may be inherited, and a wait through
+    another cache of the same segment on a load it owns is refused (owns_load)."""
+    with _segment_ids_lock:  # two threads attaching at once get one SegmentId
+        seg = _segment_ids.get(file)
+        if seg is None:
+            seg = _segment_ids[file] = SegmentId(uuid)
+    cache._segment_id = seg
     _caches[id(cache)] = cache
+
+
+def _same_segment(cache: "SlotCache", key: int) -> bool:
+    """Whether the cache of this process with id ``key`` is attached to cache's segment."""
+    seg = getattr(cache, "_segment_id", None)  # (None before note_cache: no load to own)
+    return seg is not None and getattr(_caches.get(key), "_segment_id", None) is seg
 
 
 def _install_serial(key: int, slot: int) -> int:
@@ -139,8 +177,11 @@ def _current_task() -> Any:
 
 
 def owns_load(cache: "SlotCache", slot: int) -> bool:
-    """Whether this context owns the load of the cache's slot (a wait on it would wait for
-    itself): its record holds it, as its own or inherited from the record it was made from."""
+    """Whether this context owns the load of the segment's slot (a wait on it would wait for
+    itself): its record holds it, as its own or inherited from the record it was made from,
+    through this cache or any other cache of this process attached to the same segment (a
+    library and an application may each attach one: slots are the segment's, and a loader of
+    one asking for its key through the other would wait for itself as surely)."""
     record = _owning.get(None)
     if record is None:
         return False
@@ -148,26 +189,35 @@ def owns_load(cache: "SlotCache", slot: int) -> bool:
     own = record.get(key)
     if own is not None and slot in own:
         return True
+    # Another cache's set: only a record that holds more than this cache's (one len() on the
+    # usual path, a wait's cost unchanged).  The items are copied in one call, whole under the
+    # GIL: a thread sharing the record may add a cache's set meanwhile.
+    if len(record) > (own is not None):
+        for k, theirs in list(record.items()):
+            if k != key and slot in theirs and _same_segment(cache, k):
+                return True
     for k, theirs, loads in record.inherited:
-        serial = loads.get(slot) if k == key else None
-        if serial is not None and _inherited(key, theirs, slot, serial):
+        serial = loads.get(slot)
+        if serial is not None and (k == key or _same_segment(cache, k)) \
+                and _inherited(k, theirs, slot, serial):
             return True
     return False
 
 
 def owns_loads_besides(cache: "SlotCache", slots: "set[int]") -> bool:
-    """Whether this context owns a load of the cache other than those of ``slots`` (a caller
-    owning other loads must not wait for another node's: it may be waiting for one of ours)."""
+    """Whether this context owns a load of the segment other than those of ``slots``, through
+    this cache or another of the same segment (a caller owning other loads must not wait for
+    another node's: it may be waiting for one of ours)."""
     record = _owning.get(None)
     if record is None:
         return False
     key = id(cache)
-    own = record.get(key)
-    if own and not own <= slots:
-        return True
+    for k, own in list(record.items()):
+        if own and not own <= slots and (k == key or _same_segment(cache, k)):
+            return True
     for k, theirs, loads in record.inherited:
-        if k == key and any(s not in slots and _inherited(key, theirs, s, n)
-                            for s, n in loads.items()):
+        if (k == key or _same_segment(cache, k)) and any(
+                s not in slots and _inherited(k, theirs, s, n) for s, n in loads.items()):
             return True
     return False
 
@@ -256,18 +306,30 @@ def failure_message(cache: "SlotCache", slot: int) -> str:
 
 
 def as_value_view(value: Any, slot_size: int) -> memoryview:
-    """A loader's value as bytes to copy into a slot, or the error naming what is wrong."""
+    """A loader's (or put's) value as bytes to copy into a slot, or the error naming what is
+    wrong, raised before anything is stored.  Its items must be plain numbers or bytes, the
+    rule ``out`` buffers are held to (_hit.plain_format): an object array's items are PyObject*
+    addresses, meaningless (and a leak of heap addresses) in every other process.  An empty
+    value of any shape is an empty payload, as b"" is."""
     try:
         mv = memoryview(value)
     except TypeError:
         raise TypeError(f"a loader must return a bytes-like object, got "
                         f"{type(value).__name__}") from None
+    if not plain_format(mv.format):
+        raise TypeError(f"a value's items have format {mv.format!r} ({type(value).__name__}): "
+                        "only plain numbers or bytes can be stored (not Python objects or "
+                        "pointers, which mean nothing in another process)")
     if not mv.c_contiguous:
         raise ValueError("a loader's value must be C-contiguous")
-    mv = mv.cast("B")
+    if mv.nbytes == 0:
+        return _EMPTY  # (memoryview.cast refuses a shape with a zero in it)
     if mv.nbytes > slot_size:
         raise ValueError(f"the loader returned {mv.nbytes} bytes, more than slot_size={slot_size}")
-    return mv
+    return mv.cast("B")
+
+
+_EMPTY = memoryview(b"")
 
 
 def observe_load(cache: "SlotCache", t0: int) -> None:
@@ -504,14 +566,6 @@ def still_loading(timeout: Optional[float]) -> TimeoutError:
     in C)."""
     return TimeoutError(f"key still loading after {timeout} s (the load goes on; get() again "
                         "to wait more)")
-
-
-def check_timeout(timeout: object) -> float:
-    """A wait's timeout: None (checked by the caller) or a number of seconds >= 0."""
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout != timeout \
-            or timeout < 0:
-        raise ValueError(f"timeout must be None or a number of seconds >= 0, got {timeout!r}")
-    return float(timeout)
 
 
 def _now() -> float:

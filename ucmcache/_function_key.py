@@ -1,0 +1,242 @@
+"""What memoize's key says of the function it caches (DESIGN 4.6, memoize's key): two
+functions that may compute different results never share entries, in one process or across
+processes.
+
+``module.qualname`` alone does not tell functions apart: closures made by one factory (double
+and triple), the lambdas of one module, a function redefined in a notebook all share a name.
+So the key holds a digest of what the function computes with besides its arguments:
+
+- its code: the bytecode, the constants (nested code objects, a lambda's or a comprehension's,
+  by the same rule, recursively), the names it uses, its argument counts and flags; not its
+  line numbers or file name (a function moved in its file keeps its entries);
+- its defaults and keyword-only defaults, and the contents of its closure cells, as pickled
+  values.  A function found among them (a helper captured by a closure, a decorated
+  function's inner one) or anywhere inside them is keyed by the same rule, recursively (a cycle,
+  a recursive closure, by its name), a set or frozenset by its sorted items.
+
+Refused, with TypeError naming what and why: a value among them that cannot be pickled (a
+lock, an open file, a model object without pickle support), and callables that are not plain
+functions (a bound method, a functools.partial, a callable object, a class: their state is not
+a function's; wrap the call in a def).  A builtin function (math.sqrt) is keyed by its name.
+
+Not in the key (the caller names them in the namespace): the module globals the function reads
+(constants, other functions it calls by their global name, modules) and the state of mutable
+objects it captured once they change in place.  A cell rebound, or ``__code__``/``__defaults__``
+replaced, after decoration is seen: the digest is taken again at the next call (each call
+checks those by identity, a few attribute reads).  Bytecode differs between Python versions,
+so processes on different versions compute their own entries (never another's).
+"""
+from __future__ import annotations
+
+import hashlib
+import io
+import pickle
+import types
+from typing import Any, Callable, Optional, Tuple
+
+_PERSON = b"ucmcache.fn.v1"     # the digest's personalisation: a new rule gets a new one
+_EMPTY_CELL = ("<empty closure cell>",)
+
+
+class _Sorted(tuple):
+    """A set's items as sorted pickles: a private type, so no value of the caller's pickles the
+    same way as a set does."""
+
+
+class _Function(tuple):
+    """A function as the digest of its parts (or its name, for a cycle)."""
+
+
+def _function_ref(digest: bytes) -> _Function:  # (what a pickled function reduces to)
+    return _Function((digest,))
+
+
+def _memoized_ref(namespace: str, digest: bytes) -> _Function:
+    return _Function((namespace, digest))
+
+
+class _KeyPickler(pickle.Pickler):
+    """pickle, with every function and code object replaced by its digest (the rule above), at
+    any depth, where plain pickle would write a function's name only, or fail on a lambda."""
+
+    def __init__(self, file: Any, seen: set):
+        super().__init__(file, protocol=4)
+        self.seen = seen
+
+    def reducer_override(self, obj: Any) -> Any:
+        t = type(obj)
+        if t is types.FunctionType and obj is not _function_ref and obj is not _memoized_ref:
+            memo = getattr(obj, "_ucm_memoized", None)
+            if memo is not None:          # another memoized function: its namespace and function
+                namespace, fn = memo
+                return _memoized_ref, (namespace, _function_digest(fn, self.seen))
+            return _function_ref, (_function_digest(obj, self.seen),)
+        if t is types.CodeType:
+            return _function_ref, (_digest(_code_parts(obj), self.seen),)
+        return NotImplemented
+
+
+def _canon(obj: Any, seen: set) -> Any:
+    """obj with its sets made sorted tuples, through the containers pickle does not hand to
+    reducer_override (a set's order follows the hash seed: it would differ between processes)."""
+    t = type(obj)
+    if t is tuple or t is list:
+        return t(_canon(x, seen) for x in obj)
+    if t is dict:
+        return {_canon(k, seen): _canon(v, seen) for k, v in obj.items()}
+    if t is set or t is frozenset:
+        return _Sorted((t.__name__, tuple(sorted(_dumps(x, seen) for x in obj))))
+    return obj
+
+
+def _dumps(obj: Any, seen: set) -> bytes:
+    buf = io.BytesIO()
+    _KeyPickler(buf, seen).dump(_canon(obj, seen))
+    return buf.getvalue()
+
+
+class _HashWriter:
+    """A file for the pickler that hashes what it is given and keeps none of it: a large value
+    in a closure (a model) costs its pickling time once, not its size again in memory."""
+
+    __slots__ = ("h",)
+
+    def __init__(self) -> None:
+        self.h = hashlib.blake2b(digest_size=16, person=_PERSON)
+
+    def write(self, b: Any) -> int:
+        self.h.update(b)
+        return len(b)
+
+
+def _digest(parts: Any, seen: set) -> bytes:
+    out = _HashWriter()
+    _KeyPickler(out, seen).dump(_canon(parts, seen))
+    return out.h.digest()
+
+
+def _code_parts(code: types.CodeType) -> tuple:
+    """What a code object computes, without where it sits (line numbers, file name)."""
+    return ("code", code.co_argcount, code.co_posonlyargcount, code.co_kwonlyargcount,
+            code.co_flags, code.co_code, code.co_consts, code.co_names, code.co_varnames,
+            code.co_freevars, code.co_cellvars, getattr(code, "co_exceptiontable", b""))
+
+
+def _cell_contents(fn: types.FunctionType) -> tuple:
+    out = []
+    for cell in fn.__closure__ or ():
+        try:
+            out.append(cell.cell_contents)
+        except ValueError:
+            out.append(_EMPTY_CELL)  # not assigned yet (a recursive closure, at decoration)
+    return tuple(out)
+
+
+def _function_digest(fn: types.FunctionType, seen: set) -> bytes:
+    """The digest of fn's parts; a function already being keyed (a cycle) by its name."""
+    if id(fn) in seen:
+        return f"<recursive {fn.__module__}.{fn.__qualname__}>".encode()
+    seen.add(id(fn))
+    try:
+        return _digest(_parts(fn, _cell_contents(fn)), seen)
+    finally:
+        seen.discard(id(fn))
+
+
+def _parts(fn: types.FunctionType, cells: tuple) -> tuple:
+    return ("function", fn.__module__, fn.__qualname__, _code_parts(fn.__code__),
+            fn.__defaults__, fn.__kwdefaults__, cells)
+
+
+def _name(fn: Any) -> str:
+    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', type(fn).__name__)}"
+
+
+class FunctionKey:
+    """A function's part of memoize's key, kept current: ``digest()`` answers the digest of
+    its parts (the module's rule), taken when made and again when a closure cell was rebound
+    or its code or defaults were replaced since (checked by identity at every call)."""
+
+    __slots__ = ("fn", "name", "_code", "_defaults", "_kwdefaults", "_cells", "_digest")
+
+    def __init__(self, fn: Callable[..., Any]):
+        self.name = _name(fn)
+        if type(fn) is types.BuiltinFunctionType and (
+                fn.__self__ is None or isinstance(fn.__self__, types.ModuleType)):
+            self.fn = None                      # C code: its name says what it computes
+            self._digest = _digest(("builtin", self.name), set())
+            return
+        if type(fn) is not types.FunctionType:
+            raise TypeError(
+                f"memoize caches plain functions (def or lambda) and builtin functions, got "
+                f"{self.name}, a {type(fn).__name__}: what it computes with besides its "
+                "arguments (an instance, bound arguments) would not be in the key; call it "
+                "from a memoized def and pass that state as arguments")
+        self.fn = fn
+        self._code: Optional[types.CodeType] = None
+        self._defaults: Any = None
+        self._kwdefaults: Any = None
+        self._cells: Tuple[Any, ...] = ()
+        self._digest = b""
+        self._take(fn)
+
+    def digest(self) -> bytes:
+        fn = self.fn
+        if fn is not None and (fn.__code__ is not self._code or fn.__defaults__ is not
+                               self._defaults or fn.__kwdefaults__ is not self._kwdefaults or
+                               not self._cells_same(fn)):
+            self._take(fn)
+        return self._digest
+
+    def _cells_same(self, fn: types.FunctionType) -> bool:
+        closure = fn.__closure__
+        if not closure:
+            return True
+        for cell, was in zip(closure, self._cells):
+            try:
+                now = cell.cell_contents
+            except ValueError:
+                now = _EMPTY_CELL
+            if now is not was:
+                return False
+        return True
+
+    def _take(self, fn: types.FunctionType) -> None:
+        """The digest of fn as it is now, with what it was taken from (for digest's check);
+        a part that cannot be pickled is named in the TypeError."""
+        code, defaults, kwdefaults = fn.__code__, fn.__defaults__, fn.__kwdefaults__
+        cells = _cell_contents(fn)
+        seen = {id(fn)}
+        try:
+            digest = _digest(_parts(fn, cells), seen)
+        except RecursionError:
+            raise TypeError(f"memoize cannot key {self.name}: its closure cells or defaults "
+                            "nest too deeply to pickle") from None
+        except Exception as e:
+            raise TypeError(f"memoize cannot key {self.name}: {self._culprit(fn, cells, e)}; "
+                            "memoize tells functions apart by their code, defaults and closure "
+                            "cells as pickled values: pass such a value as an argument, or "
+                            "read it from a module global (globals are not in the key: name "
+                            "what they mean in the namespace)") from None
+        # One tuple assignment each, the digest last: another thread's digest() meanwhile
+        # sees the old parts with the old digest or takes them again itself.
+        self._code, self._defaults, self._kwdefaults, self._cells = code, defaults, \
+            kwdefaults, cells
+        self._digest = digest
+
+    @staticmethod
+    def _culprit(fn: types.FunctionType, cells: tuple, error: Exception) -> str:
+        """Which part of fn could not be pickled, named for the error."""
+        code = fn.__code__
+        named = [(f"closure cell {n!r}", v) for n, v in zip(code.co_freevars, cells)]
+        pos = code.co_varnames[:code.co_argcount]
+        named += [(f"default of {n!r}", v)
+                  for n, v in zip(pos[len(pos) - len(fn.__defaults__ or ()):],
+                                  fn.__defaults__ or ())]
+        named += [(f"default of {n!r}", v) for n, v in (fn.__kwdefaults__ or {}).items()]
+        for what, value in named:
+            try:
+                _dumps(value, {id(fn)})
+            except Exception as e:
+                return f"its {what} holds a {type(value).__name__} that cannot be pickled ({e})"
+        return f"it cannot be pickled ({error})"
