@@ -82,6 +82,7 @@ are saved (not generated tokens).
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -90,11 +91,12 @@ import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Set, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Set, Tuple
 
 from ._cache import SlotCache
 from ._errors import CorruptSegment, IncompatibleSegment, NotAttached, SegmentNotFound, UcmError
 from ._ucm_config import segment_name, shm_free_bytes
+from ._vllm_flight import DEFAULT_PEER_WAIT_S, Intents, exist_all_ranks, open_intents
 from ._vllm_blocks import (HEADER_SIZE, EngineIdentity, IOStats, KVBlockIO, LayerLoad,
                            LoadResult, VllmConnectorError, block_keys, check_header,
                            exist_prefix_all_ranks, pack_header, rank_key)
@@ -130,7 +132,7 @@ ATTACH_RETRY_S = 1.0
 # ---------------------------------------------------------------- config
 
 _KNOWN = {"segment", "size_mb", "max_ranks", "namespace", "checksum", "load_failure_policy",
-          "stats_file", "layerwise"}
+          "stats_file", "layerwise", "peer_wait_s"}
 
 
 @dataclass
@@ -146,6 +148,7 @@ class ConnectorConfig:
     layerwise: bool = True
     load_failure_policy: str = "recompute"
     stats_file: Optional[str] = None
+    peer_wait_s: float = DEFAULT_PEER_WAIT_S
 
     @classmethod
     def from_extra(cls, extra: Optional[Dict[str, Any]]) -> "ConnectorConfig":
@@ -192,6 +195,12 @@ class ConnectorConfig:
             cfg.load_failure_policy = v
         if extra.get("stats_file") not in (None, ""):
             cfg.stats_file = str(extra["stats_file"])
+        if "peer_wait_s" in extra:
+            v = extra["peer_wait_s"]
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 3600:
+                raise VllmConnectorError(f"kv_connector_extra_config 'peer_wait_s' must be a "
+                                         f"number of seconds in [0, 3600], got {v!r}")
+            cfg.peer_wait_s = float(v)
         return cfg
 
 
@@ -395,6 +404,10 @@ if HAVE_VLLM:
             self._pending_loads: List[_Job] = []
             self._next_attach = 0.0
             self._lookup_failed_logged = False
+            self._flight: Optional[Intents] = None      # this scheduler's intents (_intents)
+            self._flight_next = 0.0
+            self._flight_finalizer: Optional[_mp_util.Finalize] = None
+            self._flight_written: Optional[Dict[str, Any]] = None
             # worker side
             self._io: Optional[KVBlockIO] = None
             self._load_errors: Set[int] = set()
@@ -424,6 +437,8 @@ if HAVE_VLLM:
 
         def shutdown(self) -> None:
             """Detach (the rank is freed); also done at process exit and on collection."""
+            if self._flight_finalizer is not None:
+                self._flight_finalizer()    # the scheduler's intents end first
             self._io = None
             self._finalizer()
 
@@ -673,14 +688,15 @@ if HAVE_VLLM:
             cache = self._reader()
             if cache is None:
                 return 0, False
-            keys = self._keys(st)[:limit]
             try:
-                n = exist_prefix_all_ranks(cache, keys, self._identity.ranks)
+                n = self._matched_blocks(request, st, cache, limit, num_computed_tokens)
             except UcmError as e:
                 if not self._lookup_failed_logged:
                     log.warning("UcmCacheConnector: lookup failed, serving misses: %s", e)
                     self._lookup_failed_logged = True
                 return 0, False
+            if n is None:
+                return None, False  # another engine computes the next blocks: ask again later
             st.matched_tokens = n * self._bs
             return max(0, st.matched_tokens - num_computed_tokens), False
 
@@ -702,6 +718,7 @@ if HAVE_VLLM:
             st.saved_blocks = max(st.saved_blocks, end)
 
         def build_connector_meta(self, scheduler_output: Any) -> "UcmCacheConnectorMetadata":
+            self._flight_step(scheduler_output)
             meta = UcmCacheConnectorMetadata(loads=self._pending_loads)
             self._pending_loads = []
             computed: Dict[str, int] = {}
@@ -727,6 +744,7 @@ if HAVE_VLLM:
                 meta.saves.append(_Job(rid, keys[st.saved_blocks:full],
                                        ids[st.saved_blocks:full]))
                 st.saved_blocks = full
+            self._flight_handed(meta)
             return meta
 
         def _block_ids(self, req_id: str) -> Optional[List[int]]:
@@ -741,7 +759,97 @@ if HAVE_VLLM:
         def request_finished(self, request: Any,
                              block_ids: List[int]) -> Tuple[bool, Optional[Dict[str, Any]]]:
             self._reqs.pop(request.request_id, None)
+            self._flight_end(request.request_id, "request finished")
             return False, None  # saves are synchronous: the blocks may be freed now
+
+        # ------------------------------------------------------------ scheduler side: intents
+
+        def _intents(self) -> Optional[Intents]:
+            """This scheduler's intents (ucmcache._vllm_flight), attached on first use; None
+            while the intents segment cannot be opened (asked again in a second)."""
+            f = self._flight
+            if f is not None:
+                return f
+            now = time.monotonic()
+            if now < self._flight_next:
+                return None
+            self._flight_next = now + ATTACH_RETRY_S
+            try:
+                cache = open_intents(self._segment, self._cfg.max_ranks)
+            except (UcmError, OSError, ValueError) as e:
+                log.warning("UcmCacheConnector: intents segment of %r: %s: no single flight "
+                            "across engines for now", self._segment, e)
+                return None
+            self._flight = f = Intents(cache, peer_wait_s=self._cfg.peer_wait_s)
+            self._flight_finalizer = _mp_util.Finalize(self, f.close, exitpriority=11)
+            return f
+
+        def _matched_blocks(self, request: Any, st: _ReqState, cache: SlotCache, limit: int,
+                            num_computed_tokens: int) -> Optional[int]:
+            """The leading prompt blocks Ready for every rank, up to ``limit``; or None while
+            another live engine computes the first block after them (DESIGN 4.15)."""
+            keys = self._keys(st)
+            ranks = self._identity.ranks
+
+            def ready(ks: List[bytes]) -> int:
+                return exist_prefix_all_ranks(cache, ks, ranks)
+
+            flight = self._intents()
+            if flight is None:
+                return ready(keys[:limit])
+            return flight.lookup(request.request_id, keys, ready, limit=limit, upto=len(keys),
+                                 local=num_computed_tokens // self._bs)
+
+        def _flight_ready(self) -> Optional[Callable[[List[bytes]], List[bool]]]:
+            cache = self._parts.cache
+            if cache is None:
+                return None
+            ranks = self._identity.ranks
+            return lambda ks: exist_all_ranks(cache, ks, ranks)
+
+        def _flight_step(self, scheduler_output: Any) -> None:
+            """Each step: the intents of preempted requests end (but for blocks handed for
+            saving), and those of blocks now Ready (or handed long ago) end."""
+            f = self._flight
+            if f is None:
+                return
+            for rid in getattr(scheduler_output, "preempted_req_ids", None) or ():
+                f.end(rid, "request preempted", keep_handed=True)
+            self._flight_settle(f)
+
+        def _flight_settle(self, f: Intents) -> None:
+            ready = self._flight_ready()
+            if ready is not None:
+                try:
+                    f.settle(ready)
+                except UcmError as e:
+                    log.warning("UcmCacheConnector: intents: %s", e)
+            self._write_flight_stats(f)
+
+        def _flight_handed(self, meta: "UcmCacheConnectorMetadata") -> None:
+            f = self._flight
+            if f is not None:
+                for job in meta.saves:
+                    f.handed(job.req_id, job.keys)
+
+        def _flight_end(self, req_id: str, why: str) -> None:
+            f = self._flight
+            if f is not None:
+                f.end(req_id, why, keep_handed=True)
+                self._flight_settle(f)
+
+        def _write_flight_stats(self, f: Intents) -> None:
+            path = self._cfg.stats_file
+            if path is None:
+                return
+            data = dataclasses.asdict(f.stats)
+            if data == self._flight_written:
+                return
+            self._flight_written = data
+            try:
+                _write_json(f"{path}.scheduler", {**data, "pid": os.getpid()})
+            except OSError as e:
+                log.warning("UcmCacheConnector: stats_file %s: %s", path, e)
 
         def reset_cache(self) -> Optional[bool]:
             """Clear the segment (every entry, for every engine attached to it)."""
