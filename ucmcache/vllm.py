@@ -24,7 +24,10 @@ What runs where (vLLM runs the scheduler and each worker in processes of their o
   Loads are synchronous (``load_kv_async`` False): vLLM then runs ``start_load_kv`` before the
   forward.  ``build_connector_meta`` sends the workers, per step, the blocks to load (those
   matched) and the blocks to save: each prompt block that becomes full in this step and was
-  not matched.
+  not matched.  Single flight across engines (``ucmcache._vllm_flight``, DESIGN 4.15): the
+  scheduler marks the blocks it will compute (intents in ``<segment>-intents``) and answers
+  ``None`` ("ask again later") while the first block after a request's Ready prefix is marked
+  by another live engine, for at most ``peer_wait_s`` without progress.
 - **worker**: ``register_kv_caches`` looks at the KV tensors vLLM made (per layer, first
   dimension = blocks; any strides) and attaches to the segment, creating it (slots sized for
   one block of all layers plus a 64-byte header) when absent.  ``start_load_kv`` reads the
@@ -71,7 +74,11 @@ What runs where (vLLM runs the scheduler and each worker in processes of their o
   pinned host memory: written for CUDA, untested on this project's CI, which has no GPU).
 - ``load_failure_policy`` (default "recompute"): written into the kv_transfer_config's
   ``kv_load_failure_policy`` at start; "fail" keeps vLLM's own default.
-- ``stats_file``: a path; each worker writes ``<path>.rank<r>`` (JSON counters).
+- ``stats_file``: a path; each worker writes ``<path>.rank<r>`` (JSON counters), the
+  scheduler ``<path>.scheduler`` (its intents' counters).
+- ``peer_wait_s`` (default 5): the longest a request waits, without progress, for blocks
+  another engine is computing; 0 turns waiting off (this engine's blocks are marked all the
+  same).
 
 Limits: CPU KV caches are tested on real engines; a CUDA KV cache is copied with the same
 torch copies through pageable host memory (no pinned registration, no copy stream of its own),
@@ -91,7 +98,8 @@ import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Set, Tuple
+from typing import (TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Set,
+                    Tuple)
 
 from ._cache import SlotCache
 from ._errors import CorruptSegment, IncompatibleSegment, NotAttached, SegmentNotFound, UcmError
@@ -791,7 +799,7 @@ if HAVE_VLLM:
             keys = self._keys(st)
             ranks = self._identity.ranks
 
-            def ready(ks: List[bytes]) -> int:
+            def ready(ks: Sequence[bytes]) -> int:
                 return exist_prefix_all_ranks(cache, ks, ranks)
 
             flight = self._intents()
