@@ -3,7 +3,7 @@
 vLLM's shutdown SIGKILLs an EngineCore that is slow to exit ("force killing remaining process
 EngineCore", seen on a busy 2-core machine), so its store or scheduler never freed its rank.
 By design the next process to attach recovers such a rank.  So: verify; if the only problems
-are ranks of dead processes not recovered yet, attach once (as any next engine would) and
+are ranks of dead processes not recovered yet (and what they hold), attach once (as any next engine would) and
 verify again, which must then be clean.  Any other problem is reported as is."""
 from __future__ import annotations
 
@@ -11,7 +11,14 @@ import re
 import subprocess
 import sys
 
-DEAD_RANK = re.compile(r"rank \d+: ready \(pid \d+\) but its process is dead \(not recovered yet\)")
+DEAD_RANK = re.compile(r"rank \d+: ready \(pid \d+\) but its process is dead \(not recovered yet\)"
+                       # what such a rank still holds: arenas (a list that may wrap), pins,
+                       # claims, loads (a killed engine's, or a stopped one's killed at the end)
+                       r"|\d+ arena\(s\) owned by rank \d+, which is not alive: [\d, .]+"
+                       r"|[\d, .]+"
+                       r"|slot \d+: pinned by rank\(s\) \[[\d, ]+\] that are not alive"
+                       r"|slot \d+: claimed by rank \d+, which is not alive"
+                       r"|slot \d+: Loading, but its loader rank \d+ is not alive")
 
 
 def _verify(segment: str, env: dict, cwd: str) -> tuple[int, str]:

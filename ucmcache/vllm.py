@@ -24,7 +24,10 @@ What runs where (vLLM runs the scheduler and each worker in processes of their o
   Loads are synchronous (``load_kv_async`` False): vLLM then runs ``start_load_kv`` before the
   forward.  ``build_connector_meta`` sends the workers, per step, the blocks to load (those
   matched) and the blocks to save: each prompt block that becomes full in this step and was
-  not matched.
+  not matched.  Single flight across engines (``ucmcache._vllm_flight``, DESIGN 4.15): the
+  scheduler marks the blocks it will compute (intents in ``<segment>-intents``) and answers
+  ``None`` ("ask again later") while the first block after a request's Ready prefix is marked
+  by another live engine, for at most ``peer_wait_s`` without progress.
 - **worker**: ``register_kv_caches`` looks at the KV tensors vLLM made (per layer, first
   dimension = blocks; any strides) and attaches to the segment, creating it (slots sized for
   one block of all layers plus a 64-byte header) when absent.  ``start_load_kv`` reads the
@@ -71,7 +74,11 @@ What runs where (vLLM runs the scheduler and each worker in processes of their o
   pinned host memory: written for CUDA, untested on this project's CI, which has no GPU).
 - ``load_failure_policy`` (default "recompute"): written into the kv_transfer_config's
   ``kv_load_failure_policy`` at start; "fail" keeps vLLM's own default.
-- ``stats_file``: a path; each worker writes ``<path>.rank<r>`` (JSON counters).
+- ``stats_file``: a path; each worker writes ``<path>.rank<r>`` (JSON counters), the
+  scheduler ``<path>.scheduler`` (its intents' counters).
+- ``peer_wait_s`` (default 5): the longest a request waits, without progress, for blocks
+  another engine is computing; 0 turns waiting off (this engine's blocks are marked all the
+  same).
 
 Limits: CPU KV caches are tested on real engines; a CUDA KV cache is copied with the same
 torch copies through pageable host memory (no pinned registration, no copy stream of its own),
@@ -82,6 +89,7 @@ are saved (not generated tokens).
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -90,11 +98,13 @@ import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Set, Tuple
+from typing import (TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Set,
+                    Tuple)
 
 from ._cache import SlotCache
 from ._errors import CorruptSegment, IncompatibleSegment, NotAttached, SegmentNotFound, UcmError
 from ._ucm_config import segment_name, shm_free_bytes
+from ._vllm_flight import DEFAULT_PEER_WAIT_S, Intents, exist_all_ranks, open_intents
 from ._vllm_blocks import (HEADER_SIZE, EngineIdentity, IOStats, KVBlockIO, LayerLoad,
                            LoadResult, VllmConnectorError, block_keys, check_header,
                            exist_prefix_all_ranks, pack_header, rank_key)
@@ -130,7 +140,7 @@ ATTACH_RETRY_S = 1.0
 # ---------------------------------------------------------------- config
 
 _KNOWN = {"segment", "size_mb", "max_ranks", "namespace", "checksum", "load_failure_policy",
-          "stats_file", "layerwise"}
+          "stats_file", "layerwise", "peer_wait_s"}
 
 
 @dataclass
@@ -146,6 +156,7 @@ class ConnectorConfig:
     layerwise: bool = True
     load_failure_policy: str = "recompute"
     stats_file: Optional[str] = None
+    peer_wait_s: float = DEFAULT_PEER_WAIT_S
 
     @classmethod
     def from_extra(cls, extra: Optional[Dict[str, Any]]) -> "ConnectorConfig":
@@ -192,6 +203,12 @@ class ConnectorConfig:
             cfg.load_failure_policy = v
         if extra.get("stats_file") not in (None, ""):
             cfg.stats_file = str(extra["stats_file"])
+        if "peer_wait_s" in extra:
+            v = extra["peer_wait_s"]
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 3600:
+                raise VllmConnectorError(f"kv_connector_extra_config 'peer_wait_s' must be a "
+                                         f"number of seconds in [0, 3600], got {v!r}")
+            cfg.peer_wait_s = float(v)
         return cfg
 
 
@@ -395,6 +412,10 @@ if HAVE_VLLM:
             self._pending_loads: List[_Job] = []
             self._next_attach = 0.0
             self._lookup_failed_logged = False
+            self._flight: Optional[Intents] = None      # this scheduler's intents (_intents)
+            self._flight_next = 0.0
+            self._flight_finalizer: Optional[_mp_util.Finalize] = None
+            self._flight_written: Optional[Dict[str, Any]] = None
             # worker side
             self._io: Optional[KVBlockIO] = None
             self._load_errors: Set[int] = set()
@@ -424,6 +445,8 @@ if HAVE_VLLM:
 
         def shutdown(self) -> None:
             """Detach (the rank is freed); also done at process exit and on collection."""
+            if self._flight_finalizer is not None:
+                self._flight_finalizer()    # the scheduler's intents end first
             self._io = None
             self._finalizer()
 
@@ -673,14 +696,15 @@ if HAVE_VLLM:
             cache = self._reader()
             if cache is None:
                 return 0, False
-            keys = self._keys(st)[:limit]
             try:
-                n = exist_prefix_all_ranks(cache, keys, self._identity.ranks)
+                n = self._matched_blocks(request, st, cache, limit, num_computed_tokens)
             except UcmError as e:
                 if not self._lookup_failed_logged:
                     log.warning("UcmCacheConnector: lookup failed, serving misses: %s", e)
                     self._lookup_failed_logged = True
                 return 0, False
+            if n is None:
+                return None, False  # another engine computes the next blocks: ask again later
             st.matched_tokens = n * self._bs
             return max(0, st.matched_tokens - num_computed_tokens), False
 
@@ -702,6 +726,7 @@ if HAVE_VLLM:
             st.saved_blocks = max(st.saved_blocks, end)
 
         def build_connector_meta(self, scheduler_output: Any) -> "UcmCacheConnectorMetadata":
+            self._flight_step(scheduler_output)
             meta = UcmCacheConnectorMetadata(loads=self._pending_loads)
             self._pending_loads = []
             computed: Dict[str, int] = {}
@@ -727,6 +752,7 @@ if HAVE_VLLM:
                 meta.saves.append(_Job(rid, keys[st.saved_blocks:full],
                                        ids[st.saved_blocks:full]))
                 st.saved_blocks = full
+            self._flight_handed(meta)
             return meta
 
         def _block_ids(self, req_id: str) -> Optional[List[int]]:
@@ -741,7 +767,97 @@ if HAVE_VLLM:
         def request_finished(self, request: Any,
                              block_ids: List[int]) -> Tuple[bool, Optional[Dict[str, Any]]]:
             self._reqs.pop(request.request_id, None)
+            self._flight_end(request.request_id, "request finished")
             return False, None  # saves are synchronous: the blocks may be freed now
+
+        # ------------------------------------------------------------ scheduler side: intents
+
+        def _intents(self) -> Optional[Intents]:
+            """This scheduler's intents (ucmcache._vllm_flight), attached on first use; None
+            while the intents segment cannot be opened (asked again in a second)."""
+            f = self._flight
+            if f is not None:
+                return f
+            now = time.monotonic()
+            if now < self._flight_next:
+                return None
+            self._flight_next = now + ATTACH_RETRY_S
+            try:
+                cache = open_intents(self._segment, self._cfg.max_ranks)
+            except (UcmError, OSError, ValueError) as e:
+                log.warning("UcmCacheConnector: intents segment of %r: %s: no single flight "
+                            "across engines for now", self._segment, e)
+                return None
+            self._flight = f = Intents(cache, peer_wait_s=self._cfg.peer_wait_s)
+            self._flight_finalizer = _mp_util.Finalize(self, f.close, exitpriority=11)
+            return f
+
+        def _matched_blocks(self, request: Any, st: _ReqState, cache: SlotCache, limit: int,
+                            num_computed_tokens: int) -> Optional[int]:
+            """The leading prompt blocks Ready for every rank, up to ``limit``; or None while
+            another live engine computes the first block after them (DESIGN 4.15)."""
+            keys = self._keys(st)
+            ranks = self._identity.ranks
+
+            def ready(ks: Sequence[bytes]) -> int:
+                return exist_prefix_all_ranks(cache, ks, ranks)
+
+            flight = self._intents()
+            if flight is None:
+                return ready(keys[:limit])
+            return flight.lookup(request.request_id, keys, ready, limit=limit, upto=len(keys),
+                                 local=num_computed_tokens // self._bs)
+
+        def _flight_ready(self) -> Optional[Callable[[List[bytes]], List[bool]]]:
+            cache = self._parts.cache
+            if cache is None:
+                return None
+            ranks = self._identity.ranks
+            return lambda ks: exist_all_ranks(cache, ks, ranks)
+
+        def _flight_step(self, scheduler_output: Any) -> None:
+            """Each step: the intents of preempted requests end (but for blocks handed for
+            saving), and those of blocks now Ready (or handed long ago) end."""
+            f = self._flight
+            if f is None:
+                return
+            for rid in getattr(scheduler_output, "preempted_req_ids", None) or ():
+                f.end(rid, "request preempted", keep_handed=True)
+            self._flight_settle(f)
+
+        def _flight_settle(self, f: Intents) -> None:
+            ready = self._flight_ready()
+            if ready is not None:
+                try:
+                    f.settle(ready)
+                except UcmError as e:
+                    log.warning("UcmCacheConnector: intents: %s", e)
+            self._write_flight_stats(f)
+
+        def _flight_handed(self, meta: "UcmCacheConnectorMetadata") -> None:
+            f = self._flight
+            if f is not None:
+                for job in meta.saves:
+                    f.handed(job.req_id, job.keys)
+
+        def _flight_end(self, req_id: str, why: str) -> None:
+            f = self._flight
+            if f is not None:
+                f.end(req_id, why, keep_handed=True)
+                self._flight_settle(f)
+
+        def _write_flight_stats(self, f: Intents) -> None:
+            path = self._cfg.stats_file
+            if path is None:
+                return
+            data = dataclasses.asdict(f.stats)
+            if data == self._flight_written:
+                return
+            self._flight_written = data
+            try:
+                _write_json(f"{path}.scheduler", {**data, "pid": os.getpid()})
+            except OSError as e:
+                log.warning("UcmCacheConnector: stats_file %s: %s", path, e)
 
         def reset_cache(self) -> Optional[bool]:
             """Clear the segment (every entry, for every engine attached to it)."""
