@@ -1769,14 +1769,21 @@ static inline uint64_t room_mark(uint64_t epoch, uint64_t g) { return epoch << 3
 
 /* Phase 2: has the policy looked, since the arena epoch or the generation last moved, at what
  * we could obtain before evicting (our share, room in arenas not ours), and found nothing to
- * take (ucm_arena_room_gone)?  If not, it looks first (UCM_ROOM). */
+ * take (ucm_arena_room_gone)?  If not, it looks first (UCM_ROOM), unless every arena is ours
+ * already. */
 static int policy_looked(ucm_ctx *c)
 {
     /* Relaxed: the epoch and the generation are hints here (a move only makes the policy look
      * again); room_gone is a process-local hint that threads of ours may race on, any of
      * their values safe (one look too many, or one eviction in a move's instant). */
     uint64_t mark = room_mark(RLX(header(c)->ARENA_EPOCH), RLX(header(c)->GENERATION));
-    return __atomic_load_n(&c->room_gone, __ATOMIC_RELAXED) == mark;
+    if (__atomic_load_n(&c->room_gone, __ATOMIC_RELAXED) == mark) return 1;
+    /* Every arena ours (one rank attached, say): there is nothing the policy could take. */
+    uint32_t me = (uint32_t)c->rank + 1;
+    for (uint32_t a = 0; a < c->l.n_arenas; a++)
+        if (RLX(owner_w(c, a)) != me) return 0; /* relaxed: a hint, the policy's take decides */
+    __atomic_store_n(&c->room_gone, mark, __ATOMIC_RELAXED);
+    return 1;
 }
 
 void ucm_arena_room_gone(ucm_ctx *c)
