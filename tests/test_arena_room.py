@@ -5,6 +5,7 @@ import random
 
 import ucmcache
 from ucmcache import SlotCache
+from ucmcache._arenas import room_order
 
 import arena_workers
 import workers
@@ -153,3 +154,14 @@ def test_no_eviction_while_any_slot_is_free_over_random_multi_process_runs(make_
         ranks.stop()
     assert checked > 100 and evicting_steps > 20, (checked, evicting_steps)
     assert ucmcache.verify(c.uuid).ok
+
+
+def test_room_order_takes_free_then_dead_then_the_largest_surplus_never_ours_busy_or_full():
+    # rank 0 (word 1) of live ranks 0-2; 6 arenas: shares 2, 2, 2
+    owners = [0, 2, 3, 1, 5, 3]            # free, rank 1, rank 2, ours, rank 4 (not READY), rank 2
+    room = [1, 2, 2, 2, 1, 1]
+    assert room_order(owners, 0, [0, 1, 2], room, [0] * 6) == [(0, 0), (4, 5), (2, 3), (5, 3),
+                                                               (1, 2)]
+    # a busy arena and one with no room are never taken
+    assert room_order(owners, 0, [0, 1, 2], [1, 0, 2, 2, 1, 1], [1, 0, 0, 0, 0, 1]) == [
+        (4, 5), (2, 3)]

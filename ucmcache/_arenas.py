@@ -204,11 +204,9 @@ class Arenas:
 
     def entries(self) -> np.ndarray:
         """Per arena, the entries its words count in the current generation (a hint)."""
-        out = np.zeros(self._seg.layout.n_arenas, dtype=np.int64)
-        raw = np.zeros(self._seg.layout.n_arenas, dtype=np.uint32)
-        lib.ucm_arena_entries(self._ctx, ffi.from_buffer("uint32_t[]", raw))
-        out[:] = raw
-        return out
+        out = np.zeros(self._seg.layout.n_arenas, dtype=np.uint32)
+        lib.ucm_arena_entries(self._ctx, ffi.from_buffer("uint32_t[]", out))
+        return out.astype(np.int64)
 
     def take_for_delete(self, arena: int) -> bool:
         """A delete found its entry in an arena we do not own (ucm_delete: UCM_NOT_HELD): take

@@ -58,8 +58,8 @@ MAX_ROLLBACKS = 64      # isolate trylock failures tolerated in one allocation
 MAX_ROLLBACK_ROUNDS = 8 # allocations retried when every one of them rolled back
 MAX_GROWS = 8           # arenas one allocation may take when its rank's arenas are full
 MAX_MOVED = 4           # looks at the arena shares in one allocation (ranks keep changing)
-MAX_ROOMS = 4           # arenas one allocation may take for room before it evicts (others' ranks
-                        # take them back as fast): then it evicts (CLOCK) in what it has
+MAX_ROOMS = 4           # arena policy looks (UCM_ROOM) in one allocation before it evicts; each
+                        # takes an arena, so past this others took what it took as fast
 CLAIM_WAIT = 10.0       # the longest a get waits for another process to recover a dead claim
 STRIPE_WAIT = 10.0      # the longest a get with no timeout waits for a bucket's stripe; held
                         # for microseconds normally, so past this its holder is stopped or stuck
@@ -542,6 +542,7 @@ class SlotCache(CacheBase, SingleFlight, Batches, Prefetching, Mapping):
         pin's answer (UCM_PIN_*), the pin also handed inside the step to its owner object: the
         token, or slot_out/owner_out (a batch's arrays, covered by the batch's token).  What to
         do when it cannot is decided here: ranks came or went (look at our share of the arenas);
+        nothing free in our arenas (look for our share or room elsewhere before evicting);
         a dead rank's pins may be what fills the cache, and a key's slot that stays claimed
         under its stripe has a dead claimant: both are recovered and the step is tried again.  Never
         CacheFull for a claim, never a spin with a stripe held, never a wait past the deadline
@@ -576,7 +577,7 @@ class SlotCache(CacheBase, SingleFlight, Batches, Prefetching, Mapping):
                 moved += 1
                 self._look_at_share(moved, stripe_deadline)
                 continue
-            if code == lib.UCM_ROOM:  # nothing free in our arenas, room in others': take one
+            if code == lib.UCM_ROOM:  # nothing free in our arenas: the policy looks before we evict
                 roomed += 1
                 if roomed > MAX_ROOMS or not self._arenas.make_room(
                         min(LOCK_WAIT, max(0.0, stripe_deadline - time.monotonic()))):
@@ -651,6 +652,8 @@ class SlotCache(CacheBase, SingleFlight, Batches, Prefetching, Mapping):
         `claim_unchecked`): dead ranks are recovered if that needs no wait (I5), and the key is
         looked at again, so a process that only reads is not left without the entry until
         another process's slow path recovers it."""
+        if self._ctx is None:
+            self._check_usable()
         if type(key) is bytes and len(key) == 16:
             block_id, offset = key, 0
         else:
