@@ -1722,7 +1722,10 @@ static int claim_done(ucm_ctx *c, uint32_t s, uint64_t *handp, uint64_t hand, ui
     return UCM_OK;
 }
 
-/* Phase 1: a free slot in our usable arenas, from the hand on, one revolution at most. */
+/* Phase 1: a free slot in our usable arenas, from the hand on, one revolution at most: the
+ * hand's arena from the hand, every other arena whole, the hand's arena's start last.  An
+ * arena is looked into only if it is ours and its words count fewer entries than slots (both
+ * relaxed hints, so a full cache costs a load or two per arena here), then verified. */
 static int claim_free(ucm_ctx *c, uint64_t max_scan, uint32_t *slot_out)
 {
     uint64_t n = c->l.n_slots;
@@ -1730,36 +1733,34 @@ static int claim_free(ucm_ctx *c, uint64_t max_scan, uint32_t *slot_out)
     /* Relaxed: only this rank's threads move its hand (see claim_clock). */
     uint64_t hand = RLX(handp) % n;
     uint64_t g = ucm_generation(c);
-    uint32_t cur = UCM_NIL, seen = 0;
-    int usable = 0;
-    for (uint64_t travelled = 0, examined = 0; travelled < n && examined < max_scan;) {
-        uint64_t pos = (hand + travelled) % n;
-        uint32_t a = (uint32_t)(pos / c->l.arena_slots);
-        if (a != cur) {
-            cur = a;
-            /* An arena whose words count every slot live has nothing free: skipped whole. */
-            usable = arena_usable(c, a, &seen) && arena_entries(c, a, g) < arena_size(c, a);
+    uint32_t me = (uint32_t)c->rank + 1, na = (uint32_t)c->l.n_arenas;
+    uint32_t a0 = (uint32_t)(hand / c->l.arena_slots);
+    uint64_t examined = 0;
+    for (uint32_t k = 0; k <= na && examined < max_scan; k++) {
+        uint32_t a = (a0 + k) % na, seen = 0;
+        /* Relaxed: hints for skipping; arena_usable and the claim's check decide. */
+        if (RLX(owner_w(c, a)) != me || arena_entries(c, a, g) >= arena_size(c, a)) continue;
+        if (!arena_usable(c, a, &seen)) continue;
+        uint64_t lo = (uint64_t)a * c->l.arena_slots, hi = arena_end(c, a);
+        if (k == 0) lo = hand;       /* the hand's arena: from the hand on ... */
+        else if (k == na) hi = hand; /* ... and its start, last */
+        for (uint64_t pos = lo; pos < hi && examined < max_scan; pos++) {
+            uint32_t s = (uint32_t)pos;
+            examined++;
+            uint64_t r = RLX(ref_w(c, s));
+            if (r != 0 || live_entry(c, s, (uint32_t)g)) continue; /* held, or a live entry */
+            int got = claim_checked(c, s, a, seen, r);
+            if (got < 0) break; /* the arena was taken from us */
+            if (got == 0) continue;
+            /* Read again under the claim (its acquire CAS ordered the last writer's words
+             * before us): another thread of ours may have installed and published here since
+             * our look.  Nothing is written yet, so it is given back as an unpassed claim is. */
+            if (live_entry(c, s, (uint32_t)g)) {
+                SET_REL(ref_w(c, s), 0); /* release: pairs with the next claimant's acquire CAS */
+                continue;
+            }
+            return claim_done(c, s, handp, pos + 1, slot_out);
         }
-        if (!usable) {
-            travelled += arena_end(c, a) - pos;
-            continue;
-        }
-        uint32_t s = (uint32_t)pos;
-        travelled++;
-        examined++;
-        uint64_t r = RLX(ref_w(c, s));
-        if (r != 0 || live_entry(c, s, (uint32_t)g)) continue; /* held, or a live entry */
-        int k = claim_checked(c, s, a, seen, r);
-        if (k < 0) usable = 0;
-        if (k <= 0) continue;
-        /* Read again under the claim (its acquire CAS ordered the last writer's words before
-         * us): another thread of ours may have installed and published here since our look.
-         * Nothing is written yet, so it is given back as an unpassed claim is. */
-        if (live_entry(c, s, (uint32_t)g)) {
-            SET_REL(ref_w(c, s), 0); /* release: pairs with the next claimant's acquire CAS */
-            continue;
-        }
-        return claim_done(c, s, handp, hand + travelled, slot_out);
     }
     return UCM_FULL;
 }
