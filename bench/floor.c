@@ -137,6 +137,9 @@ static cli_t cli_new(seg_t *g, int rank)
         for (uint64_t a = 0; a < g->l.n_arenas; a++)
             if (a * g->l.arena_slots / g->l.slots_per_rank == (uint64_t)rank)
                 ucm_arena_take(k.c, (uint32_t)a, 0);
+        /* Each rank at its share and nothing else to take: the arena policy's answer before
+         * a first eviction (ucm_clock_claim's UCM_ROOM), given once up front. */
+        ucm_arena_room_gone(k.c);
     }
     return k;
 }

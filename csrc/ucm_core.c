@@ -80,6 +80,9 @@ struct ucm_ctx {
                               * ready()/fail() can never finish a later install's load */
     uint32_t *arena_seen;    /* process-local, per arena: serial << 1 | verified (see "Arenas") */
     uint64_t epoch_seen;     /* the arena epoch our rank last looked at its share in */
+    uint64_t room_gone;      /* room_mark(epoch, generation) in which the policy found nothing
+                              * to take before evicting (ucm_arena_room_gone): our claims evict
+                              * without asking it again (UINT64_MAX: ask) */
     uint32_t local_locks[LOCAL_LOCKS]; /* process-local spinlocks, see local_lock() */
     uint8_t *repair_seen;    /* process-local visited set for stripe repair, made up front */
     pthread_mutex_t repair_lock;
@@ -610,6 +613,7 @@ ucm_ctx *ucm_ctx_new(char *base, uint64_t map_size, const ucm_layout *l)
     c->rank = -1;
     c->stats = c->stats_sink;
     c->epoch_seen = UINT64_MAX; /* never: the first slow path looks at its share */
+    c->room_gone = UINT64_MAX;  /* never: the policy looks before our first eviction */
     /* A walk longer than this on the lock-free path gives up and takes the slow path; under
      * the lock a chain can never be longer than the number of slots. */
     c->walk_limit = l->n_slots + 1;
@@ -1233,6 +1237,14 @@ void ucm_copy_payload(char *dst, const char *src, uint64_t n)
  * before anything is copied, so a payload that does not fit leaves out untouched (the caller
  * raises).  lens_out holds each position's pin meanwhile: -1 none, -2 - slot pinned but not
  * Ready, len << 32 | slot pinned Ready (slot < 2^31 and len <= 2^31 - 1: both fit, >= 0). */
+/* A copying read's answer so far, given one key's look: UCM_CORRUPT over UCM_BUSY (a slot
+ * that stayed claimed: the caller may recover a dead claimant and read again) over UCM_OK. */
+static inline int read_worst(int worst, int r)
+{
+    if (r == UCM_CORRUPT || worst == UCM_CORRUPT) return UCM_CORRUPT;
+    return r == UCM_BUSY ? UCM_BUSY : worst;
+}
+
 static int read_all_pinned(ucm_ctx *c, const char *ids, const uint64_t *offsets, uint32_t n,
                            char *out, uint64_t row, int64_t *lens_out, uint32_t gen)
 {
@@ -1244,7 +1256,7 @@ static int read_all_pinned(ucm_ctx *c, const char *ids, const uint64_t *offsets,
         load_key(ids + 16 * (uint64_t)i, offsets ? offsets[i] : 0, key);
         int r = lookup_pin_one(c, key, gen, 64, &slot, &state);
         lens_out[i] = -1;
-        if (r == UCM_CORRUPT) worst = UCM_CORRUPT;
+        worst = read_worst(worst, r);
         if (r != UCM_OK) continue;
         if (state != UCM_READY) {
             lens_out[i] = -2 - (int64_t)slot;
@@ -1276,7 +1288,10 @@ int ucm_read_many(ucm_ctx *c, const char *ids, const uint64_t *offsets, uint32_t
 {
     /* Row i of out (row bytes) gets key i's payload; lens_out[i] is its length, or -1 when the
      * key is not Ready now (its row untouched).  A payload longer than row is not copied and
-     * its true length is reported (> row): the caller raises.  offsets NULL: every offset 0. */
+     * its true length is reported (> row): the caller raises.  offsets NULL: every offset 0.
+     * Answers UCM_OK, UCM_BUSY (some key's slot stayed claimed through the spin: -1 for it; a
+     * dead claimant's claim stays until a recovery, which the caller may run and read again),
+     * or UCM_CORRUPT. */
     uint32_t gen = (uint32_t)ucm_generation(c);
     uint64_t hits = 0;
     int worst = UCM_OK;
@@ -1294,7 +1309,7 @@ int ucm_read_many(ucm_ctx *c, const char *ids, const uint64_t *offsets, uint32_t
             uint32_t i = base + k, state = 0;
             int r = lookup_pin_one(c, keys[k], gen, 64, &slots[k], &state);
             lens_out[i] = -1;
-            if (r == UCM_CORRUPT) worst = UCM_CORRUPT;
+            worst = read_worst(worst, r);
             if (r != UCM_OK) {
                 slots[k] = UCM_NIL;
                 continue;
@@ -1640,21 +1655,167 @@ int ucm_arena_usable(ucm_ctx *c, uint32_t a)
     return arena_usable(c, a, &seen);
 }
 
-/* ---------------------------------------------------------------- write path */
+/* ---------------------------------------------------------------- write path
 
-int ucm_clock_claim(ucm_ctx *c, uint64_t max_scan, uint32_t *slot_out)
+   Write steps 1-2, the claim: a victim slot in an arena we may allocate in, claimed by CAS
+   from 0, then the ownership check ("Arenas").  In three phases, so that no live entry is
+   evicted while the rank can have a free slot (DESIGN 4.12, "The CLOCK's order"):
+     1. free first (claim_free): from our hand, a slot that is unheld and holds no live entry
+        (Empty, Failed, deleted, or of a cleared generation), skipping whole every arena whose
+        accounting words count all its slots as live entries;
+     2. the policy first (policy_looked): none free in ours, and the policy (_arenas.py) has
+        not looked since the arena epoch or the generation moved: UCM_ROOM, and it takes our
+        share from ranks above theirs, or an arena not ours with room, or says there is none
+        (ucm_arena_room_gone), before we evict;
+     3. CLOCK (claim_clock): the hand's two sweeps among live entries, as always. */
+
+/* Ready entries of the current generation `g` that arena a's words count (a word of an older
+ * generation counts none).  Relaxed: a hint for skipping; the claim and its checks decide,
+ * and a stale count costs at most one look too many or one eviction beside a slot freed that
+ * instant. */
+static inline uint64_t arena_entries(ucm_ctx *c, uint32_t a, uint64_t g)
 {
-    /* Write steps 1-2: the rank's CLOCK hand over the arenas it may allocate in (others' are
-     * skipped an arena at a time), examining at most max_scan slots; claim by CAS from 0,
-     * then the ownership check ("Arenas"). */
-    if (c->rank < 0) return UCM_NOT_HELD;
+    uint64_t w = __atomic_load_n(acc_word(c, a, UCM_A_ACC_ENTRIES), __ATOMIC_RELAXED);
+    return (w >> UCM_ACC_VALUE_BITS) == (g & ACC_GEN_MASK) ? (w & ACC_VAL_MASK) : 0;
+}
+
+static inline uint64_t arena_size(ucm_ctx *c, uint32_t a) { return arena_end(c, a) - (uint64_t)a * c->l.arena_slots; }
+
+/* A live entry: Ready, counted, of generation g (what an install over it counts as an
+ * eviction).  Relaxed: a hint read before the claim, read again after it (claim_free). */
+static inline int live_entry(ucm_ctx *c, uint32_t s, uint32_t g)
+{
+    return (RLX(state_w(c, s)) & UCM_STATE_MASK) == UCM_READY && RLX(gen_w(c, s)) == g
+        && (RLX(flags_w(c, s)) & UCM_F_COUNTED);
+}
+
+/* Claim slot s (read unheld: r) of arena a, usable under serial `seen`: the CAS, then the
+ * ownership check.  1: claimed and ours to write; 0: the CAS lost (someone pinned or claimed
+ * it); -1: the arena was taken from us, the claim given back untouched. */
+static int claim_checked(ucm_ctx *c, uint32_t s, uint32_t a, uint32_t seen, uint64_t r)
+{
+    uint32_t me = (uint32_t)c->rank + 1;
+    /* seq_cst: acquire pairs with the last pinner's release (its reads of the old contents
+     * are done before we rewrite them, I1); seq_cst with the owner load below and a
+     * taker's owner CAS is the Dekker pair of "Arenas". */
+    if (!__atomic_compare_exchange_n(ref_w(c, s), &r, UCM_CLAIMED | (uint64_t)c->rank, 0,
+                                     __ATOMIC_SEQ_CST, __ATOMIC_RELAXED))
+        return 0;
+    POINT(c, UCM_PT_CLAIM_UNCHECKED);
+    if (__atomic_load_n(owner_w(c, a), __ATOMIC_SEQ_CST) != me
+        || __atomic_load_n(&c->arena_seen[a], __ATOMIC_SEQ_CST) != seen) {
+        SET_REL(ref_w(c, s), 0); /* taken from us: nothing written, give it back (release) */
+        return -1;
+    }
+    return 1;
+}
+
+/* The claim passed its check: mark it ours to install (recovery recounts for an INSTALLING
+ * claim, I6), move the hand past it. */
+static int claim_done(ucm_ctx *c, uint32_t s, uint64_t *handp, uint64_t hand, uint32_t *slot_out)
+{
+    /* Relaxed: read by recovery after our death (through the life lock) or by ourselves. */
+    SET_RLX(flags_w(c, s), RLX(flags_w(c, s)) | UCM_F_INSTALLING);
+    SET_RLX(handp, hand);
+    *slot_out = s;
+    POINT(c, UCM_PT_AFTER_CLAIM);
+    return UCM_OK;
+}
+
+/* Phase 1: a free slot in our usable arenas, from the hand on, one revolution at most: the
+ * hand's arena from the hand, every other arena whole, the hand's arena's start last.  An
+ * arena is looked into only if it is ours and its words count fewer entries than slots (both
+ * relaxed hints, so a full cache costs a load or two per arena here), then verified. */
+static int claim_free(ucm_ctx *c, uint64_t max_scan, uint32_t *slot_out)
+{
+    uint64_t n = c->l.n_slots;
+    uint64_t *handp = rank_hand_w(c);
+    /* Relaxed: only this rank's threads move its hand (see claim_clock). */
+    uint64_t hand = RLX(handp) % n;
+    uint64_t g = ucm_generation(c);
+    uint32_t me = (uint32_t)c->rank + 1, na = (uint32_t)c->l.n_arenas;
+    uint32_t a0 = (uint32_t)(hand / c->l.arena_slots);
+    uint64_t examined = 0;
+    for (uint32_t k = 0; k <= na && examined < max_scan; k++) {
+        uint32_t a = (a0 + k) % na, seen = 0;
+        /* Relaxed: hints for skipping; arena_usable and the claim's check decide. */
+        if (RLX(owner_w(c, a)) != me || arena_entries(c, a, g) >= arena_size(c, a)) continue;
+        if (!arena_usable(c, a, &seen)) continue;
+        uint64_t lo = (uint64_t)a * c->l.arena_slots, hi = arena_end(c, a);
+        if (k == 0) lo = hand;       /* the hand's arena: from the hand on ... */
+        else if (k == na) hi = hand; /* ... and its start, last */
+        for (uint64_t pos = lo; pos < hi && examined < max_scan; pos++) {
+            uint32_t s = (uint32_t)pos;
+            examined++;
+            uint64_t r = RLX(ref_w(c, s));
+            if (r != 0 || live_entry(c, s, (uint32_t)g)) continue; /* held, or a live entry */
+            int got = claim_checked(c, s, a, seen, r);
+            if (got < 0) break; /* the arena was taken from us */
+            if (got == 0) continue;
+            /* Read again under the claim (its acquire CAS ordered the last writer's words
+             * before us): another thread of ours may have installed and published here since
+             * our look.  Nothing is written yet, so it is given back as an unpassed claim is. */
+            if (live_entry(c, s, (uint32_t)g)) {
+                SET_REL(ref_w(c, s), 0); /* release: pairs with the next claimant's acquire CAS */
+                continue;
+            }
+            return claim_done(c, s, handp, pos + 1, slot_out);
+        }
+    }
+    return UCM_FULL;
+}
+
+/* room_gone's value for an arena epoch and a generation (UINT64_MAX never: 2^32 epochs). */
+static inline uint64_t room_mark(uint64_t epoch, uint64_t g) { return epoch << 32 | (g & 0xffffffffu); }
+
+/* Phase 2: has the policy looked, since the arena epoch or the generation last moved, at what
+ * we could obtain before evicting (our share, room in arenas not ours), and found nothing to
+ * take (ucm_arena_room_gone)?  If not, it looks first (UCM_ROOM), unless every arena is ours
+ * already. */
+static int policy_looked(ucm_ctx *c)
+{
+    /* Relaxed: the epoch and the generation are hints here (a move only makes the policy look
+     * again); room_gone is a process-local hint that threads of ours may race on, any of
+     * their values safe (one look too many, or one eviction in a move's instant). */
+    uint64_t mark = room_mark(RLX(header(c)->ARENA_EPOCH), RLX(header(c)->GENERATION));
+    if (__atomic_load_n(&c->room_gone, __ATOMIC_RELAXED) == mark) return 1;
+    /* Every arena ours (one rank attached, say): there is nothing the policy could take. */
+    uint32_t me = (uint32_t)c->rank + 1;
+    for (uint32_t a = 0; a < c->l.n_arenas; a++)
+        if (RLX(owner_w(c, a)) != me) return 0; /* relaxed: a hint, the policy's take decides */
+    __atomic_store_n(&c->room_gone, mark, __ATOMIC_RELAXED);
+    return 1;
+}
+
+void ucm_arena_room_gone(ucm_ctx *c)
+{
+    /* The policy looked for our share and for room in arenas not ours and could take none:
+     * evict (CLOCK) without asking again until the epoch or the generation moves.  Relaxed:
+     * see policy_looked. */
+    __atomic_store_n(&c->room_gone, room_mark(RLX(header(c)->ARENA_EPOCH),
+                                              RLX(header(c)->GENERATION)), __ATOMIC_RELAXED);
+}
+
+uint32_t ucm_arena_entries(ucm_ctx *c, uint32_t *out)
+{
+    /* For the policy: per arena, the entries its words count in the current generation (a
+     * hint: relaxed, see arena_entries). */
+    uint64_t g = ucm_generation(c);
+    for (uint32_t a = 0; a < c->l.n_arenas; a++) out[a] = (uint32_t)arena_entries(c, a, g);
+    return (uint32_t)c->l.n_arenas;
+}
+
+/* Phase 3: the rank's CLOCK hand over the arenas it may allocate in (others' are skipped an
+ * arena at a time), examining at most max_scan slots. */
+static int claim_clock(ucm_ctx *c, uint64_t max_scan, uint32_t *slot_out)
+{
     uint64_t n = c->l.n_slots;
     uint64_t *handp = rank_hand_w(c);
     /* Relaxed: only this rank's threads move its hand; two of them allocating under different
      * stripes may lose an update, which only shifts where the next scan starts. */
     uint64_t hand = RLX(handp) % n;
     uint32_t gen = (uint32_t)ucm_generation(c);
-    uint32_t me = (uint32_t)c->rank + 1, cur = UCM_NIL, seen = 0;
+    uint32_t cur = UCM_NIL, seen = 0;
     int usable = 0;
     /* Two sweeps: the first clears accessed bits, the second takes the first unheld slot. */
     for (uint64_t travelled = 0, examined = 0; travelled <= 2 * n && examined < max_scan;) {
@@ -1679,27 +1840,25 @@ int ucm_clock_claim(ucm_ctx *c, uint64_t max_scan, uint32_t *slot_out)
             SET_RLX(acc_w(c, s), 0); /* second chance; relaxed: a hint, as in mark_accessed */
             continue;
         }
-        /* seq_cst: acquire pairs with the last pinner's release (its reads of the old contents
-         * are done before we rewrite them, I1); seq_cst with the owner load below and a
-         * taker's owner CAS is the Dekker pair of "Arenas". */
-        if (!__atomic_compare_exchange_n(ref_w(c, s), &r, UCM_CLAIMED | (uint64_t)c->rank, 0,
-                                         __ATOMIC_SEQ_CST, __ATOMIC_RELAXED))
-            continue;
-        POINT(c, UCM_PT_CLAIM_UNCHECKED);
-        if (__atomic_load_n(owner_w(c, a), __ATOMIC_SEQ_CST) != me
-            || __atomic_load_n(&c->arena_seen[a], __ATOMIC_SEQ_CST) != seen) {
-            SET_REL(ref_w(c, s), 0); /* taken from us: nothing written, give it back (release) */
-            usable = 0;
-            continue;
-        }
-        /* Relaxed: read by recovery after our death (through the life lock) or by ourselves. */
-        SET_RLX(flags_w(c, s), RLX(flags_w(c, s)) | UCM_F_INSTALLING);
-        SET_RLX(handp, hand + travelled);
-        *slot_out = s;
-        POINT(c, UCM_PT_AFTER_CLAIM);
-        return UCM_OK;
+        int k = claim_checked(c, s, a, seen, r);
+        if (k < 0) usable = 0;
+        if (k <= 0) continue;
+        return claim_done(c, s, handp, hand + travelled, slot_out);
     }
     return UCM_FULL;
+}
+
+int ucm_clock_claim(ucm_ctx *c, uint64_t max_scan, uint32_t *slot_out)
+{
+    /* Write steps 1-2, the three phases above: UCM_OK (*slot_out claimed, checked, marked
+     * INSTALLING), UCM_ROOM (nothing free in our arenas, and the policy has not looked since
+     * the epoch or the generation moved: it looks first), UCM_FULL (nothing claimable in our
+     * arenas). */
+    if (c->rank < 0) return UCM_NOT_HELD;
+    int r = claim_free(c, max_scan, slot_out);
+    if (r != UCM_FULL) return r;
+    if (!policy_looked(c)) return UCM_ROOM;
+    return claim_clock(c, max_scan, slot_out);
 }
 
 /* ---------------------------------------------------------------- stripes */
@@ -2349,8 +2508,10 @@ int64_t ucm_get_slow(ucm_ctx *c, const char *id, uint64_t offset, uint32_t spin_
      * a miss claim a victim with our CLOCK hand and install the key, handing the slot over
      * pinned by us.  The stripe is released before returning, always.  Answers: a pin answer
      * (UCM_PIN_*, with UCM_PIN_OWNER if ours to load), or -UCM_MOVED (the arena epoch moved: the
-     * caller looks at its share, then calls again), -UCM_FULL (nothing claimable: the caller
-     * decides), -UCM_ROLLBACK (every victim's old stripe was busy: try again), -UCM_BUSY (the
+     * caller looks at its share, then calls again), -UCM_ROOM (nothing free in our arenas: the
+     * caller's policy takes an arena or says there is none, then calls again), -UCM_FULL
+     * (nothing claimable: the caller decides), -UCM_ROLLBACK (every victim's old stripe was
+     * busy: try again), -UCM_BUSY (the
      * key's slot stays claimed under our stripe: its claimant died), -UCM_TIMEOUT (the stripe
      * stayed held), -UCM_CORRUPT.  A pin taken is also handed, inside this step, to whatever
      * will own it: the token (a single key), or slot_out/owner_out (a batch's arrays, which its
@@ -2382,8 +2543,9 @@ int64_t ucm_get_slow(ucm_ctx *c, const char *id, uint64_t offset, uint32_t spin_
         uint64_t budget = 2 * c->l.n_slots + 1;
         answer = -(int64_t)UCM_ROLLBACK; /* every candidate's old stripe was busy */
         for (uint32_t attempt = 0; attempt <= max_rollbacks; attempt++) {
-            if (ucm_clock_claim(c, budget, &slot) != UCM_OK) {
-                answer = -(int64_t)UCM_FULL;
+            r = ucm_clock_claim(c, budget, &slot);
+            if (r != UCM_OK) {
+                answer = -(int64_t)(r == UCM_ROOM ? UCM_ROOM : UCM_FULL);
                 break;
             }
             r = ucm_install(c, slot, id, offset, stripe);

@@ -173,7 +173,9 @@
     RESULT(MOVED,        10) /* the slow path: the arena epoch moved since we last looked */ \
     RESULT(IN_FLIGHT,    11) /* delete: the key is being loaded (Loading): not deleted */ \
     RESULT(SLICE,        12) /* wait_ready: a slice ended, or a signal came, still Loading: the
-                                caller runs its signal handlers and calls again */
+                                caller runs its signal handlers and calls again */ \
+    RESULT(ROOM,         13) /* the claim: no free slot in our arenas: the policy takes our
+                                share or an arena with room (or says none) before we evict */
 #define UCM_RESULT_ENUM_(name, value) UCM_##name = value,
 enum { UCM_RESULT_TABLE(UCM_RESULT_ENUM_) };
 
@@ -499,6 +501,8 @@ int ucm_arena_release(ucm_ctx *c, uint32_t arena);
 uint32_t ucm_arena_foreign(ucm_ctx *c, uint32_t *counts_out);
 uint32_t ucm_arena_owners(ucm_ctx *c, uint32_t *owners_out);
 int ucm_arena_usable(ucm_ctx *c, uint32_t arena);
+uint32_t ucm_arena_entries(ucm_ctx *c, uint32_t *entries_out);
+void ucm_arena_room_gone(ucm_ctx *c);
 
 int ucm_stripe_lock(ucm_ctx *c, uint32_t stripe, int64_t timeout_ns);
 int ucm_stripe_unlock(ucm_ctx *c, uint32_t stripe);

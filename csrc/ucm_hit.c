@@ -725,7 +725,9 @@ static PyObject *cache_hit_bytes(CacheBase *self, PyObject *key)
         int64_t r;
         PyObject *v = hit_bytes(self, self->ctx, key, UCM_OUTER_HIT_ONLY, &r);
         if (v || PyErr_Occurred()) return v;
-        Py_RETURN_NONE;
+        /* A slot that stayed claimed (BUSY): its claimant may have died, so the full path
+         * recovers dead ranks if that needs no wait and looks again (_hit_bytes_full). */
+        if (r != -(int64_t)UCM_BUSY) Py_RETURN_NONE;
     }
     return PyObject_CallMethodOneArg((PyObject *)self, s_hit_bytes_full, key);
 }
@@ -1204,7 +1206,9 @@ static PyObject *read_many_fast(CacheBase *c, PyObject *keys, PyObject *out)
     int rc;
     WITHOUT_GIL(c, rc = core.read_many(ctx, ids, NULL, (uint32_t)n, ob.buf, (uint64_t)row_n,
                                        lb.buf));
-    result = checked_lengths(c, rc, lens, lb.buf, n, row_n);
+    /* A key's slot stayed claimed (BUSY): the full path reads again after recovering dead
+     * ranks if that needs no wait (_read_many_full); NULL with no exception says so. */
+    if (rc != UCM_BUSY) result = checked_lengths(c, rc, lens, lb.buf, n, row_n);
 done:
     if (ids != small) PyMem_Free(ids);
     PyBuffer_Release(&lb); /* (a no-op if none was taken) */

@@ -366,6 +366,8 @@ def test_a_thread_waits_for_another_thread_of_its_rank_taking_arenas(make_cache,
     d = SlotCache.attach(c.uuid)
     load(c, 0)
     load(d, 1)                                   # shares: 8 arenas each
+    for i in range(2, len(d.arenas()) * d.layout.arena_slots + 1):
+        load(d, i)                               # d's full: no room there to take (make_room)
     held = [c.get(key(100 + i)) for i in range(len(c.arenas()) * c.layout.arena_slots)]
     for h in held:
         if h.owner:

@@ -418,6 +418,7 @@ def test_a_deleter_killed_after_its_mark_leaves_a_taker_that_verified_before_it_
     assert p.exitcode == -signal.SIGKILL
     # We own a only: our next install goes there, held after its count (counted_not_ready)
     lib.ucm_arena_epoch_seen(c._ctx, lib.ucm_load64(c._seg.base, lib.UCM_H_ARENA_EPOCH))
+    lib.ucm_arena_room_gone(c._ctx)                   # and no look for more before evicting
     counted = gate()
     c._arm("counted_not_ready", "gate", counted)
     new = key(100, b"T")

@@ -22,6 +22,15 @@ many arenas each attached rank should own and which ones it takes.
   whose load is in it (that rank may use it at once) or for whoever allocates after the load,
   taking as many idle arenas in exchange, from ranks at their share too.  So `CacheFull` means
   every slot the rank can obtain is pinned or loading.
+* Before evicting: a claim takes a free slot of our arenas before it evicts anything; with
+  none there, the policy looks once per arena epoch and generation (UCM_ROOM, ``make_room``):
+  it takes what we lack of our share from ranks above theirs (their entries come under our
+  CLOCK, none evicted), else one arena not ours with room by its words: a free one first, then
+  one of a rank not READY, then of the rank furthest above its share, then of any rank, the most
+  room first, never a busy one.  Only with nothing to take do our claims evict (the CLOCK among
+  live entries), until the epoch or the generation moves.  So no live entry is evicted while a
+  slot we could obtain is free, and once the cache is full each rank takes its share back
+  before its first eviction.
 * Deletes: only an arena's writer changes its words (I6), so a delete whose entry lies in an arena
   we do not own takes it for the delete (``take_for_delete``) and gives it back to free after it
   (``give_back``, announced), for its usual owner to take back at its next allocation.
@@ -48,6 +57,28 @@ def shares(live: Sequence[int], n_arenas: int) -> Dict[int, int]:
         return {}
     base, extra = divmod(n_arenas, len(ranks))
     return {r: base + (i < extra) for i, r in enumerate(ranks)}
+
+
+def room_order(owners: Sequence[int], me: int, live: Sequence[int], room: Sequence[int],
+               busy: Sequence[int]) -> List[Tuple[int, int]]:
+    """The arenas rank `me` may take for room before it evicts, best first, as (arena, owner
+    word it must still hold): not ours, not busy, with room (`room[a]`: slots its words do not
+    count as entries); free ones first, then those of ranks not READY, then of the rank furthest
+    above its share, then of any rank; the most room first within each."""
+    target = shares(live, len(owners))
+    counts = Counter(o - 1 for o in owners if o)
+    surplus = {r: n - target.get(r, 0) for r, n in counts.items()}
+
+    def rank_of(a: int) -> Tuple[int, int, int]:
+        o = owners[a]
+        if o == 0:
+            return (0, 0, -room[a])
+        if o - 1 not in target:
+            return (1, 0, -room[a])
+        return (2, -surplus[o - 1], -room[a])
+
+    cands = [a for a, o in enumerate(owners) if o != me + 1 and room[a] > 0 and not busy[a]]
+    return [(a, owners[a]) for a in sorted(cands, key=rank_of)]
 
 
 def plan(owners: Sequence[int], me: int, live: Sequence[int], home: Sequence[int],
@@ -102,6 +133,7 @@ class Arenas:
         self._rank = rank
         L = seg.layout
         self._home = [L.home_rank(a) for a in range(L.n_arenas)]
+        self._sizes = np.array([len(L.arena_range(a)) for a in range(L.n_arenas)], dtype=np.int64)
         # Threads of this process take arenas one at a time (another one, meanwhile, just
         # allocates); a C lock that an exception cannot leave held (see Segment.rank_lock).
         self._lock = ffi.gc(lib.ucm_plock_new(), lib.ucm_plock_free)
@@ -134,6 +166,47 @@ class Arenas:
         """Nothing claimable in our arenas: give back the busy ones, take one more (and one per
         busy arena given back) if they can be had."""
         return self._locked(True, wait)
+
+    def make_room(self, wait: float = LOCK_WAIT) -> int:
+        """The claim found nothing free in our arenas, and we have not looked since the epoch
+        or the generation moved (UCM_ROOM): before it evicts, take what we lack of our share
+        (plan: from ranks above theirs, whose entries come under our CLOCK, none evicted),
+        else one arena not ours with room (room_order), so the next claim fills it.  With
+        nothing to take, say so to the core (ucm_arena_room_gone): our claims evict (CLOCK)
+        until the epoch or the generation moves.  Returns how many arenas were taken."""
+        ticket = next(_tickets)
+        try:  # acquire inside the try, as in _locked
+            if lib.ucm_plock_acquire(self._lock, max(0, int(wait * 1e9)), ticket) != lib.UCM_OK:
+                return 0  # another thread of ours is taking arenas: the claim looks again
+            for _ in range(3):  # another rank may take the same arena first: look again
+                owners, busy = self.owners(), self.busy()
+                live = self.live_ranks()
+                picks = plan(owners.tolist(), self._rank, live, self._home, busy.tolist())
+                if not picks:
+                    room = self._sizes - self.entries()
+                    picks = room_order(owners.tolist(), self._rank, live, room.tolist(),
+                                       busy.tolist())[:1]
+                if not picks:
+                    break
+                taken = 0
+                for a, expected in picks:
+                    r = lib.ucm_arena_take(self._ctx, a, expected)
+                    if r == lib.UCM_OK:
+                        taken += 1
+                    elif r != lib.UCM_BUSY:
+                        return taken  # closed or not attached: nothing to take for
+                if taken:
+                    return taken
+            lib.ucm_arena_room_gone(self._ctx)
+            return 0
+        finally:
+            lib.ucm_plock_release(self._lock, ticket)
+
+    def entries(self) -> np.ndarray:
+        """Per arena, the entries its words count in the current generation (a hint)."""
+        out = np.zeros(self._seg.layout.n_arenas, dtype=np.uint32)
+        lib.ucm_arena_entries(self._ctx, ffi.from_buffer("uint32_t[]", out))
+        return out.astype(np.int64)
 
     def take_for_delete(self, arena: int) -> bool:
         """A delete found its entry in an arena we do not own (ucm_delete: UCM_NOT_HELD): take

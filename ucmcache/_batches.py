@@ -160,6 +160,11 @@ class Batches(CacheCore):
             if ctx is None:
                 self._check_usable()
             r = lib.ucm_read_many(ctx, ids, offsets_p, n, ptr, row, lens_p)
+            if r == lib.UCM_BUSY and self._recover(0.0).count:
+                # A key's slot stayed claimed: a dead rank's unchecked claim on a Ready entry
+                # (crash window `claim_unchecked`) is gone now (I5): read again.
+                ctx = self._ctx_now()
+                r = lib.ucm_read_many(ctx, ids, offsets_p, n, ptr, row, lens_p)
             del keep
             self._read_checked(r, lens, row)
         return lens

@@ -25,7 +25,7 @@ import threading
 import time
 import warnings
 import weakref
-from typing import Any, Dict, Iterable, List, Optional
+from typing import Any, Dict, Iterable, List, Optional, Union
 
 import numpy as np
 
@@ -58,6 +58,8 @@ MAX_ROLLBACKS = 64      # isolate trylock failures tolerated in one allocation
 MAX_ROLLBACK_ROUNDS = 8 # allocations retried when every one of them rolled back
 MAX_GROWS = 8           # arenas one allocation may take when its rank's arenas are full
 MAX_MOVED = 4           # looks at the arena shares in one allocation (ranks keep changing)
+MAX_ROOMS = 4           # arena policy looks (UCM_ROOM) in one allocation before it evicts; each
+                        # takes an arena, so past this others took what it took as fast
 CLAIM_WAIT = 10.0       # the longest a get waits for another process to recover a dead claim
 STRIPE_WAIT = 10.0      # the longest a get with no timeout waits for a bucket's stripe; held
                         # for microseconds normally, so past this its holder is stopped or stuck
@@ -545,6 +547,7 @@ class SlotCache(CacheBase, SingleFlight, Batches, Prefetching, Mapping):
         pin's answer (UCM_PIN_*), the pin also handed inside the step to its owner object: the
         token, or slot_out/owner_out (a batch's arrays, covered by the batch's token).  What to
         do when it cannot is decided here: ranks came or went (look at our share of the arenas);
+        nothing free in our arenas (look for our share or room elsewhere before evicting);
         a dead rank's pins may be what fills the cache, and a key's slot that stays claimed
         under its stripe has a dead claimant: both are recovered and the step is tried again.  Never
         CacheFull for a claim, never a spin with a stripe held, never a wait past the deadline
@@ -557,7 +560,7 @@ class SlotCache(CacheBase, SingleFlight, Batches, Prefetching, Mapping):
             raise CorruptSegment(f"segment {self.uuid!r}: a chain points outside the slot table")
         ctx = self._ctx
         recovered_once = False
-        rollback_rounds = grown = moved = 0
+        rollback_rounds = grown = moved = roomed = 0
         tried_recovery = looked_again = False
         start = time.monotonic()
         if answer and since_ns >= 0:  # the C step's start (monotonic clocks both)
@@ -578,6 +581,12 @@ class SlotCache(CacheBase, SingleFlight, Batches, Prefetching, Mapping):
             if code == lib.UCM_MOVED:  # ranks came or went: look at our share of arenas first
                 moved += 1
                 self._look_at_share(moved, stripe_deadline)
+                continue
+            if code == lib.UCM_ROOM:  # nothing free in our arenas: the policy looks before we evict
+                roomed += 1
+                if roomed > MAX_ROOMS or not self._arenas.make_room(
+                        min(LOCK_WAIT, max(0.0, stripe_deadline - time.monotonic()))):
+                    lib.ucm_arena_room_gone(ctx)  # none to take: the claim evicts (CLOCK)
                 continue
             if code == lib.UCM_TIMEOUT:
                 stripe = lib.ucm_stripe_of(ctx, lib.ucm_bucket_of(ctx, block_id, offset))
@@ -643,14 +652,27 @@ class SlotCache(CacheBase, SingleFlight, Batches, Prefetching, Mapping):
 
     def _hit_bytes_full(self, key: Key) -> Optional[bytes]:
         """A Ready entry's bytes (pin, copy, release; no Handle), or None for anything else
-        (which the caller takes through get()).  Counts only a hit."""
-        ctx = self._ctx
-        if ctx is None:
+        (which the caller takes through get()).  Counts only a hit.  A slot that stays claimed
+        (BUSY) may be a dead rank's unchecked claim on a Ready entry (crash window
+        `claim_unchecked`): dead ranks are recovered if that needs no wait (I5), and the key is
+        looked at again, so a process that only reads is not left without the entry until
+        another process's slow path recovers it."""
+        if self._ctx is None:
             self._check_usable()
         if type(key) is bytes and len(key) == 16:
             block_id, offset = key, 0
         else:
             block_id, offset = split_key(key)
+        r = self._hit_answer(block_id, offset)
+        if r == -lib.UCM_BUSY and self._recover(0.0).count:
+            r = self._hit_answer(block_id, offset)
+        return r if isinstance(r, bytes) else None
+
+    def _hit_answer(self, block_id: bytes, offset: int) -> Union[bytes, int]:
+        """One look of _hit_bytes_full: a Ready entry's bytes, or the look's answer."""
+        ctx = self._ctx
+        if ctx is None:
+            self._check_usable()
         # The pin is named by the C step's in-flight record until released, so an exception
         # anywhere drops it (see get()).
         ticket = _next_ticket()
@@ -670,7 +692,7 @@ class SlotCache(CacheBase, SingleFlight, Batches, Prefetching, Mapping):
             lib.ucm_release(ctx, slot)  # no call between the try and this one
             if length >= 0:
                 return value
-        return None
+        return r
 
     # ---------------------------------------------------------------- delete (DESIGN 4.13)
 

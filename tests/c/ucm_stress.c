@@ -261,7 +261,7 @@ enum {
     C_BUSY, C_TIMEOUT, C_MOVED, C_GAVE_UP, C_TAKES, C_GIVEN_BACK, C_DEATHS, C_PARKED,
     C_RECOVERIES, C_REC_PINS, C_REC_LOADS, C_REC_CLAIMS, C_REC_TIMEOUT, C_RING_POSTED,
     C_RING_TAKEN, C_LIVES, C_DELETES, C_DELETE_TAKES, C_EXITED_AT_POINT, C_FINISHED,
-    C_TOKEN_OWNERS, C_TOKEN_PUBLISHED, C_N
+    C_TOKEN_OWNERS, C_TOKEN_PUBLISHED, C_ROOM, C_ROOM_TAKES, C_N
 };
 static const char *counter_names[C_N] = {
     "gets", "fast_hits", "slow_hits", "loads", "ready", "failed_pub", "abandoned", "joins",
@@ -270,7 +270,7 @@ static const char *counter_names[C_N] = {
     "busy", "timeout", "moved", "gave_up", "arena_takes", "arenas_given_back", "deaths", "parked",
     "recoveries", "rec_pins", "rec_loads", "rec_claims", "rec_timeouts", "ring_posted",
     "ring_taken", "lives", "deletes", "delete_takes", "exited_at_point", "finished",
-    "token_owners", "token_published",
+    "token_owners", "token_published", "room", "room_takes",
 };
 static uint64_t counters[C_N];
 #define COUNT(i, n) __atomic_fetch_add(&counters[i], (n), __ATOMIC_RELAXED)
@@ -709,13 +709,44 @@ static void took(struct worker *w, uint32_t key, int64_t a, int slow)
     }
 }
 
+/* After _arenas.py's make_room, once our share is ours (arena_policy): take the idle arena not
+ * ours with the most room (free ones first), or tell the core there is none
+ * (ucm_arena_room_gone).  Returns 1 if one was taken. */
+static int room_policy(struct life *lf, ucm_ctx *c)
+{
+    uint32_t me = lf->rank, na = (uint32_t)L.n_arenas;
+    uint32_t owners[4096], busy[4096], entries[4096];
+    if (na > 4096) die("too many arenas for the stress policy");
+    pthread_mutex_lock(&lf->policy);
+    ucm_arena_owners(c, owners);
+    ucm_arena_foreign(c, busy);
+    ucm_arena_entries(c, entries);
+    int64_t best = -1;
+    uint64_t best_key = 0;
+    for (uint32_t a = 0; a < na; a++) {
+        uint64_t size = (a + 1) * L.arena_slots < L.n_slots ? L.arena_slots
+                                                            : L.n_slots - a * L.arena_slots;
+        if (owners[a] == me + 1 || busy[a] || entries[a] >= size) continue;
+        uint64_t key = (owners[a] == 0 ? 1ULL << 40 : 0) + (size - entries[a]);
+        if (best < 0 || key > best_key) {
+            best = a;
+            best_key = key;
+        }
+    }
+    int taken = best >= 0 && ucm_arena_take(c, (uint32_t)best, owners[best]) == UCM_OK;
+    if (!taken) ucm_arena_room_gone(c);
+    pthread_mutex_unlock(&lf->policy);
+    if (taken) COUNT(C_ROOM_TAKES, 1);
+    return taken;
+}
+
 /* The slow path as _cache._pin_slow decides it.  Returns a pin answer, or -1 (gave up). */
 static int64_t get_slow(struct worker *w, uint32_t key, ucm_token *tok)
 {
     char id[16];
     uint64_t off;
     key_of(key, id, &off);
-    uint32_t moved = 0, grown = 0, rollbacks = 0;
+    uint32_t moved = 0, grown = 0, rollbacks = 0, roomed = 0;
     int tried_recovery = 0, recovered_once = 0, looked_again = 0;
     int64_t give_up = now_ns() + GIVE_UP_NS;
     for (;;) {
@@ -739,6 +770,11 @@ static int64_t get_slow(struct worker *w, uint32_t key, ucm_token *tok)
             COUNT(C_MOVED, 1);
             if (++moved <= 4) arena_policy(w->lf, w->c, 0);
             else ucm_arena_epoch_seen(w->c, ucm_load64(base, UCM_H_ARENA_EPOCH));
+            continue;
+        case UCM_ROOM:
+            COUNT(C_ROOM, 1);
+            if (++roomed > 4 || (!arena_policy(w->lf, w->c, 0) && !room_policy(w->lf, w->c)))
+                ucm_arena_room_gone(w->c);
             continue;
         case UCM_TIMEOUT:
             COUNT(C_TIMEOUT, 1);
@@ -900,7 +936,7 @@ static void op_read_many(struct worker *w, uint32_t *keys, uint32_t n)
     uint8_t *out = malloc(row * n);
     memset(out, 0xee, row * n);
     int r = ucm_read_many(w->c, ids, offs, n, (char *)out, row, lens);
-    if (r != UCM_OK) die("ucm_read_many answered %d", r);
+    if (r != UCM_OK && r != UCM_BUSY) die("ucm_read_many answered %d", r);
     int fits = 1;
     for (uint32_t i = 0; i < n; i++)
         if (lens[i] > (int64_t)row) fits = 0;

@@ -1,0 +1,167 @@
+"""The CLOCK's order with the arenas (DESIGN 4.12): no live entry is evicted while a slot the
+rank could obtain is free, whichever ranks attached in whatever order and whichever arenas
+moved between them; once every slot holds an entry, the CLOCK evicts as before."""
+import random
+
+import ucmcache
+from ucmcache import SlotCache
+from ucmcache._arenas import room_order
+
+import arena_workers
+import workers
+SPAWN = __import__("multiprocessing").get_context("spawn")
+
+
+def key(i: int) -> bytes:
+    return b"r" + i.to_bytes(15, "little")
+
+
+def run_to_end(procs, fn, *args):
+    p, q = procs.start(fn, *args)
+    value = procs.result(q, timeout=120)
+    p.join(30)
+    return value
+
+
+def readable(c, keys, size=64):
+    """Which of keys are entries now, each read and checked against its payload."""
+    out = []
+    for k in keys:
+        if c.exist([k])[0]:
+            assert workers.check_payload(k, c[k]), k
+            out.append(k)
+    return out
+
+
+def test_a_rank_taking_arenas_that_hold_anothers_entries_evicts_none_while_slots_are_free(
+        make_cache, procs):
+    """Rank 1 allocates first: it takes every arena and, its hand at 0, fills the start of
+    rank 0's home range.  Rank 0 then takes its home arenas from it, and its hand passes over
+    those entries; rank 0 closes, its arenas go back to free, and rank 2 (its hand at 0 too)
+    takes them.  Before the claim looked for a free slot first, rank 0's hand cleared the
+    entries' accessed bits and rank 2's hand evicted them at once, with 245 of 256 slots free."""
+    c = make_cache(slots_per_rank=64, slot_size=64, max_ranks=4)   # rank 0: allocates nothing
+    first = [key(i) for i in range(10)]
+    assert run_to_end(procs, workers.load_as_rank, c.uuid, 1, first) == 1
+    assert c.arenas() == []                       # rank 1 took them all
+    c.get_or_load(key(100), lambda: workers.payload_for(key(100), 64))
+    assert 0 in c.arenas()                        # rank 0's home range, with rank 1's entries
+    c.close()                                     # its arenas go back to free
+    assert run_to_end(procs, workers.load_as_rank, c.uuid, 2, [key(200)]) == 2
+    with SlotCache.attach(c.uuid, rank=3) as d:
+        assert d.stats()["evictions"] == 0
+        assert readable(d, first + [key(100), key(200)]) == first + [key(100), key(200)]
+        assert d.entry_count() == 12
+    assert ucmcache.verify(c.uuid).ok
+
+
+def test_four_processes_load_200_cold_keys_once_each_with_nothing_evicted(make_cache, procs,
+                                                                          gate):
+    """The issue's single-flight check: 4 processes, 200 cold keys (each process first on its
+    own 50) in 8 x 512 slots of 4 KiB: each key loaded exactly once, nothing evicted."""
+    c = make_cache(slots_per_rank=512, slot_size=4096, max_ranks=8)
+    keys = [i.to_bytes(4, "little") * 4 for i in range(200)]
+    start = gate()
+    ps = [procs.start(arena_workers.single_flight_rotated, c.uuid, keys, 50 * i, start.path)
+          for i in range(4)]
+    start.release()
+    results = [procs.result(q, timeout=300) for _, q in ps]
+    assert all(ok for _, ok, _ in results)       # every value its key's
+    s = c.stats()
+    assert (sum(runs for runs, _, _ in results), s["loads_started"], s["evictions"]) == (200, 200, 0)
+    assert c.entry_count() == 200
+    assert ucmcache.verify(c.uuid).ok
+
+
+class Ranks:
+    """Two command servers (arena_workers.serve), driven one step at a time."""
+
+    def __init__(self, procs, uuid, n):
+        self.cmds, self.replies = [], []
+        for _ in range(n):
+            cmd, rep = SPAWN.Queue(), SPAWN.Queue()
+            procs.start(arena_workers.serve, uuid, cmd, rep)
+            self.cmds.append(cmd)
+            self.replies.append(rep)
+
+    def do(self, i, op, arg=None):
+        self.cmds[i].put((op, arg))
+        status, value = self.replies[i].get(timeout=120)
+        assert status == "ok", value
+        return value
+
+    def stop(self):
+        for i in range(len(self.cmds)):
+            self.cmds[i].put(("stop", None))
+        for i in range(len(self.cmds)):
+            self.replies[i].get(timeout=120)
+
+
+def test_no_eviction_while_any_slot_is_free_over_random_multi_process_runs(make_cache, procs):
+    """The counted property: over seeded random runs of two processes loading, holding and
+    releasing keys and restarting (their arenas freed, taken again), a step evicts only when the
+    cache held an entry in every slot before it (`entries == n_slots` with nothing loading; a
+    pinned slot holds an entry), so `evictions == 0` while `entries < n_slots - (pinned +
+    loading)`.  And the runs do reach a full cache, so evictions happen once it is full."""
+    c = make_cache(slots_per_rank=16, slot_size=64, max_ranks=3)   # 48 slots, 24 arenas of 2
+    n_slots = c.layout.n_slots
+    pool = [key(1000 + i) for i in range(80)]
+    ranks = Ranks(procs, c.uuid, 2)
+    checked = evicting_steps = 0
+    try:
+        for seed in range(3):
+            rng = random.Random(3700 + seed)
+            held = [set(), set()]
+            for step in range(150):
+                i = rng.randrange(2)
+                u = rng.random()
+                if u < 0.70:
+                    op, arg = "load", rng.choice(pool)
+                elif u < 0.82 and len(held[0] | held[1]) < 6:
+                    op, arg = "hold", rng.choice(pool)
+                elif u < 0.95 and held[i]:
+                    op, arg = "release", rng.choice(sorted(held[i]))
+                elif u >= 0.95:
+                    op, arg = "restart", None
+                else:
+                    op, arg = "load", rng.choice(pool)
+                if op == "hold" and arg in held[i]:
+                    op = "load"
+                entries, evictions = c.entry_count(), c.stats()["evictions"]
+                pinned = len(held[0] | held[1])
+                rank, ok = ranks.do(i, op, arg)
+                assert ok, (seed, step, op)
+                if op == "hold":
+                    held[i].add(arg)
+                elif op == "release":
+                    held[i].discard(arg)
+                elif op == "restart":
+                    held[i].clear()
+                evicted = c.stats()["evictions"] - evictions
+                if entries < n_slots - pinned:   # a free slot beyond the pinned ones
+                    checked += 1
+                    assert evicted == 0, (f"seed {seed} step {step}: {op} by rank {rank} "
+                                          f"evicted {evicted} with {entries} entries, {pinned} "
+                                          f"pinned, of {n_slots} slots")
+                if entries < n_slots:              # any free slot at all: the stronger form
+                    assert evicted == 0, (seed, step, op, entries)
+                evicting_steps += evicted > 0
+            for i in range(2):
+                for k in sorted(held[i]):
+                    ranks.do(i, "release", k)
+            c.clear()                               # the next seed starts empty
+    finally:
+        ranks.stop()
+    assert checked > 100 and evicting_steps > 20, (checked, evicting_steps)
+    assert ucmcache.verify(c.uuid).ok
+
+
+def test_room_order_takes_free_then_dead_then_the_largest_surplus_never_ours_busy_or_full():
+    # rank 0 (word 1) of live ranks 0-2; 6 arenas: shares 2, 2, 2
+    owners = [0, 2, 3, 1, 5, 3]            # free, rank 1, rank 2, ours, rank 4 (not READY), rank 2
+    room = [1, 2, 2, 2, 1, 1]
+    assert room_order(owners, 0, [0, 1, 2], room, [0] * 6) == [(0, 0), (4, 5), (2, 3), (5, 3),
+                                                               (1, 2)]
+    # a busy arena and one with no room are never taken
+    assert room_order(owners, 0, [0, 1, 2], [1, 0, 2, 2, 1, 1], [1, 0, 0, 0, 0, 1]) == [
+        (4, 5), (2, 3)]
