@@ -192,7 +192,8 @@ def fmt_range(values: Sequence[float], pct: bool = False) -> str:
     return f"{_fmt(m)}{unit} [{_fmt(lo)}-{_fmt(hi)}]"
 
 
-COLUMNS = ("configuration", "TTFT p50 ms", "TTFT p99 ms", "requests/s", "output tokens/s",
+COLUMNS = ("configuration", "TTFT p50 ms", "TTFT p99 ms", "TTFT mean ms", "requests/s",
+           "output tokens/s",
            "prompt tokens computed", "vLLM prefix cache hits", "external hits (of asked)",
            "first requests overlapping")
 
@@ -212,6 +213,7 @@ def table_row(label: str, runs: Sequence[Dict[str, Any]]) -> List[str]:
     return [label,
             fmt_range([x["median_ttft_ms"] for x in c]),
             fmt_range([x["p99_ttft_ms"] for x in c]),
+            fmt_range([x["mean_ttft_ms"] for x in c]),
             fmt_range([x["request_throughput"] for x in c]),
             fmt_range([x["output_throughput"] for x in c]),
             f"{fmt_range([x['computed'] for x in s])} of {fmt_range(prompt)}",

@@ -101,6 +101,7 @@ def test_first_request_overlaps():
 
 def _run(ttft50, ttft99, rps, computed, ext_h, ext_q, overlaps=(0, 0)):
     return {"client": {"median_ttft_ms": ttft50, "p99_ttft_ms": ttft99,
+                       "mean_ttft_ms": (ttft50 + ttft99) / 2,
                        "request_throughput": rps, "output_throughput": 8 * rps},
             "cache": cache_shares({"vllm:prefix_cache_queries_total": 1000.0,
                                    "vllm:prefix_cache_hits_total": 1000.0 - computed - ext_h,
@@ -125,20 +126,21 @@ def test_table_row_and_markdown():
             _run(100, 800, 2.0, 200, 500, 500, (0, 8)),
             _run(150, 1000, 1.0, 250, 450, 600, (2, 8))]
     row = table_row("(c) ucm", runs)
-    assert row == ["(c) ucm", "150 [100-200]", "900 [800-1000]", "1.5 [1-2]", "12 [8-16]",
+    assert row == ["(c) ucm", "150 [100-200]", "900 [800-1000]", "550 [450-575]", "1.5 [1-2]",
+                   "12 [8-16]",
                    "250 [200-300] of 1000", "300", "450 [400-500] (80% [75-100])",
                    "1 [0-2] of 8"]
     plain = table_row("(b) one", [_run(10, 20, 3, 900, 0, 0)])
-    assert plain[7] == "0 (none asked)" and plain[8] == "-"
+    assert plain[8] == "0 (none asked)" and plain[9] == "-"
     md = render_markdown("T", ["ctx line"], [("(c) ucm", runs), ("(b) one", [_run(10, 20, 3,
                                                                                  900, 0, 0)])],
                          notes=["a note"])
     lines = md.splitlines()
     assert lines[0] == "# T" and "ctx line" in lines
     header = lines.index(next(ln for ln in lines if ln.startswith("| configuration")))
-    assert lines[header + 1] == "|" + "---|" * 9
+    assert lines[header + 1] == "|" + "---|" * 10
     assert lines[header + 2] == "| " + " | ".join(row) + " |"
-    assert lines[header + 3].startswith("| (b) one | 10 | 20 | 3 |")
+    assert lines[header + 3].startswith("| (b) one | 10 | 20 | 15 | 3 |")
     assert lines[-1] == "a note"
 
 
