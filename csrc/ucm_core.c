@@ -1245,6 +1245,26 @@ static inline int read_worst(int worst, int r)
     return r == UCM_BUSY ? UCM_BUSY : worst;
 }
 
+/* A copying read's counts (ucm_outer: each key a request, a Ready copy in FAST_HITS, anything
+ * else in GETS), unless its answer is UCM_BUSY: then the caller counts the answer it settles
+ * on (ucm_read_count), after it has recovered a dead claimant and read again or not, so that a
+ * read that looks twice counts each key once. */
+static inline void read_counted(ucm_ctx *c, int worst, uint64_t hits, uint32_t n)
+{
+    if (worst == UCM_BUSY) return;
+    STAT(c, UCM_ST_FAST_HITS, hits);
+    if (n - hits) STAT(c, UCM_ST_GETS, n - hits);
+}
+
+void ucm_read_count(ucm_ctx *c, const int64_t *lens, uint32_t n)
+{
+    /* The counts of a copying read whose answer was UCM_BUSY, as ucm_read_many counts any
+     * other answer: each key a request, a copied one (lens[i] >= 0) a hit. */
+    uint64_t hits = 0;
+    for (uint32_t i = 0; i < n; i++) hits += lens[i] >= 0;
+    read_counted(c, UCM_OK, hits, n);
+}
+
 static int read_all_pinned(ucm_ctx *c, const char *ids, const uint64_t *offsets, uint32_t n,
                            char *out, uint64_t row, int64_t *lens_out, uint32_t gen)
 {
@@ -1278,8 +1298,7 @@ static int read_all_pinned(ucm_ctx *c, const char *ids, const uint64_t *offsets,
         unpin(c, slot);
         lens_out[i] = len;
     }
-    STAT(c, UCM_ST_FAST_HITS, hits);
-    if (n - hits) STAT(c, UCM_ST_GETS, n - hits);
+    read_counted(c, worst, hits, n);
     return worst;
 }
 
@@ -1290,8 +1309,8 @@ int ucm_read_many(ucm_ctx *c, const char *ids, const uint64_t *offsets, uint32_t
      * key is not Ready now (its row untouched).  A payload longer than row is not copied and
      * its true length is reported (> row): the caller raises.  offsets NULL: every offset 0.
      * Answers UCM_OK, UCM_BUSY (some key's slot stayed claimed through the spin: -1 for it; a
-     * dead claimant's claim stays until a recovery, which the caller may run and read again),
-     * or UCM_CORRUPT. */
+     * dead claimant's claim stays until a recovery, which the caller may run and read again:
+     * ucm_claimant_dead; nothing counted, see read_counted), or UCM_CORRUPT. */
     uint32_t gen = (uint32_t)ucm_generation(c);
     uint64_t hits = 0;
     int worst = UCM_OK;
@@ -1332,9 +1351,33 @@ int ucm_read_many(ucm_ctx *c, const char *ids, const uint64_t *offsets, uint32_t
         for (uint32_t k = 0; k < m; k++)
             if (slots[k] != UCM_NIL) unpin(c, slots[k]);
     }
-    STAT(c, UCM_ST_FAST_HITS, hits);
-    if (n - hits) STAT(c, UCM_ST_GETS, n - hits);
+    read_counted(c, worst, hits, n);
     return worst;
+}
+
+int ucm_claimant_dead(ucm_ctx *c, const char *ids, const uint64_t *offsets, uint32_t n,
+                      int lock_fd, uint64_t life_byte0)
+{
+    /* After a read answered UCM_BUSY: is some key's slot (found lock-free in the current
+     * generation) claimed by a rank, not ours, whose life lock no open file description holds?
+     * Such a claim stays until a recovery (crash window `claim_unchecked`), which the caller
+     * may run and read again; a live claimant's ends by itself, and a recovery would find
+     * nothing.  1 yes, 0 no, -errno the probe failed.  offsets NULL: every offset 0. */
+    uint32_t gen = (uint32_t)ucm_generation(c);
+    for (uint32_t i = 0; i < n; i++) {
+        uint64_t key[3];
+        load_key(ids + 16 * (uint64_t)i, offsets ? offsets[i] : 0, key);
+        uint32_t s = find(c, bucket_of_key(c, key), gen, key, c->walk_limit);
+        if (s >= c->l.n_slots) continue; /* no entry (or a corrupt link: the read said so) */
+        /* Relaxed: a hint for whether to recover; the recovery decides under the life lock. */
+        uint64_t r = RLX(ref_w(c, s));
+        uint64_t who = r & ~UCM_CLAIMED;
+        if (!(r & UCM_CLAIMED) || who == (uint64_t)c->rank || who >= c->l.max_ranks) continue;
+        int held = ucm_ofd_held_by_other(lock_fd, life_byte0 + who);
+        if (held < 0) return held;
+        if (!held) return 1;
+    }
+    return 0;
 }
 
 int ucm_gather(ucm_ctx *c, const uint32_t *slots, uint32_t n, char *out, uint64_t row,

@@ -425,7 +425,8 @@ void ucm_observe(ucm_ctx *c, int32_t hist, uint64_t ns);
  *                       which counts the request there: a Ready hit in FAST_HITS, nothing
  *                       else.  ucm_pin_all_ready counts a batch so (all Ready, or nothing).
  * ucm_read_many, which elects nobody, counts each key as a request: a Ready copy in
- * FAST_HITS, anything else in GETS. */
+ * FAST_HITS, anything else in GETS; with a UCM_BUSY answer it counts nothing, and its caller
+ * counts the read it settles on (ucm_read_count), once. */
 typedef enum {
     UCM_OUTER_INSIDE = 0,
     UCM_OUTER_REQUEST = 1,
@@ -447,6 +448,9 @@ int ucm_touch_many(ucm_ctx *c, const char *ids, const uint64_t *offsets, uint32_
 int ucm_release(ucm_ctx *c, uint32_t slot);
 int ucm_read_many(ucm_ctx *c, const char *ids, const uint64_t *offsets, uint32_t n, char *out,
                   uint64_t row, int64_t *lens_out);
+void ucm_read_count(ucm_ctx *c, const int64_t *lens, uint32_t n);
+int ucm_claimant_dead(ucm_ctx *c, const char *ids, const uint64_t *offsets, uint32_t n,
+                      int lock_fd, uint64_t life_byte0);
 int ucm_gather(ucm_ctx *c, const uint32_t *slots, uint32_t n, char *out, uint64_t row,
                int64_t *lens_out);
 int ucm_release_many(ucm_ctx *c, const uint32_t *slots, uint32_t n);

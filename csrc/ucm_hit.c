@@ -42,6 +42,8 @@ static struct {
     __typeof__(ucm_copy_payload) *copy_payload;
     __typeof__(ucm_ctx_points_set) *ctx_points_set;
     __typeof__(ucm_read_many) *read_many;
+    __typeof__(ucm_read_count) *read_count;
+    __typeof__(ucm_claimant_dead) *claimant_dead;
     __typeof__(ucm_gather) *gather;
     __typeof__(ucm_pin_all_ready) *pin_all_ready;
     __typeof__(ucm_release_many) *release_many;
@@ -1206,8 +1208,15 @@ static PyObject *read_many_fast(CacheBase *c, PyObject *keys, PyObject *out)
     int rc;
     WITHOUT_GIL(c, rc = core.read_many(ctx, ids, NULL, (uint32_t)n, ob.buf, (uint64_t)row_n,
                                        lb.buf));
-    /* A key's slot stayed claimed (BUSY): the full path reads again after recovering dead
-     * ranks if that needs no wait (_read_many_full); NULL with no exception says so. */
+    /* A key's slot stayed claimed (BUSY; the read counted nothing).  A live claimant's claim
+     * ends by itself: this answer stands, counted once here.  A dead one's stays until a
+     * recovery, and a failed probe is the full path's to raise: it reads again, recovering
+     * dead ranks if that needs no wait (_read_many_full); NULL with no exception says so. */
+    if (rc == UCM_BUSY && loads_bound && !CLOSED_MEANWHILE(c, ctx)
+        && core.claimant_dead(ctx, ids, NULL, (uint32_t)n, c->lock_fd, life_byte0) == 0) {
+        core.read_count(ctx, lb.buf, (uint32_t)n);
+        rc = UCM_OK;
+    }
     if (rc != UCM_BUSY) result = checked_lengths(c, rc, lens, lb.buf, n, row_n);
 done:
     if (ids != small) PyMem_Free(ids);
@@ -2546,7 +2555,8 @@ static PyObject *mod_bind(PyObject *m, PyObject *args, PyObject *kw)
     }
 #define STEP(f) if (bind_step(steps, "ucm_" #f, (void **)&core.f) < 0) return NULL
     STEP(lookup_pin); STEP(release); STEP(slot_data); STEP(copy_payload); STEP(ctx_points_set);
-    STEP(read_many); STEP(gather); STEP(pin_all_ready); STEP(release_many); STEP(pin_again);
+    STEP(read_many); STEP(read_count); STEP(claimant_dead); STEP(gather); STEP(pin_all_ready);
+    STEP(release_many); STEP(pin_again);
     STEP(pin_again_many); STEP(hold_pins);
 #undef STEP
     Py_XSETREF(addr_of, Py_NewRef(a));

@@ -160,11 +160,15 @@ class Batches(CacheCore):
             if ctx is None:
                 self._check_usable()
             r = lib.ucm_read_many(ctx, ids, offsets_p, n, ptr, row, lens_p)
-            if r == lib.UCM_BUSY and self._recover(0.0).count:
-                # A key's slot stayed claimed: a dead rank's unchecked claim on a Ready entry
-                # (crash window `claim_unchecked`) is gone now (I5): read again.
-                ctx = self._ctx_now()
-                r = lib.ucm_read_many(ctx, ids, offsets_p, n, ptr, row, lens_p)
+            if r == lib.UCM_BUSY:
+                # A key's slot stayed claimed (the read counted nothing).  A dead rank's
+                # unchecked claim on a Ready entry (crash window `claim_unchecked`) stays until
+                # a recovery: run it if that needs no wait (I5), and read again; a live
+                # claimant's ends by itself, and this read's answer stands.
+                if self._claimant_dead(ids, offsets_p, n) and self._recover(0.0).count:
+                    r = lib.ucm_read_many(self._ctx_now(), ids, offsets_p, n, ptr, row, lens_p)
+                if r == lib.UCM_BUSY:  # the answer we settle on, counted once
+                    lib.ucm_read_count(self._ctx_now(), lens_p, n)
             del keep
             self._read_checked(r, lens, row)
         return lens

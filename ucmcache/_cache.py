@@ -664,9 +664,20 @@ class SlotCache(CacheBase, SingleFlight, Batches, Prefetching, Mapping):
         else:
             block_id, offset = split_key(key)
         r = self._hit_answer(block_id, offset)
-        if r == -lib.UCM_BUSY and self._recover(0.0).count:
+        if (r == -lib.UCM_BUSY and self._claimant_dead(block_id, _offsets_of(offset), 1)
+                and self._recover(0.0).count):
             r = self._hit_answer(block_id, offset)
         return r if isinstance(r, bytes) else None
+
+    def _claimant_dead(self, ids: bytes, offsets: Any, n: int) -> bool:
+        """After a read answered BUSY: whether one of its keys' slots is claimed by a dead
+        rank (its life lock free), whose claim stays until a recovery (ucm_claimant_dead).  A
+        live claimant's claim ends by itself: no recovery scan for it."""
+        r = lib.ucm_claimant_dead(self._ctx_now(), ids, offsets, n, self._seg.lock_fd,
+                                  LIFE_LOCK_BYTE0)
+        if r < 0:
+            raise OSError(-r, os.strerror(-r), "OFD lock probe")
+        return r == 1
 
     def _hit_answer(self, block_id: bytes, offset: int) -> Union[bytes, int]:
         """One look of _hit_bytes_full: a Ready entry's bytes, or the look's answer."""
@@ -905,6 +916,11 @@ class SlotCache(CacheBase, SingleFlight, Batches, Prefetching, Mapping):
         state = "attached" if self._ctx is not None else self._why_unusable or "closed"
         return (f"<SlotCache {self.uuid!r} rank={getattr(self, '_rank', None)} "
                 f"slots={self._layout.n_slots}x{self._layout.slot_size}B {state}>")
+
+
+def _offsets_of(offset: int) -> Any:
+    """One key's offset for a C step taking an offsets array (NULL: offset 0)."""
+    return ffi.NULL if offset == 0 else ffi.new("uint64_t[1]", [offset])
 
 
 def _check_same_params(seg: Segment, want: Layout) -> None:

@@ -453,8 +453,8 @@ class HandleBatch(BatchBase, _Pins):
 # (one copy of the core), and makes Handles and HandleBatches of these classes.
 bind(steps={name: int(ffi.cast("uintptr_t", ffi.addressof(lib, name)))
             for name in ("ucm_lookup_pin", "ucm_release", "ucm_slot_data", "ucm_copy_payload",
-                         "ucm_ctx_points_set",
-                         "ucm_read_many", "ucm_gather", "ucm_pin_all_ready",
+                         "ucm_ctx_points_set", "ucm_read_many", "ucm_read_count",
+                         "ucm_claimant_dead", "ucm_gather", "ucm_pin_all_ready",
                          "ucm_release_many", "ucm_pin_again", "ucm_pin_again_many",
                          "ucm_hold_pins")},
      addr_of=lambda p: int(ffi.cast("uintptr_t", p)), handle_type=Handle,
