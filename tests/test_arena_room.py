@@ -165,3 +165,44 @@ def test_room_order_takes_free_then_dead_then_the_largest_surplus_never_ours_bus
     # a busy arena and one with no room are never taken
     assert room_order(owners, 0, [0, 1, 2], [1, 0, 2, 2, 1, 1], [1, 0, 0, 0, 0, 1]) == [
         (4, 5), (2, 3)]
+
+
+def load(c, i: int) -> None:
+    c.get_or_load(key(i), lambda: workers.payload_for(key(i), 64))
+
+
+def owned(c, d):
+    return len(c.arenas()), len(d.arenas())
+
+
+def evictions(c):
+    return {r["rank"]: r["evictions"] for r in c.stats()["per_rank"]}
+
+
+def test_a_rank_a_room_take_left_below_its_share_takes_it_back_before_it_evicts(make_cache):
+    """Two ranks, 8 arenas of one slot each, full.  Rank 1 looks for room, finds none and
+    marks "nothing to take"; then deletes an entry (room in its own arena, no epoch move);
+    rank 0, full, had not looked: its look takes that arena (the last tier, "of any rank"),
+    leaving rank 1 at 7 of its 8.  Before, no epoch moved, so rank 1 never looked again and
+    evicted among 7 arenas for good (owners 9/7 after 50 more loads); now the take announces
+    it, and rank 1 takes its share back at its next allocation."""
+    c = make_cache(slots_per_rank=8, slot_size=64, max_ranks=2)
+    with SlotCache.attach(c.uuid, rank=1) as d:
+        for i in range(8):
+            load(c, i)
+            load(d, 100 + i)
+        assert owned(c, d) == (8, 8) and c.stats()["evictions"] == 0
+        load(d, 200)                               # full: nothing to take, marked; evicts one
+        assert evictions(c) == {0: 0, 1: 1}
+        gone = next(k for k in (key(100 + i) for i in range(8)) if d.exist([k])[0])
+        assert d.delete(gone)                      # room in rank 1's own arena
+        load(c, 300)                               # rank 0 takes it (had not looked)
+        assert owned(c, d) == (9, 7)
+        load(d, 400)
+        assert owned(c, d) == (8, 8)               # its share back, before it evicted again
+        for j in range(20):
+            load(d, 500 + j)
+            load(c, 600 + j)
+        assert owned(c, d) == (8, 8)
+    assert ucmcache.verify(c.uuid).ok
+

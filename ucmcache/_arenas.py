@@ -81,6 +81,16 @@ def room_order(owners: Sequence[int], me: int, live: Sequence[int], room: Sequen
     return [(a, owners[a]) for a in sorted(cands, key=rank_of)]
 
 
+def leaves_below_share(owners: Sequence[int], live: Sequence[int], expected: int) -> bool:
+    """Whether taking an arena whose owner word is `expected` (in the snapshot `owners`)
+    leaves a READY rank below its share."""
+    if expected == 0:
+        return False
+    target = shares(live, len(owners))
+    victim = expected - 1
+    return victim in target and sum(1 for o in owners if o == expected) <= target[victim]
+
+
 def plan(owners: Sequence[int], me: int, live: Sequence[int], home: Sequence[int],
          busy: Sequence[int], want_one: bool = False, swaps: int = 0) -> List[Tuple[int, int]]:
     """The arenas rank `me` should take, as (arena, owner word it must still hold).
@@ -193,6 +203,11 @@ class Arenas:
                     r = lib.ucm_arena_take(self._ctx, a, expected)
                     if r == lib.UCM_OK:
                         taken += 1
+                        if leaves_below_share(owners.tolist(), live, expected):
+                            # That rank may have looked and marked "nothing to take" already:
+                            # it looks again at its next allocation (UCM_MOVED) and takes its
+                            # share back from our surplus before its first eviction.
+                            announce_ranks_changed(self._seg)
                     elif r != lib.UCM_BUSY:
                         return taken  # closed or not attached: nothing to take for
                 if taken:
