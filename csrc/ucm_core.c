@@ -1844,7 +1844,12 @@ uint32_t ucm_arena_entries(ucm_ctx *c, uint32_t *out)
     /* For the policy: per arena, the entries its words count in the current generation (a
      * hint: relaxed, see arena_entries). */
     uint64_t g = ucm_generation(c);
-    for (uint32_t a = 0; a < c->l.n_arenas; a++) out[a] = (uint32_t)arena_entries(c, a, g);
+    for (uint32_t a = 0; a < c->l.n_arenas; a++) {
+        /* A corrupt count above the arena's size says full (as claim_free reads it), never a
+         * count cut to 32 bits that would say room. */
+        uint64_t e = arena_entries(c, a, g), size = arena_size(c, a);
+        out[a] = (uint32_t)(e < size ? e : size);
+    }
     return (uint32_t)c->l.n_arenas;
 }
 

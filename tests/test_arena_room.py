@@ -6,6 +6,7 @@ import random
 import ucmcache
 from ucmcache import SlotCache
 from ucmcache._arenas import room_order
+from ucmcache.lowlevel import lib
 
 import arena_workers
 import workers
@@ -204,5 +205,32 @@ def test_a_rank_a_room_take_left_below_its_share_takes_it_back_before_it_evicts(
             load(d, 500 + j)
             load(c, 600 + j)
         assert owned(c, d) == (8, 8)
+    assert ucmcache.verify(c.uuid).ok
+
+
+def test_an_arena_whose_words_count_more_entries_than_slots_is_not_taken_for_room(make_cache):
+    """A corrupt entry count above an arena's size (2^32 in a 1-slot arena) reads as full to
+    the policy, as to the claim; cut to 32 bits it read as empty, and rank 0's room looks took
+    rank 1's arenas, full of its entries, one per look."""
+    c = make_cache(slots_per_rank=8, slot_size=64, max_ranks=2)
+    L = c.layout
+    with SlotCache.attach(c.uuid, rank=1) as d:
+        for i in range(8):
+            load(c, i)
+            load(d, 100 + i)
+        words = [L.arena_off + a * lib.UCM_ARENA_SIZE + lib.UCM_A_ACC_ENTRIES
+                 for a in d.arenas()]
+        saved = [lib.ucm_load64(c._seg.base, w) for w in words]
+        try:
+            for w, v in zip(words, saved):     # the same generation tag, a count of 2^32
+                tag = v >> lib.UCM_ACC_VALUE_BITS << lib.UCM_ACC_VALUE_BITS
+                lib.ucm_store64(c._seg.base, w, tag | 1 << 32)
+            load(c, 200)                       # rank 0, full: nothing to take; evicts its own
+            assert owned(c, d) == (8, 8)
+            assert all(d.exist([key(100 + i) for i in range(8)]))
+            assert c._arenas.entries()[d.arenas()].tolist() == [1] * 8   # full, not 0
+        finally:
+            for w, v in zip(words, saved):
+                lib.ucm_store64(c._seg.base, w, v)
     assert ucmcache.verify(c.uuid).ok
 
