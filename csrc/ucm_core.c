@@ -1830,13 +1830,30 @@ static int policy_looked(ucm_ctx *c)
     return 1;
 }
 
+uint64_t ucm_arena_room_mark(ucm_ctx *c)
+{
+    /* The arena epoch and the generation now, as one mark, read by the policy before it looks
+     * (ucm_arena_room_gone_at).  Acquire: pairs with the seq_cst bump of either word (an epoch
+     * bump after the take or release it announces, clear()'s add), so a mark that names a
+     * move is followed by a look that sees what came before that move. */
+    return room_mark(ACQ(header(c)->ARENA_EPOCH), ACQ(header(c)->GENERATION));
+}
+
+void ucm_arena_room_gone_at(ucm_ctx *c, uint64_t mark)
+{
+    /* The policy looked, under `mark` (ucm_arena_room_mark, read before its look), for our
+     * share and for room in arenas not ours, and could take none: evict (CLOCK) without asking
+     * again while the epoch and the generation are those.  If either moved during the look
+     * (an attach, a clear()), the mark is already stale: the next claim asks again rather
+     * than taking a pair nobody looked under as looked at.  Relaxed: see policy_looked. */
+    __atomic_store_n(&c->room_gone, mark, __ATOMIC_RELAXED);
+}
+
 void ucm_arena_room_gone(ucm_ctx *c)
 {
-    /* The policy looked for our share and for room in arenas not ours and could take none:
-     * evict (CLOCK) without asking again until the epoch or the generation moves.  Relaxed:
-     * see policy_looked. */
-    __atomic_store_n(&c->room_gone, room_mark(RLX(header(c)->ARENA_EPOCH),
-                                              RLX(header(c)->GENERATION)), __ATOMIC_RELAXED);
+    /* As ucm_arena_room_gone_at under the pair now: for a caller that stops asking in this
+     * epoch and generation whatever it looked at (an allocation past MAX_ROOMS looks). */
+    ucm_arena_room_gone_at(c, ucm_arena_room_mark(c));
 }
 
 uint32_t ucm_arena_entries(ucm_ctx *c, uint32_t *out)

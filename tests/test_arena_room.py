@@ -234,3 +234,31 @@ def test_an_arena_whose_words_count_more_entries_than_slots_is_not_taken_for_roo
                 lib.ucm_store64(c._seg.base, w, v)
     assert ucmcache.verify(c.uuid).ok
 
+
+def test_nothing_to_take_is_not_marked_for_a_generation_the_policy_did_not_look_under(
+        make_cache):
+    """Rank 0, full, looks for room; while it looks, rank 1 clears the cache (the generation
+    moves: every slot free).  Its look saw the old words and found nothing: "nothing to take"
+    belongs to the generation it looked under.  Marked for the new one (the pair read at the
+    mark, not before the look), rank 0 filled its own arenas and then evicted its own entries
+    while rank 1's 8 arenas stood empty."""
+    c = make_cache(slots_per_rank=8, slot_size=64, max_ranks=2)
+    with SlotCache.attach(c.uuid, rank=1) as d:
+        for i in range(8):
+            load(c, i)
+            load(d, 100 + i)
+        look = c._arenas.entries
+
+        def entries_while_rank_1_clears():
+            out = look()
+            c._arenas.entries = look               # once
+            d.clear()
+            return out
+
+        c._arenas.entries = entries_while_rank_1_clears
+        for i in range(9):                         # 8 fill its arenas again, 1 more
+            load(c, 200 + i)
+        assert c._arenas.entries is look           # the look was made, the clear in it
+        assert c.entry_count() == 9 and c.stats()["evictions"] == 0
+        assert owned(c, d) == (9, 7)
+    assert ucmcache.verify(c.uuid).ok

@@ -27,10 +27,13 @@ many arenas each attached rank should own and which ones it takes.
   it takes what we lack of our share from ranks above theirs (their entries come under our
   CLOCK, none evicted), else one arena not ours with room by its words: a free one first, then
   one of a rank not READY, then of the rank furthest above its share, then of any rank, the most
-  room first, never a busy one.  Only with nothing to take do our claims evict (the CLOCK among
-  live entries), until the epoch or the generation moves.  So no live entry is evicted while a
-  slot we could obtain is free, and once the cache is full each rank takes its share back
-  before its first eviction.
+  room first, never a busy one.  A take that leaves a READY rank below its share bumps the
+  epoch: that rank looks again at its next allocation and takes its share back from ours
+  before it evicts, even if it had marked "nothing to take".  Only with nothing to take do our
+  claims evict (the CLOCK among live entries), until the epoch or the generation moves (the
+  pair read before the look: one that moved during it is not marked).  So no live entry is
+  evicted while a slot we could obtain is free, and once the cache is full each rank takes its
+  share back before its first eviction.
 * Deletes: only an arena's writer changes its words (I6), so a delete whose entry lies in an arena
   we do not own takes it for the delete (``take_for_delete``) and gives it back to free after it
   (``give_back``, announced), for its usual owner to take back at its next allocation.
@@ -181,13 +184,19 @@ class Arenas:
         """The claim found nothing free in our arenas, and we have not looked since the epoch
         or the generation moved (UCM_ROOM): before it evicts, take what we lack of our share
         (plan: from ranks above theirs, whose entries come under our CLOCK, none evicted),
-        else one arena not ours with room (room_order), so the next claim fills it.  With
-        nothing to take, say so to the core (ucm_arena_room_gone): our claims evict (CLOCK)
-        until the epoch or the generation moves.  Returns how many arenas were taken."""
+        else one arena not ours with room (room_order), so the next claim fills it; a take
+        that leaves a READY rank below its share moves the epoch, so that rank takes its share
+        back.  With nothing to take, say so to the core under the epoch and generation read
+        before the look (ucm_arena_room_gone_at): our claims evict (CLOCK) until either moves.
+        Returns how many arenas were taken."""
         ticket = next(_tickets)
         try:  # acquire inside the try, as in _locked
             if lib.ucm_plock_acquire(self._lock, max(0, int(wait * 1e9)), ticket) != lib.UCM_OK:
                 return 0  # another thread of ours is taking arenas: the claim looks again
+            # The epoch and generation we look under, read before the look: if either moves
+            # while we look (an attach, a clear()), "nothing to take" is not marked for the
+            # new pair, which nobody looked under; the next claim asks again.
+            mark = lib.ucm_arena_room_mark(self._ctx)
             for _ in range(3):  # another rank may take the same arena first: look again
                 owners, busy = self.owners(), self.busy()
                 live = self.live_ranks()
@@ -212,7 +221,7 @@ class Arenas:
                         return taken  # closed or not attached: nothing to take for
                 if taken:
                     return taken
-            lib.ucm_arena_room_gone(self._ctx)
+            lib.ucm_arena_room_gone_at(self._ctx, mark)
             return 0
         finally:
             lib.ucm_plock_release(self._lock, ticket)

@@ -584,9 +584,11 @@ class SlotCache(CacheBase, SingleFlight, Batches, Prefetching, Mapping):
                 continue
             if code == lib.UCM_ROOM:  # nothing free in our arenas: the policy looks before we evict
                 roomed += 1
-                if roomed > MAX_ROOMS or not self._arenas.make_room(
-                        min(LOCK_WAIT, max(0.0, stripe_deadline - time.monotonic()))):
-                    lib.ucm_arena_room_gone(ctx)  # none to take: the claim evicts (CLOCK)
+                if roomed > MAX_ROOMS:
+                    lib.ucm_arena_room_gone(ctx)  # enough looks: the claim evicts (CLOCK)
+                else:  # takes an arena, or marks none to take under the pair it looked under
+                    self._arenas.make_room(
+                        min(LOCK_WAIT, max(0.0, stripe_deadline - time.monotonic())))
                 continue
             if code == lib.UCM_TIMEOUT:
                 stripe = lib.ucm_stripe_of(ctx, lib.ucm_bucket_of(ctx, block_id, offset))
