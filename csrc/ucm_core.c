@@ -80,9 +80,10 @@ struct ucm_ctx {
                               * ready()/fail() can never finish a later install's load */
     uint32_t *arena_seen;    /* process-local, per arena: serial << 1 | verified (see "Arenas") */
     uint64_t epoch_seen;     /* the arena epoch our rank last looked at its share in */
-    uint64_t room_gone;      /* room_mark(epoch, generation) in which the policy found nothing
-                              * to take before evicting (ucm_arena_room_gone): our claims evict
-                              * without asking it again (UINT64_MAX: ask) */
+    uint64_t room_gone;      /* room_mark(epoch, generation) | arenas we owned, under which the
+                              * policy found nothing to take before evicting
+                              * (ucm_arena_room_gone_at): our claims evict without asking it
+                              * again while those hold and we own no fewer (UINT64_MAX: ask) */
     uint32_t local_locks[LOCAL_LOCKS]; /* process-local spinlocks, see local_lock() */
     uint8_t *repair_seen;    /* process-local visited set for stripe repair, made up front */
     pthread_mutex_t repair_lock;
@@ -1808,26 +1809,51 @@ static int claim_free(ucm_ctx *c, uint64_t max_scan, uint32_t *slot_out)
     return UCM_FULL;
 }
 
-/* room_gone's value for an arena epoch and a generation (UINT64_MAX never: 2^32 epochs). */
-static inline uint64_t room_mark(uint64_t epoch, uint64_t g) { return epoch << 32 | (g & 0xffffffffu); }
+/* room_gone's value: an arena epoch, a generation (its low 20 bits, as the accounting words
+ * carry it) and how many arenas we owned, in one word so that threads of ours racing on it
+ * never mix two marks (UINT64_MAX never: 2^32 epochs; n_arenas <= 63 * 8 fits ROOM_OWNED). */
+#define ROOM_OWNED 0xfffu
+_Static_assert(UCM_MAX_RANKS * UCM_ARENAS_PER_RANK < ROOM_OWNED, "an arena count fits");
+static inline uint64_t room_mark(uint64_t epoch, uint64_t g)
+{
+    return epoch << 32 | (g & 0xfffffu) << 12;
+}
+
+/* How many arenas our rank owns now.  Relaxed: a hint, the policy's take decides. */
+static uint32_t arenas_owned(ucm_ctx *c)
+{
+    uint32_t me = (uint32_t)c->rank + 1, owned = 0;
+    for (uint32_t a = 0; a < c->l.n_arenas; a++) owned += RLX(owner_w(c, a)) == me;
+    return owned;
+}
+
+static inline void mark_room_gone(ucm_ctx *c, uint64_t mark, uint32_t owned)
+{
+    /* Relaxed: see policy_looked. */
+    __atomic_store_n(&c->room_gone, (mark & ~(uint64_t)ROOM_OWNED)
+                     | (owned < ROOM_OWNED ? owned : ROOM_OWNED), __ATOMIC_RELAXED);
+}
 
 /* Phase 2: has the policy looked, since the arena epoch or the generation last moved, at what
  * we could obtain before evicting (our share, room in arenas not ours), and found nothing to
- * take (ucm_arena_room_gone)?  If not, it looks first (UCM_ROOM), unless every arena is ours
- * already. */
+ * take (ucm_arena_room_gone_at), and do we own as many arenas as it saw?  If not, it looks
+ * first (UCM_ROOM), unless every arena is ours already.  A rank whose room look takes one of
+ * our arenas moves no epoch: our count tells us, and our look takes our share back from its
+ * surplus before we evict, not before we need it. */
 static int policy_looked(ucm_ctx *c)
 {
     /* Relaxed: the epoch and the generation are hints here (a move only makes the policy look
      * again); room_gone is a process-local hint that threads of ours may race on, any of
      * their values safe (one look too many, or one eviction in a move's instant). */
     uint64_t mark = room_mark(RLX(header(c)->ARENA_EPOCH), RLX(header(c)->GENERATION));
-    if (__atomic_load_n(&c->room_gone, __ATOMIC_RELAXED) == mark) return 1;
-    /* Every arena ours (one rank attached, say): there is nothing the policy could take. */
-    uint32_t me = (uint32_t)c->rank + 1;
-    for (uint32_t a = 0; a < c->l.n_arenas; a++)
-        if (RLX(owner_w(c, a)) != me) return 0; /* relaxed: a hint, the policy's take decides */
-    __atomic_store_n(&c->room_gone, mark, __ATOMIC_RELAXED);
-    return 1;
+    uint32_t owned = arenas_owned(c);
+    if (owned == c->l.n_arenas) { /* every arena ours (one rank attached, say): nothing to take */
+        mark_room_gone(c, mark, owned);
+        return 1;
+    }
+    uint64_t gone = __atomic_load_n(&c->room_gone, __ATOMIC_RELAXED);
+    return gone != UINT64_MAX && (gone & ~(uint64_t)ROOM_OWNED) == mark
+        && owned >= (gone & ROOM_OWNED);
 }
 
 uint64_t ucm_arena_room_mark(ucm_ctx *c)
@@ -1839,21 +1865,22 @@ uint64_t ucm_arena_room_mark(ucm_ctx *c)
     return room_mark(ACQ(header(c)->ARENA_EPOCH), ACQ(header(c)->GENERATION));
 }
 
-void ucm_arena_room_gone_at(ucm_ctx *c, uint64_t mark)
+void ucm_arena_room_gone_at(ucm_ctx *c, uint64_t mark, uint32_t owned)
 {
-    /* The policy looked, under `mark` (ucm_arena_room_mark, read before its look), for our
-     * share and for room in arenas not ours, and could take none: evict (CLOCK) without asking
-     * again while the epoch and the generation are those.  If either moved during the look
-     * (an attach, a clear()), the mark is already stale: the next claim asks again rather
-     * than taking a pair nobody looked under as looked at.  Relaxed: see policy_looked. */
-    __atomic_store_n(&c->room_gone, mark, __ATOMIC_RELAXED);
+    /* The policy looked, under `mark` (ucm_arena_room_mark, read before its look) with
+     * `owned` arenas ours (its snapshot), for our share and for room in arenas not ours, and
+     * could take none: evict (CLOCK) without asking again while the epoch and the generation
+     * are those and we own no fewer arenas.  If either moved during the look (an attach, a
+     * clear()), the mark is already stale: the next claim asks again rather than taking a
+     * pair nobody looked under as looked at. */
+    mark_room_gone(c, mark, owned);
 }
 
 void ucm_arena_room_gone(ucm_ctx *c)
 {
-    /* As ucm_arena_room_gone_at under the pair now: for a caller that stops asking in this
-     * epoch and generation whatever it looked at (an allocation past MAX_ROOMS looks). */
-    ucm_arena_room_gone_at(c, ucm_arena_room_mark(c));
+    /* As ucm_arena_room_gone_at under the pair and the arenas now: for a caller that stops
+     * asking whatever it looked at (an allocation past MAX_ROOMS looks). */
+    mark_room_gone(c, ucm_arena_room_mark(c), arenas_owned(c));
 }
 
 uint32_t ucm_arena_entries(ucm_ctx *c, uint32_t *out)

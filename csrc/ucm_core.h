@@ -508,7 +508,7 @@ int ucm_arena_usable(ucm_ctx *c, uint32_t arena);
 uint32_t ucm_arena_entries(ucm_ctx *c, uint32_t *entries_out);
 void ucm_arena_room_gone(ucm_ctx *c);
 uint64_t ucm_arena_room_mark(ucm_ctx *c);
-void ucm_arena_room_gone_at(ucm_ctx *c, uint64_t mark);
+void ucm_arena_room_gone_at(ucm_ctx *c, uint64_t mark, uint32_t owned);
 
 int ucm_stripe_lock(ucm_ctx *c, uint32_t stripe, int64_t timeout_ns);
 int ucm_stripe_unlock(ucm_ctx *c, uint32_t stripe);

@@ -5,7 +5,7 @@ import random
 
 import ucmcache
 from ucmcache import SlotCache
-from ucmcache._arenas import room_order
+from ucmcache._arenas import Arenas, room_order
 from ucmcache.lowlevel import lib
 
 import arena_workers
@@ -185,8 +185,8 @@ def test_a_rank_a_room_take_left_below_its_share_takes_it_back_before_it_evicts(
     marks "nothing to take"; then deletes an entry (room in its own arena, no epoch move);
     rank 0, full, had not looked: its look takes that arena (the last tier, "of any rank"),
     leaving rank 1 at 7 of its 8.  Before, no epoch moved, so rank 1 never looked again and
-    evicted among 7 arenas for good (owners 9/7 after 50 more loads); now the take announces
-    it, and rank 1 takes its share back at its next allocation."""
+    evicted among 7 arenas for good (owners 9/7 after 50 more loads); now rank 1 owns fewer
+    arenas than its mark says, and takes its share back before its next eviction."""
     c = make_cache(slots_per_rank=8, slot_size=64, max_ranks=2)
     with SlotCache.attach(c.uuid, rank=1) as d:
         for i in range(8):
@@ -261,4 +261,36 @@ def test_nothing_to_take_is_not_marked_for_a_generation_the_policy_did_not_look_
         assert c._arenas.entries is look           # the look was made, the clear in it
         assert c.entry_count() == 9 and c.stats()["evictions"] == 0
         assert owned(c, d) == (9, 7)
+    assert ucmcache.verify(c.uuid).ok
+
+
+def test_a_rank_a_room_take_left_below_its_share_looks_again_only_when_it_would_evict(
+        make_cache, monkeypatch):
+    """While the cache fills, rank 0 (three loads to each of rank 1's) grows into rank 1's
+    room, taking one arena at a time; rank 1 takes its share back only once its own arenas
+    are full (before its first eviction), not at each allocation: a take announced to every
+    rank (the arena epoch) made both ranks run the policy at every few misses (88 room looks
+    and 175 share looks for 2,800 loads, against 7 and 3)."""
+    looks = {"make_room": 0, "rebalance": 0}
+    for name in looks:
+        inner = getattr(Arenas, name)
+
+        def counted(self, *a, _inner=inner, _name=name, **k):
+            looks[_name] += 1
+            return _inner(self, *a, **k)
+
+        monkeypatch.setattr(Arenas, name, counted)
+    c = make_cache(slots_per_rank=512, slot_size=64, max_ranks=2)   # 16 arenas of 64 slots
+    with SlotCache.attach(c.uuid, rank=1) as d:
+        i = 0
+        for _ in range(700):
+            for _ in range(3):
+                load(c, i)
+                i += 1
+            load(d, i)
+            i += 1
+        assert c.entry_count() == c.layout.n_slots
+        assert c.stats()["evictions"] == 2800 - c.layout.n_slots   # none before it was full
+        assert owned(c, d) == (8, 8)
+        assert looks["make_room"] <= c.layout.n_arenas and looks["rebalance"] <= 4, looks
     assert ucmcache.verify(c.uuid).ok

@@ -27,13 +27,12 @@ many arenas each attached rank should own and which ones it takes.
   it takes what we lack of our share from ranks above theirs (their entries come under our
   CLOCK, none evicted), else one arena not ours with room by its words: a free one first, then
   one of a rank not READY, then of the rank furthest above its share, then of any rank, the most
-  room first, never a busy one.  A take that leaves a READY rank below its share bumps the
-  epoch: that rank looks again at its next allocation and takes its share back from ours
-  before it evicts, even if it had marked "nothing to take".  Only with nothing to take do our
-  claims evict (the CLOCK among live entries), until the epoch or the generation moves (the
-  pair read before the look: one that moved during it is not marked).  So no live entry is
-  evicted while a slot we could obtain is free, and once the cache is full each rank takes its
-  share back before its first eviction.
+  room first, never a busy one.  Only with nothing to take do our claims evict (the CLOCK
+  among live entries), until the epoch or the generation moves (the pair read before the look:
+  one that moved during it is not marked), or we own fewer arenas than the look saw (another
+  rank's room look took one of ours: no epoch moves, and we look again only when we would
+  evict).  So no live entry is evicted while a slot we could obtain is free, and once the
+  cache is full each rank takes its share back before its first eviction.
 * Deletes: only an arena's writer changes its words (I6), so a delete whose entry lies in an arena
   we do not own takes it for the delete (``take_for_delete``) and gives it back to free after it
   (``give_back``, announced), for its usual owner to take back at its next allocation.
@@ -82,16 +81,6 @@ def room_order(owners: Sequence[int], me: int, live: Sequence[int], room: Sequen
 
     cands = [a for a, o in enumerate(owners) if o != me + 1 and room[a] > 0 and not busy[a]]
     return [(a, owners[a]) for a in sorted(cands, key=rank_of)]
-
-
-def leaves_below_share(owners: Sequence[int], live: Sequence[int], expected: int) -> bool:
-    """Whether taking an arena whose owner word is `expected` (in the snapshot `owners`)
-    leaves a READY rank below its share."""
-    if expected == 0:
-        return False
-    target = shares(live, len(owners))
-    victim = expected - 1
-    return victim in target and sum(1 for o in owners if o == expected) <= target[victim]
 
 
 def plan(owners: Sequence[int], me: int, live: Sequence[int], home: Sequence[int],
@@ -184,11 +173,11 @@ class Arenas:
         """The claim found nothing free in our arenas, and we have not looked since the epoch
         or the generation moved (UCM_ROOM): before it evicts, take what we lack of our share
         (plan: from ranks above theirs, whose entries come under our CLOCK, none evicted),
-        else one arena not ours with room (room_order), so the next claim fills it; a take
-        that leaves a READY rank below its share moves the epoch, so that rank takes its share
-        back.  With nothing to take, say so to the core under the epoch and generation read
-        before the look (ucm_arena_room_gone_at): our claims evict (CLOCK) until either moves.
-        Returns how many arenas were taken."""
+        else one arena not ours with room (room_order), so the next claim fills it.  With
+        nothing to take, say so to the core under the epoch and generation read before the
+        look and the arenas it saw ours (ucm_arena_room_gone_at): our claims evict (CLOCK)
+        until either moves or an arena of ours is taken.  Returns how many arenas were
+        taken."""
         ticket = next(_tickets)
         try:  # acquire inside the try, as in _locked
             if lib.ucm_plock_acquire(self._lock, max(0, int(wait * 1e9)), ticket) != lib.UCM_OK:
@@ -209,19 +198,17 @@ class Arenas:
                     break
                 taken = 0
                 for a, expected in picks:
+                    # A take from a rank at or below its share moves no epoch: that rank sees
+                    # it owns fewer arenas than when it marked "nothing to take", and looks
+                    # again (its share back from our surplus) before its next eviction.
                     r = lib.ucm_arena_take(self._ctx, a, expected)
                     if r == lib.UCM_OK:
                         taken += 1
-                        if leaves_below_share(owners.tolist(), live, expected):
-                            # That rank may have looked and marked "nothing to take" already:
-                            # it looks again at its next allocation (UCM_MOVED) and takes its
-                            # share back from our surplus before its first eviction.
-                            announce_ranks_changed(self._seg)
                     elif r != lib.UCM_BUSY:
                         return taken  # closed or not attached: nothing to take for
                 if taken:
                     return taken
-            lib.ucm_arena_room_gone_at(self._ctx, mark)
+            lib.ucm_arena_room_gone_at(self._ctx, mark, int((owners == self._rank + 1).sum()))
             return 0
         finally:
             lib.ucm_plock_release(self._lock, ticket)
