@@ -4,6 +4,7 @@ never share, the slot format's header checks, and KVBlockIO's copies between a p
 block that cannot be loaded (evicted, cleared, foreign) reported and left untouched, never a
 wrong KV.  The real engines run in scripts/e2e-vllm."""
 import dataclasses
+import os
 
 import pytest
 
@@ -307,3 +308,120 @@ def test_a_layer_by_layer_load_that_fails_on_its_thread_lets_the_forward_on_and_
     finally:
         ex.thread.join(30)
     assert res.loaded == 0 and set(res.failed) == {4, 5, 6}
+
+
+# ---------------------------------------------------------------- saves off the step
+
+
+def _saves(make_cache):
+    src = _kv(seed=1)
+    need = HEADER_SIZE + sum(t[0:1].numel() * t.element_size() for t in src)
+    c = make_cache(slots_per_rank=16, slot_size=need, max_ranks=2)
+    return c, src, _vb.DeferredSaves(_io(c, src), _GatedExecutor())
+
+
+def test_a_deferred_save_returns_at_once_and_publishes_its_blocks_only_once_copied(make_cache):
+    c, src, saves = _saves(make_cache)
+    keys = uv.block_keys(PROMPT, ID)
+    job = saves.submit(["r1", "r2"], keys[:3], [5, 1, 6])
+    assert saves.pending({"r2"}) == [job] and saves.pending({"other"}) == []
+    assert c.exist(keys[:3]) == [False] * 3          # handed over, not copied yet
+    assert saves.take_stats().empty()                # nothing over to count
+    saves.executor.thread.start()                    # the save thread runs it
+    saves.wait_for({"r1"})                           # as get_finished does for a finished one
+    saves.executor.thread.join(30)
+    assert c.exist(keys[:3]) == [True] * 3 and saves.pending() == []
+    st = saves.take_stats()
+    assert st.blocks_saved == 3 and st.bytes_saved == 3 * saves.io.need and not st.saves_dropped
+    dst = _kv(seed=2)
+    assert _io(c, dst).load(keys[:3], [0, 1, 2]).loaded == 3
+    assert all(torch.equal(s[5], d[0]) and torch.equal(s[6], d[2]) for s, d in zip(src, dst))
+
+
+def test_a_deferred_save_not_over_in_time_is_dropped_and_publishes_failed_never_ready(
+        make_cache):
+    """What handle_preemptions and get_finished do when a save outlives SAVE_WAIT: after
+    wait_for returns vLLM may write the blocks, so the copy, whenever it ends, publishes
+    Failed."""
+    c, src, saves = _saves(make_cache)
+    keys = uv.block_keys(PROMPT, ID)
+    saves.submit(["r"], keys[:2], [0, 1])
+    saves.wait_for({"someone else"}, timeout=0.01)   # not this request's: nothing dropped
+    assert saves.take_stats().saves_dropped == 0
+    saves.wait_for({"r"}, timeout=0.01)              # the thread never started: dropped
+    saves.executor.thread.start()
+    saves.executor.thread.join(30)
+    assert c.exist(keys[:2]) == [False, False] and c.entry_count() == 0
+    st = saves.take_stats()
+    assert st.saves_dropped == 1 and st.blocks_not_saved == 2 and st.blocks_saved == 0
+
+
+def test_a_preempted_requests_save_is_finished_before_the_wait_returns(make_cache):
+    """handle_preemptions' wait: the copy in flight ends and is published whole before the
+    step goes on to write the freed blocks; saves of two steps ago are waited for at submit
+    (keep=1 leaves the last step's running)."""
+    c, src, saves = _saves(make_cache)
+    keys = uv.block_keys(PROMPT, ID)
+    first = saves.submit(["a"], keys[:2], [0, 1])
+    t1 = saves.executor.thread
+    saves.executor = _GatedExecutor()
+    second = saves.submit(["b"], keys[2:4], [2, 3])
+    assert saves.pending() == [first, second]
+    t1.start()
+    saves.wait_for(keep=1)                           # the first is over; the second is left
+    assert first.future.done() and not second.future.done()
+    saves.executor.thread.start()
+    saves.wait_for({"b"}, timeout=30)
+    assert c.exist(keys[:4]) == [True] * 4
+    t1.join(30)
+    saves.executor.thread.join(30)
+    assert saves.take_stats().blocks_saved == 4
+
+
+def test_an_engine_killed_mid_deferred_save_leaves_nothing_ready_and_verify_clean(
+        make_cache, procs):
+    """A worker process SIGKILLed while its save thread is between two layers' copies: none of
+    the blocks is Ready, before or after its rank is recovered; the segment verifies clean and
+    the blocks can be saved again and read whole."""
+    import signal
+
+    import ucmcache
+    import vllm_workers as VW
+    from conftest import SPAWN
+    layers = VW.kv_layers(7)
+    need = HEADER_SIZE + sum(t[0:1].numel() * t.element_size() for t in layers)
+    c = make_cache(slots_per_rank=16, slot_size=need, max_ranks=4)
+    keys = uv.block_keys(PROMPT, ID)
+    arrived, release = SPAWN.Event(), SPAWN.Event()
+    p, q = procs.start(VW.save_deferred_then_stop, c.uuid, ID.namespace, keys[:3], [2, 4, 6],
+                       arrived, release)
+    # (release is never set: the child is killed while it waits on it, and setting an Event
+    # a killed process waited on can hang; the kill is what releases it, pass or fail)
+    try:
+        assert arrived.wait(60), "the save thread never reached its copy"
+        assert c.exist(keys[:3]) == [False] * 3      # owned, layer 0 copied, not published
+    finally:
+        os.kill(p.pid, signal.SIGKILL)
+        p.join(30)
+    assert p.exitcode == -signal.SIGKILL
+    assert c.exist(keys[:3]) == [False] * 3
+    c.recover()                                      # the dead rank's loads are failed now
+    assert c.exist(keys[:3]) == [False] * 3
+    assert ucmcache.verify(c.uuid).ok
+    io = KVBlockIO(c, layers, namespace=ID.namespace)
+    assert io.save(keys[:3], [2, 4, 6]).blocks_saved == 3
+    dst = [torch.zeros_like(t) for t in layers]
+    assert KVBlockIO(c, dst, namespace=ID.namespace).load(keys[:3], [2, 4, 6]).loaded == 3
+    assert all(torch.equal(a[b], d[b]) for a, d in zip(layers, dst) for b in (2, 4, 6))
+
+
+def test_a_new_segment_is_clamped_by_memavailable_with_a_log_line(uuid, monkeypatch, caplog):
+    monkeypatch.setattr(uv, "mem_available_bytes", lambda: 8 << 20)
+    monkeypatch.setattr(uv, "shm_free_bytes", lambda: 1 << 40)
+    with caplog.at_level("WARNING", logger="ucmcache.vllm"):
+        c = uv.open_segment(uuid, slot_size=64 << 10, size_mb=256, max_ranks=2)
+    try:
+        assert c.capacity * c.slot_size <= 4 << 20
+        assert "does not fit in MemAvailable" in caplog.text
+    finally:
+        c.close()

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import logging
+import os
 import struct
 import threading
 import time
@@ -196,6 +197,9 @@ class IOStats:
                 "more than one step of saves behind)"})
     saves_dropped: int = field(default=0, metadata={
         "help": "deferred saves given up after SAVE_WAIT: their blocks published Failed"})
+    preempted_saves_waited: int = field(default=0, metadata={
+        "help": "deferred saves of preempted requests waited for before their blocks were "
+                "reused"})
 
     @classmethod
     def help(cls) -> Dict[str, str]:
@@ -345,6 +349,8 @@ class KVBlockIO:
         assert isinstance(self.fingerprint, bytes)
         self._stream: Any = None
         self._registered = 0          # the data region's address, once cudaHostRegister'ed
+        # "save_between_layers": called with L after layer L of a save's copies (not the last)
+        self._test_points: Dict[str, Callable[[int], None]] = {}
         if self.device == "cuda":
             self._cuda_setup()
 
@@ -381,12 +387,25 @@ class KVBlockIO:
             addr, self._registered = self._registered, 0
             self.torch.cuda.cudart().cudaHostUnregister(addr)
 
-    def _copy_scope(self) -> Any:
-        """Where the torch copies run: the CUDA copy stream, after the forward's kernels so
-        far; on the CPU, in place."""
+    def forward_done_event(self) -> Any:
+        """CUDA: an event recorded now on the calling thread's current stream (the forward's,
+        when called from vLLM's hooks), for a copy on another thread to wait on; None on CPU."""
+        if self._stream is None:
+            return None
+        ev = self.torch.cuda.Event()
+        ev.record(self.torch.cuda.current_stream())
+        return ev
+
+    def _copy_scope(self, after: Any = None) -> Any:
+        """Where the torch copies run: the CUDA copy stream, after ``after`` (an event from
+        forward_done_event, for a save on the save thread) or else after the calling thread's
+        current stream's work so far; on the CPU, in place."""
         if self._stream is None:
             return contextlib.nullcontext()
-        self._stream.wait_stream(self.torch.cuda.current_stream())
+        if after is not None:
+            self._stream.wait_event(after)
+        else:
+            self._stream.wait_stream(self.torch.cuda.current_stream())
         return self.torch.cuda.stream(self._stream)
 
     def _copies_done(self) -> None:
@@ -407,7 +426,7 @@ class KVBlockIO:
                 raise ValueError(f"block id {b} is outside the KV cache's {n_blocks} blocks")
 
     def _copy_layer(self, layer: int, blocks: Sequence[int], slots: Sequence[int],
-                    to_kv: bool, crcs: Optional[np.ndarray]) -> None:
+                    to_kv: bool, crcs: Optional[np.ndarray], after: Any = None) -> None:
         """Layer ``layer`` of vLLM blocks ``blocks`` from (to_kv) or into the slots at
         addresses ``slots`` (payload starts: the header's end); the CRC-32C of the slot-side
         bytes continues ``crcs[j]`` for block j.  One C call for a fast layer; else torch
@@ -431,7 +450,7 @@ class KVBlockIO:
         if to_kv and crcs is not None:
             for j, h in enumerate(hosts):
                 crcs[j] = crc32c(h, int(crcs[j]))
-        with self._copy_scope():
+        with self._copy_scope(after):
             for b, h in zip(blocks, hosts):
                 dst = self._block(layer, int(b))
                 slot = torch.from_numpy(h).view(dst.dtype).view(plan.shape)
@@ -447,13 +466,14 @@ class KVBlockIO:
     # ---------------------------------------------------------------- save
 
     def save(self, keys: Sequence[bytes], block_ids: Sequence[int],
-             dropped: Optional[Callable[[], bool]] = None) -> IOStats:
+             dropped: Optional[Callable[[], bool]] = None, after: Any = None) -> IOStats:
         """Store vLLM blocks ``block_ids`` under block ids ``keys`` (this rank's shard of each).
         A block already stored, or being stored by another engine, is not written again; each
         block is published only after all its layers and its header are in; a block that finds
         no free slot is skipped (counted).  ``dropped``, asked after the copies and before the
         publish: True fails the blocks instead (their KV was freed while they were copied, see
-        DeferredSaves).  Never raises for a cache problem."""
+        DeferredSaves).  ``after``: CUDA, the forward's event (forward_done_event) the copies
+        wait for when they run on another thread.  Never raises for a cache problem."""
         self._check_ids(keys, block_ids)
         st = IOStats()
         t0 = time.perf_counter_ns()
@@ -473,7 +493,7 @@ class KVBlockIO:
                 st.blocks_present += len(ks) - len(mine)  # Ready, or another engine writes it
                 if not mine:
                     continue
-                why = self._write_owned(batch, mine, ks, bs)
+                why = self._write_owned(batch, mine, ks, bs, after)
                 if why is None and dropped is not None and dropped():
                     why = ("ucmcache.vllm save dropped: the blocks were freed before their copy "
                            "ended")
@@ -491,8 +511,8 @@ class KVBlockIO:
         st.save_us += (time.perf_counter_ns() - t0) // 1000
         return st
 
-    def _write_owned(self, batch: Any, mine: List[int], ks: List[Key],
-                     bs: List[int]) -> Optional[str]:
+    def _write_owned(self, batch: Any, mine: List[int], ks: List[Key], bs: List[int],
+                     after: Any = None) -> Optional[str]:
         """Copy the owned positions' blocks into their slots, layer by layer, and their headers:
         None when every byte is in, else why not (nothing is published then)."""
         try:
@@ -506,8 +526,11 @@ class KVBlockIO:
                 del arr
             blocks = [bs[i] for i in mine]
             crcs = np.zeros(len(mine), dtype=np.uint32) if self.checksum else None
+            point = self._test_points.get("save_between_layers")
             for layer in range(len(self.layers)):
-                self._copy_layer(layer, blocks, slots, False, crcs)
+                self._copy_layer(layer, blocks, slots, False, crcs, after)
+                if point is not None and layer + 1 < len(self.layers):
+                    point(layer)
             for j, i in enumerate(mine):
                 key = ks[i]
                 bid, offset = (key, 0) if isinstance(key, bytes) else key
@@ -703,17 +726,31 @@ class DeferredSaves:
         self.executor = executor
         self._jobs: List[SaveJob] = []   # submitted, not yet counted by take_stats
         self._waited = IOStats()
+        # A test point for the end-to-end run (e2e/run_vllm.py), off unless the variable is
+        # set: each save's thread stops that many seconds between layers 0 and 1, after a log
+        # line, so that an engine can be killed, or its requests preempted, with a save in
+        # flight.
+        stall = float(os.environ.get("UCMCACHE_VLLM_TEST_SAVE_STALL", "0") or 0)
+        if stall > 0:
+            def stop(layer: int) -> None:
+                if layer == 0:
+                    log.warning("ucmcache.vllm test point: a save stopped between layers 0 "
+                                "and 1 for %.1f s (UCMCACHE_VLLM_TEST_SAVE_STALL)", stall)
+                    threading.Event().wait(stall)
+            io._test_points["save_between_layers"] = stop
 
     def submit(self, req_ids: Sequence[str], keys: Sequence[bytes],
                block_ids: Sequence[int]) -> SaveJob:
         job = SaveJob(set(req_ids), len(keys))
-        job.future = self.executor.submit(self._run, job, list(keys), list(block_ids))
+        after = self.io.forward_done_event()   # CUDA: the copies wait for the forward's kernels
+        job.future = self.executor.submit(self._run, job, list(keys), list(block_ids), after)
         self._jobs.append(job)
         return job
 
-    def _run(self, job: SaveJob, keys: List[bytes], block_ids: List[int]) -> IOStats:
+    def _run(self, job: SaveJob, keys: List[bytes], block_ids: List[int],
+             after: Any) -> IOStats:
         try:
-            return self.io.save(keys, block_ids, dropped=job.dropped)
+            return self.io.save(keys, block_ids, dropped=job.dropped, after=after)
         except BaseException as e:  # save() raises only for bad ids: a later miss, no more
             log.warning("ucmcache.vllm: %d block(s) not saved: %s: %s", len(keys),
                         type(e).__name__, e)
@@ -725,14 +762,15 @@ class DeferredSaves:
                 and (req_ids is None or j.req_ids & req_ids)]
 
     def wait_for(self, req_ids: Optional[Set[str]] = None, timeout: float = SAVE_WAIT,
-                 keep: int = 0) -> None:
+                 keep: int = 0) -> int:
         """Return once every job holding a block of ``req_ids`` (every job when None) is over,
-        but the last ``keep`` submitted; a job not over after ``timeout`` s is dropped."""
+        but the last ``keep`` submitted; a job not over after ``timeout`` s is dropped.  How
+        many jobs were not over when asked."""
         jobs = self._jobs[:len(self._jobs) - keep] if keep else self._jobs
         jobs = [j for j in jobs if not j.future.done()
                 and (req_ids is None or j.req_ids & req_ids)]
         if not jobs:
-            return
+            return 0
         t0 = time.perf_counter_ns()
         deadline = time.monotonic() + timeout
         for j in jobs:
@@ -744,6 +782,7 @@ class DeferredSaves:
                 log.warning("ucmcache.vllm: a save of %d block(s) not over after %.0f s: "
                             "dropped (published Failed)", j.blocks, timeout)
         self._waited.save_wait_us += (time.perf_counter_ns() - t0) // 1000
+        return len(jobs)
 
     def take_stats(self) -> IOStats:
         """The counters of the jobs over since the last call, and of the waits."""
