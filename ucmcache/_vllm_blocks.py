@@ -436,8 +436,8 @@ class KVBlockIO:
         if not n:
             return
         if plan.fast:
-            b = np.asarray(blocks, dtype=np.uint64)
-            kv = b * np.uint64(plan.stride) + np.uint64(plan.base)
+            ids = np.asarray(blocks, dtype=np.uint64)
+            kv = ids * np.uint64(plan.stride) + np.uint64(plan.base)
             sl = np.asarray(slots, dtype=np.uint64) + np.uint64(plan.slot_off - HEADER_SIZE)
             lens = np.full(n, plan.nbytes, dtype=np.uint64)
             if to_kv:

@@ -82,8 +82,8 @@ What runs where (vLLM runs the scheduler and each worker in processes of their o
   weights change under the same model path).
 - ``checksum`` (default true): CRC-32C of each block, summed in the copy's own pass, checked
   on load.  The publish protocol already keeps a half-written block invisible; the CRC guards
-  what it cannot see (a stray write into a Ready slot, a bug in a copy) for about 10-15% of
-  the copy's speed.
+  what it cannot see (a stray write into a Ready slot, a bug in a copy) for 11% of the copy's
+  speed on a quiet core here (more under contention: ``./scripts/bench --checksum``).
 - ``layerwise`` (default true): load layer by layer beside the forward (CPU KV caches; a CUDA
   KV cache is loaded whole before the forward).
 - ``load_failure_policy`` (default "recompute"): written into the kv_transfer_config's
