@@ -227,6 +227,23 @@ def test_a_permuted_dense_layout_moves_raw_and_is_never_read_by_an_ordered_one(m
     assert _io(c, ordered).load(keys[:1], [0]).loaded == 0
 
 
+def test_layers_with_different_block_counts_are_refused_before_any_copy(make_cache):
+    """Block ids are bounded by one count for every layer: a layer with fewer rows (here a
+    view of the first 4 blocks of a larger buffer) would be written past its end by the C
+    copy, so the copier refuses it at start."""
+    src = _kv()
+    need = HEADER_SIZE + sum(t[0:1].numel() * t.element_size() for t in src)
+    c = make_cache(slots_per_rank=16, slot_size=need, max_ranks=2)
+    keys = uv.block_keys(PROMPT, ID)
+    assert _io(c, src).save(keys[:1], [0]).blocks_saved == 1
+    big = torch.zeros((16, 2, BS, 2, 32))
+    with pytest.raises(_vb.VllmConnectorError, match="layer 1: KV cache of 4 rows, layer 0 of "
+                                                     "8: every layer needs the same number"):
+        _io(c, [torch.zeros((8, 2, BS, 2, 32)), big[0:4]])
+    with pytest.raises(ValueError, match="block id 8 is outside the KV cache's 8 blocks"):
+        _io(c, _kv(seed=3)).load(keys[:1], [8])
+
+
 def test_a_save_whose_copy_fails_publishes_failed_and_nothing_ready(make_cache):
     src = _kv(seed=1)
     need = HEADER_SIZE + sum(t[0:1].numel() * t.element_size() for t in src)

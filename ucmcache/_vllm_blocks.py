@@ -316,6 +316,12 @@ class KVBlockIO:
                 raise VllmConnectorError(f"layer {name}: KV cache of shape {tuple(t.shape)} "
                                          f"has no block dimension of {self.pages} page(s) a "
                                          f"block")
+            if t.shape[0] != self.layers[0].shape[0]:
+                # block ids are checked against one count (_check_ids): a layer with fewer
+                # rows would be written past its end by the C copy
+                raise VllmConnectorError(
+                    f"layer {name}: KV cache of {t.shape[0]} rows, layer {names[0]} of "
+                    f"{self.layers[0].shape[0]}: every layer needs the same number of blocks")
             block = t[0:self.pages]
             nb = block.numel() * block.element_size()
             fast = self.device == "cpu" and dense(block)
@@ -420,7 +426,7 @@ class KVBlockIO:
     def _check_ids(self, keys: Sequence[bytes], block_ids: Sequence[int]) -> None:
         if len(keys) != len(block_ids):
             raise ValueError(f"{len(keys)} keys for {len(block_ids)} block ids")
-        n_blocks = self.layers[0].shape[0] // self.pages
+        n_blocks = self.layers[0].shape[0] // self.pages   # every layer's (__init__)
         for b in block_ids:
             if not 0 <= int(b) < n_blocks:
                 raise ValueError(f"block id {b} is outside the KV cache's {n_blocks} blocks")
