@@ -243,6 +243,32 @@ def test_config_and_names():
     assert len(intents_uuid(long)) <= 64 and intents_uuid(long) != intents_uuid("x" * 63 + "y")
 
 
+def test_a_segment_of_another_use_named_as_the_intents_segment_is_refused(main):
+    """An engine's KV segment that bears another segment's intents name is never taken as
+    intents (a mark would evict one of its blocks), and the connector refuses such a name."""
+    from ucmcache.vllm import ConnectorConfig, VllmConnectorError
+    kv = SlotCache.create(intents_uuid(main.uuid), slots_per_rank=8, slot_size=1 << 12,
+                          max_ranks=2)
+    try:
+        blocks = [bytes([0xB0, i]) * 8 for i in range(16)]
+        for k in blocks:
+            with kv.get(k) as h:
+                if h.owner:
+                    h.data[:4] = b"KV!!"
+                    h.ready(4)
+        before = kv.exist(blocks)
+        with pytest.raises(VllmConnectorError, match="holds slots of 4096 bytes, not the "
+                                                     "intents segment"):
+            open_intents(main.uuid, 4)
+        assert kv.exist(blocks) == before and sum(before) == 16 and kv.entry_count() == 16
+    finally:
+        kv.close()
+    for name in ("llama-kv-intents", intents_uuid("x" * 64)):
+        with pytest.raises(VllmConnectorError, match="ends in '-intents'"):
+            ConnectorConfig.from_extra({"segment": name})
+    assert ConnectorConfig.from_extra({"segment": "llama-intents-kv"}).segment
+
+
 # ---------------------------------------------------------------- another process, killed
 
 

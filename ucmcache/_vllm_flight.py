@@ -52,6 +52,7 @@ from ._core import lib
 from ._errors import CacheFull, IncompatibleSegment, UcmError
 from ._handle import Handle
 from ._keys import Key
+from ._vllm_blocks import VllmConnectorError
 
 log = logging.getLogger("ucmcache.vllm")
 
@@ -64,24 +65,36 @@ CLAIM_TIMEOUT_S = 1.0          # a get of an intent: the bound on its stripe wai
 RECOVER_WAIT_S = 1.0           # the recovery of a dead marker, bounded
 
 
+INTENTS_SUFFIX = "-intents"     # every intents segment's name ends so; no engine's segment may
+
+
 def intents_uuid(segment: str) -> str:
     """The companion segment of ``segment``: ``<segment>-intents``, or, when that is longer
     than a uuid may be (64), a shortened name with a digest of the whole."""
-    name = f"{segment}-intents"
+    name = f"{segment}{INTENTS_SUFFIX}"
     if len(name) <= 64:
         return name
     digest = hashlib.blake2b(segment.encode("utf-8"), digest_size=6).hexdigest()
-    return f"{segment[:64 - len(digest) - 10]}-{digest}-intents"
+    return f"{segment[:64 - len(digest) - 10]}-{digest}{INTENTS_SUFFIX}"
 
 
 def open_intents(segment: str, max_ranks: int) -> SlotCache:
-    """Attach to (or create) the intents segment of ``segment``."""
+    """Attach to (or create) the intents segment of ``segment``.  A segment of that name
+    whose slots are not intents' (``INTENT_SLOT_SIZE``: another engine's KV segment, say) is
+    refused (VllmConnectorError): a mark would take one of its slots, evicting a block."""
     uuid = intents_uuid(segment)
     try:
-        return SlotCache.create(uuid, slots_per_rank=INTENT_SLOTS_PER_RANK,
-                                slot_size=INTENT_SLOT_SIZE, max_ranks=max_ranks, exist_ok=True)
-    except IncompatibleSegment:  # made by an engine with another max_ranks: use it as it is
-        return SlotCache.attach(uuid, timeout=10.0)
+        c = SlotCache.create(uuid, slots_per_rank=INTENT_SLOTS_PER_RANK,
+                             slot_size=INTENT_SLOT_SIZE, max_ranks=max_ranks, exist_ok=True)
+    except IncompatibleSegment:  # made with other parameters: another max_ranks is fine
+        c = SlotCache.attach(uuid, timeout=10.0)
+    if c.slot_size != INTENT_SLOT_SIZE:
+        c.close()
+        raise VllmConnectorError(
+            f"segment {uuid!r} holds slots of {c.slot_size} bytes, not the intents segment of "
+            f"{segment!r} ({INTENT_SLOT_SIZE}-byte slots): a segment of another use has its "
+            f"name; rename one of them")
+    return c
 
 
 def exist_all_ranks(cache: SlotCache, ids: Sequence[bytes], ranks: int) -> List[bool]:

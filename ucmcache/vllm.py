@@ -126,7 +126,8 @@ from typing import (TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence
 from ._cache import SlotCache
 from ._errors import CorruptSegment, IncompatibleSegment, NotAttached, SegmentNotFound, UcmError
 from ._ucm_config import segment_name, shm_free_bytes
-from ._vllm_flight import DEFAULT_PEER_WAIT_S, Intents, exist_all_ranks, open_intents
+from ._vllm_flight import (DEFAULT_PEER_WAIT_S, INTENTS_SUFFIX, Intents, exist_all_ranks,
+                           open_intents)
 from ._vllm_blocks import (HEADER_SIZE, SAVE_WAIT, DeferredSaves, EngineIdentity, IOStats,
                            KVBlockIO, LayerLoad, LoadResult, VllmConnectorError, block_keys,
                            check_header, exist_prefix_all_ranks, pack_header, rank_key)
@@ -191,6 +192,11 @@ class ConnectorConfig:
         cfg = cls()
         if extra.get("segment") not in (None, ""):
             s = str(extra["segment"])
+            if s.endswith(INTENTS_SUFFIX):
+                # the companion segments of engines' segments bear these names (DESIGN 4.15)
+                raise VllmConnectorError(
+                    f"kv_connector_extra_config 'segment' {s!r} ends in {INTENTS_SUFFIX!r}, "
+                    f"which names the intents segment of another segment: choose another name")
             cfg.segment = segment_name(s)
         if "size_mb" in extra:
             v = extra["size_mb"]
@@ -888,6 +894,10 @@ if HAVE_VLLM:
             self._flight_next = now + ATTACH_RETRY_S
             try:
                 cache = open_intents(self._segment, self._cfg.max_ranks)
+            except VllmConnectorError as e:   # a segment of another use has its name: for good
+                self._flight_next = float("inf")
+                log.error("UcmCacheConnector: %s: no single flight across engines", e)
+                return None
             except (UcmError, OSError, ValueError) as e:
                 log.warning("UcmCacheConnector: intents segment of %r: %s: no single flight "
                             "across engines for now", self._segment, e)
