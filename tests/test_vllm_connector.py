@@ -373,6 +373,62 @@ def test_a_deferred_save_not_over_in_time_is_dropped_and_publishes_failed_never_
     assert st.saves_dropped == 1 and st.blocks_not_saved == 2 and st.blocks_saved == 0
 
 
+class _CountingCache:
+    """A cache whose get_many calls (a save's claims) are counted."""
+
+    def __init__(self, cache):
+        self.cache, self.claims = cache, 0
+
+    def get_many(self, keys):
+        self.claims += 1
+        return self.cache.get_many(keys)
+
+    def __getattr__(self, name):
+        return getattr(self.cache, name)
+
+
+def test_a_stuck_save_is_dropped_once_with_the_saves_queued_behind_it(make_cache, monkeypatch):
+    """A save that does not end (held between two layers) is dropped by the first wait that
+    outlives its timeout, together with every save queued behind it on the save thread; later
+    waits do not wait for them again; a dropped save claims no more chunks, and one dropped
+    before it starts claims nothing.  Each drop is counted once."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+    monkeypatch.setattr(_vb, "SAVE_CHUNK", 1)     # a chunk a block: the claim before each
+    src = _kv(seed=1)
+    need = HEADER_SIZE + sum(t[0:1].numel() * t.element_size() for t in src)
+    c = make_cache(slots_per_rank=16, slot_size=need, max_ranks=2)
+    io = _io(c, src)
+    io.cache = counting = _CountingCache(c)
+    entered, gate = threading.Event(), threading.Event()
+
+    def stuck(layer):
+        entered.set()
+        gate.wait(30)
+
+    io._test_points["save_between_layers"] = stuck
+    ex = ThreadPoolExecutor(1)
+    saves = _vb.DeferredSaves(io, ex)
+    keys = uv.block_keys(PROMPT, ID)
+    try:
+        first = saves.submit(["r0"], keys[:2], [0, 1])        # 2 chunks; stuck in the 1st
+        assert entered.wait(30)
+        behind = [saves.submit(["r1"], keys[2:3], [2]), saves.submit(["r2"], keys[3:4], [3])]
+        assert saves.wait_for({"r0"}, timeout=0.01) == 1      # dropped, and those behind it
+        assert first.dropped() and all(j.dropped() for j in behind)
+        assert saves.wait_for(timeout=0.01) == 0              # none of them waited for again
+        assert saves.wait_for({"r2"}, timeout=0.01) == 0
+        assert saves.wait_for(keep=1, timeout=0.01) == 0
+        assert saves.take_stats().saves_dropped == 3          # once each
+    finally:
+        gate.set()
+        ex.shutdown(wait=True)
+    assert counting.claims == 1                               # the stuck chunk only
+    assert c.exist(keys[:4]) == [False] * 4 and c.entry_count() == 0
+    st = saves.take_stats()
+    assert st.saves_dropped == 0 and st.blocks_saved == 0 and st.blocks_not_saved == 4
+
+
 def test_a_preempted_requests_save_is_finished_before_the_wait_returns(make_cache):
     """handle_preemptions' wait: the copy in flight ends and is published whole before the
     step goes on to write the freed blocks; saves of two steps ago are waited for at submit

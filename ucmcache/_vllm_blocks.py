@@ -196,7 +196,8 @@ class IOStats:
         "help": "microseconds steps waited for deferred saves (blocks about to be freed, or "
                 "more than one step of saves behind)"})
     saves_dropped: int = field(default=0, metadata={
-        "help": "deferred saves given up after SAVE_WAIT: their blocks published Failed"})
+        "help": "deferred saves given up after SAVE_WAIT, or queued behind one given up: "
+                "their blocks published Failed or never claimed"})
     preempted_saves_waited: int = field(default=0, metadata={
         "help": "deferred saves of preempted requests waited for before their blocks were "
                 "reused"})
@@ -484,6 +485,9 @@ class KVBlockIO:
         st = IOStats()
         t0 = time.perf_counter_ns()
         for start in range(0, len(keys), SAVE_CHUNK):
+            if dropped is not None and dropped():   # its blocks may be reused: claim no more
+                st.blocks_not_saved += len(keys) - start
+                break
             ks = [rank_key(k, self.offset) for k in keys[start:start + SAVE_CHUNK]]
             bs = [int(b) for b in block_ids[start:start + SAVE_CHUNK]]
             try:
@@ -499,7 +503,7 @@ class KVBlockIO:
                 st.blocks_present += len(ks) - len(mine)  # Ready, or another engine writes it
                 if not mine:
                     continue
-                why = self._write_owned(batch, mine, ks, bs, after)
+                why = self._write_owned(batch, mine, ks, bs, after, dropped)
                 if why is None and dropped is not None and dropped():
                     why = ("ucmcache.vllm save dropped: the blocks were freed before their copy "
                            "ended")
@@ -518,9 +522,11 @@ class KVBlockIO:
         return st
 
     def _write_owned(self, batch: Any, mine: List[int], ks: List[Key], bs: List[int],
-                     after: Any = None) -> Optional[str]:
+                     after: Any = None, dropped: Optional[Callable[[], bool]] = None
+                     ) -> Optional[str]:
         """Copy the owned positions' blocks into their slots, layer by layer, and their headers:
-        None when every byte is in, else why not (nothing is published then)."""
+        None when every byte is in, else why not (nothing is published then).  A save
+        ``dropped`` between two layers copies no more."""
         try:
             slots = []
             for i in mine:
@@ -537,6 +543,8 @@ class KVBlockIO:
                 self._copy_layer(layer, blocks, slots, False, crcs, after)
                 if point is not None and layer + 1 < len(self.layers):
                     point(layer)
+                if dropped is not None and layer + 1 < len(self.layers) and dropped():
+                    return "ucmcache.vllm save dropped between two layers"
             for j, i in enumerate(mine):
                 key = ks[i]
                 bid, offset = (key, 0) if isinstance(key, bytes) else key
@@ -693,8 +701,8 @@ class LayerLoad:
 class SaveJob:
     """One step's blocks handed to the save thread (``DeferredSaves.submit``).  ``drop()``
     makes the save publish Failed instead of Ready for every block whose copy has not ended
-    yet: after it returns, vLLM may write those blocks' KV, so a copy still reading them is
-    never published."""
+    yet, and claim no more (a job dropped before it starts claims nothing): after it returns,
+    vLLM may write those blocks' KV, so a copy still reading them is never published."""
 
     __slots__ = ("req_ids", "blocks", "future", "_lock", "_dropped")
 
@@ -755,6 +763,8 @@ class DeferredSaves:
 
     def _run(self, job: SaveJob, keys: List[bytes], block_ids: List[int],
              after: Any) -> IOStats:
+        if job.dropped():   # dropped while queued (behind a stuck save): claims nothing
+            return IOStats(blocks_not_saved=len(keys))
         try:
             return self.io.save(keys, block_ids, dropped=job.dropped, after=after)
         except BaseException as e:  # save() raises only for bad ids: a later miss, no more
@@ -770,25 +780,42 @@ class DeferredSaves:
     def wait_for(self, req_ids: Optional[Set[str]] = None, timeout: float = SAVE_WAIT,
                  keep: int = 0) -> int:
         """Return once every job holding a block of ``req_ids`` (every job when None) is over,
-        but the last ``keep`` submitted; a job not over after ``timeout`` s is dropped.  How
-        many jobs were not over when asked."""
+        but the last ``keep`` submitted; a job not over after ``timeout`` s is dropped, with
+        every job submitted after it (they run after it on the one save thread).  A dropped
+        job is not waited for again: it publishes nothing Ready whenever it ends.  How many
+        jobs were not over (nor dropped) when asked."""
         jobs = self._jobs[:len(self._jobs) - keep] if keep else self._jobs
-        jobs = [j for j in jobs if not j.future.done()
+        jobs = [j for j in jobs if not j.future.done() and not j.dropped()
                 and (req_ids is None or j.req_ids & req_ids)]
         if not jobs:
             return 0
         t0 = time.perf_counter_ns()
         deadline = time.monotonic() + timeout
         for j in jobs:
+            if j.dropped():
+                continue    # queued behind one dropped in this wait
             try:
                 j.future.result(max(0.0, deadline - time.monotonic()))
             except Exception:  # a timeout: the copy may go on; it publishes nothing now
-                j.drop()
-                self._waited.saves_dropped += 1
+                n, blocks = self._drop_from(j)
                 log.warning("ucmcache.vllm: a save of %d block(s) not over after %.0f s: "
-                            "dropped (published Failed)", j.blocks, timeout)
+                            "dropped with the %d queued after it (%d block(s) in all, "
+                            "published Failed or not claimed)", j.blocks, timeout, n - 1,
+                            blocks)
         self._waited.save_wait_us += (time.perf_counter_ns() - t0) // 1000
         return len(jobs)
+
+    def _drop_from(self, job: SaveJob) -> Tuple[int, int]:
+        """Drop ``job`` and every job not over submitted after it (they cannot start before it
+        ends); each counted once.  (jobs dropped, their blocks)."""
+        n = blocks = 0
+        for j in self._jobs[self._jobs.index(job):]:
+            if not j.future.done() and not j.dropped():
+                j.drop()
+                n += 1
+                blocks += j.blocks
+        self._waited.saves_dropped += n
+        return n, blocks
 
     def take_stats(self) -> IOStats:
         """The counters of the jobs over since the last call, and of the waits."""

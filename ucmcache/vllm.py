@@ -58,7 +58,8 @@ What runs where (vLLM runs the scheduler and each worker in processes of their o
   next step's ``get_finished`` names it once its saves are over (waited for there);
   ``handle_preemptions`` (before a step's loads and forward, after vLLM freed the blocks of
   the requests it preempted) waits for the preempted requests' saves.  Both waits are bounded
-  (SAVE_WAIT): a save still running then is dropped and publishes Failed, never half.  Blocks
+  (SAVE_WAIT): a save still running then is dropped, with the saves queued behind it, and
+  publishes Failed, never half; no later wait waits for it again.  Blocks
   vLLM's own prefix cache supplied are not offered to the save path.
 - **load errors**: a block that cannot be loaded (evicted since the lookup, cleared, a saver
   that died before publishing, a header that does not match) is left untouched and reported by
