@@ -202,6 +202,33 @@ def test_intents_end_when_their_request_ends_without_saving(main, schedulers, ho
     assert b.marked("rb") == KEYS[n:]
 
 
+@pytest.mark.parametrize("saved", [True, False])
+def test_marks_of_a_finished_requests_saves_end_when_the_saves_are_over_without_a_step(
+        main, schedulers, saved):
+    """A request that finishes within a step of its prefill: its deferred saves end after the
+    last settle of an engine that then idles.  The workers' finished_sending (saves_over) ends
+    its marks, Ready or not, so a peer meeting one of its blocks evicted later computes at
+    once instead of waiting peer_wait_s for an idle engine."""
+    a, aclock = schedulers()
+    b, bclock = schedulers(peer_wait_s=5.0)
+    settle_ready = lambda ks: exist_all_ranks(main, ks, 1)   # noqa: E731
+    assert a.lookup("ra", KEYS[:4], ready_in(main), limit=3, upto=4) == 0
+    a.handed("ra", KEYS[:4])
+    a.end("ra", "request finished", keep_handed=True)        # request_finished
+    a.settle(settle_ready)                                   # the saves are still running
+    assert a.marked("ra") == KEYS[:4] and a.unsettled()
+    if saved:
+        save(main, KEYS[:4])                                 # published after the last settle
+    a.saves_over(["ra"], settle_ready)                       # the workers' finished_sending
+    assert a.marked("ra") == [] and not a._mine and not a.unsettled()
+    assert (a.stats.ended_ready, a.stats.ended_other) == ((4, 0) if saved else (0, 4))
+    assert intent_state(main, KEYS[1]) is None
+    main.delete(KEYS[1])                                     # evicted later
+    n = 1 if saved else 0
+    assert b.lookup("rb", KEYS[:4], ready_in(main), limit=3, upto=4) == n   # no wait
+    assert b.stats.waits == 0 and b.marked("rb") == KEYS[n:4]
+
+
 def test_a_block_ready_for_only_some_tp_ranks_keeps_its_intent(main, schedulers):
     a, _ = schedulers()
     a.lookup("ra", KEYS[:2], ready_in(main, 2), limit=2, upto=2)

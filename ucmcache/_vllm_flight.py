@@ -17,6 +17,8 @@ handle's close), which matches nothing (DESIGN 4.1), when:
   waiter that then finds no intent finds the block Ready, see below);
 - its block was handed to the workers for saving ``MARK_GRACE_S`` ago and is still not Ready
   (the save failed, was skipped, or another engine owns the entry in the main segment);
+- its request finished and the workers say its saves are over (``saves_over``, from vLLM's
+  ``finished_sending``), Ready or not: this needs no later step of the engine;
 - its request ends without saving it: finished, aborted, preempted (``end``).
 
 **Waiting.**  ``lookup`` is the scheduler's lookup.  The first block after the request's Ready
@@ -45,7 +47,7 @@ import hashlib
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, Iterable, List, Optional, Sequence
 
 from ._cache import SlotCache
 from ._core import lib
@@ -306,6 +308,27 @@ class Intents:
                     self._end_one(r, key, b"not saved within the grace")
             if r.over and not r.marks:
                 del self._reqs[req_id]
+
+    def saves_over(self, req_ids: Iterable[str],
+                   ready: Optional[Callable[[List[bytes]], List[bool]]]) -> None:
+        """Every save of the finished requests ``req_ids`` is over, on every worker (vLLM's
+        ``finished_sending``): ``settle`` (with ``ready``, when given), then their remaining
+        marks end: their blocks are not Ready and nobody saves them now (a save that failed,
+        was dropped, or met another engine's entry).  Without this an engine that steps no
+        more after its last request kept their marks Loading."""
+        if ready is not None:
+            self.settle(ready)
+        for req_id in req_ids:
+            r = self._reqs.pop(req_id, None)
+            if r is None:
+                continue
+            for key in list(r.marks):
+                self._end_one(r, key, b"its saves are over, the block not saved")
+
+    def unsettled(self) -> bool:
+        """Whether requests that are over still hold marks of blocks handed for saving (ended
+        by ``settle`` once Ready, or MARK_GRACE_S after being handed, or by ``saves_over``)."""
+        return any(r.over and r.handed for r in self._reqs.values())
 
     def end(self, req_id: str, why: str = "request ended", *, keep_handed: bool = False) -> None:
         """The request is over (finished, aborted, preempted): its intents end, but with

@@ -961,6 +961,28 @@ if HAVE_VLLM:
                 f.end(req_id, why, keep_handed=True)
                 self._flight_settle(f)
 
+        def update_connector_output(self, connector_output: Any) -> None:
+            """A step's output from the workers (vLLM calls this after each step's output,
+            before it frees the blocks of ``finished_sending``): the requests it names have
+            every save over on every worker (get_finished waited for them), so their marks
+            end now, Ready or not (DESIGN 4.15), whether or not this engine steps again."""
+            f = self._flight
+            done = getattr(connector_output, "finished_sending", None)
+            if f is None or not done:
+                return
+            try:
+                f.saves_over(done, self._flight_ready())
+            except UcmError as e:
+                log.warning("UcmCacheConnector: intents: %s", e)
+            self._write_flight_stats(f)
+
+        def has_pending_push_work(self) -> bool:
+            """Keeps the engine stepping while requests that are over hold marks of blocks
+            handed for saving: each step's settle ends them (Ready, or MARK_GRACE_S after),
+            so an engine never idles with a mark a peer would wait for."""
+            f = self._flight
+            return f is not None and f.unsettled()
+
         def _write_flight_stats(self, f: Intents) -> None:
             path = self._cfg.stats_file
             if path is None:
