@@ -30,12 +30,38 @@ def test_block_keys_are_chained_full_blocks_and_differ_with_every_identity_field
     for field, value in (("model", "other"), ("dtype", "bfloat16"), ("kv_dtype", "fp8"),
                          ("block_size", 16), ("num_layers", 3), ("layout", "HND"),
                          ("tp_size", 2), ("user_namespace", "weights-v2"),
-                         ("config_digest", "x")):
+                         ("config_digest", "x"), ("attn_backend", "FLASHINFER"),
+                         ("device", "cuda")):
         other = dataclasses.replace(ID, **{field: value})
         assert not set(uv.block_keys(PROMPT, other)) & set(keys), field
     assert not set(uv.block_keys(PROMPT, ID, salt="tenant")) & set(keys)
     with pytest.raises(ValueError, match="block_size must be an int >= 1"):
         dataclasses.replace(ID, block_size=0)
+
+
+def test_engines_differing_only_in_attention_backend_or_kv_device_share_no_block():
+    """Two engines whose KV tensors have the same shape, strides and dtype but whose attention
+    backends (or KV devices) differ read the elements differently: their identities, as
+    identity_from_vllm makes them, give different block keys and segments."""
+    from types import SimpleNamespace as NS
+
+    def config(backend, device):
+        return NS(model_config=NS(model="tiny", revision="", hf_config=None, dtype="float32"),
+                  cache_config=NS(block_size=BS, cache_dtype="auto", kv_cache_layout="NHD"),
+                  parallel_config=NS(tensor_parallel_size=1, pipeline_parallel_size=1),
+                  attention_config=NS(backend=backend), device_config=NS(device_type=device))
+
+    kv = NS(kv_cache_groups=[NS(layer_names=["l0", "l1"], kv_cache_spec=NS(
+        num_kv_heads=2, head_size=32, dtype="float32"))])
+    base, layers = uv.identity_from_vllm(config(None, "cpu"), kv)
+    assert layers == ["l0", "l1"] and base.device == "cpu" and base.attn_backend
+    keys = uv.block_keys(PROMPT, base)
+    for backend, device in ((NS(name="FLASHINFER"), "cpu"), (None, "cuda")):
+        other, _ = uv.identity_from_vllm(config(backend, device), kv)
+        assert dataclasses.replace(other, attn_backend=base.attn_backend,
+                                   device=base.device) == base    # only there they differ
+        assert not set(uv.block_keys(PROMPT, other)) & set(keys), (backend, device)
+        assert uv.default_segment(other) != uv.default_segment(base)
 
 
 def test_a_header_names_its_block_and_refuses_anything_else():

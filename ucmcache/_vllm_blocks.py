@@ -5,8 +5,9 @@ KV of that block laid end to end, in the order of the engine's KV cache group.
 
 Keys.  ``EngineIdentity`` names everything that changes what a block's bytes mean: the model
 (path or name, revision, a digest of its HF config), the dtypes, the block size, the KV spec
-(layers, KV heads, head size), the KV layout, the TP and PP sizes, and a free-form user
-namespace (for weights changed under the same path).  Its ``namespace`` string seeds chained
+(layers, KV heads, head size), the KV layout, the TP and PP sizes, the attention backend and
+the KV cache's device type, and a free-form user namespace (for weights changed under the same
+path).  Its ``namespace`` string seeds chained
 block ids over the token ids (``block_keys``): the id of block i covers the tokens of blocks
 0..i, as vLLM's own prefix cache hashes do.  The rank (tp_rank + tp_size * pp_rank) is the key's
 offset, so the shards of one block on different ranks are different keys of one id.  Engines
@@ -76,6 +77,11 @@ class EngineIdentity:
     tp_size: int = 1
     pp_size: int = 1
     user_namespace: str = ""    # kv_connector_extra_config "namespace"
+    # the attention backend vLLM selects (what a KV tensor's elements mean to its kernels:
+    # two backends may lay out the same shape, strides and dtype differently) and the KV
+    # cache's device type
+    attn_backend: str = ""
+    device: str = ""
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -90,7 +96,7 @@ class EngineIdentity:
         parts = [f"{k}={getattr(self, k)}" for k in (
             "model", "revision", "config_digest", "dtype", "kv_dtype", "block_size",
             "num_layers", "num_kv_heads", "head_size", "spec", "layout", "tp_size", "pp_size",
-            "user_namespace")]
+            "user_namespace", "attn_backend", "device")]
         return "ucmcache.vllm/v1|" + "|".join(parts)
 
     @property

@@ -361,8 +361,45 @@ def identity_from_vllm(vllm_config: Any, kv_cache_config: Any,
         head_size=int(getattr(spec, "head_size", 0) or 0), spec=type(spec).__name__,
         layout=str(getattr(layout, "name", layout) or ""),
         tp_size=int(pc.tensor_parallel_size), pp_size=int(pc.pipeline_parallel_size),
-        user_namespace=user_namespace)
+        user_namespace=user_namespace, attn_backend=_attn_backend_name(vllm_config),
+        device=str(getattr(getattr(vllm_config, "device_config", None), "device_type", "")
+                   or ""))
     return ident, layers
+
+
+def _attn_backend_name(vllm_config: Any) -> str:
+    """The attention backend vLLM's selector picks for the model's configuration, asked
+    without a model (as vLLM's own connectors do where no layer exists: the scheduler has
+    none), so the scheduler and the workers name the same one and agree on the namespace;
+    the configured backend (or "auto"), marked so, where the selector cannot be asked.  The
+    workers also fingerprint the backends their layers use (register_kv_caches)."""
+    configured = getattr(getattr(vllm_config, "attention_config", None), "backend", None)
+    try:
+        from vllm.config import set_current_vllm_config
+        from vllm.v1.attention.selector import get_attn_backend
+        mc, cc = vllm_config.model_config, vllm_config.cache_config
+        with set_current_vllm_config(vllm_config):
+            backend = get_attn_backend(head_size=mc.get_head_size(), dtype=mc.dtype,
+                                       kv_cache_dtype=cc.cache_dtype,
+                                       use_mla=bool(getattr(mc, "use_mla", False)))
+        return str(backend.get_name())
+    except Exception as e:  # a vLLM without this selector: the configuration's word for it
+        log.info("UcmCacheConnector: the attention backend could not be asked of vLLM's "
+                 "selector (%s: %s); the engine identity names the configured one",
+                 type(e).__name__, e)
+        return f"configured:{getattr(configured, 'name', configured) or 'auto'}"
+
+
+def _layer_backends(vllm_config: Any, layer_names: List[str]) -> str:
+    """The attention backends of the worker's layers, by name ("" where vLLM cannot say)."""
+    try:
+        from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
+        return ",".join(sorted(b.get_name() for b in
+                               get_current_attn_backends(vllm_config, layer_names)))
+    except Exception as e:
+        log.info("UcmCacheConnector: the layers' attention backends could not be read: %s: %s",
+                 type(e).__name__, e)
+        return ""
 
 
 def _write_json(path: str, data: Dict[str, Any]) -> None:
@@ -544,7 +581,10 @@ if HAVE_VLLM:
                                  size_mb=self._cfg.size_mb, max_ranks=self._cfg.max_ranks)
             self._parts.cache = cache
             try:
-                self._io = KVBlockIO(cache, layers, namespace=self._identity.namespace,
+                # the fingerprint binds a slot to the backends its KV was computed by, too
+                backends = _layer_backends(self._vllm_config, self._layer_names)
+                self._io = KVBlockIO(cache, layers,
+                                     namespace=f"{self._identity.namespace}|layers={backends}",
                                      offset=self._rank_offset, pages=pages,
                                      checksum=self._cfg.checksum, names=self._layer_names)
                 self._parts.io = self._io
