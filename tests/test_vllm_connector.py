@@ -416,8 +416,9 @@ class _CountingCache:
 def test_a_stuck_save_is_dropped_once_with_the_saves_queued_behind_it(make_cache, monkeypatch):
     """A save that does not end (held between two layers) is dropped by the first wait that
     outlives its timeout, together with every save queued behind it on the save thread; later
-    waits do not wait for them again; a dropped save claims no more chunks, and one dropped
-    before it starts claims nothing.  Each drop is counted once."""
+    waits do not wait for them again, and a save submitted later, queued behind the stuck one,
+    is dropped without a wait; a dropped save claims no more chunks, and one dropped before it
+    starts claims nothing.  Each drop is counted once."""
     import threading
     from concurrent.futures import ThreadPoolExecutor
     monkeypatch.setattr(_vb, "SAVE_CHUNK", 1)     # a chunk a block: the claim before each
@@ -430,12 +431,12 @@ def test_a_stuck_save_is_dropped_once_with_the_saves_queued_behind_it(make_cache
 
     def stuck(layer):
         entered.set()
-        gate.wait(30)
+        gate.wait(20)     # bounded: then the stuck save ends, and what is queued behind runs
 
     io._test_points["save_between_layers"] = stuck
     ex = ThreadPoolExecutor(1)
     saves = _vb.DeferredSaves(io, ex)
-    keys = uv.block_keys(PROMPT, ID)
+    keys = uv.block_keys(list(range(6 * BS + 1)), ID)
     try:
         first = saves.submit(["r0"], keys[:2], [0, 1])        # 2 chunks; stuck in the 1st
         assert entered.wait(30)
@@ -446,13 +447,15 @@ def test_a_stuck_save_is_dropped_once_with_the_saves_queued_behind_it(make_cache
         assert saves.wait_for({"r2"}, timeout=0.01) == 0
         assert saves.wait_for(keep=1, timeout=0.01) == 0
         assert saves.take_stats().saves_dropped == 3          # once each
+        later = saves.submit(["r3"], keys[4:5], [4])          # the next step's, behind it
+        assert saves.wait_for({"r3"}, timeout=60) == 1 and later.dropped()   # no wait
     finally:
         gate.set()
         ex.shutdown(wait=True)
     assert counting.claims == 1                               # the stuck chunk only
-    assert c.exist(keys[:4]) == [False] * 4 and c.entry_count() == 0
+    assert c.exist(keys[:5]) == [False] * 5 and c.entry_count() == 0
     st = saves.take_stats()
-    assert st.saves_dropped == 0 and st.blocks_saved == 0 and st.blocks_not_saved == 4
+    assert st.saves_dropped == 1 and st.blocks_saved == 0 and st.blocks_not_saved == 5
 
 
 def test_a_preempted_requests_save_is_finished_before_the_wait_returns(make_cache):

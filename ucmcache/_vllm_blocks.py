@@ -787,9 +787,10 @@ class DeferredSaves:
                  keep: int = 0) -> int:
         """Return once every job holding a block of ``req_ids`` (every job when None) is over,
         but the last ``keep`` submitted; a job not over after ``timeout`` s is dropped, with
-        every job submitted after it (they run after it on the one save thread).  A dropped
-        job is not waited for again: it publishes nothing Ready whenever it ends.  How many
-        jobs were not over (nor dropped) when asked."""
+        every job submitted after it (they run after it on the one save thread); a job queued
+        behind a dropped one that has not ended is dropped without a wait.  A dropped job is
+        not waited for again: it publishes nothing Ready whenever it ends.  How many jobs were
+        not over (nor dropped) when asked."""
         jobs = self._jobs[:len(self._jobs) - keep] if keep else self._jobs
         jobs = [j for j in jobs if not j.future.done() and not j.dropped()
                 and (req_ids is None or j.req_ids & req_ids)]
@@ -800,6 +801,14 @@ class DeferredSaves:
         for j in jobs:
             if j.dropped():
                 continue    # queued behind one dropped in this wait
+            if self._behind_dropped(j):
+                # the save thread is still in a save dropped earlier (stuck past its wait):
+                # this one cannot start before it ends, so it is not waited for either
+                n, blocks = self._drop_from(j)
+                log.warning("ucmcache.vllm: %d save(s) of %d block(s) queued behind a save "
+                            "dropped earlier that has not ended: dropped without a wait", n,
+                            blocks)
+                continue
             try:
                 j.future.result(max(0.0, deadline - time.monotonic()))
             except Exception:  # a timeout: the copy may go on; it publishes nothing now
@@ -810,6 +819,15 @@ class DeferredSaves:
                             blocks)
         self._waited.save_wait_us += (time.perf_counter_ns() - t0) // 1000
         return len(jobs)
+
+    def _behind_dropped(self, job: SaveJob) -> bool:
+        """Whether a job submitted before ``job`` was dropped and has not ended."""
+        for j in self._jobs:
+            if j is job:
+                return False
+            if j.dropped() and not j.future.done():
+                return True
+        return False
 
     def _drop_from(self, job: SaveJob) -> Tuple[int, int]:
         """Drop ``job`` and every job not over submitted after it (they cannot start before it
