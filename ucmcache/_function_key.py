@@ -12,7 +12,14 @@ So the key holds a digest of what the function computes with besides its argumen
 - its defaults and keyword-only defaults, and the contents of its closure cells, as pickled
   values.  A function found among them (a helper captured by a closure, a decorated
   function's inner one) or anywhere inside them is keyed by the same rule, recursively (a cycle,
-  a recursive closure, by its name), a set or frozenset by its sorted items.
+  a recursive closure, by its name).
+
+The digest is the same in every process that has the same function: nothing in it follows the
+hash seed.  A set or frozenset is keyed by its items' sorted pickles; a dict by its items in its
+keys' sorted order, not its insertion order (which a dict made from a set takes from the seed);
+an OrderedDict keeps its order (its equality says the order matters).  So is an object pickle
+writes by its reduction (a namedtuple, a dataclass, a SimpleNamespace, a defaultdict): the
+arguments, state and items the reduction gives are keyed by the same rule, at any depth.
 
 Refused, with TypeError naming what and why: a value among them that cannot be pickled (a
 lock, an open file, a model object without pickle support), and callables that are not plain
@@ -28,19 +35,26 @@ so processes on different versions compute their own entries (never another's).
 """
 from __future__ import annotations
 
+import collections
+import copyreg
 import hashlib
 import io
 import pickle
 import types
 from typing import Any, Callable, Optional, Tuple
 
-_PERSON = b"ucmcache.fn.v1"     # the digest's personalisation: a new rule gets a new one
+_PERSON = b"ucmcache.fn.v2"     # the digest's personalisation: a new rule gets a new one
 _EMPTY_CELL = ("<empty closure cell>",)
 
 
 class _Sorted(tuple):
     """A set's items as sorted pickles: a private type, so no value of the caller's pickles the
     same way as a set does."""
+
+
+class _Items(tuple):
+    """A dict's items as (key, value) pairs in its keys' sorted order, for keys that are not
+    all str, bytes or numbers."""
 
 
 class _Function(tuple):
@@ -55,6 +69,12 @@ def _memoized_ref(namespace: str, digest: bytes) -> _Function:
     return _Function((namespace, digest))
 
 
+# The module's own reduction functions: pickled by their names, never keyed by their code.
+_OWN_FUNCTIONS = frozenset((_function_ref, _memoized_ref))
+_OWN_TYPES = frozenset((_Sorted, _Items, _Function))
+_ATOMS = frozenset((str, bytes, int, float, bool, type(None)))
+
+
 class _KeyPickler(pickle.Pickler):
     """pickle, with every function and code object replaced by its digest (the rule above), at
     any depth, where plain pickle would write a function's name only, or fail on a lambda."""
@@ -65,7 +85,9 @@ class _KeyPickler(pickle.Pickler):
 
     def reducer_override(self, obj: Any) -> Any:
         t = type(obj)
-        if t is types.FunctionType and obj is not _function_ref and obj is not _memoized_ref:
+        if t is types.FunctionType:
+            if obj in _OWN_FUNCTIONS:
+                return NotImplemented
             memo = getattr(obj, "_ucm_memoized", None)
             if memo is not None:          # another memoized function: its namespace and function
                 namespace, fn = memo
@@ -73,20 +95,70 @@ class _KeyPickler(pickle.Pickler):
             return _function_ref, (_function_digest(obj, self.seen),)
         if t is types.CodeType:
             return _function_ref, (_digest(_code_parts(obj), self.seen),)
-        return NotImplemented
+        if isinstance(obj, type) or t in _OWN_TYPES:
+            return NotImplemented          # a class: by its name, as pickle writes it
+        return _canonical_reduction(obj, self.seen)
 
 
-def _canon(obj: Any, seen: set) -> Any:
-    """obj with its sets made sorted tuples, through the containers pickle does not hand to
-    reducer_override (a set's order follows the hash seed: it would differ between processes)."""
+def _canonical_reduction(obj: Any, seen: set) -> Any:
+    """obj's reduction as pickle would take it (copyreg's table, else __reduce_ex__), with its
+    arguments, state and items canonical (_canon): pickle does not hand the containers in them
+    to reducer_override, so a set in a namedtuple's fields or a dataclass's state, a dict's
+    order in a SimpleNamespace or a defaultdict's items, would be pickled as the hash seed
+    left them."""
+    reduce = copyreg.dispatch_table.get(type(obj))
+    rv = reduce(obj) if reduce is not None else obj.__reduce_ex__(4)
+    if not isinstance(rv, tuple):
+        return NotImplemented              # a global's name: pickle writes it as it is
+    rv = list(rv)
+    rv[1] = _canon(rv[1], seen)
+    if len(rv) > 2:
+        rv[2] = _canon(rv[2], seen)
+    if len(rv) > 3 and rv[3] is not None:
+        rv[3] = iter([_canon(x, seen) for x in rv[3]])
+    if len(rv) > 4 and rv[4] is not None:
+        pairs = [(_canon(k, seen), _canon(v, seen)) for k, v in rv[4]]
+        if not isinstance(obj, collections.OrderedDict):
+            pairs.sort(key=lambda kv: _dumps(kv[0], seen))
+        rv[4] = iter(pairs)
+    return tuple(rv)
+
+
+def _canon(obj: Any, seen: set, memo: Optional[dict] = None) -> Any:
+    """obj with every set made its items' sorted pickles and every dict's items put in its
+    keys' sorted order, through the containers pickle does not hand to reducer_override (a
+    set's order follows the hash seed, and so does a dict's made from one: they would differ
+    between processes).  A list or dict that holds itself is made once (``memo``), so a cycle
+    stays a cycle for pickle's memo instead of recursing."""
     t = type(obj)
-    if t is tuple or t is list:
-        return t(_canon(x, seen) for x in obj)
-    if t is dict:
-        return {_canon(k, seen): _canon(v, seen) for k, v in obj.items()}
-    if t is set or t is frozenset:
-        return _Sorted((t.__name__, tuple(sorted(_dumps(x, seen) for x in obj))))
-    return obj
+    if t is not tuple and t is not list and t is not dict and t is not set \
+            and t is not frozenset:
+        return obj
+    if memo is None:
+        memo = {}
+    done = memo.get(id(obj))
+    if done is not None:
+        return done
+    if t is tuple:
+        out: Any = tuple(_canon(x, seen, memo) for x in obj)
+    elif t is list:
+        out = memo[id(obj)] = []
+        out.extend(_canon(x, seen, memo) for x in obj)
+    elif t is dict:
+        if all(type(k) in _ATOMS for k in obj):
+            out = memo[id(obj)] = {}       # still a dict: pickle checks a NEWOBJ_EX's kwargs
+            for k in sorted(obj, key=lambda k: pickle.dumps(k, protocol=4)):
+                out[k] = _canon(obj[k], seen, memo)
+        else:
+            # Keys whose canonical forms could be equal (a frozenset's and a tuple's): the
+            # pairs, ordered by their keys' pickles.
+            pairs = sorted(((_canon(k, seen, memo), _canon(v, seen, memo))
+                            for k, v in obj.items()), key=lambda kv: _dumps(kv[0], seen))
+            out = _Items(pairs)
+    else:
+        out = _Sorted((t.__name__, tuple(sorted(_dumps(x, seen) for x in obj))))
+    memo[id(obj)] = out
+    return out
 
 
 def _dumps(obj: Any, seen: set) -> bytes:

@@ -1,7 +1,10 @@
 """Functions for tests/test_memoize.py, importable in spawned children: each result carries
 the pid of the process that computed it, so a caller tells its own computation from an entry
 another process stored."""
+import collections
+import dataclasses
 import os
+import types
 
 from ucmcache import SlotCache
 
@@ -32,8 +35,32 @@ def member_of(words):
 vowel = member_of(frozenset("aeiou"))
 digit = member_of(frozenset("0123456789"))
 
+# Sets and dicts inside objects pickle writes by their reduction, and a dict whose order came
+# from a set: each process's hash seed orders them its own way; the key must not follow it.
+STOP = frozenset({"a", "an", "the", "of", "to", "in", "is", "it", "and", "or"})
+Config = collections.namedtuple("Config", "stop")
+
+
+@dataclasses.dataclass
+class Allowed:
+    words: set
+
+
+def seeded():
+    cfg, ns = Config(STOP), types.SimpleNamespace(stop=set(STOP), other=set(STOP))
+    allowed, dd = Allowed(set(STOP)), collections.defaultdict(set, {"k": set(STOP)})
+    ranks = dict.fromkeys(set(STOP), 1)
+    return {"namedtuple_cell": lambda x: (x in cfg.stop, os.getpid()),
+            "namespace_cell": lambda x: (x in ns.stop, os.getpid()),
+            "dataclass_cell": lambda x: (x in allowed.words, os.getpid()),
+            "defaultdict_cell": lambda x: (x in dd["k"], os.getpid()),
+            "dict_from_set_cell": lambda x: (x in ranks, os.getpid())}
+
+
+SEEDED = seeded()
+
 FUNCTIONS = {"double": double, "triple": triple, "inc": inc, "neg": neg, "vowel": vowel,
-             "digit": digit}
+             "digit": digit, **SEEDED}
 
 
 def memoized(cache, name):
@@ -51,3 +78,12 @@ def _call_each(uuid, calls):
 
 def call_each(q, *args):
     run(_call_each, q, *args)
+
+
+def _hash_and_call_each(uuid, calls):
+    """This process's hash of a str (its hash seed's mark) and _call_each's results."""
+    return hash("ucmcache"), _call_each(uuid, calls)
+
+
+def hash_and_call_each(q, *args):
+    run(_hash_and_call_each, q, *args)
