@@ -227,3 +227,61 @@ def test_a_value_that_holds_itself_is_keyed(make_cache):
     node.me = node
     assert memo(c, lambda x: x * loop[0])(3) == 3
     assert memo(c, lambda x: x * node.me.n)(3) == 6
+
+
+def test_a_class_redefined_in_a_notebook_gets_its_own_results(make_cache, monkeypatch):
+    """A class in a closure cell, an instance of it, its bound method: pickle writes a class by
+    its name, so a class redefined under its name (a notebook cell run again) kept the old
+    one's entries (before: 10 again where 15 was due, for each of the three)."""
+    import sys
+    import types
+    c = make_cache(slot_size=256)
+    nb = types.ModuleType("ucm_test_notebook")               # a notebook's module
+    monkeypatch.setitem(sys.modules, nb.__name__, nb)
+
+    def run_cell(factor):
+        exec(f"class Scaler:\n"
+             f"    def apply(self, x):\n"
+             f"        return {factor} * x\n", nb.__dict__)
+        return nb.Scaler
+    captures = {"the class": lambda cls: (lambda x: cls().apply(x)),
+                "an instance": lambda cls: (lambda obj: lambda x: obj.apply(x))(cls()),
+                "a bound method": lambda cls: (lambda m: lambda x: m(x))(cls().apply)}
+    for what, capture in captures.items():
+        assert memo(c, capture(run_cell(2)))(5) == 10, what
+        assert memo(c, capture(run_cell(3)))(5) == 15, what
+        c.clear()
+
+
+def test_a_class_attribute_is_in_the_key(make_cache):
+    """Two classes of one name differing in a class constant (or a static method): their own
+    results.  An attribute that cannot be pickled (a lock) is keyed by its type: not refused."""
+    import threading
+    c = make_cache(slot_size=256)
+
+    def make(k, lock_too):
+        class Rule:
+            FACTOR = k
+            if lock_too:
+                guard = threading.Lock()
+
+            @staticmethod
+            def scale(x):
+                return x * Rule.FACTOR
+        return lambda x: Rule.scale(x)
+    assert memo(c, make(2, False))(5) == 10
+    assert memo(c, make(3, False))(5) == 15
+    assert memo(c, make(4, True))(5) == 20
+
+
+def test_a_class_of_an_installed_module_is_keyed_by_its_name(make_cache):
+    """An installed module's class (fractions.Fraction here) is keyed as pickle writes it; its
+    instances by their values."""
+    from fractions import Fraction
+    c = make_cache(slot_size=256)
+
+    def times(q):
+        return lambda x: x * q
+    assert memo(c, times(Fraction(1, 2)))(4) == 2
+    assert memo(c, times(Fraction(1, 4)))(4) == 1
+    assert memo(c, times(Fraction(1, 2)))(4) == 2 and len(c) == 2

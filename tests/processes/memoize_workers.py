@@ -3,6 +3,7 @@ the pid of the process that computed it, so a caller tells its own computation f
 another process stored."""
 import collections
 import dataclasses
+import enum
 import os
 import types
 
@@ -46,15 +47,29 @@ class Allowed:
     words: set
 
 
+class Kind(enum.Enum):
+    STOP = STOP
+    NONE = frozenset()
+
+
+class Words(set):
+    """A class of this (not installed) module, keyed by its attributes: one with a set."""
+    LIMIT = {"x", "y", "z", "w"}
+
+    def has(self, x):
+        return super().__contains__(x)
+
+
 def seeded():
     cfg, ns = Config(STOP), types.SimpleNamespace(stop=set(STOP), other=set(STOP))
     allowed, dd = Allowed(set(STOP)), collections.defaultdict(set, {"k": set(STOP)})
-    ranks = dict.fromkeys(set(STOP), 1)
+    ranks, words, kind = dict.fromkeys(set(STOP), 1), Words(STOP), Kind.STOP
     return {"namedtuple_cell": lambda x: (x in cfg.stop, os.getpid()),
             "namespace_cell": lambda x: (x in ns.stop, os.getpid()),
             "dataclass_cell": lambda x: (x in allowed.words, os.getpid()),
             "defaultdict_cell": lambda x: (x in dd["k"], os.getpid()),
-            "dict_from_set_cell": lambda x: (x in ranks, os.getpid())}
+            "dict_from_set_cell": lambda x: (x in ranks, os.getpid()),
+            "class_cells": lambda x: (words.has(x) and x in kind.value, os.getpid())}
 
 
 SEEDED = seeded()
