@@ -293,6 +293,7 @@ class SlotCache(CacheBase, SingleFlight, Batches, Prefetching, Mapping):
             ctx = self._detach_ctx()
         self._closing_ctx = ctx
         self._why_unusable = "closed"
+        _slots.forget_cache(self)  # owns_load looks it up no more
         lib.ucm_ctx_close(ctx)
         self._finish_close(ctx)
 
@@ -341,6 +342,7 @@ class SlotCache(CacheBase, SingleFlight, Batches, Prefetching, Mapping):
                 self._tier.close()
             ctx = self._closing_ctx = self._detach_ctx()
             self._why_unusable = "closed"
+            _slots.forget_cache(self)
             keep = self._exports > 0
             if keep:
                 # Their pins go with the rank: the pinned slots get private pages first, so a
