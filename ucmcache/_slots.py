@@ -102,11 +102,21 @@ class SegmentId:
 
 
 # (device, inode) -> the SegmentId of this process's caches of that file; weak: it goes with
-# the last of them.  A forked child starts with none (its parent's caches are unusable in it).
+# the last of them.  A forked child starts with none (its parent's caches are unusable in it),
+# and with a lock of its own: the parent's may have been held by another thread inside
+# note_cache as the process forked, and that thread does not run in the child.
 _segment_ids: "weakref.WeakValueDictionary[Tuple[int, int], SegmentId]" = \
     weakref.WeakValueDictionary()
 _segment_ids_lock = threading.Lock()
-os.register_at_fork(after_in_child=_segment_ids.clear)
+
+
+def _segment_ids_after_fork() -> None:
+    global _segment_ids, _segment_ids_lock
+    _segment_ids_lock = threading.Lock()
+    _segment_ids = weakref.WeakValueDictionary()
+
+
+os.register_at_fork(after_in_child=_segment_ids_after_fork)
 
 
 def note_cache(cache: "SlotCache", uuid: str, file: Tuple[int, int]) -> None:
