@@ -28,7 +28,9 @@ def read_stats(prefix: str) -> dict:
     total: dict = {}
     d, base = os.path.split(prefix)
     for name in os.listdir(d):
-        if name.startswith(base + ".rank"):
+        # <prefix>.rank<r> only: not a worker's <prefix>.rank<r>.tmp<pid> being written
+        # (ucmcache.vllm._write_json writes there, then renames), nor <prefix>.scheduler
+        if name.startswith(base + ".rank") and name[len(base) + 5:].isdigit():
             with open(os.path.join(d, name)) as f:
                 for k, v in json.load(f).items():
                     if isinstance(v, int):
