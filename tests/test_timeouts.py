@@ -254,3 +254,63 @@ def test_the_longest_finite_timeout_is_kept_and_the_next_is_refused(make_cache):
         check_timeout(math.nextafter(MAX_TIMEOUT, INF))
     c = make_cache(slot_size=64)
     assert c.get_or_load(K, lambda: b"ok", timeout=MAX_TIMEOUT) == b"ok"   # a cold path
+
+
+# ---------------------------------------------------------------- tiers and the UCM config
+
+BOUND_BAD = [None, INF, float("nan"), 0, -1, True, "1", 1e10]
+
+
+@pytest.mark.parametrize("bad", BOUND_BAD, ids=repr)
+def test_a_tiers_bounds_are_finite_and_positive(tmp_path, bad):
+    """A tier's timeout bounds each disk or network step, and a lease's milliseconds are an
+    int: None, inf (before: accepted, then OverflowError on every miss of a DiskTier, and from
+    RedisTier's lease arithmetic), past MAX_TIMEOUT, NaN, 0 and the rest are refused up front,
+    naming the parameter."""
+    from ucmcache import DiskTier, RedisTier
+    with pytest.raises(ValueError, match=r"^timeout must be a positive number of seconds, at "
+                                         r"most 1e9"):
+        DiskTier(tmp_path / "d", 1 << 20, timeout=bad)
+    assert not (tmp_path / "d").exists()
+    for name in ("timeout", "write_timeout", "lease_ttl", "value_ttl"):
+        if name == "value_ttl" and bad is None:
+            continue                                           # None: no expiry
+        with pytest.raises(ValueError, match=rf"^{name} must be a positive number of seconds"):
+            RedisTier("redis://127.0.0.1:1", namespace="ns", **{name: bad})
+
+
+def test_the_longest_finite_tier_timeout_serves_a_miss(make_cache, tmp_path):
+    """DiskTier(timeout=1e9), the longest bound: a miss asks the disk and loads (1e10 passed
+    the old check and raised OverflowError from the disk wait on every miss)."""
+    from ucmcache import DiskTier
+    tier = DiskTier(tmp_path / "d", 1 << 20, timeout=1e9)
+    c = make_cache(slot_size=64, tier2=tier)
+    assert c.get_or_load(K, lambda: b"ok") == b"ok"
+    assert tier.flush(None) and tier.flush(INF)             # no deadline: the write is done
+    assert c.get_or_load(K, lambda: b"never") == b"ok"
+
+
+@pytest.mark.parametrize("bad", BAD, ids=repr)
+def test_a_tiers_flush_and_close_hold_to_the_timeout_rule(tmp_path, bad):
+    """flush(timeout) and close(timeout) of both tiers: check_timeout's rule (before: None
+    raised TypeError from a deadline's arithmetic, NaN, inf and -1 passed as if no wait)."""
+    from ucmcache import DiskTier, RedisTier
+    disk = DiskTier(tmp_path / "d", 1 << 20)
+    redis_tier = RedisTier("redis://127.0.0.1:1", namespace="ns")
+    for call in (disk.flush, disk.close, redis_tier.flush, redis_tier.close):
+        with pytest.raises(ValueError, match=REFUSED):
+            call(bad)
+    assert disk.flush(None) and disk.flush(INF) and redis_tier.flush(None)
+    disk.close(None)
+    redis_tier.close(INF)
+
+
+def test_the_ucm_configs_transfer_timeout_is_held_to_the_longest_wait():
+    """transfer_timeout_ms past MAX_TIMEOUT (1e9 s) is refused when the config is read, naming
+    the key (before: accepted, then every transfer's get_many refused it)."""
+    from ucmcache._ucm_config import _Config
+    for key in ("transfer_timeout_ms", "timeout_ms"):
+        with pytest.raises(ValueError, match=rf"^config '{key}' must be at most "
+                                             r"1000000000000 ms"):
+            _Config({key: 10 ** 13})
+        assert _Config({key: 10 ** 12}).timeout == 1e9

@@ -202,6 +202,33 @@ def test_intents_end_when_their_request_ends_without_saving(main, schedulers, ho
     assert b.marked("rb") == KEYS[n:]
 
 
+@pytest.mark.parametrize("saved", [True, False])
+def test_marks_of_a_finished_requests_saves_end_when_the_saves_are_over_without_a_step(
+        main, schedulers, saved):
+    """A request that finishes within a step of its prefill: its deferred saves end after the
+    last settle of an engine that then idles.  The workers' finished_sending (saves_over) ends
+    its marks, Ready or not, so a peer meeting one of its blocks evicted later computes at
+    once instead of waiting peer_wait_s for an idle engine."""
+    a, aclock = schedulers()
+    b, bclock = schedulers(peer_wait_s=5.0)
+    settle_ready = lambda ks: exist_all_ranks(main, ks, 1)   # noqa: E731
+    assert a.lookup("ra", KEYS[:4], ready_in(main), limit=3, upto=4) == 0
+    a.handed("ra", KEYS[:4])
+    a.end("ra", "request finished", keep_handed=True)        # request_finished
+    a.settle(settle_ready)                                   # the saves are still running
+    assert a.marked("ra") == KEYS[:4] and a.unsettled()
+    if saved:
+        save(main, KEYS[:4])                                 # published after the last settle
+    a.saves_over(["ra"], settle_ready)                       # the workers' finished_sending
+    assert a.marked("ra") == [] and not a._mine and not a.unsettled()
+    assert (a.stats.ended_ready, a.stats.ended_other) == ((4, 0) if saved else (0, 4))
+    assert intent_state(main, KEYS[1]) is None
+    main.delete(KEYS[1])                                     # evicted later
+    n = 1 if saved else 0
+    assert b.lookup("rb", KEYS[:4], ready_in(main), limit=3, upto=4) == n   # no wait
+    assert b.stats.waits == 0 and b.marked("rb") == KEYS[n:4]
+
+
 def test_a_block_ready_for_only_some_tp_ranks_keeps_its_intent(main, schedulers):
     a, _ = schedulers()
     a.lookup("ra", KEYS[:2], ready_in(main, 2), limit=2, upto=2)
@@ -241,6 +268,32 @@ def test_config_and_names():
     assert intents_uuid("vllm-abc") == "vllm-abc-intents"
     long = "x" * 64
     assert len(intents_uuid(long)) <= 64 and intents_uuid(long) != intents_uuid("x" * 63 + "y")
+
+
+def test_a_segment_of_another_use_named_as_the_intents_segment_is_refused(main):
+    """An engine's KV segment that bears another segment's intents name is never taken as
+    intents (a mark would evict one of its blocks), and the connector refuses such a name."""
+    from ucmcache.vllm import ConnectorConfig, VllmConnectorError
+    kv = SlotCache.create(intents_uuid(main.uuid), slots_per_rank=8, slot_size=1 << 12,
+                          max_ranks=2)
+    try:
+        blocks = [bytes([0xB0, i]) * 8 for i in range(16)]
+        for k in blocks:
+            with kv.get(k) as h:
+                if h.owner:
+                    h.data[:4] = b"KV!!"
+                    h.ready(4)
+        before = kv.exist(blocks)
+        with pytest.raises(VllmConnectorError, match="holds slots of 4096 bytes, not the "
+                                                     "intents segment"):
+            open_intents(main.uuid, 4)
+        assert kv.exist(blocks) == before and sum(before) == 16 and kv.entry_count() == 16
+    finally:
+        kv.close()
+    for name in ("llama-kv-intents", intents_uuid("x" * 64)):
+        with pytest.raises(VllmConnectorError, match="ends in '-intents'"):
+            ConnectorConfig.from_extra({"segment": name})
+    assert ConnectorConfig.from_extra({"segment": "llama-intents-kv"}).segment
 
 
 # ---------------------------------------------------------------- another process, killed

@@ -123,8 +123,15 @@ def _before_fork() -> None:
     _fork_pipes.add(pipe)
     _fork_state.pipe = pipe
     for cache in caches:
-        n = max(cache.capacity, (len(cache._ro) - cache._data_off) // cache._stride
-                if cache._ro is not None and cache._stride > 0 else 0)
+        try:
+            mapped = len(cache._ro) if cache._ro is not None else 0
+        except ValueError:
+            # Released: another thread's close of this cache ended after the list was taken
+            # (it detaches after leaving _live_caches).  Its context is gone: nothing to hold
+            # (_fork_hold would answer False), and the caches after it still get theirs.
+            continue
+        n = max(cache.capacity, (mapped - cache._data_off) // cache._stride
+                if cache._stride > 0 else 0)
         cache._fork_hold(np.empty(n, dtype=np.uint32), holds)  # holds and records, one step
 
 
@@ -295,6 +302,7 @@ class SlotCache(CacheBase, SingleFlight, Batches, Prefetching, Mapping):
             ctx = self._detach_ctx()
         self._closing_ctx = ctx
         self._why_unusable = "closed"
+        _slots.forget_cache(self)  # owns_load looks it up no more
         lib.ucm_ctx_close(ctx)
         self._finish_close(ctx)
 
@@ -343,6 +351,7 @@ class SlotCache(CacheBase, SingleFlight, Batches, Prefetching, Mapping):
                 self._tier.close()
             ctx = self._closing_ctx = self._detach_ctx()
             self._why_unusable = "closed"
+            _slots.forget_cache(self)
             keep = self._exports > 0
             if keep:
                 # Their pins go with the rank: the pinned slots get private pages first, so a

@@ -12,7 +12,22 @@ So the key holds a digest of what the function computes with besides its argumen
 - its defaults and keyword-only defaults, and the contents of its closure cells, as pickled
   values.  A function found among them (a helper captured by a closure, a decorated
   function's inner one) or anywhere inside them is keyed by the same rule, recursively (a cycle,
-  a recursive closure, by its name), a set or frozenset by its sorted items.
+  a recursive closure, by its name).  So is a class of the caller's code found at any depth
+  (captured; an instance's class, a bound method's instance's): pickle writes a class by its
+  name only, and a class redefined in a notebook would keep the old one's entries.  Such a
+  class is keyed by its module, name, metaclass and bases, and the attributes its body made, in
+  their order: functions (and static/class methods, properties, cached properties) by their
+  code, other values by this rule; one that cannot be pickled (a lock, a framework's compiled
+  validator) by its type's name.  A class of an installed module (the standard library's,
+  site-packages') or a static C type is keyed by its name, as pickle writes it: its code is the
+  installed version's, as a module global's is (name the version in the namespace).
+
+The digest is the same in every process that has the same function: nothing in it follows the
+hash seed.  A set or frozenset is keyed by its items' sorted pickles; a dict by its items in its
+keys' sorted order, not its insertion order (which a dict made from a set takes from the seed);
+an OrderedDict keeps its order (its equality says the order matters).  So is an object pickle
+writes by its reduction (a namedtuple, a dataclass, a SimpleNamespace, a defaultdict): the
+arguments, state and items the reduction gives are keyed by the same rule, at any depth.
 
 Refused, with TypeError naming what and why: a value among them that cannot be pickled (a
 lock, an open file, a model object without pickle support), and callables that are not plain
@@ -28,19 +43,31 @@ so processes on different versions compute their own entries (never another's).
 """
 from __future__ import annotations
 
+import collections
+import copyreg
+import functools
 import hashlib
 import io
+import os
 import pickle
+import site
+import sys
+import sysconfig
 import types
 from typing import Any, Callable, Optional, Tuple
 
-_PERSON = b"ucmcache.fn.v1"     # the digest's personalisation: a new rule gets a new one
+_PERSON = b"ucmcache.fn.v2"     # the digest's personalisation: a new rule gets a new one
 _EMPTY_CELL = ("<empty closure cell>",)
 
 
 class _Sorted(tuple):
     """A set's items as sorted pickles: a private type, so no value of the caller's pickles the
     same way as a set does."""
+
+
+class _Items(tuple):
+    """A dict's items as (key, value) pairs in its keys' sorted order, for keys that are not
+    all str, bytes or numbers."""
 
 
 class _Function(tuple):
@@ -55,6 +82,33 @@ def _memoized_ref(namespace: str, digest: bytes) -> _Function:
     return _Function((namespace, digest))
 
 
+def _class_ref(digest: bytes) -> _Function:  # (what a class of the caller's code reduces to)
+    return _Function(("class", digest))
+
+
+def _proxy_ref(mapping: dict) -> types.MappingProxyType:  # (a read-only view of a dict)
+    return types.MappingProxyType(mapping)
+
+
+def _set_ref(cls: type, items: Any, state: Any) -> Any:  # (a set's subclass: its items sorted)
+    return cls(items)
+
+
+class _Member(tuple):
+    """A class attribute that wraps functions (a staticmethod, classmethod, property, cached
+    property; pickle refuses each) as its kind and its functions."""
+
+
+class _TypeName(tuple):
+    """A class attribute that cannot be pickled, as its type's name."""
+
+
+# The module's own reduction functions: pickled by their names, never keyed by their code.
+_OWN_FUNCTIONS = frozenset((_function_ref, _memoized_ref, _class_ref, _proxy_ref, _set_ref))
+_OWN_TYPES = frozenset((_Sorted, _Items, _Function, _Member, _TypeName))
+_ATOMS = frozenset((str, bytes, int, float, bool, type(None)))
+
+
 class _KeyPickler(pickle.Pickler):
     """pickle, with every function and code object replaced by its digest (the rule above), at
     any depth, where plain pickle would write a function's name only, or fail on a lambda."""
@@ -65,7 +119,9 @@ class _KeyPickler(pickle.Pickler):
 
     def reducer_override(self, obj: Any) -> Any:
         t = type(obj)
-        if t is types.FunctionType and obj is not _function_ref and obj is not _memoized_ref:
+        if t is types.FunctionType:
+            if obj in _OWN_FUNCTIONS:
+                return NotImplemented
             memo = getattr(obj, "_ucm_memoized", None)
             if memo is not None:          # another memoized function: its namespace and function
                 namespace, fn = memo
@@ -73,20 +129,160 @@ class _KeyPickler(pickle.Pickler):
             return _function_ref, (_function_digest(obj, self.seen),)
         if t is types.CodeType:
             return _function_ref, (_digest(_code_parts(obj), self.seen),)
-        return NotImplemented
+        if isinstance(obj, type):
+            if obj in _OWN_TYPES or _by_name(obj):
+                return NotImplemented      # pickle writes it by its name
+            return _class_ref, (_class_digest(obj, self.seen),)
+        if t in _OWN_TYPES:
+            return NotImplemented
+        if t is types.MappingProxyType:    # (pickle refuses it: a dataclass's field metadata)
+            return _proxy_ref, (_canon(dict(obj), self.seen),)
+        return _canonical_reduction(obj, self.seen)
 
 
-def _canon(obj: Any, seen: set) -> Any:
-    """obj with its sets made sorted tuples, through the containers pickle does not hand to
-    reducer_override (a set's order follows the hash seed: it would differ between processes)."""
+# Where installed modules live: the standard library and site-packages of this interpreter.
+_INSTALLED = tuple({os.path.join(os.path.realpath(d), "") for d in (
+    *(sysconfig.get_paths().get(k) for k in ("stdlib", "platstdlib", "purelib", "platlib")),
+    *getattr(site, "getsitepackages", lambda: [])()) if d})
+
+
+@functools.lru_cache(maxsize=None)
+def _installed_file(path: str) -> bool:
+    return os.path.realpath(path).startswith(_INSTALLED)
+
+
+def _by_name(cls: type) -> bool:
+    """Whether a class is keyed by its name, as pickle writes it: a static C type, or a class
+    found under its name in a module of the standard library or site-packages (its code is
+    the installed version's).  Not: a class of the caller's code (a script's, a notebook's, a
+    module of the caller's project), nor one not found under its name (made in a function,
+    redefined since)."""
+    if not cls.__flags__ & _HEAPTYPE:
+        return True
+    module = sys.modules.get(getattr(cls, "__module__", None) or "")
+    if module is None:
+        return False
+    found: Any = module
+    for part in cls.__qualname__.split("."):
+        found = getattr(found, part, None)
+    if found is not cls:
+        return False
+    spec = getattr(module, "__spec__", None)
+    if getattr(spec, "origin", None) in ("built-in", "frozen"):
+        return True
+    path = getattr(module, "__file__", None)
+    return isinstance(path, str) and _installed_file(path)
+
+
+_HEAPTYPE = 1 << 9                  # Py_TPFLAGS_HEAPTYPE: a class made at run time, not static C
+# Class attributes not keyed: those the type machinery makes (the descriptors of __dict__,
+# __weakref__ and slots: the slots are in __slots__), and caches a process adds as it runs
+# (copyreg's __slotnames__ at an instance's first pickling, abc's registry), which would make
+# the key differ between processes.
+_MADE_BY_TYPE = (types.GetSetDescriptorType, types.MemberDescriptorType,
+                 types.WrapperDescriptorType, types.MethodDescriptorType,
+                 types.ClassMethodDescriptorType)
+_CACHES = frozenset(("__slotnames__", "_abc_impl"))
+
+
+def _class_digest(cls: type, seen: set) -> bytes:
+    """The digest of a class of the caller's code (the module's rule); a class already being
+    keyed (a method's __class__ cell, an enum's members) by its name."""
+    name = f"{cls.__module__}.{cls.__qualname__}"
+    if id(cls) in seen:
+        return f"<recursive class {name}>".encode()
+    seen.add(id(cls))
+    try:
+        members = tuple((attr, _member(value, seen)) for attr, value in vars(cls).items()
+                        if attr not in _CACHES and not isinstance(value, _MADE_BY_TYPE))
+        return _digest(("class", type(cls), cls.__module__, cls.__qualname__, cls.__bases__,
+                        members), seen)
+    finally:
+        seen.discard(id(cls))
+
+
+def _member(value: Any, seen: set) -> Any:
+    """A class attribute as it is keyed: a wrapper of functions as its functions, a value that
+    cannot be pickled as its type's name, any other value by its digest."""
+    if isinstance(value, (staticmethod, classmethod)):
+        return _Member((type(value).__name__, value.__func__))
+    if isinstance(value, property):
+        return _Member(("property", value.fget, value.fset, value.fdel))
+    if isinstance(value, functools.cached_property):
+        return _Member(("cached_property", value.func))
+    if type(value) is types.FunctionType or type(value) in _ATOMS:
+        return value
+    try:
+        return _Member(("value", _digest(value, seen)))  # (pickled once, here)
+    except RecursionError:
+        raise
+    except Exception:
+        t = type(value)
+        return _TypeName((f"{t.__module__}.{t.__qualname__}",))
+
+
+def _canonical_reduction(obj: Any, seen: set) -> Any:
+    """obj's reduction as pickle would take it (copyreg's table, else __reduce_ex__), with its
+    arguments, state and items canonical (_canon): pickle does not hand the containers in them
+    to reducer_override, so a set in a namedtuple's fields or a dataclass's state, a dict's
+    order in a SimpleNamespace or a defaultdict's items, would be pickled as the hash seed
+    left them."""
+    if isinstance(obj, (set, frozenset)):  # a subclass: its reduction lists the seed's order
+        return _set_ref, (type(obj), _canon(frozenset(obj), seen),
+                          _canon(getattr(obj, "__dict__", None), seen))
+    reduce = copyreg.dispatch_table.get(type(obj))
+    rv = reduce(obj) if reduce is not None else obj.__reduce_ex__(4)
+    if not isinstance(rv, tuple):
+        return NotImplemented              # a global's name: pickle writes it as it is
+    rv = list(rv)
+    rv[1] = _canon(rv[1], seen)
+    if len(rv) > 2:
+        rv[2] = _canon(rv[2], seen)
+    if len(rv) > 3 and rv[3] is not None:
+        rv[3] = iter([_canon(x, seen) for x in rv[3]])
+    if len(rv) > 4 and rv[4] is not None:
+        pairs = [(_canon(k, seen), _canon(v, seen)) for k, v in rv[4]]
+        if not isinstance(obj, collections.OrderedDict):
+            pairs.sort(key=lambda kv: _dumps(kv[0], seen))
+        rv[4] = iter(pairs)
+    return tuple(rv)
+
+
+def _canon(obj: Any, seen: set, memo: Optional[dict] = None) -> Any:
+    """obj with every set made its items' sorted pickles and every dict's items put in its
+    keys' sorted order, through the containers pickle does not hand to reducer_override (a
+    set's order follows the hash seed, and so does a dict's made from one: they would differ
+    between processes).  A list or dict that holds itself is made once (``memo``), so a cycle
+    stays a cycle for pickle's memo instead of recursing."""
     t = type(obj)
-    if t is tuple or t is list:
-        return t(_canon(x, seen) for x in obj)
-    if t is dict:
-        return {_canon(k, seen): _canon(v, seen) for k, v in obj.items()}
-    if t is set or t is frozenset:
-        return _Sorted((t.__name__, tuple(sorted(_dumps(x, seen) for x in obj))))
-    return obj
+    if t is not tuple and t is not list and t is not dict and t is not set \
+            and t is not frozenset:
+        return obj
+    if memo is None:
+        memo = {}
+    done = memo.get(id(obj))
+    if done is not None:
+        return done
+    if t is tuple:
+        out: Any = tuple(_canon(x, seen, memo) for x in obj)
+    elif t is list:
+        out = memo[id(obj)] = []
+        out.extend(_canon(x, seen, memo) for x in obj)
+    elif t is dict:
+        if all(type(k) in _ATOMS for k in obj):
+            out = memo[id(obj)] = {}       # still a dict: pickle checks a NEWOBJ_EX's kwargs
+            for k in sorted(obj, key=lambda k: pickle.dumps(k, protocol=4)):
+                out[k] = _canon(obj[k], seen, memo)
+        else:
+            # Keys whose canonical forms could be equal (a frozenset's and a tuple's): the
+            # pairs, ordered by their keys' pickles.
+            pairs = sorted(((_canon(k, seen, memo), _canon(v, seen, memo))
+                            for k, v in obj.items()), key=lambda kv: _dumps(kv[0], seen))
+            out = _Items(pairs)
+    else:
+        out = _Sorted((t.__name__, tuple(sorted(_dumps(x, seen) for x in obj))))
+    memo[id(obj)] = out
+    return out
 
 
 def _dumps(obj: Any, seen: set) -> bytes:

@@ -223,8 +223,9 @@ class Handle(HandleBase, _Pins):
                 raise UcmError("the owner of a loading slot cannot wait for it: call ready() or "
                                "fail()")
             if owns_load(self._cache, self._slot):
-                raise UcmError(f"this {waiter} is loading this key itself (a loader asked for "
-                               "its own key): waiting would never end")
+                raise UcmError(f"this {waiter} or a thread or task sharing its context "
+                               "(asyncio.to_thread, copy_context().run) is loading this key: "
+                               "a loader asking for its own key would wait for ever")
             st = yield (WAIT_LOADED, self, timeout)
         if st == lib.UCM_READY:
             return self
@@ -421,8 +422,9 @@ class HandleBatch(BatchBase, _Pins):
             st = lib.ucm_slot_state(cache._ctx, s)
             if st == lib.UCM_LOADING:
                 if owns_load(cache, s):
-                    raise UcmError("this thread is loading one of these keys itself: waiting "
-                                   "would never end")
+                    raise UcmError("this thread or a thread or task sharing its context is "
+                                   "loading one of these keys: a loader asking for its own "
+                                   "key would wait for ever")
                 left = None if deadline is None else max(0.0, deadline - _now())
                 st = cache._wait_loaded(s, left)
             if st != lib.UCM_READY:

@@ -76,20 +76,47 @@ class SegmentId:
     this object (``cache._segment_id``), so "the same segment" is one identity test.  A
     segment is its file, (device, inode), not its uuid: a uuid unlinked and created again names
     another file, another segment, and a cache still attached to the old one is not the new
-    one's.  (An inode is not reused while a cache maps it; a closed cache owns no load.)"""
+    one's.  (An inode is not reused while a cache maps it; a closed cache owns no load.)
 
-    __slots__ = ("uuid", "__weakref__")
+    ``caches``: id -> a weak reference, for each cache of this process open on the segment
+    (owns_load looks up these ids in a record, not every set the record holds).  An id leaves
+    at the cache's close (forget_cache) or its collection (the reference's callback: the
+    references live here, so the callback runs even when the cache dies in a cycle), so an id
+    here is never a reused one.  Each change is one dict operation (atomic under the GIL, no
+    lock: a callback may run inside any allocation); a reader copies the ids in one call."""
+
+    __slots__ = ("uuid", "caches", "__weakref__")
 
     def __init__(self, uuid: str):
         self.uuid = uuid
+        self.caches: "Dict[int, weakref.ref]" = {}
+
+    def add(self, cache: "SlotCache") -> None:
+        key = id(cache)
+        caches = self.caches
+
+        def gone(ref: "weakref.ref") -> None:
+            if caches.get(key) is ref:  # (not a later cache's of the same id)
+                del caches[key]
+        caches[key] = weakref.ref(cache, gone)
 
 
 # (device, inode) -> the SegmentId of this process's caches of that file; weak: it goes with
-# the last of them.  A forked child starts with none (its parent's caches are unusable in it).
+# the last of them.  A forked child starts with none (its parent's caches are unusable in it),
+# and with a lock of its own: the parent's may have been held by another thread inside
+# note_cache as the process forked, and that thread does not run in the child.
 _segment_ids: "weakref.WeakValueDictionary[Tuple[int, int], SegmentId]" = \
     weakref.WeakValueDictionary()
 _segment_ids_lock = threading.Lock()
-os.register_at_fork(after_in_child=_segment_ids.clear)
+
+
+def _segment_ids_after_fork() -> None:
+    global _segment_ids, _segment_ids_lock
+    _segment_ids_lock = threading.Lock()
+    _segment_ids = weakref.WeakValueDictionary()
+
+
+os.register_at_fork(after_in_child=_segment_ids_after_fork)
 
 
 def note_cache(cache: "SlotCache", uuid: str, file: Tuple[int, int]) -> None:
@@ -101,13 +128,34 @@ def note_cache(cache: "SlotCache", uuid: str, file: Tuple[int, int]) -> None:
         if seg is None:
             seg = _segment_ids[file] = SegmentId(uuid)
     cache._segment_id = seg
+    # The records holding a set of its, by id, weakly (a record is a dict: not hashable)
+    cache._owned_records = weakref.WeakValueDictionary()
+    seg.add(cache)
     _caches[id(cache)] = cache
 
 
+def forget_cache(cache: "SlotCache") -> None:
+    """A cache closed for good (its close committed, or its finalizer's): it owns no load any
+    more, so owns_load no longer looks it up, and its empty set leaves every record that holds
+    one (``_owned_records``, weak: noted as each set was made), so a context's record holds
+    the sets of the caches open that it loaded through, not of every cache it ever did.  Done
+    while the cache lives, so its id is not another cache's yet; no load begins through it
+    again, so nothing adds to the set taken out (a set a load is still in stays)."""
+    key = id(cache)
+    seg = getattr(cache, "_segment_id", None)
+    if seg is not None:
+        seg.caches.pop(key, None)
+    records = getattr(cache, "_owned_records", None)
+    for record in [] if records is None else list(records.values()):
+        theirs = record.get(key)
+        if theirs is not None and not theirs:
+            record.pop(key, None)
+
+
 def _same_segment(cache: "SlotCache", key: int) -> bool:
-    """Whether the cache of this process with id ``key`` is attached to cache's segment."""
+    """Whether the cache of this process with id ``key`` is open on cache's segment."""
     seg = getattr(cache, "_segment_id", None)  # (None before note_cache: no load to own)
-    return seg is not None and getattr(_caches.get(key), "_segment_id", None) is seg
+    return seg is not None and key in seg.caches
 
 
 def _install_serial(key: int, slot: int) -> int:
@@ -127,7 +175,7 @@ class OwnedRecord(dict):
     later load of that set took its slot).  ``task``: a weak reference to the asyncio task it
     was made for, or None (made outside a task)."""
 
-    __slots__ = ("inherited", "task")
+    __slots__ = ("inherited", "task", "__weakref__")
 
     def __init__(self, inherited: "Tuple[Tuple[int, set, Dict[int, int]], ...]" = (),
                  task: "Optional[weakref.ref]" = None):
@@ -190,12 +238,17 @@ def owns_load(cache: "SlotCache", slot: int) -> bool:
     if own is not None and slot in own:
         return True
     # Another cache's set: only a record that holds more than this cache's (one len() on the
-    # usual path, a wait's cost unchanged).  The items are copied in one call, whole under the
-    # GIL: a thread sharing the record may add a cache's set meanwhile.
+    # usual path, a wait's cost unchanged), and only the sets of the caches open on this
+    # segment (their ids copied in one call, whole under the GIL: another thread may attach
+    # or close one meanwhile), however many caches the record has seen.
     if len(record) > (own is not None):
-        for k, theirs in list(record.items()):
-            if k != key and slot in theirs and _same_segment(cache, k):
-                return True
+        seg = getattr(cache, "_segment_id", None)
+        if seg is not None:
+            for k in tuple(seg.caches):
+                if k != key:
+                    theirs = record.get(k)
+                    if theirs is not None and slot in theirs:
+                        return True
     for k, theirs, loads in record.inherited:
         serial = loads.get(slot)
         if serial is not None and (k == key or _same_segment(cache, k)) \
@@ -244,7 +297,15 @@ def _owned_slots(cache: "SlotCache") -> set:
         task = _current_task()
         record = OwnedRecord((), None if task is None else weakref.ref(task))
         _owning.set(record)
-    return record.setdefault(id(cache), set())
+    own = record.get(id(cache))
+    if own is None:
+        own = record.setdefault(id(cache), set())
+        records = getattr(cache, "_owned_records", None)  # its close takes the set out
+        if records is not None:                             # (forget_cache)
+            records[id(record)] = record
+    return own
+
+
 
 
 def _fresh_record_after_fork() -> None:

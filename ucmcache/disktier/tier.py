@@ -46,6 +46,7 @@ from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Se
 from .. import _hooks
 from .._errors import UcmError
 from .._tier import BoundTier, Owned, Tier
+from .._timeouts import check_bound, check_timeout
 from .._write_through import WriteThroughQueue
 from ..tier2.breaker import Breaker
 from .counters import ProcessCounters, drop_inherited, fold_ended, read_all
@@ -142,8 +143,7 @@ class DiskTier(Tier):
             raise ValueError(f"capacity_bytes must be an int > {HEADER_SIZE} (one block file's "
                              f"header), or None for the one the directory records, got "
                              f"{capacity_bytes!r}")
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        check_bound(timeout, "timeout")  # each disk step's bound: finite (inf overflowed)
         if isinstance(breaker_failures, bool) or not isinstance(breaker_failures, int) or \
                 breaker_failures < 1:
             raise ValueError(f"breaker_failures must be an int >= 1, got {breaker_failures!r}")
@@ -761,9 +761,10 @@ class DiskTier(Tier):
             os.close(fd)
         raise OSError(errno.EAGAIN, "could not make a temporary file (removed by cleaners)")
 
-    def flush(self, timeout: float = 5.0) -> bool:
+    def flush(self, timeout: Optional[float] = 5.0) -> bool:
         """Wait until every write-through queued so far in this process is written (or
-        dropped); False on timeout."""
+        dropped); False on timeout (None or inf: no deadline)."""
+        check_timeout(timeout)
         if self._pid != os.getpid():
             return True
         return self._writes.flush(timeout)
@@ -917,11 +918,12 @@ class DiskTier(Tier):
 
     # ---------------------------------------------------------------- lifecycle
 
-    def close(self, timeout: float = 5.0) -> None:
-        """Flush write-throughs (bounded), stop this process's threads, close the usage file
+    def close(self, timeout: Optional[float] = 5.0) -> None:
+        """Flush write-throughs (bounded: None or inf, no deadline), stop this process's threads, close the usage file
         and unmap the counter file.  Bounded: a read or a writer stuck in the kernel keeps its
         daemon thread, not the caller.  The tier can be used again afterwards (threads, fd and
         map come back on demand)."""
+        bound = check_timeout(timeout)  # refused before anything stops
         if self._pid != os.getpid():
             self._reset_process_state()
             return
@@ -935,7 +937,8 @@ class DiskTier(Tier):
         if res is not None:
             # Under the thread lock: a writer still inside the usage lock keeps the fd (the
             # finalizer closes it later).
-            if self._usage_lock.acquire(timeout=min(timeout, self.lock_wait)):
+            if self._usage_lock.acquire(
+                    timeout=self.lock_wait if bound is None else min(bound, self.lock_wait)):
                 try:
                     res.close_usage()
                 finally:

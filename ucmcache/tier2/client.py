@@ -23,6 +23,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 from .. import _hooks
 from .._keys import split_key
 from .._tier import Tier
+from .._timeouts import check_bound, check_timeout
 from .._write_through import WriteThroughQueue
 from .announce import Listener
 from .breaker import Breaker, Bypass
@@ -78,17 +79,15 @@ class RedisTier(Tier):
             raise ValueError(f"namespace must be a non-empty str, got {namespace!r}")
         for name, v in (("timeout", timeout), ("write_timeout", write_timeout),
                         ("lease_ttl", lease_ttl)):
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
-                raise ValueError(f"{name} must be a positive number of seconds, got {v!r}")
+            check_bound(v, name)  # finite: inf would make no socket bound, no lease's ms
         if isinstance(breaker_failures, bool) or not isinstance(breaker_failures, int) \
                 or breaker_failures < 1:
             raise ValueError(f"breaker_failures must be an int >= 1, got {breaker_failures!r}")
         if isinstance(breaker_reset, bool) or not isinstance(breaker_reset, (int, float)) \
                 or breaker_reset < 0:
             raise ValueError(f"breaker_reset must be >= 0 seconds, got {breaker_reset!r}")
-        if value_ttl is not None and (isinstance(value_ttl, bool) or
-                                      not isinstance(value_ttl, (int, float)) or value_ttl <= 0):
-            raise ValueError(f"value_ttl must be None or a positive number, got {value_ttl!r}")
+        if value_ttl is not None:
+            check_bound(value_ttl, "value_ttl")  # None: values kept without an expiry
         if client is None:
             try:
                 import redis  # noqa: F401
@@ -340,9 +339,10 @@ class RedisTier(Tier):
         self.counters["writes_done"] += len(puts)
         self.counters["releases"] += len(rels)
 
-    def flush(self, timeout: float = 5.0) -> bool:
+    def flush(self, timeout: Optional[float] = 5.0) -> bool:
         """Wait until every write-through queued so far is done (or dropped); False on
-        timeout."""
+        timeout (None or inf: no deadline)."""
+        check_timeout(timeout)
         if self._pid != os.getpid():
             return True
         return self._writes.flush(timeout)
@@ -358,9 +358,10 @@ class RedisTier(Tier):
 
     # ---------------------------------------------------------------- lifecycle
 
-    def close(self, timeout: float = 5.0) -> None:
+    def close(self, timeout: Optional[float] = 5.0) -> None:
         """Flush write-throughs (bounded), stop the threads, close the connections.  The tier
         can be used again afterwards (threads and connections come back on demand)."""
+        check_timeout(timeout)  # refused before anything stops
         if self._pid != os.getpid():
             self._after_fork()
             return
