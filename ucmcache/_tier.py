@@ -117,6 +117,19 @@ class BoundChain(BoundTier):
 
     def lookup(self, owned: Sequence[Owned], may_wait: bool,
                timeout: Optional[float]) -> List[Optional[memoryview]]:
+        return self._in_order("lookup", owned, may_wait, timeout)
+
+    def put(self, owned: Sequence[Owned], may_wait: bool,
+            timeout: Optional[float]) -> List[Optional[memoryview]]:
+        """Each tier's put in order; the first that serves a value (one whose rule is that
+        its value wins) ends it, and the tiers above keep that value as they would a put's."""
+        return self._in_order("put", owned, may_wait, timeout)
+
+    def _in_order(self, step: str, owned: Sequence[Owned], may_wait: bool,
+                  timeout: Optional[float]) -> List[Optional[memoryview]]:
+        """Each tier's ``step`` (lookup or put) over the keys the tiers before it left; a
+        tier that serves a key ends it there, and the tiers before it, which missed it, keep
+        a copy now."""
         out: List[Optional[memoryview]] = [None] * len(owned)
         rest = list(range(len(owned)))
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -124,7 +137,7 @@ class BoundChain(BoundTier):
             if not rest:
                 break
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            found = tier.lookup([owned[i] for i in rest], may_wait, left)
+            found = getattr(tier, step)([owned[i] for i in rest], may_wait, left)
             missed = []
             for i, p in zip(rest, found):
                 if p is None:
@@ -132,29 +145,6 @@ class BoundChain(BoundTier):
                     continue
                 out[i] = p
                 for above in self.bound[:k]:  # they missed it: they keep a copy now
-                    above.write_through(owned[i][0], p)
-            rest = missed
-        return out
-
-    def put(self, owned: Sequence[Owned], may_wait: bool,
-            timeout: Optional[float]) -> List[Optional[memoryview]]:
-        """Each tier's put in order; the first that serves a value (one whose rule is that
-        its value wins) ends it, and the tiers above keep that value as they would a put's."""
-        out: List[Optional[memoryview]] = [None] * len(owned)
-        rest = list(range(len(owned)))
-        deadline = None if timeout is None else time.monotonic() + timeout
-        for k, tier in enumerate(self.bound):
-            if not rest:
-                break
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            found = tier.put([owned[i] for i in rest], may_wait, left)
-            missed = []
-            for i, p in zip(rest, found):
-                if p is None:
-                    missed.append(i)
-                    continue
-                out[i] = p
-                for above in self.bound[:k]:
                     above.write_through(owned[i][0], p)
             rest = missed
         return out
