@@ -527,3 +527,38 @@ def test_a_new_segment_is_clamped_by_memavailable_with_a_log_line(uuid, monkeypa
         assert "does not fit in MemAvailable" in caplog.text
     finally:
         c.close()
+
+
+# ------------------------------------------------------------------ copy threads' CPUs
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs sched_setaffinity and two CPUs")
+def test_copy_threads_run_on_the_engines_cpus_the_worker_is_not_bound_to():
+    """vLLM binds a CPU worker's threads to its cores; a thread it starts later inherits that.
+    The connector's copy threads go to the CPUs the engine's process may use besides those."""
+    from concurrent.futures import ThreadPoolExecutor
+    from ucmcache.vllm import _run_on, spare_cpus
+    cpus = sorted(os.sched_getaffinity(0))
+    bound, rest = {cpus[0]}, set(cpus[1:])
+
+    def worker_thread():
+        os.sched_setaffinity(0, bound)           # as vLLM's OpenMP binding leaves a worker
+        spare = spare_cpus(os.getpid())          # this process's main thread: the "engine"
+        with ThreadPoolExecutor(1, initializer=_run_on, initargs=(spare,)) as ex:
+            copy = ex.submit(os.sched_getaffinity, 0).result(timeout=30)
+        with ThreadPoolExecutor(1) as ex:        # what a thread inherits without it
+            inherited = ex.submit(os.sched_getaffinity, 0).result(timeout=30)
+        return spare, copy, inherited
+
+    with ThreadPoolExecutor(1) as ex:
+        spare, copy, inherited = ex.submit(worker_thread).result(timeout=60)
+    assert spare == rest and copy == rest and inherited == bound
+
+
+def test_copy_threads_stay_put_when_nothing_is_spare_or_asked():
+    from ucmcache.vllm import ConnectorConfig, spare_cpus
+    assert spare_cpus(os.getpid()) is None       # the same CPUs as the engine: none spare
+    assert ConnectorConfig.from_extra({}).copy_cpus == "spare"
+    assert ConnectorConfig.from_extra({"copy_cpus": "inherit"}).copy_cpus == "inherit"
+    with pytest.raises(uv.VllmConnectorError, match="'copy_cpus' must be 'spare' or 'inherit'"):
+        ConnectorConfig.from_extra({"copy_cpus": "all"})

@@ -165,7 +165,7 @@ ATTACH_RETRY_S = 1.0
 # ---------------------------------------------------------------- config
 
 _KNOWN = {"segment", "size_mb", "max_ranks", "namespace", "checksum", "load_failure_policy",
-          "stats_file", "layerwise", "peer_wait_s"}
+          "stats_file", "layerwise", "peer_wait_s", "copy_cpus"}
 
 
 @dataclass
@@ -182,6 +182,7 @@ class ConnectorConfig:
     load_failure_policy: str = "recompute"
     stats_file: Optional[str] = None
     peer_wait_s: float = DEFAULT_PEER_WAIT_S
+    copy_cpus: str = "spare"
 
     @classmethod
     def from_extra(cls, extra: Optional[Dict[str, Any]]) -> "ConnectorConfig":
@@ -233,6 +234,12 @@ class ConnectorConfig:
             cfg.load_failure_policy = v
         if extra.get("stats_file") not in (None, ""):
             cfg.stats_file = str(extra["stats_file"])
+        if "copy_cpus" in extra:
+            v = extra["copy_cpus"]
+            if v not in ("spare", "inherit"):
+                raise VllmConnectorError(f"kv_connector_extra_config 'copy_cpus' must be "
+                                         f"'spare' or 'inherit', got {v!r}")
+            cfg.copy_cpus = v
         if "peer_wait_s" in extra:
             v = extra["peer_wait_s"]
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 3600:
@@ -409,6 +416,31 @@ def _write_json(path: str, data: Dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
+def spare_cpus(engine_pid: int) -> Optional[Set[int]]:
+    """The CPUs for the connector's copy threads (the layer-by-layer load, the deferred saves):
+    those the engine's process (the worker's parent) may run on that this worker's threads are
+    not bound to.  vLLM's CPU worker binds its OpenMP threads, the calling thread included, to
+    the worker's cores and reserves the rest for the engine's other threads; a thread started
+    later inherits the binding, so without this the copies would share the forward's cores.
+    None (leave them where they start) when there is no such CPU: an engine pinned whole to
+    its cores (``taskset``), or one whose threads vLLM does not bind."""
+    try:
+        spare = os.sched_getaffinity(engine_pid) - os.sched_getaffinity(0)
+    except (AttributeError, OSError):
+        return None
+    return spare or None
+
+
+def _run_on(cpus: Optional[Set[int]]) -> None:
+    """A copy thread's initializer: run on ``cpus`` (sched_setaffinity(0) sets the calling
+    thread's), or stay where it started when None or refused."""
+    if cpus:
+        try:
+            os.sched_setaffinity(0, cpus)
+        except OSError as e:
+            log.info("UcmCacheConnector: copy thread stays on its CPUs (%s)", e)
+
+
 # ---------------------------------------------------------------- the connector (needs vLLM)
 
 if HAVE_VLLM:
@@ -513,6 +545,7 @@ if HAVE_VLLM:
             self._flight_written: Optional[Dict[str, Any]] = None
             # worker side
             self._io: Optional[KVBlockIO] = None
+            self._copy_cpus: Optional[Set[int]] = None  # the copy threads' CPUs (spare_cpus)
             self._saves: Optional[DeferredSaves] = None
             self._load_errors: Set[int] = set()
             self._layer_load: Optional[LayerLoad] = None    # this step's, when layer by layer
@@ -588,8 +621,15 @@ if HAVE_VLLM:
                                      offset=self._rank_offset, pages=pages,
                                      checksum=self._cfg.checksum, names=self._layer_names)
                 self._parts.io = self._io
+                self._copy_cpus = (spare_cpus(os.getppid()) if self._cfg.copy_cpus == "spare"
+                                   else None)
+                log.info("UcmCacheConnector worker: copy threads on CPUs %s",
+                         sorted(self._copy_cpus) if self._copy_cpus
+                         else f"{sorted(os.sched_getaffinity(0))} (inherited)")
                 self._parts.saver = ThreadPoolExecutor(max_workers=1,
-                                                       thread_name_prefix="ucmcache-save")
+                                                       thread_name_prefix="ucmcache-save",
+                                                       initializer=_run_on,
+                                                       initargs=(self._copy_cpus,))
                 self._saves = DeferredSaves(self._io, self._parts.saver)
                 log.info("UcmCacheConnector worker: %d of %d layers copied by the C segment "
                          "copy, the others with torch per block", self._io.fast_layers,
@@ -628,7 +668,8 @@ if HAVE_VLLM:
             if self._layerwise and io.device == "cpu":
                 if self._parts.executor is None:
                     self._parts.executor = ThreadPoolExecutor(
-                        max_workers=1, thread_name_prefix="ucmcache-load")
+                        max_workers=1, thread_name_prefix="ucmcache-load",
+                        initializer=_run_on, initargs=(self._copy_cpus,))
                 self._layer_load = io.start_load(keys, blocks, self._parts.executor)
                 return
             t0 = time.perf_counter_ns()
