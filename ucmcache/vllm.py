@@ -97,6 +97,10 @@ What runs where (vLLM runs the scheduler and each worker in processes of their o
 - ``peer_wait_s`` (default 5): the longest a request waits, without progress, for blocks
   another engine is computing; 0 turns waiting off (this engine's blocks are marked all the
   same).
+- ``copy_cpus`` (default "spare"): where the layer-by-layer load and the deferred saves run.
+  vLLM binds a CPU worker's threads to the worker's cores, and a thread started later inherits
+  that; "spare" moves the two copy threads to the CPUs the engine's process may use that the
+  worker is not bound to (vLLM's reserved ones; none: they stay), "inherit" leaves them.
 
 Limits: CPU KV caches are tested on real engines.  A CUDA KV cache: what is written is the
 segment registered as pinned host memory (``cudaHostRegister`` of the whole mapping; a refusal
