@@ -131,14 +131,13 @@ def main() -> None:
             ua = engine([model, w("UA.json"), *uniq, "--segment", segment + "-u",
                          "--stats", w("UA.stats")], w("UA.log")) if a.unique else None
         finally:
-            try:
-                SlotCache.unlink(segment + "-u")
-            except SegmentNotFound:
-                pass
-            try:
-                SlotCache.unlink(segment)
-            except SegmentNotFound:
-                pass
+            from ucmcache._vllm_flight import intents_uuid
+            for seg in (segment + "-u", segment):   # each with its schedulers' intents (4.15)
+                for s in (seg, intents_uuid(seg)):
+                    try:
+                        SlotCache.unlink(s)
+                    except SegmentNotFound:
+                        pass
         cold = [r["wall_s"] for r in n["runs"] if r["phase"] == "first"]
         warm = [r["wall_s"] for r in n["runs"] if r["phase"] == "again"]
         save = [r["wall_s"] for r in sa["runs"]]

@@ -740,8 +740,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     finally:
         for s in b.servers:
             kill_server(s)
-        with contextlib.suppress(SegmentNotFound):
-            SlotCache.unlink(b.segment)
+        from ucmcache._vllm_flight import intents_uuid
+        for seg in (b.segment, intents_uuid(b.segment)):  # and its schedulers' intents (4.15)
+            with contextlib.suppress(SegmentNotFound):
+                SlotCache.unlink(seg)
         shm.remove_orphans(shm_before)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(_live_file(b.work))

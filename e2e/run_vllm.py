@@ -312,10 +312,12 @@ def main(argv: list[str]) -> int:
               f"{after['outputs'] == ref['outputs']}, external prefix hits {hits:.0f} tokens; "
               f"{text.splitlines()[0] if text else rc}", flush=True)
     finally:
-        try:
-            SlotCache.unlink(segment)
-        except SegmentNotFound:
-            pass
+        from ucmcache._vllm_flight import intents_uuid
+        for seg in (segment, intents_uuid(segment)):   # and its schedulers' intents (4.15)
+            try:
+                SlotCache.unlink(seg)
+            except SegmentNotFound:
+                pass
         left = shm.remove_orphans(shm_before)
         if left:
             print(f"e2e-vllm: removed what killed engines left in /dev/shm: {left}", flush=True)
