@@ -294,3 +294,50 @@ def test_a_rank_a_room_take_left_below_its_share_looks_again_only_when_it_would_
         assert owned(c, d) == (8, 8)
         assert looks["make_room"] <= c.layout.n_arenas and looks["rebalance"] <= 4, looks
     assert ucmcache.verify(c.uuid).ok
+
+
+def _full(c, n, start=0):
+    """Load keys start..start+n-1; returns them."""
+    keys = [key(i) for i in range(start, start + n)]
+    for k in keys:
+        c.get_or_load(k, lambda k=k: workers.payload_for(k, 64))
+    return keys
+
+
+class _Boom(Exception):
+    pass
+
+
+def _boom():
+    raise _Boom("the loader fails")
+
+
+def test_once_full_a_freed_slot_is_taken_before_any_eviction(make_cache):
+    """Once every arena of ours is full, claims skip the free-first walk until a step of ours
+    could have made room (csrc full_mark): a delete, a failed load and a clear() each make the
+    next claim look again, so the slot they freed is taken and nothing is evicted for it."""
+    c = make_cache(slots_per_rank=32, slot_size=64, max_ranks=2)
+    keys = _full(c, 64)                                    # both ranks' share: every slot
+    _full(c, 3, start=1000)                                # evicting claims: the walk found full
+    ev = c.stats()["evictions"]
+    assert ev == 3
+    live = [k for k in keys if c.exist([k])[0]]
+    # A delete frees a slot: the next miss takes it, evicting nothing.
+    assert c.delete(live[0])
+    _full(c, 1, start=2000)
+    assert c.stats()["evictions"] == ev
+    # A failed load: its claim evicts one entry (the cache is full), then leaves the slot
+    # Failed, a free slot once released: the next miss takes it, evicting nothing more.
+    try:
+        c.get_or_load(key(3000), _boom)
+    except _Boom:
+        pass
+    ev = c.stats()["evictions"]
+    _full(c, 1, start=4000)
+    assert c.stats()["evictions"] == ev
+    # clear() frees every slot: a cache's worth of new keys, nothing evicted.
+    c.clear()
+    ev = c.stats()["evictions"]
+    _full(c, 64, start=5000)
+    assert c.stats()["evictions"] == ev
+    assert ucmcache.verify(c.uuid).ok
