@@ -1841,6 +1841,7 @@ static int claim_free(ucm_ctx *c, uint64_t max_scan, uint32_t *slot_out, uint32_
     uint32_t a0 = (uint32_t)(hand / c->l.arena_slots);
     uint64_t examined = 0;
     int full = 1;
+    *full_out = 0; /* a walk that returns a slot found room: no mark */
     /* Two passes over the hint's bits: [a0, na) with a0 from the hand, then [0, a0] with a0's
      * start before the hand (pass 1 counts no arena twice: a0 is counted in pass 0). */
     for (int pass = 0; pass < 2; pass++) {
@@ -1858,13 +1859,19 @@ static int claim_free(ucm_ctx *c, uint64_t max_scan, uint32_t *slot_out, uint32_
                     continue;
                 }
                 owned += !(pass && a == a0);
+                /* Full by its words counts for the mark only once verified: no other rank's
+                 * install, load or delete left in it that could still free a slot (I6).  The
+                 * verified bit BEFORE the words, acquire: it pairs with our verification's
+                 * seq_cst CAS, whose loads read the last foreign writer's release (a
+                 * deleter's mark cleared, a recovery's unclaim) made after that writer's
+                 * uncount; so words read after a verified bit count that uncount (read the
+                 * other way round, a look could pair words from before a foreign uncount with
+                 * a verification after it).  A take of ours clears the bit before its CAS and
+                 * bumps frees after, so a mark recorded on a stale bit is stale itself. */
+                uint32_t verified = __atomic_load_n(&c->arena_seen[a], __ATOMIC_ACQUIRE) & 1;
+                if (!verified) POINT(c, UCM_PT_FREE_LOOK);
                 if (arena_entries(c, a, g) >= arena_size(c, a)) {
-                    /* Full by its words; exact only once verified (no other rank's install
-                     * left in it that could still fail and free a slot, I6).  Relaxed: our
-                     * own flag, set by our verification (arena_usable); a take of ours clears
-                     * it before its CAS and bumps frees after, so a mark recorded on a stale 1
-                     * is stale itself by the time the take returns. */
-                    full &= (int)(__atomic_load_n(&c->arena_seen[a], __ATOMIC_RELAXED) & 1);
+                    full &= (int)verified;
                     continue;
                 }
                 full = 0;
@@ -1902,8 +1909,8 @@ static int claim_free(ucm_ctx *c, uint64_t max_scan, uint32_t *slot_out, uint32_
 
 /* The mark full_mark is compared with: the arena epoch (a recovery's recount, a release),
  * the generation (a clear() frees every slot) and our frees count, packed into 63 bits (15,
- * 20, 28: to alias, one of them would have to move by exactly 2^15, 2^20 or 2^28 between two
- * claims of ours).  Acquire: pairs with the release of each (the epoch's and the generation's
+ * 20, 28).  Every walk rewrites full_mark (its mark, or none), so to alias, one of them would
+ * have to move by exactly 2^15, 2^20 or 2^28 between two claims of ours that skip the walk.  Acquire: pairs with the release of each (the epoch's and the generation's
  * seq_cst bumps, frees_bump), so a walk after this read sees the words of the step it names. */
 static inline uint64_t full_mark_now(ucm_ctx *c)
 {
@@ -2065,8 +2072,8 @@ int ucm_clock_claim(ucm_ctx *c, uint64_t max_scan, uint32_t *slot_out)
         owned = arenas_owned(c);
     } else {
         r = claim_free(c, max_scan, slot_out, &owned, &full);
+        __atomic_store_n(&c->full_mark, full ? mark : UINT64_MAX, __ATOMIC_RELAXED);
         if (r != UCM_FULL) return r;
-        if (full) __atomic_store_n(&c->full_mark, mark, __ATOMIC_RELAXED);
     }
     if (!policy_looked(c, owned)) return UCM_ROOM;
     return claim_clock(c, max_scan, slot_out);
