@@ -59,6 +59,9 @@ _Static_assert(sizeof(pthread_mutex_t) <= UCM_LINE, "a stripe's mutex must fit i
 #define LOCAL_LOCKS 64
 #define WALK_LIMIT_MIN 64
 
+/* The owned-arena hint's words: n_arenas <= max_ranks * UCM_ARENAS_PER_RANK (ucm_layout_compute). */
+#define OWNED_HINT_WORDS ((UCM_MAX_RANKS * UCM_ARENAS_PER_RANK + 63) / 64)
+
 struct ucm_ctx {
     char *base;
     uint64_t map_size;
@@ -79,6 +82,17 @@ struct ucm_ctx {
                               * a finisher naming it may take the right (take_finish): a stale
                               * ready()/fail() can never finish a later install's load */
     uint32_t *arena_seen;    /* process-local, per arena: serial << 1 | verified (see "Arenas") */
+    uint64_t owned_hint[OWNED_HINT_WORDS]; /* process-local, a bit per arena: every arena our rank
+                              * owns has its bit (set at ucm_ctx_set_rank and after each take's
+                              * CAS, cleared by a look that finds the arena not ours: see
+                              * owned_hint_drop), so the free-first look walks these bits, not
+                              * every arena */
+    uint64_t frees;          /* process-local: bumped (release) after each step of ours that can
+                              * leave a slot of our arenas unheld and not a live entry, or adds an
+                              * arena to ours (see frees_bump) */
+    uint64_t full_mark;      /* process-local: full_mark_now() when a free-first look of ours last
+                              * found every arena of ours full by its words and verified; while
+                              * it is still the mark, claims skip that look (UINT64_MAX: none) */
     uint64_t epoch_seen;     /* the arena epoch our rank last looked at its share in */
     uint64_t room_gone;      /* room_mark(epoch, generation) | arenas we owned, under which the
                               * policy found nothing to take before evicting
@@ -97,6 +111,34 @@ struct ucm_ctx {
     uint32_t *point_gate[UCM_PT_COUNT];
     int64_t point_timeout[UCM_PT_COUNT];
 };
+
+static inline uint32_t *owner_w(ucm_ctx *c, uint32_t a);
+
+/* A step of ours that may have made room in our arenas (a slot freed, an arena taken): the
+ * free-first look runs again at our next claim.  Release: a claimant whose acquire load of the
+ * count reads this bump also sees the step's words (full_mark_now). */
+static inline void frees_bump(ucm_ctx *c)
+{
+    __atomic_fetch_add(&c->frees, 1, __ATOMIC_RELEASE);
+}
+
+static inline void owned_hint_add(ucm_ctx *c, uint32_t a)
+{
+    /* seq_cst: the other half of owned_hint_drop's pair (a take's CAS, then this OR); an
+     * atomic OR, so that two threads of ours never lose each other's bit. */
+    __atomic_fetch_or(&c->owned_hint[a >> 6], 1ULL << (a & 63), __ATOMIC_SEQ_CST);
+}
+
+/* A look found arena a's owner word not ours: drop its bit, then read the owner again and put
+ * the bit back if a take of ours won it meanwhile.  All four steps seq_cst: either our second
+ * read comes after that take's CAS (it sees us, the bit goes back), or it comes before, and
+ * then the take's OR (after its CAS) comes after our AND: the bit of an arena we own is never
+ * lost.  A bit kept for an arena not ours costs one owner load per look. */
+static inline void owned_hint_drop(ucm_ctx *c, uint32_t a, uint32_t me)
+{
+    __atomic_fetch_and(&c->owned_hint[a >> 6], ~(1ULL << (a & 63)), __ATOMIC_SEQ_CST);
+    if (__atomic_load_n(owner_w(c, a), __ATOMIC_SEQ_CST) == me) owned_hint_add(c, a);
+}
 
 /* The pins single-key C steps handed to the Python layer, per thread, by ticket (process-local
  * memory, no atomics).  Between the moment a C call that pins returns and the moment a Handle
@@ -603,7 +645,8 @@ int ucm_ofd_held_by_other(int fd, uint64_t byte)
 ucm_ctx *ucm_ctx_new(char *base, uint64_t map_size, const ucm_layout *l)
 {
     if (!base || !l || l->total_size > map_size || l->n_slots == 0 || l->arena_slots == 0
-        || l->n_arenas * l->arena_slots < l->n_slots) return NULL;
+        || l->n_arenas * l->arena_slots < l->n_slots
+        || l->n_arenas > (uint64_t)OWNED_HINT_WORDS * 64) return NULL;
     ucm_ctx *c = calloc(1, sizeof *c);
     if (!c) return NULL;
     c->base = base;
@@ -615,6 +658,7 @@ ucm_ctx *ucm_ctx_new(char *base, uint64_t map_size, const ucm_layout *l)
     c->stats = c->stats_sink;
     c->epoch_seen = UINT64_MAX; /* never: the first slow path looks at its share */
     c->room_gone = UINT64_MAX;  /* never: the policy looks before our first eviction */
+    c->full_mark = UINT64_MAX;  /* never: the first claim looks for a free slot */
     /* A walk longer than this on the lock-free path gives up and takes the slow path; under
      * the lock a chain can never be longer than the number of slots. */
     c->walk_limit = l->n_slots + 1;
@@ -705,6 +749,13 @@ void ucm_ctx_set_rank(ucm_ctx *c, int32_t rank)
     c->rank = rank;
     c->rank_bit = 1ULL << rank;
     c->stats = W64(c->base, c->l.rank_off + (uint64_t)rank * UCM_RANK_SIZE + UCM_R_STATS);
+    /* The hint starts as the arenas the rank owns now (a rank taken over after recovery owns
+     * none; a rank of ours re-set keeps what it had); from here only our takes add to it.
+     * Relaxed: set before the rank is used by any thread of ours (the caller publishes the
+     * context after this), and an owner word moved by another rank only makes a bit stale. */
+    uint32_t me = (uint32_t)rank + 1;
+    for (uint32_t a = 0; a < c->l.n_arenas; a++)
+        if (__atomic_load_n(owner_w(c, a), __ATOMIC_RELAXED) == me) owned_hint_add(c, a);
 }
 
 void ucm_stat_add(ucm_ctx *c, int32_t counter, uint64_t n)
@@ -1602,8 +1653,14 @@ int ucm_arena_take(ucm_ctx *c, uint32_t a, uint32_t expected)
                                         __ATOMIC_SEQ_CST, __ATOMIC_RELAXED)) {
     }
     /* seq_cst: the Dekker pair with a claimant's claim CAS and owner load. */
-    return __atomic_compare_exchange_n(owner_w(c, a), &expected, me, 0, __ATOMIC_SEQ_CST,
-                                       __ATOMIC_RELAXED) ? UCM_OK : UCM_BUSY;
+    if (!__atomic_compare_exchange_n(owner_w(c, a), &expected, me, 0, __ATOMIC_SEQ_CST,
+                                     __ATOMIC_RELAXED))
+        return UCM_BUSY;
+    /* The hint's bit after the CAS (see owned_hint_drop for why after): from here a free-first
+     * look of ours walks the arena. */
+    owned_hint_add(c, a);
+    frees_bump(c);
+    return UCM_OK;
 }
 
 int ucm_arena_release(ucm_ctx *c, uint32_t a)
@@ -1767,46 +1824,99 @@ static int claim_done(ucm_ctx *c, uint32_t s, uint64_t *handp, uint64_t hand, ui
 }
 
 /* Phase 1: a free slot in our usable arenas, from the hand on, one revolution at most: the
- * hand's arena from the hand, every other arena whole, the hand's arena's start last.  An
- * arena is looked into only if it is ours and its words count fewer entries than slots (both
- * relaxed hints, so a full cache costs a load or two per arena here), then verified. */
-static int claim_free(ucm_ctx *c, uint64_t max_scan, uint32_t *slot_out)
+ * hand's arena from the hand, every other arena whole, the hand's arena's start last.  Only
+ * the arenas in our owned hint are visited; one is looked into only if it is ours and its words
+ * count fewer entries than slots (both relaxed hints, so a full cache costs a load or two per
+ * arena of ours here), then verified.  *owned_out: how many arenas of ours the walk saw, for
+ * policy_looked (one walk serves both); *full_out: 1 if the walk found every arena of ours
+ * verified and full by its words (what full_mark records), else 0. */
+static int claim_free(ucm_ctx *c, uint64_t max_scan, uint32_t *slot_out, uint32_t *owned_out,
+                      int *full_out)
 {
-    uint64_t n = c->l.n_slots;
     uint64_t *handp = rank_hand_w(c);
     /* Relaxed: only this rank's threads move its hand (see claim_clock). */
-    uint64_t hand = RLX(handp) % n;
+    uint64_t hand = RLX(handp) % c->l.n_slots;
     uint64_t g = ucm_generation(c);
-    uint32_t me = (uint32_t)c->rank + 1, na = (uint32_t)c->l.n_arenas;
+    uint32_t me = (uint32_t)c->rank + 1, na = (uint32_t)c->l.n_arenas, owned = 0;
     uint32_t a0 = (uint32_t)(hand / c->l.arena_slots);
     uint64_t examined = 0;
-    for (uint32_t k = 0; k <= na && examined < max_scan; k++) {
-        uint32_t a = (a0 + k) % na, seen = 0;
-        /* Relaxed: hints for skipping; arena_usable and the claim's check decide. */
-        if (RLX(owner_w(c, a)) != me || arena_entries(c, a, g) >= arena_size(c, a)) continue;
-        if (!arena_usable(c, a, &seen)) continue;
-        uint64_t lo = (uint64_t)a * c->l.arena_slots, hi = arena_end(c, a);
-        if (k == 0) lo = hand;       /* the hand's arena: from the hand on ... */
-        else if (k == na) hi = hand; /* ... and its start, last */
-        for (uint64_t pos = lo; pos < hi && examined < max_scan; pos++) {
-            uint32_t s = (uint32_t)pos;
-            examined++;
-            uint64_t r = RLX(ref_w(c, s));
-            if (r != 0 || live_entry(c, s, (uint32_t)g)) continue; /* held, or a live entry */
-            int got = claim_checked(c, s, a, seen, r);
-            if (got < 0) break; /* the arena was taken from us */
-            if (got == 0) continue;
-            /* Read again under the claim (its acquire CAS ordered the last writer's words
-             * before us): another thread of ours may have installed and published here since
-             * our look.  Nothing is written yet, so it is given back as an unpassed claim is. */
-            if (live_entry(c, s, (uint32_t)g)) {
-                SET_REL(ref_w(c, s), 0); /* release: pairs with the next claimant's acquire CAS */
-                continue;
+    int full = 1;
+    *full_out = 0; /* a walk that returns a slot found room: no mark */
+    /* Two passes over the hint's bits: [a0, na) with a0 from the hand, then [0, a0] with a0's
+     * start before the hand (pass 1 counts no arena twice: a0 is counted in pass 0). */
+    for (int pass = 0; pass < 2; pass++) {
+        uint32_t from = pass ? 0 : a0, to = pass ? a0 + 1 : na;
+        for (uint32_t w = from >> 6; w <= (to - 1) >> 6; w++) {
+            /* Relaxed: see owned_hint. */
+            uint64_t bits = __atomic_load_n(&c->owned_hint[w], __ATOMIC_RELAXED);
+            if (w == from >> 6) bits &= ~0ULL << (from & 63);
+            if (w == (to - 1) >> 6 && ((to - 1) & 63) != 63) bits &= (2ULL << ((to - 1) & 63)) - 1;
+            for (; bits; bits &= bits - 1) {
+                uint32_t a = w * 64 + (uint32_t)__builtin_ctzll(bits), seen = 0;
+                /* Relaxed: hints for skipping; arena_usable and the claim's check decide. */
+                if (RLX(owner_w(c, a)) != me) {
+                    owned_hint_drop(c, a, me);
+                    continue;
+                }
+                owned += !(pass && a == a0);
+                /* Full by its words counts for the mark only once verified: no other rank's
+                 * install, load or delete left in it that could still free a slot (I6).  The
+                 * verified bit BEFORE the words, acquire: it pairs with our verification's
+                 * seq_cst CAS, whose loads read the last foreign writer's release (a
+                 * deleter's mark cleared, a recovery's unclaim) made after that writer's
+                 * uncount; so words read after a verified bit count that uncount (read the
+                 * other way round, a look could pair words from before a foreign uncount with
+                 * a verification after it).  A take of ours clears the bit before its CAS and
+                 * bumps frees after, so a mark recorded on a stale bit is stale itself. */
+                uint32_t verified = __atomic_load_n(&c->arena_seen[a], __ATOMIC_ACQUIRE) & 1;
+                if (!verified) POINT(c, UCM_PT_FREE_LOOK);
+                if (arena_entries(c, a, g) >= arena_size(c, a)) {
+                    full &= (int)verified;
+                    continue;
+                }
+                full = 0;
+                if (examined >= max_scan || !arena_usable(c, a, &seen)) continue;
+                uint64_t lo = (uint64_t)a * c->l.arena_slots, hi = arena_end(c, a);
+                if (a == a0) {
+                    if (pass == 0) lo = hand; /* the hand's arena: from the hand on ... */
+                    else hi = hand;           /* ... and its start, last */
+                }
+                for (uint64_t pos = lo; pos < hi && examined < max_scan; pos++) {
+                    uint32_t s = (uint32_t)pos;
+                    examined++;
+                    uint64_t r = RLX(ref_w(c, s));
+                    if (r != 0 || live_entry(c, s, (uint32_t)g)) continue; /* held, or a live entry */
+                    int got = claim_checked(c, s, a, seen, r);
+                    if (got < 0) break; /* the arena was taken from us */
+                    if (got == 0) continue;
+                    /* Read again under the claim (its acquire CAS ordered the last writer's
+                     * words before us): another thread of ours may have installed and
+                     * published here since our look.  Nothing is written yet, so it is given
+                     * back as an unpassed claim is. */
+                    if (live_entry(c, s, (uint32_t)g)) {
+                        SET_REL(ref_w(c, s), 0); /* release: pairs with the next claimant's acquire CAS */
+                        continue;
+                    }
+                    return claim_done(c, s, handp, pos + 1, slot_out);
+                }
             }
-            return claim_done(c, s, handp, pos + 1, slot_out);
         }
     }
+    *owned_out = owned;
+    *full_out = full;
     return UCM_FULL;
+}
+
+/* The mark full_mark is compared with: the arena epoch (a recovery's recount, a release),
+ * the generation (a clear() frees every slot) and our frees count, packed into 63 bits (15,
+ * 20, 28).  Every walk rewrites full_mark (its mark, or none), so to alias, one of them would
+ * have to move by exactly 2^15, 2^20 or 2^28 between two claims of ours that skip the walk.  Acquire: pairs with the release of each (the epoch's and the generation's
+ * seq_cst bumps, frees_bump), so a walk after this read sees the words of the step it names. */
+static inline uint64_t full_mark_now(ucm_ctx *c)
+{
+    uint64_t f = __atomic_load_n(&c->frees, __ATOMIC_ACQUIRE);
+    uint64_t e = ACQ(header(c)->ARENA_EPOCH), g = ACQ(header(c)->GENERATION);
+    return (e & 0x7fffu) << 48 | (g & 0xfffffu) << 28 | (f & 0xfffffffu);
 }
 
 /* room_gone's value: an arena epoch, a generation (its low 20 bits, as the accounting words
@@ -1819,11 +1929,14 @@ static inline uint64_t room_mark(uint64_t epoch, uint64_t g)
     return epoch << 32 | (g & 0xfffffu) << 12;
 }
 
-/* How many arenas our rank owns now.  Relaxed: a hint, the policy's take decides. */
+/* How many arenas our rank owns now (those of the owned hint whose owner word says us).
+ * Relaxed: a hint, the policy's take decides. */
 static uint32_t arenas_owned(ucm_ctx *c)
 {
-    uint32_t me = (uint32_t)c->rank + 1, owned = 0;
-    for (uint32_t a = 0; a < c->l.n_arenas; a++) owned += RLX(owner_w(c, a)) == me;
+    uint32_t me = (uint32_t)c->rank + 1, owned = 0, words = (uint32_t)(c->l.n_arenas + 63) / 64;
+    for (uint32_t w = 0; w < words; w++)
+        for (uint64_t bits = RLX(&c->owned_hint[w]); bits; bits &= bits - 1)
+            owned += RLX(owner_w(c, w * 64 + (uint32_t)__builtin_ctzll(bits))) == me;
     return owned;
 }
 
@@ -1840,13 +1953,12 @@ static inline void mark_room_gone(ucm_ctx *c, uint64_t mark, uint32_t owned)
  * first (UCM_ROOM), unless every arena is ours already.  A rank whose room look takes one of
  * our arenas moves no epoch: our count tells us, and our look takes our share back from its
  * surplus before we evict, not before we need it. */
-static int policy_looked(ucm_ctx *c)
+static int policy_looked(ucm_ctx *c, uint32_t owned)
 {
     /* Relaxed: the epoch and the generation are hints here (a move only makes the policy look
      * again); room_gone is a process-local hint that threads of ours may race on, any of
      * their values safe (one look too many, or one eviction in a move's instant). */
     uint64_t mark = room_mark(RLX(header(c)->ARENA_EPOCH), RLX(header(c)->GENERATION));
-    uint32_t owned = arenas_owned(c);
     if (owned == c->l.n_arenas) { /* every arena ours (one rank attached, say): nothing to take */
         mark_room_gone(c, mark, owned);
         return 1;
@@ -1947,9 +2059,23 @@ int ucm_clock_claim(ucm_ctx *c, uint64_t max_scan, uint32_t *slot_out)
      * the epoch or the generation moved: it looks first), UCM_FULL (nothing claimable in our
      * arenas). */
     if (c->rank < 0) return UCM_NOT_HELD;
-    int r = claim_free(c, max_scan, slot_out);
-    if (r != UCM_FULL) return r;
-    if (!policy_looked(c)) return UCM_ROOM;
+    /* Phase 1 is skipped while nothing could have made room since a look that found every
+     * arena of ours full and verified (full_mark): a slot of ours is freed only by a step of
+     * ours (I6: we are our arenas' writer; a deleter of another rank takes the arena first),
+     * which bumps frees, or by a recovery or a clear(), which move the epoch or the generation.
+     * Relaxed: threads of ours may race on the mark, any of their values honest (each was the
+     * mark of a walk that found it so). */
+    uint64_t mark = full_mark_now(c);
+    uint32_t owned = 0;
+    int r = UCM_FULL, full = 0;
+    if (__atomic_load_n(&c->full_mark, __ATOMIC_RELAXED) == mark) {
+        owned = arenas_owned(c);
+    } else {
+        r = claim_free(c, max_scan, slot_out, &owned, &full);
+        __atomic_store_n(&c->full_mark, full ? mark : UINT64_MAX, __ATOMIC_RELAXED);
+        if (r != UCM_FULL) return r;
+    }
+    if (!policy_looked(c, owned)) return UCM_ROOM;
     return claim_clock(c, max_scan, slot_out);
 }
 
@@ -2223,6 +2349,8 @@ static int publish_taken(ucm_ctx *c, uint32_t s, uint32_t state, uint32_t length
      * state (waiters, and pinners via lookup's acquire on the state). */
     uint32_t old = __atomic_exchange_n(state_w(c, s), state, __ATOMIC_RELEASE);
     if (old & UCM_WAITERS) futex_wake_word(state_w(c, s), INT32_MAX);
+    /* Not a live entry (Failed, or a clear() overtook it): a free slot once unpinned. */
+    if (!(RLX(flags_w(c, s)) & UCM_F_COUNTED)) frees_bump(c);
     return UCM_OK;
 }
 
@@ -2289,6 +2417,7 @@ static void fail_loading(ucm_ctx *c, uint32_t s, const char *msg, uint32_t len)
     /* Release: the message, length and flags are visible to whoever acquires the state. */
     uint32_t old = __atomic_exchange_n(state_w(c, s), UCM_FAILED, __ATOMIC_RELEASE);
     if (old & UCM_WAITERS) futex_wake_word(state_w(c, s), INT32_MAX);
+    frees_bump(c); /* a free slot once unpinned (a recoverer's bump is its own, and harmless) */
 }
 
 static int abandon_one(ucm_ctx *c, uint32_t s, int owner, uint32_t serial, const char *msg,
@@ -2790,6 +2919,7 @@ int ucm_delete(ucm_ctx *c, const char *id, uint64_t offset, uint32_t spin_budget
      * claimant (after our unpin's release). */
     SET_RLX(flags_w(c, s), (uint16_t)(f & ~UCM_F_COUNTED));
     SET_RLX(acc_w(c, s), 0); /* CLOCK takes it at its first look once unpinned (a hint) */
+    frees_bump(c);           /* a free slot once unpinned: our next claim looks for it */
     POINT(c, UCM_PT_DELETE_UNCOUNTED);
     /* Release: the step is done; a taker that sees the mark gone sees the words as we left
      * them (its verification's seq_cst load reads this store or a later one). */
@@ -3039,6 +3169,7 @@ static int reclaim_claimed(ucm_ctx *c, uint32_t s, uint32_t dead, uint32_t held_
     SET_RLX(flags_w(c, s), 0); /* its arena was recounted without it (ucm_recover_rank) */
     uint32_t old = __atomic_exchange_n(state_w(c, s), UCM_EMPTY, __ATOMIC_RELEASE); /* as in publish */
     if (old & UCM_WAITERS) futex_wake_word(state_w(c, s), INT32_MAX);
+    frees_bump(c); /* the recoverer's own; the others learn of it by the arena epoch's bump */
     unclaim(c, s);
     return UCM_OK;
 }

@@ -263,7 +263,9 @@ enum { UCM_RESULT_TABLE(UCM_RESULT_ENUM_) };
                                  * its pin not yet dropped */
 #define UCM_PT_BEFORE_STRIPE 19 /* slow path: the caller's lock-free look done, the arena epoch
                                  * looked at, the key's stripe not yet taken; the step holds nothing */
-#define UCM_PT_COUNT         20
+#define UCM_PT_FREE_LOOK     20 /* claim_free's look at an arena of ours not verified: its verified
+                                 * bit read, its accounting words not yet */
+#define UCM_PT_COUNT         21
 #define UCM_ACT_NONE         0
 #define UCM_ACT_GATE         1
 #define UCM_ACT_KILL         2

@@ -2,6 +2,7 @@
 rank could obtain is free, whichever ranks attached in whatever order and whichever arenas
 moved between them; once every slot holds an entry, the CLOCK evicts as before."""
 import random
+import threading
 
 import ucmcache
 from ucmcache import SlotCache
@@ -293,4 +294,148 @@ def test_a_rank_a_room_take_left_below_its_share_looks_again_only_when_it_would_
         assert c.stats()["evictions"] == 2800 - c.layout.n_slots   # none before it was full
         assert owned(c, d) == (8, 8)
         assert looks["make_room"] <= c.layout.n_arenas and looks["rebalance"] <= 4, looks
+    assert ucmcache.verify(c.uuid).ok
+
+
+def _full(c, n, start=0):
+    """Load keys start..start+n-1; returns them."""
+    keys = [key(i) for i in range(start, start + n)]
+    for k in keys:
+        c.get_or_load(k, lambda k=k: workers.payload_for(k, 64))
+    return keys
+
+
+class _Boom(Exception):
+    pass
+
+
+def _boom():
+    raise _Boom("the loader fails")
+
+
+def test_once_full_a_freed_slot_is_taken_before_any_eviction(make_cache):
+    """Once every arena of ours is full, claims skip the free-first walk until a step of ours
+    could have made room (csrc full_mark): a delete, a failed load and a clear() each make the
+    next claim look again, so the slot they freed is taken and nothing is evicted for it."""
+    c = make_cache(slots_per_rank=32, slot_size=64, max_ranks=2)
+    keys = _full(c, 64)                                    # both ranks' share: every slot
+    _full(c, 3, start=1000)                                # evicting claims: the walk found full
+    ev = c.stats()["evictions"]
+    assert ev == 3
+    live = [k for k in keys if c.exist([k])[0]]
+    # A delete frees a slot: the next miss takes it, evicting nothing.
+    assert c.delete(live[0])
+    _full(c, 1, start=2000)
+    assert c.stats()["evictions"] == ev
+    # A failed load: its claim evicts one entry (the cache is full), then leaves the slot
+    # Failed, a free slot once released: the next miss takes it, evicting nothing more.
+    try:
+        c.get_or_load(key(3000), _boom)
+    except _Boom:
+        pass
+    ev = c.stats()["evictions"]
+    _full(c, 1, start=4000)
+    assert c.stats()["evictions"] == ev
+    # clear() frees every slot: a cache's worth of new keys, nothing evicted.
+    c.clear()
+    ev = c.stats()["evictions"]
+    _full(c, 64, start=5000)
+    assert c.stats()["evictions"] == ev
+    assert ucmcache.verify(c.uuid).ok
+
+
+def mkey(i: int) -> bytes:
+    return b"m" + i.to_bytes(15, "little")
+
+
+def mload(c, k):
+    c.get_or_load(k, lambda: workers.payload_for(k, 64))
+
+
+def bkey(i: int) -> bytes:
+    return b"b" + i.to_bytes(15, "little")
+
+
+def test_a_foreign_delete_straddling_a_look_leaves_no_mark_over_a_free_slot(make_cache, gate):
+    """A claim's walk read a full arena's words before another rank's delete uncounted them, and
+    its verified bit after our verification: read in that order (words, then bit) the walk
+    recorded full_mark over the freed slot and 7 of the next 8 misses evicted (reviewer's
+    repro).  The bit is read first (acquire), so the words it reads count the uncount."""
+    c = make_cache(slots_per_rank=16, slot_size=64, max_ranks=2)   # 32 slots, 16 arenas of 2
+    keys = [mkey(i) for i in range(32)]
+    for k in keys:
+        mload(c, k)                                 # rank 0 alone: every arena, every slot
+    assert c.stats()["evictions"] == 0 and c.entry_count() == 32
+    d = SlotCache.attach(c.uuid, rank=1)            # the deleter: another rank
+    try:
+        victim = keys[5]
+        h = c.get(victim)                           # a reader of ours keeps the slot held
+        checked = gate()
+        d._arm("delete_checked", "gate", checked)
+        out = {}
+        z = threading.Thread(target=lambda: out.setdefault("del", d.delete(victim)))
+        z.start()
+        checked.wait_arrived()                      # d took arena A, marked and checked
+        owners = c._arenas.owners().tolist()
+        a = owners.index(2)
+        assert c._arenas.take_for_delete(a)         # we take A back (frees bumped; unverified)
+        look = gate()
+        c._arm("free_look", "gate", look)
+        t2 = threading.Thread(target=mload, args=(c, mkey(100)))
+        t2.start()
+        look.wait_arrived()                         # T2 read A's words: full (not yet uncounted)
+        checked.release()
+        z.join(30)
+        assert out["del"] is True                   # d uncounted; its give_back found A ours
+        assert lib.ucm_arena_usable(c._ctx, a) == 1  # T1: A verifies now (the mark is gone)
+        look.release()
+        t2.join(30)                                 # T2 read A verified: full_mark recorded
+        h.close()                                   # the deleted slot is free now
+        ev = c.stats()["evictions"]
+        fresh = [mkey(200 + i) for i in range(8)]
+        for i, k in enumerate(fresh):
+            mload(c, k)
+            if i == 0:
+                first = c.stats()["evictions"] - ev
+        total = c.stats()["evictions"] - ev
+        assert first == 0, f"evicted {first} live entry while a slot of ours was free"
+    finally:
+        d.close()
+    assert ucmcache.verify(c.uuid).ok
+
+
+def test_the_free_first_walk_finds_the_one_free_slot_wherever_the_hand_is(make_cache):
+    """claim_free's two passes over the owned-arena bitmap, across a 64-bit word boundary, with
+    80 arenas and the hand anywhere: a lone free slot is always taken, nothing evicted."""
+    c = make_cache(slots_per_rank=16, slot_size=64, max_ranks=10)   # 160 slots, 80 arenas of 2
+    L = c._layout
+    assert (L.n_arenas, L.arena_slots) == (80, 2)
+    n = L.n_slots
+    slot_of = {}
+    nxt = [0]
+
+    def load():
+        k = bkey(nxt[0]); nxt[0] += 1
+        c.get_or_load(k, lambda: workers.payload_for(k, 64))
+        h = c.get(k)
+        slot_of[int(h._slot)] = k
+        h.close()
+
+    for _ in range(n):
+        load()
+    assert len(slot_of) == n and c.stats()["evictions"] == 0
+    hand_off = L.rank(0) + lib.UCM_R_CLOCK_HAND
+    cases = 0
+    for hand in (0, 1, 126, 127, 128, 129, 130, 158, 159):
+        for free in (0, 1, 2, 125, 126, 127, 128, 129, 130, 131, 157, 158, 159, hand, hand ^ 1):
+            free %= n
+            assert c.delete(slot_of[free])
+            del slot_of[free]
+            lib.ucm_store64(c._seg.base, hand_off, hand)
+            ev = c.stats()["evictions"]
+            load()
+            assert c.stats()["evictions"] == ev, (hand, free)
+            assert free in slot_of, (hand, free)
+            cases += 1
+    assert cases == 135
     assert ucmcache.verify(c.uuid).ok

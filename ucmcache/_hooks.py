@@ -38,6 +38,7 @@ C_POINTS = {
     "load_copied": lib.UCM_PT_LOAD_COPIED,
     "load_published": lib.UCM_PT_LOAD_PUBLISHED,
     "before_stripe": lib.UCM_PT_BEFORE_STRIPE,
+    "free_look": lib.UCM_PT_FREE_LOOK,
 }
 PY_POINTS = ("inside_loader", "before_ready", "after_ready", "before_magic", "after_shm_open",
              # tier 2 (ucmcache.tier2): a get starts waiting for another node's lease (holding
