@@ -1,0 +1,291 @@
+"""The docs state each fact of the code once, and a drifted one fails here.
+
+README.md, docs/ and bench/README.md are checked against what the code declares:
+- the five layout tables (generated from the built core by scripts/gen-docs: up to date);
+- every "`UCM_NAME` = N", "N (UCM_NAME)" and "N bytes (UCM_NAME)" against csrc/ucm_core.h's value
+  (cffi's ``lib``), and every "layout version N";
+- the worked example of a layout (section 2) against ``Layout.compute``;
+- the Prometheus counter names against ``ucmcache.metrics.COUNTER_METRICS`` and the disk tier's
+  counter families;
+- every relative link (a file that exists; a ``#anchor`` that is a heading of its page).
+docs/history.md is left out of the value checks: it states what earlier versions had.
+
+Each checker returns the problems it found in a tree; the tests run it on this repository (no
+problem) and on a copy in a temporary directory with one fact drifted (the problem is named),
+so a checker that cannot fail fails here.
+"""
+import importlib.util
+import pathlib
+import re
+import shutil
+
+import pytest
+
+from ucmcache.lowlevel import Layout, lib
+
+
+def _root() -> pathlib.Path:
+    here = pathlib.Path(__file__).resolve()
+    for parent in here.parents:
+        if (parent / "csrc" / "ucm_core.h").is_file() and (parent / "docs").is_dir():
+            return parent
+    raise RuntimeError(f"no repository root above {here}")
+
+
+ROOT = _root()
+HISTORY = "docs/history.md"
+
+
+def _gen_docs():
+    spec = importlib.util.spec_from_file_location("gen_docs", ROOT / "scripts" / "gen_docs.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def doc_files(root: pathlib.Path):
+    """Every page a reader may follow: README.md, docs/**/*.md, bench/README.md."""
+    files = [root / "README.md", root / "bench" / "README.md"]
+    files += sorted((root / "docs").rglob("*.md"))
+    return [f for f in files if f.is_file()]
+
+
+def _prose(text: str) -> str:
+    """The text without fenced code blocks (links and statements there are not the page's)."""
+    return re.sub(r"^```.*?^```", "", text, flags=re.M | re.S)
+
+
+def _number(s: str) -> int:
+    return int(s, 16) if s.lower().startswith("0x") else int(s.replace(",", ""))
+
+
+# -- the checkers ----------------------------------------------------------------------------
+
+
+def generated_table_problems(root: pathlib.Path):
+    gen = _gen_docs()
+    out = []
+    for page in gen.pages(root):
+        _, changed = gen.regenerate(page.read_text())
+        out += [f"{page.relative_to(root)}: generated table {t} is out of date "
+                f"(run scripts/gen-docs)" for t in changed]
+    if not any("gen-docs: table" in p.read_text() for p in doc_files(root)):
+        out.append("no generated layout table in docs/")
+    return out
+
+
+AFTER_NAME = re.compile(r"`(UCM_[A-Z0-9_]+)`? ?(?:=|\() ?(0x[0-9a-fA-F]+|[0-9][0-9,]*)\b(?![.*^<\w])")
+NAME_BARE = re.compile(r"`(UCM_[A-Z0-9_]+)` (0x[0-9a-fA-F]+|[0-9][0-9,]*)\b(?![.*^<\w])")
+BEFORE_NAME = re.compile(r"\b([0-9][0-9,]*)(?: bytes(?: each)?)? \(`?(UCM_[A-Z0-9_]+)`?\)")
+LAYOUT_VERSION = re.compile(r"layout version (\d+)", re.I)
+
+
+def constant_problems(root: pathlib.Path):
+    out = []
+    for f in doc_files(root):
+        rel = str(f.relative_to(root))
+        if rel == HISTORY:
+            continue
+        text = f.read_text()
+        found = [(m[1], m[2]) for m in AFTER_NAME.finditer(text)]
+        found += [(m[1], m[2]) for m in NAME_BARE.finditer(text)]
+        found += [(m[2], m[1]) for m in BEFORE_NAME.finditer(text)]
+        found += [("UCM_LAYOUT_VERSION", m[1]) for m in LAYOUT_VERSION.finditer(text)]
+        for name, said in found:
+            value = getattr(lib, name, None)
+            if isinstance(value, int) and _number(said) != value:
+                out.append(f"{rel}: says {name} is {said}; csrc/ucm_core.h has {value}")
+    return out
+
+
+NUM = r"\d+(?:,\d{3})*"   # 80,128: digits in groups of three
+EXAMPLE = re.compile(r"Example: (\d+) ranks x ([\d,]+) slots x (\d+) KiB: (.*?bytes)\.", re.S)
+
+
+def example_layout_problems(root: pathlib.Path):
+    """Section 2's worked example: every offset it names, its arenas and its total."""
+    page = root / "docs" / "design" / "words-and-layout.md"
+    m = EXAMPLE.search(page.read_text())
+    if not m:
+        return [f"{page.relative_to(root)}: no worked example of a layout found"]
+    lay = Layout.compute(max_ranks=int(m[1]), slots_per_rank=_number(m[2]),
+                         slot_size=int(m[3]) * 1024)
+    said = " ".join(m[4].split())
+    out = []
+    for name, value in re.findall(r"(\w+_off) (%s)" % NUM, said):
+        if getattr(lay, name) != _number(value):
+            out.append(f"example layout: {name} {value}, computed {getattr(lay, name):,}")
+    arenas = re.search(r"(%s) arenas of (%s) slots" % (NUM, NUM), said)
+    if not arenas or (_number(arenas[1]), _number(arenas[2])) != (lay.n_arenas, lay.arena_slots):
+        out.append(f"example layout: arenas {arenas and arenas[0]!r}, computed {lay.n_arenas} "
+                   f"arenas of {lay.arena_slots} slots")
+    total = re.search(r"total (%s) bytes" % NUM, said)
+    if not total or _number(total[1]) != lay.total_size:
+        out.append(f"example layout: total {total and total[1]}, computed {lay.total_size:,}")
+    return out
+
+
+def _expand(text: str):
+    """Names written with brace alternatives, `ucmcache_{a,b}_total`, spelled out."""
+    names = set()
+    for m in re.finditer(r"`(ucmcache_[a-z0-9_]*)\{([a-z0-9_,\s]+)\}([a-z0-9_]*)", text):
+        for alt in m[2].split(","):
+            names.add(m[1] + alt.strip() + m[3])
+    return names
+
+
+def counter_name_problems(root: pathlib.Path, disk_counters):
+    """docs/operations.md's Prometheus counters against the ones ucmcache.metrics serves."""
+    from ucmcache.metrics import COUNTER_METRICS
+    page = root / "docs" / "operations.md"
+    said = {n for n in _expand(page.read_text()) if n.endswith("_total")}
+    served = {f"ucmcache_{k}_total" for k in COUNTER_METRICS} | set(disk_counters)
+    out = [f"docs/operations.md names {n}, which ucmcache.metrics does not serve"
+           for n in sorted(said - served)]
+    out += [f"docs/operations.md does not name {n}, which ucmcache.metrics serves"
+            for n in sorted(served - said)]
+    return out
+
+
+LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def _slugs(page: pathlib.Path):
+    """The anchors GitHub makes of a page's headings."""
+    seen, out = {}, set()
+    for line in _prose(page.read_text()).splitlines():
+        m = re.match(r"^#{1,6}\s+(.*?)\s*#*\s*$", line)
+        if not m:
+            continue
+        s = re.sub(r"[^\w\- ]", "", m[1].replace("`", "").lower()).replace(" ", "-")
+        n = seen.get(s, 0)
+        seen[s] = n + 1
+        out.add(s if n == 0 else f"{s}-{n}")
+    return out
+
+
+def link_problems(root: pathlib.Path):
+    out = []
+    for f in doc_files(root):
+        rel = f.relative_to(root)
+        for target in LINK.findall(_prose(f.read_text())):
+            if re.match(r"^[a-z]+:", target):          # http:, https:, mailto:
+                continue
+            path, _, anchor = target.partition("#")
+            dest = (f.parent / path).resolve() if path else f
+            if not dest.exists():
+                out.append(f"{rel}: link {target} leads nowhere")
+            elif anchor and dest.suffix == ".md" and anchor not in _slugs(dest):
+                out.append(f"{rel}: link {target}: no heading makes #{anchor}")
+    return out
+
+
+# -- on this repository -----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def disk_counters(tmp_path_factory):
+    """The disk tier's counter names as ucmcache.metrics serves them, from a fresh tier."""
+    from ucmcache import DiskTier
+    from ucmcache.metrics import tier_families
+    path = tmp_path_factory.mktemp("tier")
+    tier = DiskTier(str(path), capacity_bytes=1 << 20)
+    try:
+        return {f"{fam.name}_total" for fam in tier_families([str(path)]) if fam.type == "counter"}
+    finally:
+        tier.close()
+
+
+def test_generated_tables_are_up_to_date():
+    assert generated_table_problems(ROOT) == []
+
+
+def test_constants_and_layout_version_as_the_header_says():
+    assert constant_problems(ROOT) == []
+
+
+def test_example_layout_is_what_the_core_computes():
+    assert example_layout_problems(ROOT) == []
+
+
+def test_metric_counter_names_are_the_served_ones(disk_counters):
+    assert disk_counters, "the disk tier serves no counter families"
+    assert counter_name_problems(ROOT, disk_counters) == []
+
+
+def test_relative_links_resolve():
+    assert link_problems(ROOT) == []
+
+
+# -- each checker fails on a drifted copy --------------------------------------------------------
+
+
+@pytest.fixture
+def copy(tmp_path):
+    """README.md, docs/, bench/README.md and scripts/gen_docs.py copied into a temporary tree
+    (with the link targets the pages name: bench/results/ and demos/), to drift one fact in."""
+    for name in ("README.md", "bench/README.md", "scripts/gen_docs.py"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(ROOT / name, tmp_path / name)
+    for name in ("docs", "bench/results", "csrc"):
+        shutil.copytree(ROOT / name, tmp_path / name)
+    return tmp_path
+
+
+def _drift(path: pathlib.Path, old: str, new: str, count: int = 1):
+    text = path.read_text()
+    assert old in text, f"{old!r} not in {path}"
+    path.write_text(text.replace(old, new, count))
+
+
+def test_a_drifted_table_row_fails(copy):
+    page = copy / "docs" / "design" / "words-and-layout.md"
+    _drift(page, "| 36 | `state` | u32 |", "| 40 | `state` | u32 |")
+    assert generated_table_problems(copy) == [
+        "docs/design/words-and-layout.md: generated table slot_meta is out of date "
+        "(run scripts/gen-docs)"]
+
+
+def test_a_drifted_layout_version_fails(copy):
+    v = lib.UCM_LAYOUT_VERSION
+    page = copy / "docs" / "design" / "words-and-layout.md"
+    _drift(page, f"`UCM_LAYOUT_VERSION` = {v}", f"`UCM_LAYOUT_VERSION` = {v - 1}")
+    assert f"says UCM_LAYOUT_VERSION is {v - 1}" in " ".join(constant_problems(copy))
+    # the generator puts it right (it sets every `UCM_NAME` = N in a generated table)
+    assert generated_table_problems(copy)
+    (copy / "README.md").write_text((copy / "README.md").read_text()
+                                    + f"\nSegments of layout version {v + 1}.\n")
+    assert f"README.md: says UCM_LAYOUT_VERSION is {v + 1}" in " ".join(constant_problems(copy))
+
+
+def test_a_drifted_constant_fails(copy):
+    page = copy / "docs" / "design" / "words-and-layout.md"
+    _drift(page, "Header, 256 bytes (UCM_HEADER_SIZE)", "Header, 512 bytes (UCM_HEADER_SIZE)")
+    assert constant_problems(copy) == [
+        f"docs/design/words-and-layout.md: says UCM_HEADER_SIZE is 512; csrc/ucm_core.h has "
+        f"{lib.UCM_HEADER_SIZE}"]
+
+
+def test_a_drifted_example_layout_fails(copy):
+    page = copy / "docs" / "design" / "words-and-layout.md"
+    _drift(page, "meta_off 80,128", "meta_off 80,192")
+    assert example_layout_problems(copy) == ["example layout: meta_off 80,192, computed 80,128"]
+
+
+def test_a_missing_or_extra_counter_name_fails(copy, disk_counters):
+    page = copy / "docs" / "operations.md"
+    _drift(page, "joins,", "")
+    _drift(page, "write_dedups,", "write_dedups,cold_reads,")
+    assert counter_name_problems(copy, disk_counters) == [
+        "docs/operations.md names ucmcache_tier_cold_reads_total, which ucmcache.metrics does "
+        "not serve",
+        "docs/operations.md does not name ucmcache_joins_total, which ucmcache.metrics serves"]
+
+
+def test_a_broken_link_fails(copy):
+    _drift(copy / "README.md", "(docs/api.md)", "(docs/apis.md)")
+    _drift(copy / "docs" / "design" / "README.md", "#8-known-limits", "#9-known-limits")
+    assert link_problems(copy) == [
+        "README.md: link docs/apis.md leads nowhere",
+        "docs/design/README.md: link ../guarantees.md#9-known-limits: no heading makes "
+        "#9-known-limits"]
