@@ -289,3 +289,45 @@ def test_a_broken_link_fails(copy):
         "README.md: link docs/apis.md leads nowhere",
         "docs/design/README.md: link ../guarantees.md#9-known-limits: no heading makes "
         "#9-known-limits"]
+
+
+
+def _defining_module(cls):
+    """The module that defines ``cls`` (its ``__module__`` says where it is exported from):
+    that of the functions in its own namespace."""
+    import sys
+    mods = {f.__module__ for f in vars(cls).values() if callable(f) and hasattr(f, "__module__")
+            and getattr(f, "__qualname__", "").startswith(cls.__name__ + ".")}
+    assert len(mods) == 1, mods
+    return sys.modules[mods.pop()]
+
+
+def mixin_problems(cls, module):
+    """The modules of ``cls``'s mixins (its bases from ucmcache but the hit path's C base) that
+    ``module``'s docstring does not name as ``name``."""
+    named = set(re.findall(r"``(\w+)``", module.__doc__ or ""))
+    out = []
+    for base in cls.__mro__[1:]:
+        mod = base.__module__
+        if not mod.startswith("ucmcache.") or base.__name__ == "CacheBase":
+            continue
+        short = mod.rsplit(".", 1)[1]
+        if short not in named:
+            out.append(f"{module.__name__}'s docstring does not name the mixin module {short} "
+                       f"({base.__name__})")
+    return out
+
+
+def test_slotcache_docstring_names_every_mixin():
+    from ucmcache import SlotCache
+    assert mixin_problems(SlotCache, _defining_module(SlotCache)) == []
+
+
+def test_a_mixin_left_out_of_the_docstring_fails():
+    import types
+    from ucmcache import SlotCache
+    real = _defining_module(SlotCache)
+    short = next(b for b in SlotCache.__mro__ if b.__name__ == "Mapping").__module__.rsplit(".", 1)[1]
+    drifted = types.ModuleType(real.__name__, real.__doc__.replace(f"``{short}``", "the mapping"))
+    assert mixin_problems(SlotCache, drifted) == [
+        f"{real.__name__}'s docstring does not name the mixin module {short} (Mapping)"]
