@@ -2,6 +2,7 @@
 
 README.md, docs/ and bench/README.md are checked against what the code declares:
 - the five layout tables (generated from the built core by scripts/gen-docs: up to date);
+- prose facts: "at most N ranks", "max_ranks <= N", "N-byte `SlotMeta`";
 - every "`UCM_NAME` = N", "N (UCM_NAME)" and "N bytes (UCM_NAME)" against csrc/ucm_core.h's value
   (cffi's ``lib``), and every "layout version N";
 - the worked example of a layout (section 2) against ``Layout.compute``;
@@ -77,7 +78,14 @@ def generated_table_problems(root: pathlib.Path):
 AFTER_NAME = re.compile(r"`(UCM_[A-Z0-9_]+)`? ?(?:=|\() ?(0x[0-9a-fA-F]+|[0-9][0-9,]*)\b(?![.*^<\w])")
 NAME_BARE = re.compile(r"`(UCM_[A-Z0-9_]+)` (0x[0-9a-fA-F]+|[0-9][0-9,]*)\b(?![.*^<\w])")
 BEFORE_NAME = re.compile(r"\b([0-9][0-9,]*)(?: bytes(?: each)?)? \(`?(UCM_[A-Z0-9_]+)`?\)")
-LAYOUT_VERSION = re.compile(r"layout version (\d+)", re.I)
+# facts said in words: (pattern whose group 1 is the number, the constant it states)
+PROSE = [
+    (re.compile(r"layout version (\d+)", re.I), "UCM_LAYOUT_VERSION"),
+    (re.compile(r"at most (\d+) ranks", re.I), "UCM_MAX_RANKS"),
+    (re.compile(r"max_ranks <= (\d+)"), "UCM_MAX_RANKS"),
+    (re.compile(r"\(at most (\d+);"), "UCM_MAX_RANKS"),
+    (re.compile(r"(\d+)-byte `SlotMeta`"), "UCM_META_SIZE"),
+]
 
 
 def constant_problems(root: pathlib.Path):
@@ -90,7 +98,7 @@ def constant_problems(root: pathlib.Path):
         found = [(m[1], m[2]) for m in AFTER_NAME.finditer(text)]
         found += [(m[1], m[2]) for m in NAME_BARE.finditer(text)]
         found += [(m[2], m[1]) for m in BEFORE_NAME.finditer(text)]
-        found += [("UCM_LAYOUT_VERSION", m[1]) for m in LAYOUT_VERSION.finditer(text)]
+        found += [(name, m[1]) for pattern, name in PROSE for m in pattern.finditer(text)]
         for name, said in found:
             value = getattr(lib, name, None)
             if isinstance(value, int) and _number(said) != value:
@@ -256,6 +264,12 @@ def test_a_drifted_layout_version_fails(copy):
     (copy / "README.md").write_text((copy / "README.md").read_text()
                                     + f"\nSegments of layout version {v + 1}.\n")
     assert f"README.md: says UCM_LAYOUT_VERSION is {v + 1}" in " ".join(constant_problems(copy))
+
+
+def test_a_drifted_rank_limit_fails(copy):
+    _drift(copy / "docs" / "engines" / "ucm.md", "(at most 63;", "(at most 64;")
+    assert constant_problems(copy) == [
+        f"docs/engines/ucm.md: says UCM_MAX_RANKS is 64; csrc/ucm_core.h has {lib.UCM_MAX_RANKS}"]
 
 
 def test_a_drifted_constant_fails(copy):
