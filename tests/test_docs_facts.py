@@ -8,6 +8,8 @@ README.md, docs/ and bench/README.md are checked against what the code declares:
 - the worked example of a layout (section 2) against ``Layout.compute``;
 - the Prometheus counter names against ``ucmcache.metrics.COUNTER_METRICS`` and the disk tier's
   counter families;
+- every ``UCM_*`` name the docs use (still in csrc/) and every ``t2_*`` counter (still counted);
+- SlotCache's module docstring names every mixin module;
 - every relative link (a file that exists; a ``#anchor`` that is a heading of its page).
 docs/history.md is left out of the value checks: it states what earlier versions had.
 
@@ -103,6 +105,26 @@ def constant_problems(root: pathlib.Path):
             value = getattr(lib, name, None)
             if isinstance(value, int) and _number(said) != value:
                 out.append(f"{rel}: says {name} is {said}; csrc/ucm_core.h has {value}")
+    return out
+
+
+def name_problems(root: pathlib.Path, disk_counters, stats_keys):
+    """Names the docs use that the code must still have: every ``UCM_*`` (a name of csrc/), and
+    every ``t2_*`` counter (a key of a segment's stats(), or one of the disk tier's)."""
+    c_names = set()
+    for src in (root / "csrc").glob("*.[ch]"):
+        c_names |= set(re.findall(r"\bUCM_[A-Z0-9_]+\b", src.read_text()))
+    counters = set(stats_keys) | {"t2_" + n[len("ucmcache_tier_"):-len("_total")] for n in disk_counters}
+    out = []
+    for f in doc_files(root):
+        rel = str(f.relative_to(root))
+        if rel == HISTORY:
+            continue
+        text = f.read_text()
+        for name in sorted(set(re.findall(r"\bUCM_[A-Z0-9_]*[A-Z0-9]\b(?![*])", text)) - c_names):
+            out.append(f"{rel}: names {name}, which csrc/ does not have")
+        for name in sorted(set(re.findall(r"\bt2_[a-z0-9_]*[a-z0-9]\b", text)) - counters):
+            out.append(f"{rel}: names the counter {name}, which no stats() or disk tier has")
     return out
 
 
@@ -221,6 +243,16 @@ def test_metric_counter_names_are_the_served_ones(disk_counters):
     assert counter_name_problems(ROOT, disk_counters) == []
 
 
+@pytest.fixture
+def stats_keys(make_cache):
+    """The keys of a segment's stats() (its counters, by name)."""
+    return set(make_cache(slots_per_rank=4, slot_size=64, max_ranks=1).stats())
+
+
+def test_names_the_code_still_has(disk_counters, stats_keys):
+    assert name_problems(ROOT, disk_counters, stats_keys) == []
+
+
 def test_relative_links_resolve():
     assert link_problems(ROOT) == []
 
@@ -294,6 +326,15 @@ def test_a_missing_or_extra_counter_name_fails(copy, disk_counters):
         "docs/operations.md names ucmcache_tier_cold_reads_total, which ucmcache.metrics does "
         "not serve",
         "docs/operations.md does not name ucmcache_joins_total, which ucmcache.metrics serves"]
+
+
+def test_a_renamed_constant_or_counter_fails(copy, disk_counters, stats_keys):
+    for src in (copy / "csrc").glob("*.[ch]"):             # the constant renamed in C
+        src.write_text(src.read_text().replace("UCM_RING_DEPTH", "UCM_RING_SLOTS"))
+    _drift(copy / "docs" / "tiers.md", "t2_lease_waits", "t2_lease_wait")
+    problems = name_problems(copy, disk_counters, stats_keys)
+    assert "docs/design/words-and-layout.md: names UCM_RING_DEPTH, which csrc/ does not have" in problems
+    assert "docs/tiers.md: names the counter t2_lease_wait, which no stats() or disk tier has" in problems
 
 
 def test_a_broken_link_fails(copy):
