@@ -9,6 +9,7 @@ README.md, docs/ and bench/README.md are checked against what the code declares:
 - the Prometheus counter names against ``ucmcache.metrics.COUNTER_METRICS`` and the disk tier's
   counter families;
 - every ``UCM_*`` name the docs use (still in csrc/) and every ``t2_*`` counter (still counted);
+- every repository path named in backquotes (csrc/, scripts/, tests/, ...) exists;
 - SlotCache's module docstring names every mixin module;
 - every relative link (a file that exists; a ``#anchor`` that is a heading of its page).
 docs/history.md is left out of the value checks: it states what earlier versions had.
@@ -177,6 +178,33 @@ def counter_name_problems(root: pathlib.Path, disk_counters):
     return out
 
 
+REPO_PATH = re.compile(r"`((?:csrc|scripts|bench|demos|e2e|tests|ucmcache|docs|\.ci)/[\w./*-]*)")
+# The layered package of issue 40 (ucmcache/core/, tiers/, engines/), which the docs already
+# name, arrives with the move on another branch: until it is merged its paths are not looked
+# for.  Once merged, empty this and every path the docs name is checked.
+NOT_YET = ("ucmcache/core/", "ucmcache/tiers/", "ucmcache/engines/")
+
+
+def path_problems(root: pathlib.Path, not_yet=NOT_YET):
+    """Every repository path the docs name in backquotes exists (a module may be named without
+    its .py; a glob must match something)."""
+    out = []
+    for f in doc_files(root):
+        rel = str(f.relative_to(root))
+        if rel == HISTORY:
+            continue
+        for path in sorted(set(m.rstrip(".,") for m in REPO_PATH.findall(f.read_text()))):
+            if path.startswith(not_yet):
+                continue
+            if "*" in path:
+                ok = any(root.glob(path))
+            else:
+                ok = (root / path).exists() or (root / (path + ".py")).exists()
+            if not ok:
+                out.append(f"{rel}: names {path}, which is not in the repository")
+    return out
+
+
 LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)")
 
 
@@ -253,6 +281,10 @@ def test_names_the_code_still_has(disk_counters, stats_keys):
     assert name_problems(ROOT, disk_counters, stats_keys) == []
 
 
+def test_paths_the_docs_name_exist():
+    assert path_problems(ROOT) == []
+
+
 def test_relative_links_resolve():
     assert link_problems(ROOT) == []
 
@@ -262,14 +294,12 @@ def test_relative_links_resolve():
 
 @pytest.fixture
 def copy(tmp_path):
-    """README.md, docs/, bench/README.md and scripts/gen_docs.py copied into a temporary tree
-    (with the link targets the pages name: bench/results/ and demos/), to drift one fact in."""
-    for name in ("README.md", "bench/README.md", "scripts/gen_docs.py"):
-        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy(ROOT / name, tmp_path / name)
-    for name in ("docs", "bench/results", "csrc"):
-        shutil.copytree(ROOT / name, tmp_path / name)
-    return tmp_path
+    """The repository's files (no virtual environments, builds or git) copied into a temporary
+    tree, to drift one fact in."""
+    skip = shutil.ignore_patterns(".git", ".venv*", "__pycache__", "*.so", "*.o", "build", "dist",
+                                  "*.egg-info", ".mypy_cache", ".pytest_cache")
+    shutil.copytree(ROOT, tmp_path / "repo", ignore=skip, symlinks=True)
+    return tmp_path / "repo"
 
 
 def _drift(path: pathlib.Path, old: str, new: str, count: int = 1):
@@ -335,6 +365,18 @@ def test_a_renamed_constant_or_counter_fails(copy, disk_counters, stats_keys):
     problems = name_problems(copy, disk_counters, stats_keys)
     assert "docs/design/words-and-layout.md: names UCM_RING_DEPTH, which csrc/ does not have" in problems
     assert "docs/tiers.md: names the counter t2_lease_wait, which no stats() or disk tier has" in problems
+
+
+def test_a_moved_file_fails(copy):
+    assert path_problems(copy) == []
+    (copy / "scripts" / "crashloop").rename(copy / "scripts" / "crash-loop")
+    problems = path_problems(copy)
+    assert problems and all("names scripts/crashloop," in p for p in problems), problems
+    # a path under NOT_YET is looked for when NOT_YET is emptied
+    _drift(copy / "docs" / "api.md", "# API\n", "# API\n\n`ucmcache/core/no_such_module.py`\n")
+    assert ("docs/api.md: names ucmcache/core/no_such_module.py, which is not in the repository"
+            in path_problems(copy, not_yet=()))
+    assert not any("no_such_module" in p for p in path_problems(copy))
 
 
 def test_a_broken_link_fails(copy):
