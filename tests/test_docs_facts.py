@@ -10,6 +10,7 @@ README.md, docs/ and bench/README.md are checked against what the code declares:
   counter families;
 - every ``UCM_*`` name the docs use (still in csrc/) and every ``t2_*`` counter (still counted);
 - every repository path named in backquotes (csrc/, scripts/, tests/, ...) exists;
+- what the code cites of the docs: each docs/ page it names, each "DESIGN 4.12" a heading;
 - SlotCache's module docstring names every mixin module;
 - every relative link (a file that exists; a ``#anchor`` that is a heading of its page).
 docs/history.md is left out of the value checks: it states what earlier versions had.
@@ -205,6 +206,38 @@ def path_problems(root: pathlib.Path, not_yet=NOT_YET):
     return out
 
 
+CODE_DIRS = ("ucmcache", "csrc", "bench", "e2e", "demos", "scripts")
+
+
+def _code_files(root: pathlib.Path):
+    for d in CODE_DIRS:
+        for f in sorted((root / d).rglob("*")):
+            if f.suffix in (".py", ".c", ".h", "") and f.is_file() and "__pycache__" not in f.parts:
+                yield f
+
+
+def code_reference_problems(root: pathlib.Path):
+    """What the code cites of the docs is there: each docs/ page it names, and each design section
+    ("DESIGN 4.12") as a numbered heading of a page under docs/."""
+    sections = set()
+    for page in (root / "docs").rglob("*.md"):
+        sections |= set(re.findall(r"^#{2,4} (\d+(?:\.\d+)?)\.? ", page.read_text(), re.M))
+    out = []
+    for f in _code_files(root):
+        try:
+            text = f.read_text()
+        except UnicodeDecodeError:
+            continue
+        rel = f.relative_to(root)
+        for page in sorted(set(re.findall(r"docs/[\w/.-]*\w\.md", text))):
+            if not (root / page).is_file():
+                out.append(f"{rel}: names {page}, which does not exist")
+        for num in sorted(set(re.findall(r"DESIGN (\d+(?:\.\d+)?)", text))):
+            if num not in sections:
+                out.append(f"{rel}: cites DESIGN {num}, which no heading under docs/ numbers")
+    return out
+
+
 LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)")
 
 
@@ -283,6 +316,10 @@ def test_names_the_code_still_has(disk_counters, stats_keys):
 
 def test_paths_the_docs_name_exist():
     assert path_problems(ROOT) == []
+
+
+def test_what_the_code_cites_of_the_docs_is_there():
+    assert code_reference_problems(ROOT) == []
 
 
 def test_relative_links_resolve():
@@ -377,6 +414,14 @@ def test_a_moved_file_fails(copy):
     assert ("docs/api.md: names ucmcache/core/no_such_module.py, which is not in the repository"
             in path_problems(copy, not_yet=()))
     assert not any("no_such_module" in p for p in path_problems(copy))
+
+
+def test_a_lost_design_section_or_page_fails(copy):
+    _drift(copy / "docs" / "design" / "arenas.md", "## 4.13 Delete", "## Delete")
+    (copy / "docs" / "operations.md").rename(copy / "docs" / "cli.md")
+    problems = code_reference_problems(copy)
+    assert any(p.endswith("cites DESIGN 4.13, which no heading under docs/ numbers") for p in problems)
+    assert any(p.endswith("names docs/operations.md, which does not exist") for p in problems)
 
 
 def test_a_broken_link_fails(copy):
