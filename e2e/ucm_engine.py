@@ -6,9 +6,8 @@
 
 The prompts, the engine's arguments and the report are e2e/engine.py's (same prompts, so the
 outputs compare with `python -m e2e.engine MODEL_DIR REF.json`, the engine without a
-connector).  The connector's config is the README's UCM config block (README.md, the first
-```yaml block of the section on UCM), read from the README itself so that the README cannot
-drift from what runs, with three keys set here: use_layerwise (UCM's default is true),
+connector).  The connector's config is the UCM page's config block (docs/engines/ucm.md, its
+first ```yaml block), read from the page itself so that the page cannot drift from what runs, with three keys set here: use_layerwise (UCM's default is true),
 ucmcache_segment (a unique segment per run) and cache_buffer_capacity_gb (sized to this
 machine).  The connector module is e2e.ucm_cpu: UCM's UCMConnector, patched at run time only
 where it refuses the CPU platform.
@@ -29,20 +28,17 @@ import time
 from e2e.engine import BLOCK_SIZE, MAX_TOKENS, metric_totals, prompts
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-README = os.path.join(os.path.dirname(HERE), "README.md")
+UCM_PAGE = os.path.join(os.path.dirname(HERE), "docs", "engines", "ucm.md")
 
 
-def readme_ucm_config(path: str = README) -> dict:
-    """The README's UCM config block, parsed (the first yaml block after the UCM heading)."""
+def readme_ucm_config(path: str = UCM_PAGE) -> dict:
+    """The UCM page's config block, parsed (the page's first yaml block)."""
     import yaml
     with open(path) as f:
         text = f.read()
-    at = text.find("## Under UCM's vLLM and SGLang connectors")
-    if at < 0:
-        raise SystemExit(f"{path}: no UCM section")
-    m = re.search(r"```yaml\n(.*?)```", text[at:], re.S)
+    m = re.search(r"```yaml\n(.*?)```", text, re.S)
     if not m:
-        raise SystemExit(f"{path}: no yaml block in the UCM section")
+        raise SystemExit(f"{path}: no yaml block on the UCM page")
     cfg = yaml.safe_load(m.group(1))
     if not isinstance(cfg, dict) or not cfg.get("ucm_connectors"):
         raise SystemExit(f"{path}: the UCM yaml block has no ucm_connectors: {cfg!r}")
@@ -54,7 +50,7 @@ def connector_config(segment: str, layerwise: bool, capacity_gb: float) -> dict:
     cfg["use_layerwise"] = layerwise
     store = cfg["ucm_connectors"][0]
     if store.get("ucm_connector_module_path") != "ucmcache.ucm":
-        raise SystemExit(f"README's UCM config names {store.get('ucm_connector_module_path')!r},"
+        raise SystemExit(f"docs/engines/ucm.md's config names {store.get('ucm_connector_module_path')!r},"
                          f" not ucmcache.ucm")
     store["ucm_connector_config"]["ucmcache_segment"] = segment
     store["ucm_connector_config"]["cache_buffer_capacity_gb"] = capacity_gb

