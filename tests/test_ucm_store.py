@@ -95,7 +95,7 @@ def test_config_missing_keys_are_named_and_unknown_keys_ignored(uuid):
                         "buffer_size": 2048 * 8 * 16, "store_pipeline": "Cache|Posix",
                         "storage_backends": ["/x"], "posix_gc_enable": True}) as s:
         assert s.segment == uuid
-        assert s.cache.slot_size == 2048 and s.cache.max_ranks == 8
+        assert s.cache.slot_size == 2048 and s.cache.max_ranks == 16  # kit.DEFAULT_MAX_RANKS
         assert s.cc_store() == 0 and "0" in UcmCacheStore.cc_store.__doc__
         assert s.need_register_kv_caches() is False
 
@@ -557,6 +557,7 @@ import uuid as uuidlib  # noqa: E402
 
 import ucmcache.ucm as U  # noqa: E402
 import ucmcache._ucm_config as UC  # noqa: E402
+from ucmcache.engines import kit  # noqa: E402
 import ucmcache._ucm_memory as UM  # noqa: E402
 import json  # noqa: E402
 
@@ -788,14 +789,14 @@ def test_capacity_from_cache_buffer_capacity_gb_clamped_to_free_shm(uuid, stores
     both = stores(dict(base, unique_id=uuid + "-b", cache_buffer_capacity_gb=1,
                        buffer_size=4 << 20))
     assert both.cache.capacity == (4 << 20) // stride
-    monkeypatch.setattr(UC, "shm_free_bytes", lambda: 64 << 20)
+    monkeypatch.setattr(kit, "shm_free_bytes", lambda: 64 << 20)
     with caplog.at_level(logging.WARNING, logger="ucmcache.ucm"):
         big = stores(dict(base, unique_id=uuid + "-c", cache_buffer_capacity_gb=128))
     assert big.cache.capacity == (32 << 20) // stride       # half of the 64 MiB free
     msg = " ".join(r.getMessage() for r in caplog.records)
     assert re.search(r"cache_buffer_capacity_gb=128 asks for 137438953472 bytes of slots but "
                      r"/dev/shm has 67108864 bytes free: using 33554432", msg), msg
-    monkeypatch.setattr(UC, "shm_free_bytes", lambda: 10000)
+    monkeypatch.setattr(kit, "shm_free_bytes", lambda: 10000)
     with pytest.raises(ucmcache.SharedMemoryFull, match=r"cache_buffer_capacity_gb=128: /dev/shm "
                                                         r"has 10000 bytes free, too little"):
         UcmCacheStore(dict(base, unique_id=uuid + "-d", cache_buffer_capacity_gb=128))
@@ -975,7 +976,7 @@ def test_readme_ucm_config_starts_as_written(stores, default_segments, monkeypat
     assert cls is UcmCacheStore
     user = entry["ucm_connector_config"]
     assert user["share_buffer_enable"] is True and "cache_buffer_capacity_gb" in user
-    monkeypatch.setattr(UC, "shm_free_bytes", lambda: 64 << 20)
+    monkeypatch.setattr(kit, "shm_free_bytes", lambda: 64 << 20)
     layout = f"gqa-{os.getpid()}-{os.urandom(3).hex()}"
     layers, m, size = 4, 2, 2048
     worker = stores(_ucm_worker_config(user, layout, m, size, layers))

@@ -12,6 +12,7 @@ torch = pytest.importorskip("torch")
 
 from ucmcache import _vllm_blocks as _vb  # noqa: E402
 from ucmcache import vllm as uv  # noqa: E402
+from ucmcache.engines import kit  # noqa: E402
 from ucmcache._checksum import crc32c, crc32c_soft  # noqa: E402
 from ucmcache._vllm_blocks import HEADER_SIZE, EngineIdentity, KVBlockIO  # noqa: E402
 
@@ -518,13 +519,13 @@ def test_an_engine_killed_mid_deferred_save_leaves_nothing_ready_and_verify_clea
 
 
 def test_a_new_segment_is_clamped_by_memavailable_with_a_log_line(uuid, monkeypatch, caplog):
-    monkeypatch.setattr(uv, "mem_available_bytes", lambda: 8 << 20)
-    monkeypatch.setattr(uv, "shm_free_bytes", lambda: 1 << 40)
+    monkeypatch.setattr(kit, "mem_available_bytes", lambda: 8 << 20)
+    monkeypatch.setattr(kit, "shm_free_bytes", lambda: 1 << 40)
     with caplog.at_level("WARNING", logger="ucmcache.vllm"):
         c = uv.open_segment(uuid, slot_size=64 << 10, size_mb=256, max_ranks=2)
     try:
         assert c.capacity * c.slot_size <= 4 << 20
-        assert "does not fit in MemAvailable" in caplog.text
+        assert "but MemAvailable has 8388608 bytes free: using 4194304" in caplog.text
     finally:
         c.close()
 

@@ -82,16 +82,15 @@ import concurrent.futures
 import itertools
 import logging
 import os
-import multiprocessing.util as _mp_util
 import threading
 from typing import Any, Callable, Dict, List, NamedTuple, Optional
 
 import numpy as np
 
 from ._cache import SlotCache
-from ._core import ffi
-from ._errors import (CorruptSegment, IncompatibleSegment, NotAttached, SegmentNotFound,
-                      UcmError)
+from ._errors import IncompatibleSegment, SegmentNotFound, UcmError
+from .engines import kit
+from .engines.kit import EngineParts, HostRegistration
 # The names this module defined before its parts moved out stay importable from here (UCM's
 # configs name ucmcache.ucm; bench/ucm_store.py takes _memcpy from it).
 from ._ucm_config import (DEFAULT_BUFFER_SIZE, DEFAULT_MAX_RANKS, DEFAULT_THREADS,  # noqa: F401
@@ -168,32 +167,20 @@ class _Worker(NamedTuple):
     pool: concurrent.futures.ThreadPoolExecutor
 
 
-class _Parts:
-    """What a store holds that must be let go of when the store goes: its pool and its cache.
-    Held by the store and by its finalizer, never referring back to the store (a finalizer
-    that did would keep it alive)."""
+class _Parts(EngineParts):
+    """What a store holds that must be let go of when the store goes (kit.EngineParts: its
+    host registration and cache) and its pool, stopped first: running tasks finish."""
 
-    __slots__ = ("pool", "cache", "pid")
+    __slots__ = ("pool",)
 
     def __init__(self) -> None:
+        super().__init__(log)
         self.pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
-        self.cache: Optional[SlotCache] = None
-        self.pid = os.getpid()
 
-    def release(self) -> None:
-        """Finish running tasks, stop the pool, detach (the rank is freed).  Nothing in a
-        forked child: the parent's rank is the parent's to free (the child's cache object is
-        unusable there anyway, DESIGN 5.6)."""
-        if os.getpid() != self.pid:
-            return
-        pool, cache = self.pool, self.cache
+    def stop(self) -> None:
+        pool, self.pool = self.pool, None
         if pool is not None:
             pool.shutdown(wait=True)
-        if cache is not None:
-            try:
-                cache.close()
-            except (NotAttached, CorruptSegment):
-                pass  # nothing left to free
 
 
 class UcmCacheStore(TaskBodies, _StoreBase):
@@ -214,10 +201,11 @@ class UcmCacheStore(TaskBodies, _StoreBase):
     - ``tensor_size`` / ``tensor_size_list``: bytes behind each raw address of
       ``load_data``/``dump_data`` (tensors carry their own sizes).
     - ``buffer_size`` (bytes) or UCM's ``cache_buffer_capacity_gb`` (GiB; buffer_size wins):
-      the segment's slot bytes (default 1 GiB), split evenly among ``ucmcache_max_ranks`` ranks
-      (default 8).  More than /dev/shm holds is clamped to half of what is free, with a log
-      line (``ucmcache.ucm``); too little for one slot per rank is SharedMemoryFull naming the
-      key and what is free.  A segment that exists already is attached whatever its size.
+      the segment's slot bytes (default 1 GiB), for ``ucmcache_max_ranks`` ranks (default 16,
+      the engine kit's DEFAULT_MAX_RANKS; their arenas are shared among the ranks that
+      allocate).  More than /dev/shm or MemAvailable holds is clamped to half of what is free,
+      with a log line (``ucmcache.ucm``); too little for one slot per rank is SharedMemoryFull
+      naming the key and what is free.  A segment that exists already is attached whatever its size.
     - ``share_buffer_enable`` (default True): attach to, or create, the named segment; False: a
       private segment for this store alone (its name is removed at once, so it disappears with
       the store's process).
@@ -244,11 +232,8 @@ class UcmCacheStore(TaskBodies, _StoreBase):
         self._test_points: Dict[str, Callable[[int], None]] = {}
         self._cuda = False
         # Runs once: at close(), when the store is collected, or when the process exits (UCM's
-        # connectors never call close()).  multiprocessing's Finalize, not weakref.finalize:
-        # a worker process that multiprocessing forked (vLLM's default start method) ends with
-        # os._exit after running multiprocessing's finalizers, so atexit never runs there;
-        # these run there, at atexit in any other process, and on collection.
-        self._finalizer = _mp_util.Finalize(self, parts.release, exitpriority=10)
+        # connectors never call close()): kit.EngineParts.finalizer.
+        self._finalizer = parts.finalizer(self)
         sizes = cfg.worker_sizes
         if sizes is None:
             self._try_attach()  # the scheduler side: attach if the segment exists, never create
@@ -274,19 +259,9 @@ class UcmCacheStore(TaskBodies, _StoreBase):
         configured differently still share it), else create it with the capacity that fits
         /dev/shm now.  Its slots must be this store's shard size."""
         cfg = self._cfg
-        cache = None
-        try:
-            cache = SlotCache.attach(cfg.segment, timeout=0.0)
-        except (SegmentNotFound, CorruptSegment, TimeoutError):
-            pass  # none yet, or half-made (create() replaces it), or being made (create waits)
-        if cache is None:
-            try:
-                cache = SlotCache.create(cfg.segment, slots_per_rank=sizes.fitted_slots_per_rank(log),
-                                         slot_size=sizes.slot_size, max_ranks=cfg.max_ranks,
-                                         exist_ok=True, timeout=cfg.timeout)
-            except IncompatibleSegment:
-                # Made meanwhile by another store with another capacity: attach to it.
-                cache = SlotCache.attach(cfg.segment, timeout=cfg.timeout)
+        cache = kit.open_segment(cfg.segment, slot_size=sizes.slot_size,
+                                 max_ranks=cfg.max_ranks, timeout=cfg.timeout,
+                                 slots_per_rank=lambda: sizes.fitted_slots_per_rank(log))
         if cache.slot_size != sizes.slot_size:
             have = cache.slot_size
             cache.close()
@@ -512,8 +487,9 @@ class UcmCacheStore(TaskBodies, _StoreBase):
 
     def _register_cuda(self, cache: SlotCache) -> None:
         """On a machine with CUDA and a worker store: page-lock the segment so that device
-        copies through a slot are DMA (cudaHostRegister).  This machine has no GPU: the path is
-        written and documented but has never run."""
+        copies through a slot are DMA (kit.HostRegistration: cudaHostRegister, a refusal
+        logged, unregistered when the store goes).  This machine has no GPU: the path runs
+        here only against stand-ins."""
         try:
             import sys
             torch = sys.modules.get("torch")
@@ -522,12 +498,7 @@ class UcmCacheStore(TaskBodies, _StoreBase):
         except Exception:
             return
         self._cuda = True
-        seg = cache._seg
-        try:
-            addr = int(ffi.cast("uintptr_t", seg.base))
-            torch.cuda.cudart().cudaHostRegister(addr, seg.layout.total_size, 0)
-        except Exception:
-            pass  # pageable copies still work, more slowly
+        self._parts.host = HostRegistration(torch, cache, who="UcmCacheStore", logger=log)
 
     # ---------------------------------------------------------------- lifecycle
 

@@ -129,8 +129,10 @@ from typing import (TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence
                     Tuple)
 
 from ._cache import SlotCache
-from ._errors import CorruptSegment, IncompatibleSegment, NotAttached, SegmentNotFound, UcmError
-from ._ucm_config import segment_name, shm_free_bytes
+from ._errors import CorruptSegment, SegmentNotFound, UcmError
+from .engines import kit
+from .engines.kit import (DEFAULT_MAX_RANKS, SHM_CLAMP_SHARE, EngineParts,  # noqa: F401
+                          mem_available_bytes, segment_name, shm_free_bytes)
 from ._vllm_flight import (DEFAULT_PEER_WAIT_S, INTENTS_SUFFIX, Intents, exist_all_ranks,
                            open_intents)
 from ._vllm_blocks import (HEADER_SIZE, SAVE_WAIT, DeferredSaves, EngineIdentity, IOStats,
@@ -161,8 +163,6 @@ if TYPE_CHECKING:  # pragma: no cover
     from vllm.config import VllmConfig  # noqa: F401
 
 DEFAULT_SIZE_MB = 1024
-DEFAULT_MAX_RANKS = 16
-SHM_CLAMP_SHARE = 0.5
 ATTACH_RETRY_S = 1.0
 
 
@@ -191,10 +191,8 @@ class ConnectorConfig:
     @classmethod
     def from_extra(cls, extra: Optional[Dict[str, Any]]) -> "ConnectorConfig":
         extra = dict(extra or {})
-        unknown = sorted(set(extra) - _KNOWN)
-        if unknown:
-            raise VllmConnectorError(f"kv_connector_extra_config: unknown key(s) {unknown}; "
-                                     f"UcmCacheConnector reads {sorted(_KNOWN)}")
+        where, error = "kv_connector_extra_config", VllmConnectorError
+        kit.check_known(extra, _KNOWN, where=where, who="UcmCacheConnector", error=error)
         cfg = cls()
         if extra.get("segment") not in (None, ""):
             s = str(extra["segment"])
@@ -204,122 +202,64 @@ class ConnectorConfig:
                     f"kv_connector_extra_config 'segment' {s!r} ends in {INTENTS_SUFFIX!r}, "
                     f"which names the intents segment of another segment: choose another name")
             cfg.segment = segment_name(s)
-        if "size_mb" in extra:
-            v = extra["size_mb"]
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
-                raise VllmConnectorError(f"kv_connector_extra_config 'size_mb' must be a number "
-                                         f"of MiB > 0, got {v!r}")
-            cfg.size_mb = float(v)
-        if "max_ranks" in extra:
-            v = extra["max_ranks"]
-            if isinstance(v, bool) or not isinstance(v, int) or not 2 <= v <= 63:
-                raise VllmConnectorError(f"kv_connector_extra_config 'max_ranks' must be an int "
-                                         f"in [2, 63], got {v!r}")
-            cfg.max_ranks = v
+        cfg.size_mb = kit.check_number(extra, "size_mb", cfg.size_mb, unit="MiB", above=0,
+                                       where=where, error=error)
+        cfg.max_ranks = kit.check_int(extra, "max_ranks", cfg.max_ranks, minimum=2, maximum=63,
+                                      where=where, error=error)
         if "namespace" in extra:
             cfg.namespace = str(extra["namespace"])
-        if "checksum" in extra:
-            v = extra["checksum"]
-            if not isinstance(v, bool):
-                raise VllmConnectorError(f"kv_connector_extra_config 'checksum' must be true or "
-                                         f"false, got {v!r}")
-            cfg.checksum = v
-        if "layerwise" in extra:
-            v = extra["layerwise"]
-            if not isinstance(v, bool):
-                raise VllmConnectorError(f"kv_connector_extra_config 'layerwise' must be true or "
-                                         f"false, got {v!r}")
-            cfg.layerwise = v
-        if "load_failure_policy" in extra:
-            v = extra["load_failure_policy"]
-            if v not in ("recompute", "fail"):
-                raise VllmConnectorError(f"kv_connector_extra_config 'load_failure_policy' must "
-                                         f"be 'recompute' or 'fail', got {v!r}")
-            cfg.load_failure_policy = v
+        cfg.checksum = kit.check_bool(extra, "checksum", cfg.checksum, where=where, error=error)
+        cfg.layerwise = kit.check_bool(extra, "layerwise", cfg.layerwise, where=where,
+                                       error=error)
+        cfg.load_failure_policy = kit.check_choice(extra, "load_failure_policy",
+                                                   cfg.load_failure_policy,
+                                                   ("recompute", "fail"), where=where,
+                                                   error=error)
         if extra.get("stats_file") not in (None, ""):
             cfg.stats_file = str(extra["stats_file"])
-        if "copy_cpus" in extra:
-            v = extra["copy_cpus"]
-            if v not in ("spare", "inherit"):
-                raise VllmConnectorError(f"kv_connector_extra_config 'copy_cpus' must be "
-                                         f"'spare' or 'inherit', got {v!r}")
-            cfg.copy_cpus = v
-        if "peer_wait_s" in extra:
-            v = extra["peer_wait_s"]
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 3600:
-                raise VllmConnectorError(f"kv_connector_extra_config 'peer_wait_s' must be a "
-                                         f"number of seconds in [0, 3600], got {v!r}")
-            cfg.peer_wait_s = float(v)
+        cfg.copy_cpus = kit.check_choice(extra, "copy_cpus", cfg.copy_cpus, ("spare", "inherit"),
+                                         where=where, error=error)
+        cfg.peer_wait_s = kit.check_number(extra, "peer_wait_s", cfg.peer_wait_s,
+                                           unit="seconds", minimum=0, maximum=3600,
+                                           where=where, error=error)
         return cfg
 
 
 def default_segment(identity: EngineIdentity) -> str:
     """The segment of an engine whose config names none: one per engine identity (TP rank
     aside) and user, the same in every process and across restarts."""
-    digest = hashlib.blake2b(identity.namespace.encode("utf-8"), digest_size=6).hexdigest()
-    return f"vllm-{digest}-u{os.getuid()}"
-
-
-def mem_available_bytes() -> Optional[int]:
-    """The kernel's MemAvailable (/proc/meminfo): memory that can be had without swapping;
-    None where it cannot be read (not Linux)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
+    return kit.default_segment("vllm", identity=identity.namespace)
 
 
 def open_segment(uuid: str, *, slot_size: int, size_mb: float, max_ranks: int) -> SlotCache:
     """Attach to ``uuid`` (whatever its size), else create it with ``size_mb`` MiB of slots of
     ``slot_size`` bytes, clamped to half of what /dev/shm has free and half of the memory
     available (MemAvailable: /dev/shm's size can exceed the RAM there is, and a segment's pages
-    are RAM once written), with a log line."""
-    try:
-        return SlotCache.attach(uuid, timeout=0.0)
-    except (SegmentNotFound, CorruptSegment, TimeoutError):
-        pass  # none yet, a half-made one (create replaces it), or one being made (create waits)
-    stride = -(-slot_size // 64) * 64
-    want = int(size_mb * (1 << 20))
-    for what, free in (("/dev/shm's free space", shm_free_bytes()),
-                       ("MemAvailable", mem_available_bytes())):
-        if free is not None and want // stride * (stride + 64) > free:
-            fit = int(free * SHM_CLAMP_SHARE)
-            log.warning("ucmcache.vllm: size_mb %.0f does not fit in %s (%d bytes): making "
-                        "segment %r with %d bytes of slots", size_mb, what, free, uuid, fit)
-            want = fit
-    per_rank = want // (stride * max_ranks)
-    if per_rank < 1:
-        raise VllmConnectorError(
-            f"size_mb {size_mb} holds no block of {slot_size} bytes for each of {max_ranks} "
-            f"ranks; it needs at least {stride * max_ranks / (1 << 20):.2f} MiB "
-            f"(or /dev/shm is nearly full)")
-    try:
-        return SlotCache.create(uuid, slots_per_rank=per_rank, slot_size=slot_size,
-                                max_ranks=max_ranks, exist_ok=True)
-    except IncompatibleSegment:
-        return SlotCache.attach(uuid, timeout=10.0)  # made meanwhile with other params
+    are RAM once written), with a log line (kit.open_segment, kit.new_segment_slots_per_rank).
+    """
+    def slots_per_rank() -> int:
+        return kit.new_segment_slots_per_rank(
+            int(size_mb * (1 << 20)), slot_size, max_ranks, asked_by=f"size_mb {size_mb:g}",
+            who=f"ucmcache.vllm: segment {uuid!r}", logger=log, hint="set size_mb to choose",
+            error=VllmConnectorError)
+    return kit.open_segment(uuid, slot_size=slot_size, max_ranks=max_ranks,
+                            slots_per_rank=slots_per_rank, timeout=10.0)
 
 
-class _Parts:
-    """What a connector must let go of when it goes (its cache), held by its finalizer; never
-    refers back to the connector."""
+class _Parts(EngineParts):
+    """What a connector must let go of when it goes (kit.EngineParts: its cache), held by its
+    finalizer; never refers back to the connector.  Its copy threads and its KV copy path
+    (whose CUDA registration goes before the cache) stop first."""
 
-    __slots__ = ("cache", "pid", "executor", "saver", "io")
+    __slots__ = ("executor", "saver", "io")
 
     def __init__(self) -> None:
-        self.cache: Optional[SlotCache] = None
+        super().__init__(log)
         self.io: Optional[KVBlockIO] = None     # its CUDA registration goes before the cache
-        self.pid = os.getpid()
         self.executor: Optional[ThreadPoolExecutor] = None   # the IO thread of layer loads
         self.saver: Optional[ThreadPoolExecutor] = None      # the thread of deferred saves
 
-    def release(self) -> None:
-        if os.getpid() != self.pid:
-            return  # a forked child: the rank is the parent's
+    def stop(self) -> None:
         for name in ("executor", "saver"):
             executor = getattr(self, name)
             setattr(self, name, None)
@@ -331,14 +271,6 @@ class _Parts:
                 io.close()
             except Exception as e:  # a driver's refusal to unregister: the exit goes on
                 log.warning("ucmcache.vllm: releasing the KV copy path: %s", e)
-        cache, self.cache = self.cache, None
-        if cache is not None:
-            try:
-                cache.close()
-            except (NotAttached, CorruptSegment):
-                pass
-            except UcmError as e:
-                log.warning("ucmcache.vllm: closing segment %r: %s", cache.uuid, e)
 
 
 # ---------------------------------------------------------------- identity from vLLM
@@ -536,7 +468,7 @@ if HAVE_VLLM:
             self._segment = cfg.segment or default_segment(self._identity)
             self._bs = self._identity.block_size
             self._parts = parts = _Parts()
-            self._finalizer = _mp_util.Finalize(self, parts.release, exitpriority=10)
+            self._finalizer = parts.finalizer(self)
             # scheduler side
             self._reqs: Dict[str, _ReqState] = {}
             self._pending_loads: List[_Job] = []
