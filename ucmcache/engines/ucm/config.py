@@ -23,9 +23,9 @@ from typing import Any, Dict, List, Optional, Tuple, overload
 
 import numpy as np
 
-from ._timeouts import MAX_TIMEOUT
-from .engines import kit
-from .engines.kit import DEFAULT_MAX_RANKS, segment_name
+from ..._timeouts import MAX_TIMEOUT
+from .. import kit
+from ..kit import DEFAULT_MAX_RANKS, segment_name
 
 DEFAULT_BUFFER_SIZE = 1 << 30   # segment data bytes when the config gives no size at all
 DEFAULT_TIMEOUT_S = 30.0        # UCM's transfer_timeout_ms default (30000)

@@ -72,9 +72,10 @@ per tensor of the good blocks.
 Every copy releases the GIL (the C core's calls, and libc's memcpy called through cffi).
 Tasks run on a small pool of threads owned by the store.
 
-This module is the store and its task objects; beside it, one concept each: ``_ucm_config``
-(the config keys, the segment name), ``_ucm_memory`` (block ids, tensors and addresses, the
-copies) and ``_ucm_tasks`` (a task's plan and the work it does on a pool thread).
+This module is the store and its task objects; beside it, one concept each: ``config`` (the
+config keys, the segment name), ``memory`` (block ids, tensors and addresses, the copies) and
+``tasks`` (a task's plan and the work it does on a pool thread); ``ucmcache.engines.kit`` opens,
+names and sizes the segment, registers host memory and is the finalizer.
 """
 from __future__ import annotations
 
@@ -87,16 +88,13 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional
 
 import numpy as np
 
-from ._cache import SlotCache
-from ._errors import IncompatibleSegment, SegmentNotFound, UcmError
-from .engines import kit
-from .engines.kit import EngineParts, HostRegistration
-# The names this module defined before its parts moved out stay importable from here (UCM's
-# configs name ucmcache.ucm; bench/ucm_store.py takes _memcpy from it).
-from ._ucm_config import (DEFAULT_BUFFER_SIZE, DEFAULT_MAX_RANKS, DEFAULT_THREADS,  # noqa: F401
-                          DEFAULT_TIMEOUT_S, _Config, _WorkerSizes, segment_name)
-from ._ucm_memory import UVA, _block_id, _memcpy, _Piece, _piece, _shards  # noqa: F401
-from ._ucm_tasks import DUMP_CHUNK, JOIN_ROUNDS, STAGING_BYTES, TaskBodies, _Plan  # noqa: F401
+from ..._cache import SlotCache
+from ..._errors import IncompatibleSegment, SegmentNotFound, UcmError
+from .. import kit
+from ..kit import EngineParts, HostRegistration
+from .config import _Config, _WorkerSizes
+from .memory import UVA, _block_id, _Piece, _piece, _shards
+from .tasks import TaskBodies, _Plan
 
 log = logging.getLogger("ucmcache.ucm")
 
@@ -192,7 +190,7 @@ class UcmCacheStore(TaskBodies, _StoreBase):
     - ``ucmcache_segment``: the segment's name.  Without it: a config from UCM's vLLM
       connector (it has ``tensor_layout``) or from SGLang's (no ``unique_id``) names
       ``ucm-<tensor_layout>-u<uid>``, shared by every engine of the host and stable across
-      restarts (UCM's unique_id is a fresh uuid4 at every start: _ucm_config.default_segment
+      restarts (UCM's unique_id is a fresh uuid4 at every start: config.default_segment
       says why); any other config names the segment after its ``unique_id`` (or
       ``engine_id``).
     - ``shard_size`` and ``block_size``: bytes per slot (one shard) and per block; a block has
