@@ -83,7 +83,7 @@ def test_config_missing_keys_are_named_and_unknown_keys_ignored(uuid):
                        "device_id": 0})
     # No unique_id at all (SGLang passes none), or UCM's vLLM connector (tensor_layout; its
     # unique_id is new at every start): the default name; ucmcache_segment names it anyway.
-    from ucmcache._ucm_config import _Config
+    from ucmcache.engines.ucm.config import _Config
     assert _Config({"shard_size": 64, "device_id": 0}).segment == f"ucm-kv-u{os.getuid()}"
     assert _Config({"unique_id": "ab" * 16, "tensor_layout": "mla"}).segment == \
         f"ucm-mla-u{os.getuid()}"
@@ -556,9 +556,9 @@ import re  # noqa: E402
 import uuid as uuidlib  # noqa: E402
 
 import ucmcache.ucm as U  # noqa: E402
-import ucmcache._ucm_config as UC  # noqa: E402
+import ucmcache.engines.ucm.config as UC  # noqa: E402
 from ucmcache.engines import kit  # noqa: E402
-import ucmcache._ucm_memory as UM  # noqa: E402
+import ucmcache.engines.ucm.memory as UM  # noqa: E402
 import json  # noqa: E402
 
 
@@ -631,7 +631,7 @@ def test_engine_killed_between_two_layers_dumps_leaves_no_hit(uuid, stores, proc
 
 
 def _shard_key(block_id, shard, shards):
-    from ucmcache._ucm_memory import _key
+    from ucmcache.engines.ucm.memory import _key
     return _key(block_id, shard, shards)
 
 
