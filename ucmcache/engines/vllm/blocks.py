@@ -33,12 +33,12 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import numpy as np
 
-from ._cache import SlotCache
-from ._checksum import crc32c
-from ._copy import copy_segments
-from ._errors import UcmError
-from ._keys import Key, chain_keys, make_key
-from .engines.kit import HostRegistration
+from ..._cache import SlotCache
+from ..._checksum import crc32c
+from ..._copy import copy_segments
+from ..._errors import UcmError
+from ..._keys import Key, chain_keys, make_key
+from ..kit import HostRegistration
 
 log = logging.getLogger("ucmcache.vllm")
 

@@ -128,14 +128,14 @@ from dataclasses import dataclass, field
 from typing import (TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Set,
                     Tuple)
 
-from ._cache import SlotCache
-from ._errors import CorruptSegment, SegmentNotFound, UcmError
-from .engines import kit
-from .engines.kit import (DEFAULT_MAX_RANKS, SHM_CLAMP_SHARE, EngineParts,  # noqa: F401
+from ..._cache import SlotCache
+from ..._errors import CorruptSegment, SegmentNotFound, UcmError
+from .. import kit
+from ..kit import (DEFAULT_MAX_RANKS, SHM_CLAMP_SHARE, EngineParts,  # noqa: F401
                           mem_available_bytes, segment_name, shm_free_bytes)
-from ._vllm_flight import (DEFAULT_PEER_WAIT_S, INTENTS_SUFFIX, Intents, exist_all_ranks,
+from .flight import (DEFAULT_PEER_WAIT_S, INTENTS_SUFFIX, Intents, exist_all_ranks,
                            open_intents)
-from ._vllm_blocks import (HEADER_SIZE, SAVE_WAIT, DeferredSaves, EngineIdentity, IOStats,
+from .blocks import (HEADER_SIZE, SAVE_WAIT, DeferredSaves, EngineIdentity, IOStats,
                            KVBlockIO, LayerLoad, LoadResult, VllmConnectorError, block_keys,
                            check_header, exist_prefix_all_ranks, pack_header, rank_key)
 
