@@ -10,11 +10,11 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from ucmcache import _vllm_blocks as _vb  # noqa: E402
+from ucmcache.engines.vllm import blocks as _vb  # noqa: E402
 from ucmcache import vllm as uv  # noqa: E402
 from ucmcache.engines import kit  # noqa: E402
 from ucmcache._checksum import crc32c, crc32c_soft  # noqa: E402
-from ucmcache._vllm_blocks import HEADER_SIZE, EngineIdentity, KVBlockIO  # noqa: E402
+from ucmcache.engines.vllm.blocks import HEADER_SIZE, EngineIdentity, KVBlockIO  # noqa: E402
 
 BS = 32
 ID = EngineIdentity(model="tiny", dtype="float32", kv_dtype="float32", block_size=BS,
@@ -538,7 +538,7 @@ def test_copy_threads_run_on_the_engines_cpus_the_worker_is_not_bound_to():
     """vLLM binds a CPU worker's threads to its cores; a thread it starts later inherits that.
     The connector's copy threads go to the CPUs the engine's process may use besides those."""
     from concurrent.futures import ThreadPoolExecutor
-    from ucmcache.vllm import _run_on, spare_cpus
+    from ucmcache.engines.vllm.worker import _run_on, spare_cpus
     cpus = sorted(os.sched_getaffinity(0))
     bound, rest = {cpus[0]}, set(cpus[1:])
 

@@ -7,7 +7,7 @@ The worker reads commands from ``cmds`` and answers each on ``q`` (("ok", value)
 import traceback
 
 from ucmcache import SlotCache
-from ucmcache._vllm_flight import Intents, exist_all_ranks, open_intents
+from ucmcache.engines.vllm.flight import Intents, exist_all_ranks, open_intents
 
 
 def marker(q, cmds, main_uuid, max_ranks, keys, ranks):

@@ -18,6 +18,7 @@ protocol with the engine:
   that ends with os._exit);
 - **host-memory registration** of the mapping for device copies (``HostRegistration``:
   cudaHostRegister, a refusal logged, unregistered before the cache closes);
+- **stats files** written whole (``write_json``);
 - **config checking** with messages that name the key, what was given and what is expected
   (``check_int``, ``check_number``, ``check_bool``, ``check_choice``, ``check_known``).
 
@@ -26,6 +27,7 @@ Nothing here touches a shared word: it calls SlotCache's public methods only.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import multiprocessing.util as _mp_util
 import os
@@ -42,7 +44,7 @@ from .._errors import (CorruptSegment, IncompatibleSegment, NotAttached, Segment
 __all__ = ["DEFAULT_MAX_RANKS", "SHM_CLAMP_SHARE", "SHM_DIR", "default_segment", "segment_name",
            "shm_free_bytes", "mem_available_bytes", "new_segment_slots_per_rank",
            "open_segment", "EngineParts", "HostRegistration", "check_int", "check_number",
-           "check_bool", "check_choice", "check_known"]
+           "check_bool", "check_choice", "check_known", "write_json"]
 
 log = logging.getLogger("ucmcache.engines")
 
@@ -275,6 +277,17 @@ class EngineParts:
                 pass  # nothing left to free
             except UcmError as e:
                 self._log.warning("closing segment %r: %s", cache.uuid, e)
+
+
+# ---------------------------------------------------------------- stats files
+
+def write_json(path: str, data: Dict[str, Any]) -> None:
+    """``data`` as JSON at ``path``, whole or not at all (written beside it, then renamed): an
+    engine's stats file, read by whoever watches it while the engine runs."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(data, f)
+    os.replace(tmp, path)
 
 
 # ---------------------------------------------------------------- config checking

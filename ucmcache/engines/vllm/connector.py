@@ -24,7 +24,7 @@ What runs where (vLLM runs the scheduler and each worker in processes of their o
   Loads are synchronous (``load_kv_async`` False): vLLM then runs ``start_load_kv`` before the
   forward.  ``build_connector_meta`` sends the workers, per step, the blocks to load (those
   matched) and the blocks to save: each prompt block that becomes full in this step and was
-  not matched.  Single flight across engines (``ucmcache._vllm_flight``, DESIGN 4.15): the
+  not matched.  Single flight across engines (``flight.py``, DESIGN 4.15): the
   scheduler marks the blocks it will compute (intents in ``<segment>-intents``) and answers
   ``None`` ("ask again later") while the first block after a request's Ready prefix is marked
   by another live engine, for at most ``peer_wait_s`` without progress.
@@ -116,36 +116,20 @@ neither looked up nor saved; only prompt blocks are saved (not generated tokens)
 """
 from __future__ import annotations
 
-import dataclasses
 import hashlib
-import json
 import logging
-import multiprocessing.util as _mp_util
-import os
-import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import (TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Set,
-                    Tuple)
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Set, Tuple
 
 from ..._cache import SlotCache
-from ..._errors import CorruptSegment, SegmentNotFound, UcmError
 from .. import kit
-from ..kit import (DEFAULT_MAX_RANKS, SHM_CLAMP_SHARE, EngineParts,  # noqa: F401
-                          mem_available_bytes, segment_name, shm_free_bytes)
-from .flight import (DEFAULT_PEER_WAIT_S, INTENTS_SUFFIX, Intents, exist_all_ranks,
-                           open_intents)
-from .blocks import (HEADER_SIZE, SAVE_WAIT, DeferredSaves, EngineIdentity, IOStats,
-                           KVBlockIO, LayerLoad, LoadResult, VllmConnectorError, block_keys,
-                           check_header, exist_prefix_all_ranks, pack_header, rank_key)
+from ..kit import DEFAULT_MAX_RANKS, segment_name
+from .blocks import EngineIdentity, IOStats, VllmConnectorError
+from .flight import DEFAULT_PEER_WAIT_S, INTENTS_SUFFIX
+from .scheduler import ConnectorScheduler, _Job
+from .worker import ConnectorWorker, _Parts
 
 log = logging.getLogger("ucmcache.vllm")
-
-__all__ = ["UcmCacheConnector", "UcmCacheConnectorMetadata", "EngineIdentity", "KVBlockIO",
-           "IOStats", "LoadResult", "VllmConnectorError", "ConnectorConfig", "block_keys",
-           "rank_key", "exist_prefix_all_ranks", "pack_header", "check_header", "HEADER_SIZE",
-           "HAVE_VLLM", "default_segment", "open_segment", "mem_available_bytes",
-           "DeferredSaves"]
 
 try:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1,
@@ -163,7 +147,6 @@ if TYPE_CHECKING:  # pragma: no cover
     from vllm.config import VllmConfig  # noqa: F401
 
 DEFAULT_SIZE_MB = 1024
-ATTACH_RETRY_S = 1.0
 
 
 # ---------------------------------------------------------------- config
@@ -231,48 +214,6 @@ def default_segment(identity: EngineIdentity) -> str:
     return kit.default_segment("vllm", identity=identity.namespace)
 
 
-def open_segment(uuid: str, *, slot_size: int, size_mb: float, max_ranks: int) -> SlotCache:
-    """Attach to ``uuid`` (whatever its size), else create it with ``size_mb`` MiB of slots of
-    ``slot_size`` bytes, clamped to half of what /dev/shm has free and half of the memory
-    available (MemAvailable: /dev/shm's size can exceed the RAM there is, and a segment's pages
-    are RAM once written), with a log line (kit.open_segment, kit.new_segment_slots_per_rank).
-    """
-    def slots_per_rank() -> int:
-        return kit.new_segment_slots_per_rank(
-            int(size_mb * (1 << 20)), slot_size, max_ranks, asked_by=f"size_mb {size_mb:g}",
-            who=f"ucmcache.vllm: segment {uuid!r}", logger=log, hint="set size_mb to choose",
-            error=VllmConnectorError)
-    return kit.open_segment(uuid, slot_size=slot_size, max_ranks=max_ranks,
-                            slots_per_rank=slots_per_rank, timeout=10.0)
-
-
-class _Parts(EngineParts):
-    """What a connector must let go of when it goes (kit.EngineParts: its cache), held by its
-    finalizer; never refers back to the connector.  Its copy threads and its KV copy path
-    (whose CUDA registration goes before the cache) stop first."""
-
-    __slots__ = ("executor", "saver", "io")
-
-    def __init__(self) -> None:
-        super().__init__(log)
-        self.io: Optional[KVBlockIO] = None     # its CUDA registration goes before the cache
-        self.executor: Optional[ThreadPoolExecutor] = None   # the IO thread of layer loads
-        self.saver: Optional[ThreadPoolExecutor] = None      # the thread of deferred saves
-
-    def stop(self) -> None:
-        for name in ("executor", "saver"):
-            executor = getattr(self, name)
-            setattr(self, name, None)
-            if executor is not None:  # a copy in flight uses the cache: done before it closes
-                executor.shutdown(wait=True)
-        io, self.io = self.io, None
-        if io is not None:
-            try:
-                io.close()
-            except Exception as e:  # a driver's refusal to unregister: the exit goes on
-                log.warning("ucmcache.vllm: releasing the KV copy path: %s", e)
-
-
 # ---------------------------------------------------------------- identity from vLLM
 
 
@@ -333,59 +274,10 @@ def _attn_backend_name(vllm_config: Any) -> str:
         return f"configured:{getattr(configured, 'name', configured) or 'auto'}"
 
 
-def _layer_backends(vllm_config: Any, layer_names: List[str]) -> str:
-    """The attention backends of the worker's layers, by name ("" where vLLM cannot say)."""
-    try:
-        from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
-        return ",".join(sorted(b.get_name() for b in
-                               get_current_attn_backends(vllm_config, layer_names)))
-    except Exception as e:
-        log.info("UcmCacheConnector: the layers' attention backends could not be read: %s: %s",
-                 type(e).__name__, e)
-        return ""
-
-
-def _write_json(path: str, data: Dict[str, Any]) -> None:
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(data, f)
-    os.replace(tmp, path)
-
-
-def spare_cpus(engine_pid: int) -> Optional[Set[int]]:
-    """The CPUs for the connector's copy threads (the layer-by-layer load, the deferred saves):
-    those the engine's process (the worker's parent) may run on that this worker's threads are
-    not bound to.  vLLM's CPU worker binds its OpenMP threads, the calling thread included, to
-    the worker's cores and reserves the rest for the engine's other threads; a thread started
-    later inherits the binding, so without this the copies would share the forward's cores.
-    None (leave them where they start) when there is no such CPU: an engine pinned whole to
-    its cores (``taskset``), or one whose threads vLLM does not bind."""
-    try:
-        spare = os.sched_getaffinity(engine_pid) - os.sched_getaffinity(0)
-    except (AttributeError, OSError):
-        return None
-    return spare or None
-
-
-def _run_on(cpus: Optional[Set[int]]) -> None:
-    """A copy thread's initializer: run on ``cpus`` (sched_setaffinity(0) sets the calling
-    thread's), or stay where it started when None or refused."""
-    if cpus:
-        try:
-            os.sched_setaffinity(0, cpus)
-        except OSError as e:
-            log.info("UcmCacheConnector: copy thread stays on its CPUs (%s)", e)
-
 
 # ---------------------------------------------------------------- the connector (needs vLLM)
 
 if HAVE_VLLM:
-
-    @dataclass
-    class _Job:
-        req_id: str
-        keys: List[bytes]
-        block_ids: List[int]
 
     @dataclass
     class UcmCacheConnectorMetadata(KVConnectorMetadata):
@@ -439,20 +331,12 @@ if HAVE_VLLM:
                 if value and engine_idx in by_engine:
                     by_engine[engine_idx].inc(value)
 
-    @dataclass
-    class _ReqState:
-        prompt: List[int]
-        salt: Optional[str]
-        eligible: bool
-        keys: Optional[List[bytes]] = None
-        matched_tokens: int = 0     # the last get_num_new_matched_tokens' answer, in tokens
-        saved_blocks: int = 0       # leading prompt blocks stored, matched or supplied by
-                                    # vLLM's own prefix cache: not offered to save again
-        had_save: bool = False      # a save job went to the workers: its blocks wait for it
-
     class UcmCacheConnector(KVConnectorBase_V1):
         """vLLM's KVConnectorBase_V1 over a shared ucmcache segment (see the module docstring).
-        """
+        As vLLM's own connectors do, it delegates: the scheduler's hooks to a
+        ConnectorScheduler (scheduler.py), the workers' to a ConnectorWorker (worker.py); what
+        both share (the config, the engine identity, the segment's name, the finalizer) is
+        made here."""
 
         def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None):
             super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
@@ -469,28 +353,17 @@ if HAVE_VLLM:
             self._bs = self._identity.block_size
             self._parts = parts = _Parts()
             self._finalizer = parts.finalizer(self)
-            # scheduler side
-            self._reqs: Dict[str, _ReqState] = {}
-            self._pending_loads: List[_Job] = []
-            self._delayed: Set[str] = set()     # finished, blocks kept: for the next meta
-            self._next_attach = 0.0
-            self._lookup_failed_logged = False
-            self._flight: Optional[Intents] = None      # this scheduler's intents (_intents)
-            self._flight_next = 0.0
-            self._flight_finalizer: Optional[_mp_util.Finalize] = None
-            self._flight_written: Optional[Dict[str, Any]] = None
-            # worker side
-            self._io: Optional[KVBlockIO] = None
-            self._copy_cpus: Optional[Set[int]] = None  # the copy threads' CPUs (spare_cpus)
-            self._saves: Optional[DeferredSaves] = None
-            self._load_errors: Set[int] = set()
-            self._layer_load: Optional[LayerLoad] = None    # this step's, when layer by layer
-            self._layer_index: Dict[str, int] = {n: i for i, n in enumerate(self._layer_names)}
-            self._layerwise = cfg.layerwise
-            self._step_load_failed = False  # a load of this step failed: nothing it fed is saved
-            self._stats = IOStats()
-            self._total = IOStats()
-            self._rank_offset = 0
+            self._scheduler: Optional[ConnectorScheduler] = None
+            self._worker: Optional[ConnectorWorker] = None
+            if role == KVConnectorRole.SCHEDULER:
+                self._scheduler = ConnectorScheduler(
+                    cfg=cfg, identity=self._identity, segment=self._segment, parts=parts,
+                    new_meta=UcmCacheConnectorMetadata)
+            else:
+                self._worker = ConnectorWorker(
+                    cfg=cfg, identity=self._identity, segment=self._segment,
+                    layer_names=self._layer_names, vllm_config=vllm_config,
+                    kv_cache_config=kv_cache_config, parts=parts)
             log.info("UcmCacheConnector (%s): segment %r, namespace %s",
                      "scheduler" if role == KVConnectorRole.SCHEDULER else "worker",
                      self._segment, self._identity.namespace)
@@ -510,69 +383,17 @@ if HAVE_VLLM:
 
         def shutdown(self) -> None:
             """Detach (the rank is freed); also done at process exit and on collection."""
-            if self._flight_finalizer is not None:
-                self._flight_finalizer()    # the scheduler's intents end first
-            self._io = None
+            if self._scheduler is not None:
+                self._scheduler.shutdown()    # the scheduler's intents end first
+            if self._worker is not None:
+                self._worker.shutdown()
             self._finalizer()
 
-        # ------------------------------------------------------------ worker side
-
-        def register_kv_caches(self, kv_caches: Dict[str, Any]) -> None:
-            """Look at the KV tensors (per layer, first dimension = blocks) and attach to the
-            segment, creating it sized for one block of every layer per slot."""
-            missing = [n for n in self._layer_names if n not in kv_caches]
-            if missing:
-                raise VllmConnectorError(f"register_kv_caches: no KV cache for layer(s) "
-                                         f"{missing[:4]} of the KV cache group")
-            layers = [kv_caches[n] for n in self._layer_names]
-            num_blocks = int(self._kv_cache_config.num_blocks)
-            rows = int(layers[0].shape[0])
-            if rows % num_blocks:
-                raise VllmConnectorError(
-                    f"register_kv_caches: layer {self._layer_names[0]} has {rows} rows for "
-                    f"{num_blocks} blocks (shape {tuple(layers[0].shape)}): not a layout this "
-                    f"connector knows")
-            pages = rows // num_blocks
-            try:
-                from vllm.distributed.parallel_state import (get_pp_group,
-                                                             get_tensor_model_parallel_rank)
-                tp_rank = int(get_tensor_model_parallel_rank())
-                pp_rank = int(get_pp_group().rank_in_group)
-            except Exception:
-                tp_rank, pp_rank = 0, 0
-            self._rank_offset = self._identity.rank_offset(tp_rank, pp_rank)
-            log.info("UcmCacheConnector worker: %d layers, KV cache %s %s strides %s, "
-                     "%d blocks x %d page(s), rank offset %d", len(layers),
-                     tuple(layers[0].shape), layers[0].dtype, tuple(layers[0].stride()),
-                     num_blocks, pages, self._rank_offset)
-            nbytes = sum(t[0:pages].numel() * t.element_size() for t in layers)
-            cache = open_segment(self._segment, slot_size=HEADER_SIZE + nbytes,
-                                 size_mb=self._cfg.size_mb, max_ranks=self._cfg.max_ranks)
-            self._parts.cache = cache
-            try:
-                # the fingerprint binds a slot to the backends its KV was computed by, too
-                backends = _layer_backends(self._vllm_config, self._layer_names)
-                self._io = KVBlockIO(cache, layers,
-                                     namespace=f"{self._identity.namespace}|layers={backends}",
-                                     offset=self._rank_offset, pages=pages,
-                                     checksum=self._cfg.checksum, names=self._layer_names)
-                self._parts.io = self._io
-                self._copy_cpus = (spare_cpus(os.getppid()) if self._cfg.copy_cpus == "spare"
-                                   else None)
-                log.info("UcmCacheConnector worker: copy threads on CPUs %s",
-                         sorted(self._copy_cpus) if self._copy_cpus
-                         else f"{sorted(os.sched_getaffinity(0))} (inherited)")
-                self._parts.saver = ThreadPoolExecutor(max_workers=1,
-                                                       thread_name_prefix="ucmcache-save",
-                                                       initializer=_run_on,
-                                                       initargs=(self._copy_cpus,))
-                self._saves = DeferredSaves(self._io, self._parts.saver)
-                log.info("UcmCacheConnector worker: %d of %d layers copied by the C segment "
-                         "copy, the others with torch per block", self._io.fast_layers,
-                         len(layers))
-            except BaseException:
-                self._parts.release()
-                raise
+        @property
+        def _sched(self) -> ConnectorScheduler:
+            """The scheduler side: vLLM calls the scheduler's hooks in its scheduler only."""
+            assert self._scheduler is not None, "a scheduler hook called on a worker's connector"
+            return self._scheduler
 
         def _meta(self) -> Optional["UcmCacheConnectorMetadata"]:
             if not self.has_connector_metadata():
@@ -580,80 +401,26 @@ if HAVE_VLLM:
             meta = self._get_connector_metadata()
             return meta if isinstance(meta, UcmCacheConnectorMetadata) else None
 
+        # ------------------------------------------------------------ worker side (worker.py)
+        # vLLM's scheduler asks its own connector for stats too: the worker's hooks answer
+        # "nothing" where there is no worker side, as before the split.
+
+        def register_kv_caches(self, kv_caches: Dict[str, Any]) -> None:
+            """Look at the KV tensors (per layer, first dimension = blocks) and attach to the
+            segment, creating it sized for one block of every layer per slot."""
+            assert self._worker is not None, "register_kv_caches called on the scheduler's"
+            self._worker.register_kv_caches(kv_caches)
+
         def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-            """Start copying this step's matched blocks into the paged KV cache (vLLM calls
-            this before the forward).  Layer by layer (``layerwise``, CPU KV caches): on the IO
-            thread, the forward waiting for each layer in ``wait_for_layer_load``; else every
-            layer is copied here before the forward."""
-            self._finish_load()  # a step's loads end with it; never two at once (one staging)
-            self._step_load_failed = False
-            meta = self._meta()
-            if meta is None or not meta.loads or meta.loaded:
-                return  # nothing to load, or done already (called twice for one step)
-            meta.loaded = True
-            keys: List[bytes] = []
-            blocks: List[int] = []
-            for job in meta.loads:
-                keys += job.keys
-                blocks += job.block_ids
-            io = self._io
-            if io is None:
-                self._record_load(LoadResult(failed={b: "the worker has no segment"
-                                                     for b in blocks}), len(blocks), 0)
-                return
-            if self._layerwise and io.device == "cpu":
-                if self._parts.executor is None:
-                    self._parts.executor = ThreadPoolExecutor(
-                        max_workers=1, thread_name_prefix="ucmcache-load",
-                        initializer=_run_on, initargs=(self._copy_cpus,))
-                self._layer_load = io.start_load(keys, blocks, self._parts.executor)
-                return
-            t0 = time.perf_counter_ns()
-            try:
-                res = io.load(keys, blocks)
-            except Exception as e:  # whatever went wrong: recomputed, never left as is
-                res = LoadResult(failed={b: f"{type(e).__name__}: {e}" for b in blocks})
-            self._record_load(res, len(blocks), time.perf_counter_ns() - t0)
-
-        def _finish_load(self) -> None:
-            """End the layer-by-layer load in flight, if any: its result counted, its failed
-            blocks reported.  A forward that did not wait for every layer turns layer-by-layer
-            loading off for this worker (LayerLoad.finish has failed the step's blocks)."""
-            ll, self._layer_load = self._layer_load, None
-            if ll is None:
-                return
-            res = ll.finish()
-            self._stats.load_wait_us += ll.wait_ns // 1000
-            if ll.waited != set(range(ll.layers)) and self._layerwise:
-                self._layerwise = False
-                log.warning("UcmCacheConnector: the forward did not wait for every layer's "
-                            "load (%d of %d waited); loading whole blocks before the forward "
-                            "from now on", len(ll.waited), ll.layers)
-            self._record_load(res, len(ll.blocks), ll.run_ns)
-
-        def _record_load(self, res: LoadResult, n_blocks: int, ns: int) -> None:
-            self._stats.load_us += ns // 1000
-            self._stats.blocks_loaded += res.loaded
-            if self._io is not None:
-                self._stats.bytes_loaded += res.loaded * self._io.need
-            if res.failed:
-                self._step_load_failed = True
-                self._load_errors.update(res.failed)
-                self._stats.load_errors += len(res.failed)
-                why = sorted(set(res.failed.values()))
-                log.warning("UcmCacheConnector: %d of %d block(s) not loaded, vLLM recomputes "
-                            "them: %s", len(res.failed), n_blocks, "; ".join(why[:3]))
+            """Start copying this step's matched blocks into the paged KV cache (before the
+            forward; ConnectorWorker.start_load_kv)."""
+            if self._worker is not None:
+                self._worker.start_load_kv(self._meta())
 
         def wait_for_layer_load(self, layer_name: str) -> None:
-            """Wait until this step's matched blocks have layer ``layer_name`` in (vLLM calls
-            this in each attention layer before it reads its KV).  Nothing to wait for when
-            the blocks were copied before the forward."""
-            ll = self._layer_load
-            if ll is None:
-                return
-            i = self._layer_index.get(layer_name)
-            if i is not None:
-                ll.wait(i)
+            """Wait until this step's matched blocks have layer ``layer_name`` in."""
+            if self._worker is not None:
+                self._worker.wait_for_layer_load(layer_name)
 
         def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any,
                           **kwargs: Any) -> None:
@@ -661,71 +428,35 @@ if HAVE_VLLM:
             every layer is computed (a block is published only with every layer in)."""
 
         def wait_for_save(self) -> None:
-            """Hand this step's newly computed full prompt blocks to the save thread (after
-            the forward, once this step's loads are done) and return: the copies run while
-            the next step computes.  The blocks stay alive until copied: a finished request's
-            are kept by vLLM until get_finished names it (request_finished delays them), a
-            preempted request's saves end in handle_preemptions before the next forward.  At
-            most one earlier step's saves are left running (the one before is waited for)."""
-            self._finish_load()
-            meta = self._meta()
-            if meta is not None and meta.saves and self._saves is not None and \
-                    self._step_load_failed:
-                # The step's forward attended over rows whose load failed (stale, or partly
-                # copied layer by layer): the blocks it computed are wrong until vLLM
-                # recomputes them, so none is published; a block that vLLM recomputes later
-                # is not offered again (a later miss, never a wrong KV in another engine).
-                n = sum(len(job.keys) for job in meta.saves)
-                self._stats.blocks_not_saved += n
-                log.warning("UcmCacheConnector: %d block(s) of a step whose load failed not "
-                            "saved", n)
-            elif meta is not None and meta.saves and self._saves is not None:
-                keys: List[bytes] = []
-                blocks: List[int] = []
-                for job in meta.saves:
-                    keys += job.keys
-                    blocks += job.block_ids
-                self._saves.wait_for(keep=1)   # saves of two steps ago: over by now, or waited
-                self._saves.submit([job.req_id for job in meta.saves], keys, blocks)
-            self._write_stats()
+            """Hand this step's newly computed full prompt blocks to the save thread and return
+            (ConnectorWorker.wait_for_save)."""
+            if self._worker is not None:
+                self._worker.wait_for_save(self._meta())
 
         def handle_preemptions(self, kv_connector_metadata: Any) -> None:
-            """vLLM freed the blocks of the requests it preempted in this schedule; this runs
-            before the step's loads and forward write any block: their saves end here (over,
-            or dropped past SAVE_WAIT: published Failed, never half)."""
+            """The saves of the requests vLLM preempted end before the step writes any block
+            (ConnectorWorker.handle_preemptions)."""
             meta = kv_connector_metadata
-            if not isinstance(meta, UcmCacheConnectorMetadata) or not meta.preempted or \
-                    self._saves is None:
-                return
-            self._stats.preempted_saves_waited += self._saves.wait_for(set(meta.preempted),
-                                                                      SAVE_WAIT)
+            if self._worker is not None:
+                self._worker.handle_preemptions(
+                    meta if isinstance(meta, UcmCacheConnectorMetadata) else None)
 
         def get_finished(self, finished_req_ids: Set[str]
                          ) -> Tuple[Optional[Set[str]], Optional[Set[str]]]:
-            """The finished requests whose blocks vLLM kept for their saves (the scheduler's
-            request_finished said so; the metadata names them): named once their saves are
-            over (waited for here, after a forward they ran beside; dropped past SAVE_WAIT)."""
-            meta = self._meta()
-            if meta is None or not meta.delayed:
+            """The finished requests whose blocks vLLM kept for their saves, once those are
+            over (ConnectorWorker.get_finished)."""
+            if self._worker is None:
                 return None, None
-            if self._saves is not None:
-                self._saves.wait_for(set(meta.delayed), SAVE_WAIT)
-            return set(meta.delayed), None
+            return self._worker.get_finished(finished_req_ids, self._meta())
 
         def get_block_ids_with_load_errors(self) -> Set[int]:
-            self._finish_load()  # vLLM asks after the forward: the step's loads are over
-            errors, self._load_errors = self._load_errors, set()
-            return errors
+            if self._worker is None:
+                return set()
+            return self._worker.get_block_ids_with_load_errors()
 
         def get_kv_connector_stats(self) -> Optional["KVConnectorStats"]:
-            if self._saves is not None:
-                self._stats.add(self._saves.take_stats())
-            if self._stats.empty():
-                return None
-            st, self._stats = self._stats, IOStats()
-            self._total.add(st)
-            self._write_stats(force=True)
-            return UcmCacheConnectorStats(data=st.as_dict())
+            data = None if self._worker is None else self._worker.get_kv_connector_stats()
+            return None if data is None else UcmCacheConnectorStats(data=data)
 
         @classmethod
         def build_kv_connector_stats(cls, data: Optional[Dict[str, Any]] = None
@@ -740,290 +471,45 @@ if HAVE_VLLM:
             return UcmCachePromMetrics(vllm_config, metric_types, labelnames,
                                        per_engine_labelvalues)
 
-        def _write_stats(self, force: bool = False) -> None:
-            path = self._cfg.stats_file
-            if path is None:
-                return
-            if self._saves is not None:
-                self._stats.add(self._saves.take_stats())
-            if not force and self._stats.empty():
-                return
-            total = IOStats()
-            total.add(self._total)
-            total.add(self._stats)
-            try:
-                _write_json(f"{path}.rank{self._rank_offset}",
-                            {**total.as_dict(), "pid": os.getpid(), "segment": self._segment})
-            except OSError as e:
-                log.warning("UcmCacheConnector: stats_file %s: %s", path, e)
+        # ------------------------------------------------------------ scheduler side (scheduler.py)
 
-        # ------------------------------------------------------------ scheduler side
-
-        def _reader(self) -> Optional[SlotCache]:
-            c = self._parts.cache
-            if c is not None:
-                return c
-            now = time.monotonic()
-            if now < self._next_attach:
-                return None
-            self._next_attach = now + ATTACH_RETRY_S
-            try:
-                c = SlotCache.attach(self._segment, timeout=0.0)
-            except (SegmentNotFound, CorruptSegment, TimeoutError):
-                return None  # the workers make it; asked again in a second
-            self._parts.cache = c
-            return c
-
-        def _state(self, request: Any) -> _ReqState:
-            st = self._reqs.get(request.request_id)
-            if st is None:
-                eligible = (not getattr(request, "mm_features", None)
-                            and getattr(request, "prompt_embeds", None) is None
-                            and getattr(request, "lora_request", None) is None
-                            and request.prompt_token_ids is not None)
-                st = _ReqState(prompt=list(request.prompt_token_ids or []),
-                               salt=getattr(request, "cache_salt", None), eligible=eligible)
-                self._reqs[request.request_id] = st
-            return st
-
-        def _keys(self, st: _ReqState) -> List[bytes]:
-            if st.keys is None:
-                st.keys = block_keys(st.prompt, self._identity, st.salt)
-            return st.keys
+        def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
+            super().bind_kv_cache_manager(kv_cache_manager)
+            if self._scheduler is not None:
+                self._scheduler._kv_cache_manager = kv_cache_manager
 
         def get_num_new_matched_tokens(self, request: Any,
                                        num_computed_tokens: int) -> Tuple[Optional[int], bool]:
             """Tokens beyond num_computed_tokens whose blocks are stored whole for every rank:
             leading full prompt blocks only, never the one holding the last token."""
-            st = self._state(request)
-            st.matched_tokens = 0
-            if not st.eligible:
-                return 0, False
-            limit = (min(len(st.prompt), int(request.num_tokens)) - 1) // self._bs
-            if limit * self._bs <= num_computed_tokens:
-                return 0, False
-            cache = self._reader()
-            if cache is None:
-                return 0, False
-            try:
-                n = self._matched_blocks(request, st, cache, limit, num_computed_tokens)
-            except UcmError as e:
-                if not self._lookup_failed_logged:
-                    log.warning("UcmCacheConnector: lookup failed, serving misses: %s", e)
-                    self._lookup_failed_logged = True
-                return 0, False
-            if n is None:
-                return None, False  # another engine computes the next blocks: ask again later
-            st.matched_tokens = n * self._bs
-            return max(0, st.matched_tokens - num_computed_tokens), False
+            return self._sched.get_num_new_matched_tokens(request, num_computed_tokens)
 
         def update_state_after_alloc(self, request: Any, blocks: Any,
                                      num_external_tokens: int) -> None:
-            st = self._state(request)
-            if num_external_tokens <= 0 or not st.eligible:
-                return
-            end = st.matched_tokens // self._bs
-            start = (st.matched_tokens - num_external_tokens) // self._bs
-            ids = list(blocks.get_block_ids()[0])
-            if start < 0 or end > len(ids) or end > len(self._keys(st)):
-                log.warning("UcmCacheConnector: request %s: %d external tokens do not fit its "
-                            "%d blocks; loading nothing", request.request_id,
-                            num_external_tokens, len(ids))
-                return
-            self._pending_loads.append(_Job(request.request_id, self._keys(st)[start:end],
-                                            ids[start:end]))
-            st.saved_blocks = max(st.saved_blocks, end)
+            self._sched.update_state_after_alloc(request, blocks, num_external_tokens)
 
         def build_connector_meta(self, scheduler_output: Any) -> "UcmCacheConnectorMetadata":
-            self._flight_step(scheduler_output)
-            meta = UcmCacheConnectorMetadata(
-                loads=self._pending_loads, delayed=self._delayed,
-                preempted=set(getattr(scheduler_output, "preempted_req_ids", None) or ()))
-            self._pending_loads = []
-            self._delayed = set()
-            computed: Dict[str, int] = {}
-            starting: Set[str] = set()  # scheduled for the first time, or again after preemption
-            for nr in scheduler_output.scheduled_new_reqs:
-                computed[nr.req_id] = int(nr.num_computed_tokens)
-                starting.add(nr.req_id)
-                if nr.req_id not in self._reqs and nr.prompt_token_ids is not None:
-                    self._reqs[nr.req_id] = _ReqState(prompt=list(nr.prompt_token_ids),
-                                                      salt=None, eligible=False)
-            cr = scheduler_output.scheduled_cached_reqs
-            starting |= set(getattr(cr, "resumed_req_ids", None) or ())
-            for i, rid in enumerate(cr.req_ids):
-                computed[rid] = int(cr.num_computed_tokens[i])
-            for rid in starting:
-                st = self._reqs.get(rid)
-                if st is not None and rid in computed:
-                    # what it starts with was supplied, not computed in this step: vLLM's own
-                    # prefix cache (blocks this engine computed, or loaded, before) and the
-                    # connector's matched blocks; none is offered to the save path again
-                    st.saved_blocks = max(st.saved_blocks, computed[rid] // self._bs)
-            for rid, ntok in scheduler_output.num_scheduled_tokens.items():
-                st = self._reqs.get(rid)
-                if st is None or not st.eligible or rid not in computed:
-                    continue
-                full = min(computed[rid] + int(ntok), len(st.prompt)) // self._bs
-                if full <= st.saved_blocks:
-                    continue
-                ids = self._block_ids(rid)
-                if ids is None or len(ids) < full:
-                    continue
-                keys = self._keys(st)
-                meta.saves.append(_Job(rid, keys[st.saved_blocks:full],
-                                       ids[st.saved_blocks:full]))
-                st.saved_blocks = full
-                st.had_save = True
-            self._flight_handed(meta)
-            return meta
-
-        def _block_ids(self, req_id: str) -> Optional[List[int]]:
-            mgr = self._kv_cache_manager
-            if mgr is None:
-                return None
-            try:
-                return list(mgr.get_block_ids(req_id)[0])
-            except Exception:
-                return None
+            return self._sched.build_connector_meta(scheduler_output)
 
         def request_finished(self, request: Any,
                              block_ids: List[int]) -> Tuple[bool, Optional[Dict[str, Any]]]:
             """A request that had saves keeps its blocks until the workers' get_finished names
             it (next step: its saves over, or dropped); any other frees them now."""
-            st = self._reqs.pop(request.request_id, None)
-            self._flight_end(request.request_id, "request finished")
-            if st is None or not st.had_save:
-                return False, None
-            self._delayed.add(request.request_id)
-            return True, None
-
-        # ------------------------------------------------------------ scheduler side: intents
-
-        def _intents(self) -> Optional[Intents]:
-            """This scheduler's intents (ucmcache._vllm_flight), attached on first use; None
-            while the intents segment cannot be opened (asked again in a second)."""
-            f = self._flight
-            if f is not None:
-                return f
-            now = time.monotonic()
-            if now < self._flight_next:
-                return None
-            self._flight_next = now + ATTACH_RETRY_S
-            try:
-                cache = open_intents(self._segment, self._cfg.max_ranks)
-            except VllmConnectorError as e:   # a segment of another use has its name: for good
-                self._flight_next = float("inf")
-                log.error("UcmCacheConnector: %s: no single flight across engines", e)
-                return None
-            except (UcmError, OSError, ValueError) as e:
-                log.warning("UcmCacheConnector: intents segment of %r: %s: no single flight "
-                            "across engines for now", self._segment, e)
-                return None
-            self._flight = f = Intents(cache, peer_wait_s=self._cfg.peer_wait_s)
-            self._flight_finalizer = _mp_util.Finalize(self, f.close, exitpriority=11)
-            return f
-
-        def _matched_blocks(self, request: Any, st: _ReqState, cache: SlotCache, limit: int,
-                            num_computed_tokens: int) -> Optional[int]:
-            """The leading prompt blocks Ready for every rank, up to ``limit``; or None while
-            another live engine computes the first block after them (DESIGN 4.15)."""
-            keys = self._keys(st)
-            ranks = self._identity.ranks
-
-            def ready(ks: Sequence[bytes]) -> int:
-                return exist_prefix_all_ranks(cache, ks, ranks)
-
-            flight = self._intents()
-            if flight is None:
-                return ready(keys[:limit])
-            return flight.lookup(request.request_id, keys, ready, limit=limit, upto=len(keys),
-                                 local=num_computed_tokens // self._bs)
-
-        def _flight_ready(self) -> Optional[Callable[[List[bytes]], List[bool]]]:
-            cache = self._parts.cache
-            if cache is None:
-                return None
-            ranks = self._identity.ranks
-            return lambda ks: exist_all_ranks(cache, ks, ranks)
-
-        def _flight_step(self, scheduler_output: Any) -> None:
-            """Each step: the intents of preempted requests end (but for blocks handed for
-            saving), and those of blocks now Ready (or handed long ago) end."""
-            f = self._flight
-            if f is None:
-                return
-            for rid in getattr(scheduler_output, "preempted_req_ids", None) or ():
-                f.end(rid, "request preempted", keep_handed=True)
-            self._flight_settle(f)
-
-        def _flight_settle(self, f: Intents) -> None:
-            ready = self._flight_ready()
-            if ready is not None:
-                try:
-                    f.settle(ready)
-                except UcmError as e:
-                    log.warning("UcmCacheConnector: intents: %s", e)
-            self._write_flight_stats(f)
-
-        def _flight_handed(self, meta: "UcmCacheConnectorMetadata") -> None:
-            f = self._flight
-            if f is not None:
-                for job in meta.saves:
-                    f.handed(job.req_id, job.keys)
-
-        def _flight_end(self, req_id: str, why: str) -> None:
-            f = self._flight
-            if f is not None:
-                f.end(req_id, why, keep_handed=True)
-                self._flight_settle(f)
+            return self._sched.request_finished(request, block_ids)
 
         def update_connector_output(self, connector_output: Any) -> None:
-            """A step's output from the workers (vLLM calls this after each step's output,
-            before it frees the blocks of ``finished_sending``): the requests it names have
-            every save over on every worker (get_finished waited for them), so their marks
-            end now, Ready or not (DESIGN 4.15), whether or not this engine steps again."""
-            f = self._flight
-            done = getattr(connector_output, "finished_sending", None)
-            if f is None or not done:
-                return
-            try:
-                f.saves_over(done, self._flight_ready())
-            except UcmError as e:
-                log.warning("UcmCacheConnector: intents: %s", e)
-            self._write_flight_stats(f)
+            """A step's output from the workers: the marks of the requests whose saves are over
+            end (ConnectorScheduler.update_connector_output)."""
+            self._sched.update_connector_output(connector_output)
 
         def has_pending_push_work(self) -> bool:
-            """Keeps the engine stepping while requests that are over hold marks of blocks
-            handed for saving: each step's settle ends them (Ready, or MARK_GRACE_S after),
-            so an engine never idles with a mark a peer would wait for."""
-            f = self._flight
-            return f is not None and f.unsettled()
-
-        def _write_flight_stats(self, f: Intents) -> None:
-            path = self._cfg.stats_file
-            if path is None:
-                return
-            data = dataclasses.asdict(f.stats)
-            if data == self._flight_written:
-                return
-            self._flight_written = data
-            try:
-                _write_json(f"{path}.scheduler", {**data, "pid": os.getpid()})
-            except OSError as e:
-                log.warning("UcmCacheConnector: stats_file %s: %s", path, e)
+            """Keeps the engine stepping while marks of blocks handed for saving are unsettled
+            (ConnectorScheduler.has_pending_push_work)."""
+            return self._sched.has_pending_push_work()
 
         def reset_cache(self) -> Optional[bool]:
             """Clear the segment (every entry, for every engine attached to it)."""
-            cache = self._reader()
-            if cache is None:
-                return True  # nothing stored yet
-            try:
-                cache.clear()
-            except UcmError as e:
-                log.warning("UcmCacheConnector: reset_cache: %s", e)
-                return False
-            return True
+            return self._sched.reset_cache()
 
 else:
     def __getattr__(name: str) -> Any:
