@@ -1,4 +1,4 @@
-"""A marking engine's scheduler for tests/test_vllm_flight.py: intents taken and ended on
+"""A marking engine's scheduler for tests/engines/test_vllm_flight.py: intents taken and ended on
 command, in a process of its own, so that the test can SIGKILL it between any two steps.
 
 The worker reads commands from ``cmds`` and answers each on ``q`` (("ok", value) or

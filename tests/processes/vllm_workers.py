@@ -1,4 +1,4 @@
-"""Spawned processes for tests/test_vllm_connector.py: a worker's deferred save killed while
+"""Spawned processes for tests/engines/test_vllm_connector.py: a worker's deferred save killed while
 its copy is in flight.  Events order the steps, never sleep; every wait is bounded."""
 import traceback
 
