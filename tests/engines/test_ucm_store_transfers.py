@@ -8,7 +8,6 @@ every behaviour is also tested with numpy arrays.  Threads and processes are ord
 events, never sleeps; every wait is bounded; segments are the fixture's uuid (always removed).
 """
 import os
-import threading
 
 import numpy as np
 import pytest
