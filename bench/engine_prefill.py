@@ -29,7 +29,7 @@ def read_stats(prefix: str) -> dict:
     d, base = os.path.split(prefix)
     for name in os.listdir(d):
         # <prefix>.rank<r> only: not a worker's <prefix>.rank<r>.tmp<pid> being written
-        # (ucmcache.vllm._write_json writes there, then renames), nor <prefix>.scheduler
+        # (ucmcache.engines.kit.write_json writes there, then renames), nor <prefix>.scheduler
         if name.startswith(base + ".rank") and name[len(base) + 5:].isdigit():
             with open(os.path.join(d, name)) as f:
                 for k, v in json.load(f).items():

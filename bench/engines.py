@@ -131,7 +131,7 @@ def main() -> None:
             ua = engine([model, w("UA.json"), *uniq, "--segment", segment + "-u",
                          "--stats", w("UA.stats")], w("UA.log")) if a.unique else None
         finally:
-            from ucmcache._vllm_flight import intents_uuid
+            from ucmcache.engines.vllm.flight import intents_uuid
             for seg in (segment + "-u", segment):   # each with its schedulers' intents (4.15)
                 for s in (seg, intents_uuid(seg)):
                     try:

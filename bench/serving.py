@@ -740,7 +740,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     finally:
         for s in b.servers:
             kill_server(s)
-        from ucmcache._vllm_flight import intents_uuid
+        from ucmcache.engines.vllm.flight import intents_uuid
         for seg in (b.segment, intents_uuid(b.segment)):  # and its schedulers' intents (4.15)
             with contextlib.suppress(SegmentNotFound):
                 SlotCache.unlink(seg)

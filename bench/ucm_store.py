@@ -36,7 +36,8 @@ if not _RUN_AS_MODULE:  # run as a file: make ucmcache importable from the check
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from ucmcache import SegmentNotFound, SlotCache  # noqa: E402
-from ucmcache.ucm import UcmCacheStore, _memcpy  # noqa: E402
+from ucmcache.ucm import UcmCacheStore  # noqa: E402
+from ucmcache.engines.ucm.memory import _memcpy  # noqa: E402
 
 BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
 LAYERS = 8

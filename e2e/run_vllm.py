@@ -312,7 +312,7 @@ def main(argv: list[str]) -> int:
               f"{after['outputs'] == ref['outputs']}, external prefix hits {hits:.0f} tokens; "
               f"{text.splitlines()[0] if text else rc}", flush=True)
     finally:
-        from ucmcache._vllm_flight import intents_uuid
+        from ucmcache.engines.vllm.flight import intents_uuid
         for seg in (segment, intents_uuid(segment)):   # and its schedulers' intents (4.15)
             try:
                 SlotCache.unlink(seg)

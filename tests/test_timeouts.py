@@ -308,7 +308,7 @@ def test_a_tiers_flush_and_close_hold_to_the_timeout_rule(tmp_path, bad):
 def test_the_ucm_configs_transfer_timeout_is_held_to_the_longest_wait():
     """transfer_timeout_ms past MAX_TIMEOUT (1e9 s) is refused when the config is read, naming
     the key (before: accepted, then every transfer's get_many refused it)."""
-    from ucmcache._ucm_config import _Config
+    from ucmcache.engines.ucm.config import _Config
     for key in ("transfer_timeout_ms", "timeout_ms"):
         with pytest.raises(ValueError, match=rf"^config '{key}' must be at most "
                                              r"1000000000000 ms"):

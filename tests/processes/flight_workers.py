@@ -1,4 +1,4 @@
-"""A marking engine's scheduler for tests/test_vllm_flight.py: intents taken and ended on
+"""A marking engine's scheduler for tests/engines/test_vllm_flight.py: intents taken and ended on
 command, in a process of its own, so that the test can SIGKILL it between any two steps.
 
 The worker reads commands from ``cmds`` and answers each on ``q`` (("ok", value) or
@@ -7,7 +7,7 @@ The worker reads commands from ``cmds`` and answers each on ``q`` (("ok", value)
 import traceback
 
 from ucmcache import SlotCache
-from ucmcache._vllm_flight import Intents, exist_all_ranks, open_intents
+from ucmcache.engines.vllm.flight import Intents, exist_all_ranks, open_intents
 
 
 def marker(q, cmds, main_uuid, max_ranks, keys, ranks):

@@ -1,5 +1,5 @@
 """The round-robin proxy of bench/serving.py between a client and two stub backends, checked;
-run as a process by tests/test_serving_bench.py (under whichever venv has aiohttp):
+run as a process by tests/engines/test_serving_bench.py (under whichever venv has aiohttp):
 
     python -m tests.processes.serving_proxy      # prints "proxy ok", or fails an assert
 

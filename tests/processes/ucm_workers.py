@@ -1,4 +1,4 @@
-"""Spawned processes for tests/test_ucm_store.py: UCM-style worker stores that dump and load.
+"""Spawned processes for tests/engines/test_ucm_store_*.py: UCM-style worker stores that dump and load.
 
 Each worker rebuilds its blocks from a seed (make_blocks), so a loader compares against the same
 bytes the dumper wrote without any data crossing the queue.  Events order the steps, never

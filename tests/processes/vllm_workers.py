@@ -1,4 +1,4 @@
-"""Spawned processes for tests/test_vllm_connector.py: a worker's deferred save killed while
+"""Spawned processes for tests/engines/test_vllm_connector.py: a worker's deferred save killed while
 its copy is in flight.  Events order the steps, never sleep; every wait is bounded."""
 import traceback
 
@@ -22,7 +22,7 @@ def save_deferred_then_stop(q, uuid, namespace, keys, block_ids, arrived, releas
         from concurrent.futures import ThreadPoolExecutor
 
         from ucmcache import SlotCache
-        from ucmcache._vllm_blocks import DeferredSaves, KVBlockIO
+        from ucmcache.engines.vllm.blocks import DeferredSaves, KVBlockIO
         cache = SlotCache.attach(uuid)
         io = KVBlockIO(cache, kv_layers(7), namespace=namespace)
         copy_layer = io._copy_layer

@@ -1,4 +1,4 @@
-"""Single flight across engines (ucmcache._vllm_flight, DESIGN 4.15) without an engine: a
+"""Single flight across engines (ucmcache.engines.vllm.flight, DESIGN 4.15) without an engine: a
 scheduler's intents seen by another process's scheduler, which waits for them; intents ended
 when their blocks are Ready, or their request ends without saving; a marker SIGKILLed at each
 step recovered by the next look; the bound on a wait; no wait for one's own marks; TP."""
@@ -9,7 +9,7 @@ import pytest
 
 import ucmcache
 from ucmcache import SegmentNotFound, SlotCache
-from ucmcache._vllm_flight import (MARK_GRACE_S, PROBE_INTERVAL_S, Intents, exist_all_ranks,
+from ucmcache.engines.vllm.flight import (MARK_GRACE_S, PROBE_INTERVAL_S, Intents, exist_all_ranks,
                                    intents_uuid, open_intents)
 from conftest import SPAWN
 import flight_workers

@@ -33,12 +33,12 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import numpy as np
 
-from ._cache import SlotCache
-from ._checksum import crc32c
-from ._copy import copy_segments
-from ._core import ffi
-from ._errors import UcmError
-from ._keys import Key, chain_keys, make_key
+from ..._cache import SlotCache
+from ..._checksum import crc32c
+from ..._copy import copy_segments
+from ..._errors import UcmError
+from ..._keys import Key, chain_keys, make_key
+from ..kit import HostRegistration
 
 log = logging.getLogger("ucmcache.vllm")
 
@@ -361,7 +361,7 @@ class KVBlockIO:
         self.fingerprint = make_key("\n".join(desc) + f"\npages={self.pages}", namespace)
         assert isinstance(self.fingerprint, bytes)
         self._stream: Any = None
-        self._registered = 0          # the data region's address, once cudaHostRegister'ed
+        self._host: Optional[HostRegistration] = None   # the segment, pinned (CUDA)
         # "save_between_layers": called with L after layer L of a save's copies (not the last)
         self._test_points: Dict[str, Callable[[int], None]] = {}
         if self.device == "cuda":
@@ -379,26 +379,19 @@ class KVBlockIO:
         (``wait_stream``) and synchronized before a block is published or a load's layer is
         said to be in: a slot is never Ready before its bytes are on the host, and a forward
         never reads a row before its copy is in.  Registration that fails (a driver that
-        refuses shared memory) leaves pageable copies, with a log line: slower, same bytes.
-        Written for CUDA and untested: this project's machines have no GPU."""
+        refuses shared memory) leaves pageable copies, with a log line: slower, same bytes
+        (kit.HostRegistration).  Written for CUDA and untested: this project's machines have no
+        GPU."""
         torch = self.torch
         self._stream = torch.cuda.Stream(device=self.layers[0].device)
-        seg = self.cache._seg   # the whole mapping: page-aligned, as older drivers require
-        addr = int(ffi.cast("uintptr_t", seg.base))
-        size = seg.layout.total_size
-        err = torch.cuda.cudart().cudaHostRegister(addr, size, 0)
-        if int(err) == 0:
-            self._registered = addr
-        else:
-            log.warning("ucmcache.vllm: cudaHostRegister of %d bytes refused (%s); copies to "
-                        "and from the segment stay pageable", size, err)
+        self._host = HostRegistration(torch, self.cache, who="ucmcache.vllm", logger=log)
 
     def close(self) -> None:
         """Undo what __init__ set up beyond the cache (CUDA: the pinned registration); before
         the cache closes."""
-        if self._registered:
-            addr, self._registered = self._registered, 0
-            self.torch.cuda.cudart().cudaHostUnregister(addr)
+        host, self._host = self._host, None
+        if host is not None:
+            host.close()
 
     def forward_done_event(self) -> Any:
         """CUDA: an event recorded now on the calling thread's current stream (the forward's,

@@ -19,79 +19,29 @@ What UCM's connectors pass (uc-manager 0.8.1, ``ucm/integration/vllm/ucm_connect
 """
 from __future__ import annotations
 
-import hashlib
-import os
-import re
 from typing import Any, Dict, List, Optional, Tuple, overload
 
 import numpy as np
 
-from ._timeouts import MAX_TIMEOUT
+from ..._timeouts import MAX_TIMEOUT
+from .. import kit
+from ..kit import DEFAULT_MAX_RANKS, segment_name
 
 DEFAULT_BUFFER_SIZE = 1 << 30   # segment data bytes when the config gives no size at all
-DEFAULT_MAX_RANKS = 8           # stores attached at once (workers and scheduler-side stores)
 DEFAULT_TIMEOUT_S = 30.0        # UCM's transfer_timeout_ms default (30000)
 DEFAULT_THREADS = 2
-# A size /dev/shm cannot hold is clamped to this share of what is free, not all of it: vLLM's
-# own IPC buffers, other engines' segments and whatever else uses the tmpfs need room too, and
-# a full tmpfs fails their next allocation with SIGBUS rather than an error.
-SHM_CLAMP_SHARE = 0.5
-SHM_DIR = "/dev/shm"
-
-_SEGMENT_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")
-
-
-def shm_free_bytes() -> int:
-    """Bytes free in /dev/shm now (a module function so that tests can give a smaller one)."""
-    st = os.statvfs(SHM_DIR)
-    return st.f_bavail * st.f_frsize
 
 
 @overload
-def _int(config: Dict[str, object], name: str, default: int, minimum: int = 0) -> int: ...
+def _int(config: Dict[str, object], name: str, default: int, minimum: int = 0,
+         maximum: Optional[int] = None) -> int: ...
 @overload
-def _int(config: Dict[str, object], name: str, default: None = None,
-         minimum: int = 0) -> Optional[int]: ...
+def _int(config: Dict[str, object], name: str, default: None = None, minimum: int = 0,
+         maximum: Optional[int] = None) -> Optional[int]: ...
 def _int(config: Dict[str, object], name: str, default: Optional[int] = None,
-         minimum: int = 0) -> Optional[int]:
-    """The int under name (default when absent or None), checked; None only for a None
-    default."""
-    v = config.get(name)
-    if v is None:  # absent, or given as None (a YAML key left empty)
-        if default is None:
-            return None
-        v = default
-    if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
-        raise ValueError(f"config {name!r} must be an int, got {type(v).__name__} {v!r}")
-    v = int(v)
-    if v < minimum:
-        raise ValueError(f"config {name!r} must be >= {minimum}, got {v}")
-    return v
-
-
-def _bool(config: Dict[str, object], name: str, default: bool) -> bool:
-    v = config.get(name, default)
-    if isinstance(v, str):
-        low = v.strip().lower()
-        if low in ("1", "true", "yes", "on"):
-            return True
-        if low in ("0", "false", "no", "off", ""):
-            return False
-        raise ValueError(f"config {name!r} must be a bool, got {v!r}")
-    if not isinstance(v, (bool, int, np.integer)):
-        raise ValueError(f"config {name!r} must be a bool, got {type(v).__name__} {v!r}")
-    return bool(v)
-
-
-def segment_name(unique_id: str) -> str:
-    """The segment uuid for a name: itself when it is a valid uuid ([A-Za-z0-9_-], at most
-    64), else a readable prefix plus a hash of the whole name (deterministic, so every process
-    that passes the same name names the same segment)."""
-    s = str(unique_id)
-    if _SEGMENT_RE.fullmatch(s):
-        return s
-    digest = hashlib.blake2b(s.encode("utf-8"), digest_size=8).hexdigest()
-    return re.sub(r"[^A-Za-z0-9_-]", "_", s)[:40] + "-" + digest
+         minimum: int = 0, maximum: Optional[int] = None) -> Optional[int]:
+    """The int under name (default when absent or None), checked (kit.check_int)."""
+    return kit.check_int(config, name, default, minimum=minimum, maximum=maximum)
 
 
 def default_segment(config: Dict[str, object]) -> Tuple[str, str]:
@@ -112,7 +62,7 @@ def default_segment(config: Dict[str, object]) -> Tuple[str, str]:
     uid = config.get("unique_id") or config.get("engine_id")
     if layout is not None or uid is None or uid == "":
         kind = str(layout) if layout is not None else "kv"
-        return (segment_name(f"ucm-{kind}-u{os.getuid()}"),
+        return (kit.default_segment("ucm", label=kind),
                 "the default for UCM's connector (its unique_id changes at every start)")
     return segment_name(str(uid)), "unique_id" if config.get("unique_id") else "engine_id"
 
@@ -148,30 +98,13 @@ class _WorkerSizes:
 
     def fitted_slots_per_rank(self, log) -> int:
         """slots_per_rank for a segment made now: what the config asks for, or, when /dev/shm
-        cannot hold that, SHM_CLAMP_SHARE of what is free (with a log line), so that an engine
-        configured for a larger machine still starts.  SharedMemoryFull when not even one slot
-        per rank fits."""
-        from ._errors import SharedMemoryFull
-        free = shm_free_bytes()
-        want = self.buffer_size
-        # The control region (64-byte slot lines, buckets, ranks) comes on top of the slots:
-        # counted as one more line per slot, which it never exceeds for slots of >= 64 bytes.
-        need = want // self.stride * (self.stride + 64)
-        if need <= free:
-            return self.slots_per_rank_for(want)
-        # The other share of what is free holds the control region with room to spare.
-        fit = int(free * SHM_CLAMP_SHARE) // self.stride * self.stride
-        if fit // (self.stride * self.max_ranks) < 1:
-            raise SharedMemoryFull(
-                f"config {self.buffer_key}: /dev/shm has {free} bytes free, too little for one "
-                f"slot of {self.slot_size} bytes for each of {self.max_ranks} ranks "
-                f"(ucmcache_max_ranks); free some, raise its size (Docker: --shm-size), or lower "
-                f"ucmcache_max_ranks")
-        log.warning("UcmCacheStore: config %s asks for %d bytes of slots but %s has %d bytes "
-                    "free: using %d (%d%% of what is free); set cache_buffer_capacity_gb or "
-                    "buffer_size to choose", self.buffer_key, want, SHM_DIR, free, fit,
-                    int(SHM_CLAMP_SHARE * 100))
-        return self.slots_per_rank_for(fit)
+        or the memory available cannot hold that, kit.SHM_CLAMP_SHARE of what is free (with a
+        log line), so that an engine configured for a larger machine still starts.
+        SharedMemoryFull when not even one slot per rank fits."""
+        return kit.new_segment_slots_per_rank(
+            self.buffer_size, self.slot_size, self.max_ranks,
+            asked_by=f"config {self.buffer_key}", who="UcmCacheStore", logger=log,
+            hint="set cache_buffer_capacity_gb or buffer_size to choose")
 
     def column_sizes(self, m: int) -> List[int]:
         """Bytes behind each of a block's m raw addresses (load_data/dump_data)."""
@@ -230,12 +163,10 @@ class _Config:
                                  f"{tensor_sizes}")
         tensor_size = _int(config, "tensor_size", minimum=1)
         buffer_size, buffer_key = self._buffer(config)
-        self.share = _bool(config, "share_buffer_enable", True)
+        self.share = kit.check_bool(config, "share_buffer_enable", True, strict=False)
         self.local_rank_size = _int(config, "local_rank_size", 1, minimum=1)
-        self.max_ranks = _int(config, "ucmcache_max_ranks", DEFAULT_MAX_RANKS, minimum=1)
-        if self.max_ranks > 63:
-            raise ValueError(f"config 'ucmcache_max_ranks' must be at most 63, got "
-                             f"{self.max_ranks}")
+        self.max_ranks = _int(config, "ucmcache_max_ranks", DEFAULT_MAX_RANKS, minimum=1,
+                              maximum=63)
         tkey = "transfer_timeout_ms" if "transfer_timeout_ms" in config else "timeout_ms"
         ms = _int(config, tkey, minimum=1)
         if ms is not None and ms / 1000.0 > MAX_TIMEOUT:  # every wait's rule (check_timeout)

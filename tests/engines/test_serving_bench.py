@@ -12,7 +12,7 @@ from bench.serving import (Arrival, RoundRobin, cache_shares, connector_note, co
                            first_request_overlaps, fmt_range, parse_prometheus, problems,
                            render_markdown, table_row)
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def test_round_robin_spreads_completions_and_sends_the_rest_to_the_first():

@@ -10,10 +10,11 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from ucmcache import _vllm_blocks as _vb  # noqa: E402
+from ucmcache.engines.vllm import blocks as _vb  # noqa: E402
 from ucmcache import vllm as uv  # noqa: E402
+from ucmcache.engines import kit  # noqa: E402
 from ucmcache._checksum import crc32c, crc32c_soft  # noqa: E402
-from ucmcache._vllm_blocks import HEADER_SIZE, EngineIdentity, KVBlockIO  # noqa: E402
+from ucmcache.engines.vllm.blocks import HEADER_SIZE, EngineIdentity, KVBlockIO  # noqa: E402
 
 BS = 32
 ID = EngineIdentity(model="tiny", dtype="float32", kv_dtype="float32", block_size=BS,
@@ -518,13 +519,13 @@ def test_an_engine_killed_mid_deferred_save_leaves_nothing_ready_and_verify_clea
 
 
 def test_a_new_segment_is_clamped_by_memavailable_with_a_log_line(uuid, monkeypatch, caplog):
-    monkeypatch.setattr(uv, "mem_available_bytes", lambda: 8 << 20)
-    monkeypatch.setattr(uv, "shm_free_bytes", lambda: 1 << 40)
+    monkeypatch.setattr(kit, "mem_available_bytes", lambda: 8 << 20)
+    monkeypatch.setattr(kit, "shm_free_bytes", lambda: 1 << 40)
     with caplog.at_level("WARNING", logger="ucmcache.vllm"):
         c = uv.open_segment(uuid, slot_size=64 << 10, size_mb=256, max_ranks=2)
     try:
         assert c.capacity * c.slot_size <= 4 << 20
-        assert "does not fit in MemAvailable" in caplog.text
+        assert "but MemAvailable has 8388608 bytes free: using 4194304" in caplog.text
     finally:
         c.close()
 
@@ -537,7 +538,7 @@ def test_copy_threads_run_on_the_engines_cpus_the_worker_is_not_bound_to():
     """vLLM binds a CPU worker's threads to its cores; a thread it starts later inherits that.
     The connector's copy threads go to the CPUs the engine's process may use besides those."""
     from concurrent.futures import ThreadPoolExecutor
-    from ucmcache.vllm import _run_on, spare_cpus
+    from ucmcache.engines.vllm.worker import _run_on, spare_cpus
     cpus = sorted(os.sched_getaffinity(0))
     bound, rest = {cpus[0]}, set(cpus[1:])
 

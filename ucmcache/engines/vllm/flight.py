@@ -49,12 +49,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Iterable, List, Optional, Sequence
 
-from ._cache import SlotCache
-from ._core import lib
-from ._errors import CacheFull, IncompatibleSegment, UcmError
-from ._handle import Handle
-from ._keys import Key
-from ._vllm_blocks import VllmConnectorError
+from ..._cache import SlotCache
+from ..._core import lib
+from ..._errors import CacheFull, IncompatibleSegment, UcmError
+from ..._handle import Handle
+from ..._keys import Key
+from .blocks import VllmConnectorError
 
 log = logging.getLogger("ucmcache.vllm")
 

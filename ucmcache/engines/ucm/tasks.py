@@ -13,10 +13,10 @@ from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Set, Tuple
 
 import numpy as np
 
-from ._core import ffi
-from ._errors import CacheFull, LoadFailed, UcmError
-from . import _ucm_memory
-from ._ucm_memory import _complete_mark, _copy_in, _copy_out, _key, _memcpy, _torch
+from ..._core import ffi
+from ..._errors import CacheFull, LoadFailed, UcmError
+from . import memory as _ucm_memory
+from .memory import _complete_mark, _copy_in, _copy_out, _key, _memcpy, _torch
 
 DUMP_CHUNK = 32                 # blocks pinned (and owned) at once by one dump step
 STAGING_BYTES = 4 << 20         # a load's staging buffer per pool thread, at most (one row at
@@ -69,8 +69,8 @@ class _Plan:
 
 
 if TYPE_CHECKING:
-    from ._cache import SlotCache
-    from ._ucm_config import _Config
+    from ..._cache import SlotCache
+    from .config import _Config
 
 # A task's outcome by block: None once block i is done, else why it failed.
 Failures = Dict[int, Optional[str]]

@@ -6,7 +6,7 @@ Keys.  A block of one shard (UCM's direct connector: shard_size = block_size) is
 (block id, 0), which is also what lookups ask for.  A block of n > 1 shards (the layerwise
 connector: shard l is layer l) stores shard s under (block id, 1 + s) and, once all n are
 stored, a small *complete mark* under (block id, 0): lookups keep asking one key per block,
-and only a whole block answers (see ucmcache/ucm.py, "Blocks of several shards").
+and only a whole block answers (see store.py, "Blocks of several shards").
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from typing import Any, List
 import cffi
 import numpy as np
 
-from ._core import ffi
+from ..._core import ffi
 
 # libc's memcpy through cffi's ABI mode: cffi releases the GIL around the call (ffi.memmove
 # does not), so a task's copies run beside the engine's Python threads.
