@@ -57,10 +57,10 @@ import ucmcache  # noqa: E402
 from ucmcache import SlotCache  # noqa: E402
 from ucmcache.lowlevel import ffi, lib  # noqa: E402
 from ucmcache.lowlevel import Gate  # noqa: E402
-from ucmcache._recovery import rank_alive, rank_pid, rank_state  # noqa: E402
+from ucmcache.core.recovery import rank_alive, rank_pid, rank_state  # noqa: E402
 from ucmcache.lowlevel import life_lock_byte  # noqa: E402
-from ucmcache._stats import rank_counters  # noqa: E402
-from ucmcache._verify import slot_fields, snapshot  # noqa: E402
+from ucmcache.core.stats import rank_counters  # noqa: E402
+from ucmcache.core.verify import slot_fields, snapshot  # noqa: E402
 
 import crash_workers  # noqa: E402
 from crash_workers import KINDS  # noqa: E402

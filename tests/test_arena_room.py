@@ -5,7 +5,7 @@ import random
 
 import ucmcache
 from ucmcache import SlotCache
-from ucmcache._arenas import Arenas, room_order
+from ucmcache.core.arenas import Arenas, room_order
 from ucmcache.lowlevel import lib
 
 import arena_workers

@@ -8,7 +8,7 @@ import pytest
 
 import ucmcache
 from ucmcache import CacheFull, SlotCache
-from ucmcache._arenas import plan, shares
+from ucmcache.core.arenas import plan, shares
 from ucmcache.lowlevel import lib
 
 import workers
@@ -361,7 +361,7 @@ def test_a_thread_waits_for_another_thread_of_its_rank_taking_arenas(make_cache,
     by an event) while the main thread, its rank's arenas all pinned, needs an arena: it waits
     for T1's turn (bounded) instead of reporting CacheFull while free arenas exist."""
     import threading
-    import ucmcache._arenas as arenas_mod
+    import ucmcache.core.arenas as arenas_mod
     c = make_cache(slots_per_rank=16, slot_size=64, max_ranks=2)
     d = SlotCache.attach(c.uuid)
     load(c, 0)

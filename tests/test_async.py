@@ -240,7 +240,7 @@ def test_an_exception_at_any_call_of_the_shared_wait_leaves_nothing_waiting_past
     so none waits on through its freed context."""
     import sys
     import threading
-    from ucmcache import _slots
+    from ucmcache.core import slots as _slots
     other = ucmcache.SlotCache.create(uuid, slots_per_rank=4, slot_size=64, max_ranks=2)
     try:
         k = b"k" * 16

@@ -1,11 +1,11 @@
-"""ucmcache._checksum: CRC-32C in C, the vLLM block format's checksum.  The instruction path
+"""ucmcache.core.checksum: CRC-32C in C, the vLLM block format's checksum.  The instruction path
 (three streams joined by a shift) must equal the table path, and both the standard's check
 value, at every length and alignment that takes a different branch; a checksum summed piece
 by piece equals the whole; any contiguous buffer is accepted and anything else refused."""
 import numpy as np
 import pytest
 
-from ucmcache._checksum import crc32c, crc32c_soft, hardware
+from ucmcache.core.checksum import crc32c, crc32c_soft, hardware
 
 STRETCH = 8192   # csrc/ucm_crc.c: three of these a round on the instruction path
 

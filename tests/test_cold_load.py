@@ -13,7 +13,7 @@ import pytest
 
 import ucmcache
 from ucmcache import SlotCache, UcmError
-from ucmcache._verify import slot_fields, snapshot
+from ucmcache.core.verify import slot_fields, snapshot
 
 import workers
 from conftest import run_uuid
@@ -631,7 +631,7 @@ def test_a_writable_value_rewritten_during_the_finish_leaves_what_the_owner_retu
     the owner returns and the slot's bytes are one and the same (the immutable copy is made
     first, under the GIL, and published from)."""
     import threading
-    from ucmcache._hooks import arm_python
+    from ucmcache.core.hooks import arm_python
     n = 4096
     c = make_cache(slots_per_rank=8, slot_size=n, max_ranks=1)
     warm(c)
@@ -665,7 +665,7 @@ def test_a_cold_loads_slot_leaves_the_owned_set_before_the_finish(make_cache, ga
     set that owns the freed slot's next load keeps its record."""
     import contextvars
     import threading
-    from ucmcache import _slots
+    from ucmcache.core import slots as _slots
     c = make_cache(slots_per_rank=8, slot_size=64, max_ranks=1)
     warm(c)
     g = gate()
@@ -715,7 +715,7 @@ def test_an_error_naming_the_loaders_error_is_raised_after_the_finish(make_cache
 
 
 class CountingLib:
-    """ucmcache._cache's lib with its ucm_get_slow calls counted (the full path's steps)."""
+    """ucmcache.core.cache's lib with its ucm_get_slow calls counted (the full path's steps)."""
 
     def __init__(self, lib):
         self._lib, self.slow_steps = lib, 0
@@ -734,7 +734,8 @@ def test_a_held_stripe_times_out_once_after_the_c_step(make_cache, monkeypatch, 
     _pin_slow, which raises at once: one STRIPE_WAIT, not the C step's and then its own."""
     import threading
     import time
-    from ucmcache import _cache, LockTimeout
+    from ucmcache.core import cache as _cache
+    from ucmcache import LockTimeout
     from ucmcache._core import lib
     c = make_cache(slots_per_rank=8, slot_size=64, max_ranks=1)
     warm(c)
@@ -825,7 +826,7 @@ def test_a_wait_ended_by_its_recovery_raising_counts_its_time_once(make_cache, p
 
 
 class _StepFirst:
-    """ucmcache._slots' lib with one step (`name`) made to run `first` once before it: the
+    """ucmcache.core.slots' lib with one step (`name`) made to run `first` once before it: the
     interleaving of another thread of the process landing between a finisher's checks and its
     core step (a GIL switch there), made deterministic."""
 
@@ -853,7 +854,7 @@ def test_a_stale_finish_never_finishes_the_next_load_on_its_slot(make_cache, mon
     on that slot.  The stale step must not take the right to finish K2's load (the done flag
     is the slot's; the load's serial is A's): it raises, K2 stays Loading, and K2's own owner
     publishes its bytes (I4, I5)."""
-    from ucmcache import _hooks, _slots
+    from ucmcache.core import hooks as _hooks, slots as _slots
     c = make_cache(slots_per_rank=4, slot_size=64, max_ranks=1)
     warm(c)
     if made == "batch":

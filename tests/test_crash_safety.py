@@ -184,7 +184,7 @@ def interrupt_after(monkeypatch):
     """interrupt_after(name, handler=None): the next call of lib.<name> made by the cache is
     followed at once by SIGUSR1, whose handler (default: raise _Interrupt) runs at the eval-
     breaker check right after the C call returned: the window between a pin and its owner."""
-    import ucmcache._cache as cache_mod
+    import ucmcache.core.cache as cache_mod
     real = cache_mod.lib
     old = signal.getsignal(signal.SIGUSR1)
 

@@ -10,7 +10,7 @@ import pytest
 import ucmcache
 from ucmcache import SlotCache
 from ucmcache.lowlevel import lib
-from ucmcache._verify import slot_fields, snapshot
+from ucmcache.core.verify import slot_fields, snapshot
 
 import delete_workers
 from workers import check_payload, payload_for

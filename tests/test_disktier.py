@@ -1,7 +1,7 @@
 """The disk tier (ucmcache.disktier, DESIGN 4.12): block files beneath the segment, shared by
 the node's processes, outliving the segment and the processes.  Tier directories live under
 pytest's tmp_path; segments use the run's uuids (conftest) and are removed.  Steps across
-processes are ordered by gates and named points (ucmcache._hooks: "disk_lookup",
+processes are ordered by gates and named points (ucmcache.core.hooks: "disk_lookup",
 "disk_mid_write", the core's "after_pin"); nothing sleeps.
 """
 import os
@@ -13,8 +13,8 @@ import uuid as uuidlib
 import pytest
 
 from ucmcache import DiskTier, SlotCache, SegmentNotFound, UcmError
-from ucmcache import _hooks
-from ucmcache.disktier.fileformat import (HEADER_SIZE, BadBlock, decode, encode_header,
+from ucmcache.core import hooks as _hooks
+from ucmcache.tiers.disk.fileformat import (HEADER_SIZE, BadBlock, decode, encode_header,
                                           file_name, parse_name)
 
 import disk_workers as dw
@@ -96,7 +96,7 @@ def test_block_file_rejects_torn_foreign_corrupt_and_newer_files():
     newer = bytearray(good)
     newer[8] = 2
     import struct
-    from ucmcache._checksum import crc32c
+    from ucmcache.core.checksum import crc32c
     newer[60:64] = struct.pack("<I", crc32c(bytes(newer[:60])))
     with pytest.raises(BadBlock, match="format version 2"):
         decode(newer, k, 7)
@@ -749,7 +749,7 @@ def test_tools_and_closed_tiers_keep_no_fd_or_map(segs, tmp_path):
     """metrics' scrapes and the tools read a tier directory without building a writing tier
     (nothing kept open); a closed DiskTier, or one dropped, holds no fd and no map."""
     import gc
-    from ucmcache.disktier.facts import tier_facts
+    from ucmcache.tiers.disk.facts import tier_facts
     from ucmcache.metrics import tier_families
     path = str(tmp_path / "disk")
     t = DiskTier(path, CAP)
@@ -973,8 +973,8 @@ def test_the_tier_gets_what_the_gets_deadline_leaves(segs, tmp_path, monkeypatch
     the tier at most the 0.2 s left, not the whole timeout; get_many likewise."""
     import types
     import time as real_time
-    import ucmcache._batches as batches_mod
-    import ucmcache._cache as cache_mod
+    import ucmcache.core.batches as batches_mod
+    import ucmcache.core.cache as cache_mod
     shift = [0.0]
     fake = types.SimpleNamespace(monotonic=lambda: real_time.monotonic() + shift[0])
     monkeypatch.setattr(cache_mod, "time", fake)
@@ -1050,7 +1050,7 @@ def _counting_child(stats, n, hold):
     then (hold) blocks until the parent closes its other pipe or kills it, or (not hold) exits
     without closing its counters.  Returns (pid, the hold pipe's write end or None) once the
     child has counted."""
-    from ucmcache.disktier.counters import ProcessCounters
+    from ucmcache.tiers.disk.counters import ProcessCounters
     r, w = os.pipe()
     done_r, done_w = os.pipe()
     pid = os.fork()
@@ -1110,7 +1110,7 @@ class _FoldLockHeld:
 def _fold_elsewhere(stats):
     """fold_ended run by another real process (this one's own files are never folded by
     itself); the names it folded."""
-    from ucmcache.disktier.counters import fold_ended
+    from ucmcache.tiers.disk.counters import fold_ended
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:
@@ -1132,7 +1132,7 @@ def test_ended_counter_files_fold_into_one_sum_and_keep_every_count(tmp_path):
     """Processes that exited, and one killed, leave a counter file each; a DiskTier's
     construction folds them into ended.sum and unlinks them; the totals are what they were,
     and a live process's file (its lock held) is left alone until it ends."""
-    from ucmcache.disktier.counters import ProcessCounters, read_all
+    from ucmcache.tiers.disk.counters import ProcessCounters, read_all
     path = str(tmp_path / "disk")
     stats = os.path.join(path, "ucm-disk-v1", "stats")
     DiskTier(path, CAP).close()
@@ -1172,7 +1172,7 @@ def test_ended_counter_files_fold_into_one_sum_and_keep_every_count(tmp_path):
 def _fold_killed_at_its_first_unlink(stats):
     """A fold in another process, killed (a real SIGKILL) at its first unlink: after its sum's
     rename when it had anything to fold."""
-    from ucmcache.disktier.counters import fold_ended
+    from ucmcache.tiers.disk.counters import fold_ended
     pid = os.fork()
     if pid == 0:
         try:
@@ -1188,7 +1188,7 @@ def test_a_fold_killed_between_its_sum_and_its_unlinks_counts_nothing_twice(tmp_
     """A real SIGKILL at the fold's first unlink, after ended.sum is renamed into place: the
     folded files are still there, named in the sum, and counted once; the next fold unlinks
     them and the totals stay."""
-    from ucmcache.disktier.counters import fold_ended, read_all
+    from ucmcache.tiers.disk.counters import fold_ended, read_all
     stats = str(tmp_path / "stats")
     for n in (1, 2, 4):
         _counting_child(stats, n, hold=False)
@@ -1208,8 +1208,8 @@ def test_a_fold_between_a_counter_files_making_and_its_lock_loses_no_count(tmp_p
     unlocked file being made, this process makes another, and every count it makes after is
     summed."""
     import fcntl
-    from ucmcache.disktier import counters
-    from ucmcache.disktier.counters import ProcessCounters, read_all
+    from ucmcache.tiers.disk import counters
+    from ucmcache.tiers.disk.counters import ProcessCounters, read_all
     stats = str(tmp_path / "stats")
     os.makedirs(stats)
     real_flock = fcntl.flock
@@ -1237,7 +1237,7 @@ def test_a_fold_between_a_counter_files_making_and_its_lock_loses_no_count(tmp_p
 def test_a_sum_that_cannot_be_read_is_never_folded_over(tmp_path):
     """An ended.sum that does not read as one (another format, a torn copy): a fold does
     nothing (writing a sum from zero over it would lose what it holds), and the files stay."""
-    from ucmcache.disktier.counters import fold_ended
+    from ucmcache.tiers.disk.counters import fold_ended
     stats = str(tmp_path / "stats")
     _counting_child(stats, 3, hold=False)
     with open(os.path.join(stats, "ended.sum"), "wb") as f:
@@ -1251,7 +1251,7 @@ def test_a_sum_that_cannot_be_read_is_never_folded_over(tmp_path):
 def test_odd_entries_in_the_counter_directory_never_block_or_fail_a_fold_or_a_read(tmp_path):
     """A FIFO named like a counter file (opening it to read would block), a name that is not
     ASCII and a directory: skipped or folded without raising; the totals are right."""
-    from ucmcache.disktier.counters import fold_ended, read_all
+    from ucmcache.tiers.disk.counters import fold_ended, read_all
     stats = str(tmp_path / "stats")
     _counting_child(stats, 3, hold=False)
     odd = os.path.join(stats, "3-\u00e9t\u00e9.counts")
@@ -1268,7 +1268,7 @@ def test_a_child_forked_while_a_parent_thread_reads_the_counters_can_read_and_fo
     """The process-local lock beside the fold lock, held by a parent thread at the fork: the
     child gets a free one (it would otherwise wait out READ_WAIT on every read, and never
     fold)."""
-    from ucmcache.disktier import counters
+    from ucmcache.tiers.disk import counters
     stats = str(tmp_path / "stats")
     _counting_child(stats, 3, hold=False)
     with counters._local:                              # a parent thread inside read_all
@@ -1288,7 +1288,7 @@ def test_a_child_forked_while_a_parent_thread_reads_the_counters_can_read_and_fo
 def test_a_fold_lock_that_is_a_fifo_blocks_no_reader_or_fold(tmp_path):
     """fold.lock made a FIFO (by mistake or malice): a reader reads without it at once and a
     fold does nothing; neither blocks."""
-    from ucmcache.disktier.counters import fold_ended, read_all
+    from ucmcache.tiers.disk.counters import fold_ended, read_all
     stats = str(tmp_path / "stats")
     _counting_child(stats, 3, hold=False)
     os.mkfifo(os.path.join(stats, "fold.lock"))
@@ -1300,7 +1300,7 @@ def test_a_fold_names_the_leftovers_it_unlinks(tmp_path):
     """A fold killed after its sum's rename left its files; the next fold unlinks them and its
     own sum still names them, so a reader that read one of them before (without the lock)
     does not count it beside the sum that holds it."""
-    from ucmcache.disktier.counters import _read_ended, fold_ended, read_all
+    from ucmcache.tiers.disk.counters import _read_ended, fold_ended, read_all
     stats = str(tmp_path / "stats")
     for n in (1, 2):
         _counting_child(stats, n, hold=False)
@@ -1315,7 +1315,7 @@ def test_a_fold_names_the_leftovers_it_unlinks(tmp_path):
 def test_a_fold_takes_what_other_processes_made_even_under_its_own_pid(tmp_path):
     """Containers sharing a directory may all run as pid 1: a fold leaves alone the files this
     process made, not the files that carry its pid."""
-    from ucmcache.disktier.counters import fold_ended, read_all
+    from ucmcache.tiers.disk.counters import fold_ended, read_all
     stats = str(tmp_path / "stats")
     _counting_child(stats, 3, hold=False)
     (theirs,) = _cnt_files(stats)
@@ -1328,7 +1328,7 @@ def test_a_fold_takes_what_other_processes_made_even_under_its_own_pid(tmp_path)
 def test_a_tool_run_as_another_user_never_folds(tmp_path):
     """A directory another user owns (a service's tier read by root's CLI): a fold there does
     nothing, so it never leaves a sum its owner cannot read."""
-    from ucmcache.disktier.counters import fold_ended, read_all
+    from ucmcache.tiers.disk.counters import fold_ended, read_all
     stats = str(tmp_path / "stats")
     _counting_child(stats, 3, hold=False)
     os.chown(stats, 65534, 65534)

@@ -14,9 +14,9 @@ import sys
 
 import pytest
 
-from ucmcache import (DiskTier, ForeignTierDirectory, SlotCache, TierCapacityMismatch,
-                      UcmError, _hooks)
-from ucmcache.disktier.fileformat import HEADER_SIZE, decode, encode_header
+from ucmcache import DiskTier, ForeignTierDirectory, SlotCache, TierCapacityMismatch, UcmError
+from ucmcache.core import hooks as _hooks
+from ucmcache.tiers.disk.fileformat import HEADER_SIZE, decode, encode_header
 
 from conftest import close_and_unlink, run_uuid
 from workers import check_payload, payload_for

@@ -13,7 +13,7 @@ import pytest
 
 import ucmcache
 from ucmcache import SlotCache
-from ucmcache._tier import BoundTier, Tier
+from ucmcache.tiers.base import BoundTier, Tier
 
 from conftest import run_uuid
 
@@ -261,7 +261,8 @@ def test_a_join_found_by_the_look_drops_its_pin_when_the_full_path_raises_at_onc
 
 WAIT_UAF = r'''
 import sys
-from ucmcache import SlotCache, HandleClosed, _slots
+from ucmcache import SlotCache, HandleClosed
+from ucmcache.core import slots as _slots
 c = SlotCache.create(sys.argv[1], slots_per_rank=16, slot_size=64, max_ranks=1)
 try:
     c.get_or_load(b"w" * 16, lambda: b"warm")

@@ -11,9 +11,9 @@ import pytest
 
 import ucmcache
 from ucmcache import ForeignSegment, SlotCache, chain_keys
-from ucmcache import _segment
-from ucmcache._keys import pack_keys, split_key
-from ucmcache._layout import Layout
+from ucmcache.core import segment as _segment
+from ucmcache.core.keys import pack_keys, split_key
+from ucmcache.core.layout import Layout
 from ucmcache.lowlevel import Segment, probe, shm_path
 
 import input_workers

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from ucmcache.lowlevel import ffi, lib
-from ucmcache._layout import ARENA_DESC, HEADER, RANK_DESC, RING, SLOT_META, Layout
+from ucmcache.core.layout import ARENA_DESC, HEADER, RANK_DESC, RING, SLOT_META, Layout
 
 # The table rows' digest for each layout version: a change of the bytes (a word moved, widened,
 # added or removed) must come with a new UCM_LAYOUT_VERSION, and its digest recorded here.
@@ -94,7 +94,7 @@ def test_segment_init_writes_every_word_attach_checks():
 
 
 def test_every_step_result_is_named_by_the_core():
-    from ucmcache._results import code_name
+    from ucmcache.core.results import code_name
     named = {code: code_name(code) for code in range(-2, 64)}
     known = {code: name for code, name in named.items() if not name.startswith("unknown")}
     assert known[lib.UCM_OK] == "UCM_OK" and known[lib.UCM_IN_FLIGHT] == "UCM_IN_FLIGHT"

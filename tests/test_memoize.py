@@ -1,4 +1,4 @@
-"""memoize's key tells functions apart (ucmcache/_function_key.py, DESIGN 4.6): closures of
+"""memoize's key tells functions apart (ucmcache/core/function_key.py, DESIGN 4.6): closures of
 one factory, two lambdas of one module, a function redefined under its old name, different
 defaults each get their own results, in one process and across processes; the same function in
 two processes shares its entries (a set in its closure too, whose order follows each process's

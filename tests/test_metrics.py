@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry, generate_latest  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from ucmcache import LoadFailed, metrics  # noqa: E402
-from ucmcache._stats import COUNTERS  # noqa: E402
+from ucmcache.core.stats import COUNTERS  # noqa: E402
 
 
 def workload(c):
@@ -151,7 +151,7 @@ def test_no_bucket_is_wider_than_2x_and_a_p99_read_from_them_is_within_2x(make_c
     Observations of known sizes go in through the core's own step; the quantile is read from a
     scrape as Prometheus does (linear inside the bucket)."""
     from ucmcache.lowlevel import lib
-    from ucmcache._stats import HIST_BOUNDS_NS
+    from ucmcache.core.stats import HIST_BOUNDS_NS
     assert all(b / a <= 2 for a, b in zip(HIST_BOUNDS_NS, HIST_BOUNDS_NS[1:]))
     assert HIST_BOUNDS_NS[0] <= 10_000 and HIST_BOUNDS_NS[-1] >= 30e9
     c = make_cache(slots_per_rank=16, slot_size=64)

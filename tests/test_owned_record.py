@@ -1,4 +1,4 @@
-"""The owned-slot record (ucmcache/_slots.py, DESIGN 4.6): the loads a context owns, so that a
+"""The owned-slot record (ucmcache/core/slots.py, DESIGN 4.6): the loads a context owns, so that a
 wait for one of them (a loader asking for its own key) is refused rather than never ending.
 
 A task's aget_or_load gives the task a record of its own, once, which inherits the loads in
@@ -19,7 +19,8 @@ import sys
 import pytest
 
 import ucmcache
-from ucmcache import UcmError, _slots
+from ucmcache import UcmError
+from ucmcache.core import slots as _slots
 from ucmcache._core import lib
 
 K1, K2, K3 = b"1" * 16, b"2" * 16, b"3" * 16

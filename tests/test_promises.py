@@ -327,7 +327,7 @@ def test_batch_data_makes_one_view_per_position(make_cache):
 
 def test_close_stops_the_caches_own_prefetcher_mid_load_before_counting_handles(make_cache,
                                                                                  monkeypatch):
-    from ucmcache._ring import Prefetcher
+    from ucmcache.core.ring import Prefetcher
     c = make_cache(slot_size=64)
     entered, release = threading.Event(), threading.Event()
 
@@ -422,7 +422,7 @@ def test_a_view_kept_on_its_own_cache_is_collected_with_it_and_frees_its_rank(uu
 def test_two_threads_forking_at_once_each_drop_only_their_own_holds(make_cache):
     """The fork hooks of two threads interleaved (A's before, B's before, B's after, A's
     after), run without a child: each parent side finds no child and goes on at once."""
-    from ucmcache import _cache
+    from ucmcache.core import cache as _cache
     c = make_cache(max_ranks=1, slots_per_rank=4, slot_size=64)
     put(c, K[0])
     h = c.get(K[0])
@@ -466,7 +466,7 @@ def test_close_waits_for_a_forks_parent_side_before_freeing_the_context(make_cac
     """A fork holds the pins of a view across the fork; the view goes and another thread
     closes while the parent still waits for its child: close() must not free the context the
     parent side will drop its holds through."""
-    from ucmcache import _cache
+    from ucmcache.core import cache as _cache
     c = make_cache(max_ranks=1, slots_per_rank=4, slot_size=64)
     put(c, K[0])
     with c.get(K[0]) as h:
@@ -491,7 +491,7 @@ def test_an_owners_close_cut_short_after_its_drop_leaves_no_stale_owned_slot(mak
     """A signal handler's exception at the first line of _after_drop (the Python after a close's
     C drop) must not leave the slot in this thread's owned set: a later wait here on the slot,
     Loading then for another thread's load, would refuse as 'loading this key itself'."""
-    from ucmcache import _handle
+    from ucmcache.core import handle as _handle
     c = make_cache(max_ranks=1, slots_per_rank=1, slot_size=64)  # one slot: reused
     h = c.get(K[0]) if holder == "handle" else c.get_many([K[0]])
     slot = h.slot if holder == "handle" else int(h._slots[0])
@@ -567,7 +567,7 @@ def test_a_finalizer_that_closes_everything_while_a_view_is_made_leaves_no_freed
 def test_a_fork_whose_before_hook_fails_leaves_the_cache_closable(make_cache, monkeypatch):
     """os.pipe() failing in the before-fork hook (EMFILE at the fd limit) must leave no hold and
     no fork count behind: close() then works."""
-    from ucmcache import _cache
+    from ucmcache.core import cache as _cache
     c = make_cache(max_ranks=1, slots_per_rank=4, slot_size=64)
     put(c, K[0])
     with c.get(K[0]) as h:
@@ -636,7 +636,7 @@ def test_a_forked_childs_first_attach_does_not_wait_for_the_parents_threads(make
     waited for ever on the parent's copy, held by a thread the child does not have; here
     bounded by SIGALRM, exit code 3)."""
     import signal
-    from ucmcache import _slots
+    from ucmcache.core import slots as _slots
     c = make_cache(max_ranks=3, slots_per_rank=4, slot_size=64)
     with _slots._segment_ids_lock:                 # another thread inside note_cache
         pid = os.fork()
@@ -658,7 +658,7 @@ def test_a_fork_as_another_thread_closes_a_cache_holds_the_other_caches_pins(mak
     ends (detached: its views released) before the hook reaches it: the hook skips that cache
     and holds the others' pins (before: ValueError on the released view, out of the hook,
     so the caches after it in the list were not held across the fork)."""
-    from ucmcache import _cache
+    from ucmcache.core import cache as _cache
     c = make_cache(max_ranks=2, slots_per_rank=4, slot_size=64)
     put(c, K[0])
     h = c.get(K[0])

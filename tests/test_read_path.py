@@ -336,7 +336,7 @@ def test_close_waits_for_another_threads_copy_out_of_the_segment(make_cache, gat
     (gate at after_pin); close() gives up after its (shortened) wait with UcmError, and works
     once the copy returned.  Fails if close() went ahead (a use after free)."""
     import threading
-    import ucmcache._cache as cache_mod
+    import ucmcache.core.cache as cache_mod
     c = make_cache(slot_size=64)
     fill(c, K[:1])
     g = gate()
@@ -378,7 +378,7 @@ def test_an_all_hit_batch_gathers_into_a_tensor_and_guards_its_positions(make_ca
 
 
 def test_a_close_that_raised_in_free_rank_goes_on_when_called_again(make_cache, monkeypatch):
-    import ucmcache._cache as cache_mod
+    import ucmcache.core.cache as cache_mod
     c = make_cache(slot_size=64)
     fill(c, K[:1])
     real, calls = cache_mod.free_rank, []
@@ -430,7 +430,7 @@ def test_a_finalizer_whose_full_close_is_cut_short_still_uncounts_its_holder(mak
     keep it (close() would then search for it).  _close raising stands in for the handler.
     Fails if the finalizer left the count at 1."""
     import gc
-    import ucmcache._handle as handle_mod
+    import ucmcache.core.handle as handle_mod
     c = make_cache(slot_size=64)
     h = c.get(K[7])
     assert h.owner and h._token is not None and c._open_handles == 1

@@ -8,7 +8,7 @@ import pytest
 import ucmcache
 from ucmcache import SlotCache
 from ucmcache.lowlevel import lib
-from ucmcache._verify import slot_fields, snapshot
+from ucmcache.core.verify import slot_fields, snapshot
 
 import workers
 

@@ -153,7 +153,7 @@ def test_other_users_segment_is_refused(make_cache):
 
 
 def test_full_dev_shm_fails_at_create_with_sizes(uuid, monkeypatch):
-    from ucmcache import _segment
+    from ucmcache.core import segment as _segment
     monkeypatch.setattr(_segment, "_free_shm_bytes", lambda: 1000)
     with pytest.raises(SharedMemoryFull,
                        match=r"needs \d+ bytes of shared memory but /dev/shm has 1000 free .*--shm-size"):
@@ -190,7 +190,7 @@ def test_fork_child_is_refused(make_cache):
     assert re.search(r"belongs to the process that attached it .*call SlotCache.attach\(\) in the child", msg), msg
     # the parent's rank is still live and its life lock held
     assert c.get_or_load(b"f" * 16, lambda: b"x") == b"parent"
-    from ucmcache._recovery import rank_alive
+    from ucmcache.core.recovery import rank_alive
     d = SlotCache.attach(c.uuid)
     assert rank_alive(d._seg, c.rank)
     d.close()

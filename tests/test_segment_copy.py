@@ -1,12 +1,12 @@
-"""The segment copy of ucmcache.vllm's block moves (ucmcache._copy, csrc/ucm_copy.c): every
+"""The segment copy of ucmcache.vllm's block moves (ucmcache.core.copy, csrc/ucm_copy.c): every
 byte of every segment lands where asked and nothing beside it, and the CRC-32C folded into the
 copy equals the CRC-32C summed over the same bytes in a pass of its own (the instruction path
 and the table path), continued across calls as a layer-by-layer load continues it."""
 import numpy as np
 import pytest
 
-from ucmcache._checksum import crc32c, crc32c_soft
-from ucmcache._copy import copy_segments
+from ucmcache.core.checksum import crc32c, crc32c_soft
+from ucmcache.core.copy import copy_segments
 
 # Lengths around the fold's 24 KiB chunks and the CRC's 8-byte words; odd offsets too.
 LENGTHS = [0, 1, 7, 8, 63, 4096, 3 * 8192 - 1, 3 * 8192, 3 * 8192 + 1, 65536, 100_003]

@@ -110,13 +110,13 @@ def _interrupt_at_first_call_after(armed, where):
 
 @pytest.mark.parametrize("when", ["after_loader", "after_pin"])
 def test_a_signal_handlers_exception_in_the_driver_fails_the_load_at_once(uuid, when):
-    """The full path's load runs in a driver (ucmcache._drivers): a KeyboardInterrupt raised
+    """The full path's load runs in a driver (ucmcache.core.drivers): a KeyboardInterrupt raised
     at the driver's own calls (right after the loader returned, or right after the pin was
     taken) is thrown into the core, which publishes Failed at once.  The exception is kept (as
     a REPL keeps sys.last_value): nothing may wait for it to be collected; another caller
     loads the key at once and this context's owned-slot record is empty."""
     import sys
-    from ucmcache._slots import _owned_slots
+    from ucmcache.core.slots import _owned_slots
     c = ucmcache.SlotCache.create(uuid, slots_per_rank=8, slot_size=64, max_ranks=2)
     other = ucmcache.SlotCache.attach(uuid)
     try:
@@ -150,7 +150,7 @@ def test_a_full_path_hit_in_a_task_that_owns_a_load_keeps_its_owned_record_true(
     close does not clear (the slot, reused for another key, would refuse a join as this
     task's own load)."""
     import asyncio
-    from ucmcache._slots import _owned_slots
+    from ucmcache.core.slots import _owned_slots
     c = ucmcache.SlotCache.create(uuid, slots_per_rank=4, slot_size=64, max_ranks=1)
     try:
         k1, k2 = b"1" * 16, b"2" * 16

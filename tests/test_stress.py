@@ -1,7 +1,7 @@
 """Multi-process stress over a cache much smaller than the key space: constant eviction, every
 payload carrying its key and a checksum, so a false hit or a torn read is caught."""
 import ucmcache
-from ucmcache._verify import slot_fields, snapshot
+from ucmcache.core.verify import slot_fields, snapshot
 
 import workers
 

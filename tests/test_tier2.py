@@ -2,7 +2,7 @@
 
 A "node" is one segment (its own uuid) with its own processes and its own RedisTier; nodes
 share only Redis.  Loader runs are counted in every process.  Events, gates and test points
-(ucmcache._hooks: "lease_wait", "before_write") order the steps; the only polling is for an
+(ucmcache.core.hooks: "lease_wait", "before_write") order the steps; the only polling is for an
 external server to come up.
 """
 import logging
@@ -16,8 +16,8 @@ import pytest
 
 from ucmcache import RedisTier, SlotCache, SegmentNotFound
 from ucmcache.lowlevel import hooks as _hooks
-from ucmcache._tier import BoundTier, Tier
-from ucmcache.tier2.codec import HEADER, MAGIC, decode, encode
+from ucmcache.tiers.base import BoundTier, Tier
+from ucmcache.tiers.redis.codec import HEADER, MAGIC, decode, encode
 
 # Fixtures used by name: redis_cluster, redis_unix, redis_workdir.
 from redis_fixtures import (RedisProc, free_port, need_redis, redis_cluster,  # noqa: F401
@@ -141,7 +141,7 @@ def test_bad_tier2_argument_creates_nothing():
 
 
 class DictTier(Tier):
-    """A second backend through the tier interface alone (ucmcache._tier): a dict of this
+    """A second backend through the tier interface alone (ucmcache.tiers.base): a dict of this
     process, shared by every cache bound to it; it records the calls it gets."""
 
     def __init__(self):

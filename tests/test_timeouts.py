@@ -1,4 +1,4 @@
-"""Timeouts, one rule at every call that takes one (ucmcache/_timeouts.py): None and
+"""Timeouts, one rule at every call that takes one (ucmcache/core/timeouts.py): None and
 float("inf") wait without a deadline; a finite timeout past MAX_TIMEOUT (1e9 s), which the
 nanosecond clock could not hold as a deadline, is refused up front with the way to say "no
 deadline"; NaN, negative numbers, bools and non-numbers are refused, on a hit too.  Each refusal
@@ -18,7 +18,7 @@ import pytest
 
 import ucmcache
 from ucmcache import SlotCache
-from ucmcache._verify import snapshot
+from ucmcache.core.verify import snapshot
 
 K, J = b"K" * 16, b"J" * 16
 INF = float("inf")
@@ -245,7 +245,7 @@ def test_a_bad_timeout_is_refused_on_a_hit_too(make_cache, bad):
 
 
 def test_the_longest_finite_timeout_is_kept_and_the_next_is_refused(make_cache):
-    from ucmcache._timeouts import MAX_TIMEOUT, check_timeout
+    from ucmcache.core.timeouts import MAX_TIMEOUT, check_timeout
     assert check_timeout(MAX_TIMEOUT) == MAX_TIMEOUT
     assert check_timeout(INF) is None and check_timeout(None) is None
     assert check_timeout(0) == 0.0

@@ -4,16 +4,16 @@ Several processes attach to one /dev/shm segment by uuid and share fixed-size sl
 16-byte block id plus an offset.  Hits take no lock; a cold key is computed once across all
 processes; a crashed process never leaks capacity or wedges the others.
 """
-from ._cache import SlotCache
-from ._errors import (CacheFull, CorruptSegment, ForeignSegment, HalfMadeSegment, HandleClosed,
+from .core.cache import SlotCache
+from .core.errors import (CacheFull, CorruptSegment, ForeignSegment, HalfMadeSegment, HandleClosed,
                       IncompatibleSegment, LoadFailed, LockTimeout, NotAttached,
                       RankUnavailable,
                       SegmentExists, SegmentNotFound, SharedMemoryFull, UcmError, Unsupported)
-from ._handle import Handle, HandleBatch
-from ._keys import Key, chain_keys, make_key
-from .tier2 import RedisTier
-from .disktier import DiskTier, ForeignTierDirectory, TierCapacityMismatch
-from ._verify import VerifyReport, verify
+from .core.handle import Handle, HandleBatch
+from .core.keys import Key, chain_keys, make_key
+from .tiers.redis import RedisTier
+from .tiers.disk import DiskTier, ForeignTierDirectory, TierCapacityMismatch
+from .core.verify import VerifyReport, verify
 
 __all__ = [
     "SlotCache", "Handle", "HandleBatch", "Key", "make_key", "chain_keys", "verify",

@@ -26,7 +26,7 @@ from typing import Any, Dict, List, Optional, Tuple, overload
 
 import numpy as np
 
-from ._timeouts import MAX_TIMEOUT
+from .core.timeouts import MAX_TIMEOUT
 
 DEFAULT_BUFFER_SIZE = 1 << 30   # segment data bytes when the config gives no size at all
 DEFAULT_MAX_RANKS = 8           # stores attached at once (workers and scheduler-side stores)
@@ -151,7 +151,7 @@ class _WorkerSizes:
         cannot hold that, SHM_CLAMP_SHARE of what is free (with a log line), so that an engine
         configured for a larger machine still starts.  SharedMemoryFull when not even one slot
         per rank fits."""
-        from ._errors import SharedMemoryFull
+        from .core.errors import SharedMemoryFull
         free = shm_free_bytes()
         want = self.buffer_size
         # The control region (64-byte slot lines, buckets, ranks) comes on top of the slots:

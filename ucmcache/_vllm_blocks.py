@@ -33,12 +33,12 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import numpy as np
 
-from ._cache import SlotCache
-from ._checksum import crc32c
-from ._copy import copy_segments
+from .core.cache import SlotCache
+from .core.checksum import crc32c
+from .core.copy import copy_segments
 from ._core import ffi
-from ._errors import UcmError
-from ._keys import Key, chain_keys, make_key
+from .core.errors import UcmError
+from .core.keys import Key, chain_keys, make_key
 
 log = logging.getLogger("ucmcache.vllm")
 

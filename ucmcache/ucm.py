@@ -88,9 +88,9 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional
 
 import numpy as np
 
-from ._cache import SlotCache
+from .core.cache import SlotCache
 from ._core import ffi
-from ._errors import (CorruptSegment, IncompatibleSegment, NotAttached, SegmentNotFound,
+from .core.errors import (CorruptSegment, IncompatibleSegment, NotAttached, SegmentNotFound,
                       UcmError)
 # The names this module defined before its parts moved out stay importable from here (UCM's
 # configs name ucmcache.ucm; bench/ucm_store.py takes _memcpy from it).

@@ -128,8 +128,8 @@ from dataclasses import dataclass, field
 from typing import (TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Set,
                     Tuple)
 
-from ._cache import SlotCache
-from ._errors import CorruptSegment, IncompatibleSegment, NotAttached, SegmentNotFound, UcmError
+from .core.cache import SlotCache
+from .core.errors import CorruptSegment, IncompatibleSegment, NotAttached, SegmentNotFound, UcmError
 from ._ucm_config import segment_name, shm_free_bytes
 from ._vllm_flight import (DEFAULT_PEER_WAIT_S, INTENTS_SUFFIX, Intents, exist_all_ranks,
                            open_intents)

@@ -3,14 +3,14 @@
  * for ThreadSanitizer (and ASan/UBSan): scripts/tsan builds it with csrc/ucm_core.c and runs it.
  *
  * One segment in anonymous shared memory, laid out by ucm_layout_compute and initialised the way
- * ucmcache/_segment.py's Segment._initialise does it (there is no C init step).  A tiny table (a
+ * ucmcache/core/segment.py's Segment._initialise does it (there is no C init step).  A tiny table (a
  * few ranks, a few slots per rank, few buckets and stripes), so that collisions, evictions, FULL
  * and arena moves are constant.  Threads stand for processes: each rank is one ucm_ctx, used by
  * one thread (rank 0: by --rank0-threads threads, threads of one process sharing its pins).
  *
  * Each thread runs a random mix of: ucm_lookup_pin, ucm_get_slow (claim, evict, install; MOVED,
- * FULL, ROLLBACK, BUSY handled the way ucmcache/_cache.py's _pin_slow does, with a small arena
- * policy after ucmcache/_arenas.py), the owner writing the payload and ucm_publish (Ready, or
+ * FULL, ROLLBACK, BUSY handled the way ucmcache/core/cache.py's _pin_slow does, with a small arena
+ * policy after ucmcache/core/arenas.py), the owner writing the payload and ucm_publish (Ready, or
  * Failed with a message), ucm_abandon_many, the C miss path's steps as ucmcache/_hit makes them
  * (get_or_load: ucm_get_slow into a stack token, then ucm_load_finish; get()'s owner handle:
  * ucm_get_slow into the token it keeps, ucm_token_publish, ucm_token_drop), waits
@@ -395,7 +395,7 @@ static uint32_t try_recover(ucm_ctx *c, int32_t my_rank)
 
 /* ------------------------------------------------------------------ the arena policy */
 
-/* After ucmcache/_arenas.py's plan: shares split evenly over READY ranks (remainder to the
+/* After ucmcache/core/arenas.py's plan: shares split evenly over READY ranks (remainder to the
  * lowest); take every free arena (home ones first), then up to the share from ranks that are not
  * READY, then from ranks above their share.  want_one: nothing claimable: give busy arenas back
  * and take at least one more.  Returns how many were taken. */

@@ -57,9 +57,9 @@ import ucmcache
 from ucmcache import SlotCache
 from ucmcache.lowlevel import ffi, lib
 from ucmcache.lowlevel import Gate
-from ucmcache._recovery import rank_state
+from ucmcache.core.recovery import rank_state
 from ucmcache.lowlevel import Segment
-from ucmcache._verify import slot_fields, snapshot
+from ucmcache.core.verify import slot_fields, snapshot
 
 from workers import check_payload, fill_owned, payload_for
 
