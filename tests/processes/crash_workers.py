@@ -1,4 +1,4 @@
-"""The worker processes of the random-kill harness (tests/crashloop.py), one kind per worker.
+"""The worker processes of the random-kill harness (tests/stress/crashloop.py), one kind per worker.
 
 Every kind runs the same mixed workload on one SlotCache (get_or_load, get_many with owner
 positions, with-blocks that hold a pin across more calls (and now and then delete the key they

@@ -1,4 +1,4 @@
-"""Workers for tests/test_input_checks.py (importable by module name in spawned children)."""
+"""Workers for tests/core/test_input_checks.py (importable by module name in spawned children)."""
 import os
 
 from ucmcache import SlotCache

@@ -1,5 +1,5 @@
 """Spawned workers for the crash-safety tests of forked, threaded and interrupted processes
-(tests/test_crash_safety.py).  Each reports through a queue (workers.run); gates order steps."""
+(tests/stress/test_crash_safety.py).  Each reports through a queue (workers.run); gates order steps."""
 import gc
 import os
 import random

@@ -50,7 +50,7 @@ import tempfile
 import time
 import uuid as uuidlib
 
-HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "processes")
+HERE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "processes")
 sys.path.insert(0, HERE)  # crash_workers, workers
 
 import ucmcache  # noqa: E402
