@@ -1,10 +1,8 @@
-"""The disk tier's counters (ucmcache.tiers.disk.counters, DESIGN 4.14): kept in the tier's
-directory across the node's processes, best effort (a counter that cannot be kept never fails
-a get, a publish or the process), summed by readers, the files of ended processes folded
-into one sum with no count lost or counted twice."""
+"""The disk tier's counters (ucmcache.tiers.disk.counters, DESIGN 4.14): one file in the tier's
+directory that every process of the node adds into, best effort (a counter that cannot be kept
+never fails a get, a publish or the process; an add never waits for another process), summed
+by readers that make and write nothing; no count lost but a killed process's own unadded ones."""
 import os
-import pickle
-import shutil
 import signal
 
 import pytest
@@ -185,36 +183,44 @@ def _reap(pid, kill=False):
     return status
 
 
-def _cnt_files(stats):
-    return sorted(n for n in os.listdir(stats) if n.endswith(".counts"))
-
-
-def _fold_elsewhere(stats):
-    """fold_ended run by another real process (this one's own files are never folded by
-    itself); the names it folded."""
-    from ucmcache.tiers.disk.counters import fold_ended
+def _holding_child(stats):
+    """Fork a process that takes the counter file's lock (as an add or a reader does) and
+    holds it until the parent closes the returned pipe end or kills it; returns (pid, that
+    pipe end) once the lock is held."""
+    import fcntl
     r, w = os.pipe()
+    held_r, held_w = os.pipe()
     pid = os.fork()
     if pid == 0:
         code = 1
         try:
-            os.close(r)
-            os.write(w, pickle.dumps(fold_ended(stats, 0o644)))
+            os.close(w)
+            os.close(held_r)
+            fd = os.open(os.path.join(stats, "counters"), os.O_RDWR)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            os.write(held_w, b"x")
+            os.read(r, 1)                           # EOF (or a kill) ends the hold
             code = 0
         finally:
             os._exit(code)
-    os.close(w)
-    with os.fdopen(r, "rb") as f:
-        out = pickle.loads(f.read())
-    assert os.waitstatus_to_exitcode(_reap(pid)) == 0
-    return out
+    os.close(r)
+    os.close(held_w)
+    try:
+        assert os.read(held_r, 1) == b"x", "the holding child died before it held the lock"
+    finally:
+        os.close(held_r)
+    return pid, w
 
 
-def test_ended_counter_files_fold_into_one_sum_and_keep_every_count(tmp_path):
-    """Processes that exited, and one killed, leave a counter file each; a DiskTier's
-    construction folds them into ended.sum and unlinks them; the totals are what they were,
-    and a live process's file (its lock held) is left alone until it ends."""
-    from ucmcache.tiers.disk.counters import ProcessCounters, read_all
+def _stats_files(stats):
+    return sorted(os.listdir(stats))
+
+
+def test_every_processs_counts_are_kept_in_one_file(tmp_path):
+    """Processes that exited (without closing their counters), one killed and one alive each
+    counted: the sum is every count, in one file for the directory however many processes
+    counted; a tier of this process adds to it."""
+    from ucmcache.tiers.disk.counters import read_all
     path = str(tmp_path / "disk")
     stats = os.path.join(path, "ucm-disk-v1", "stats")
     DiskTier(path, CAP).close()
@@ -224,25 +230,13 @@ def test_ended_counter_files_fold_into_one_sum_and_keep_every_count(tmp_path):
             _counting_child(stats, n, hold=False)
         killed, w_killed = _counting_child(stats, 4, hold=True)
         live, w_live = _counting_child(stats, 8, hold=True)
-        assert read_all(stats)["t2_hits"] == 15 and len(_cnt_files(stats)) == 4
         _reap(killed, kill=True)
-        tier = DiskTier(path, CAP)                  # its construction folds
-        assert read_all(stats)["t2_hits"] == 15
-        left = _cnt_files(stats)
-        assert len(left) == 1 and left[0].startswith(f"{live}-")
-        assert "ended.sum" in os.listdir(stats)
+        assert read_all(stats)["t2_hits"] == 15 and _stats_files(stats) == ["counters"]
+        tier = DiskTier(path, CAP)
         tier.counters.add("t2_hits", 16)
-        assert tier.stats()["t2_hits"] == 31
-        os.close(w_live)                            # the live one ends (never closed)
-        w_live = None
-        assert os.waitstatus_to_exitcode(_reap(live)) == 0
-        tier.close()                                # and this one's file ends with its close
-        assert len(_fold_elsewhere(stats)) == 2
-        me = ProcessCounters(stats, 0o644)
-        me.add("t2_hits", 32)
-        assert read_all(stats)["t2_hits"] == 63
-        assert len(_cnt_files(stats)) == 1          # only the newest counters' file
-        me.close()
+        assert tier.stats()["t2_hits"] == 31 and read_all(stats)["t2_hits"] == 31
+        tier.close()
+        assert read_all(stats)["t2_hits"] == 31 and _stats_files(stats) == ["counters"]
     finally:
         if w_killed is not None:
             os.close(w_killed)
@@ -251,168 +245,99 @@ def test_ended_counter_files_fold_into_one_sum_and_keep_every_count(tmp_path):
             _reap(live, kill=True)
 
 
-def _fold_killed_at_its_first_unlink(stats):
-    """A fold in another process, killed (a real SIGKILL) at its first unlink: after its sum's
-    rename when it had anything to fold."""
-    from ucmcache.tiers.disk.counters import fold_ended
-    pid = os.fork()
-    if pid == 0:
-        try:
-            os.unlink = lambda p: os.kill(os.getpid(), signal.SIGKILL)   # dies at the window
-            fold_ended(stats, 0o644)
-        finally:
-            os._exit(3)
-    status = _reap(pid)
-    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
-
-
-def test_a_fold_killed_between_its_sum_and_its_unlinks_counts_nothing_twice(tmp_path):
-    """A real SIGKILL at the fold's first unlink, after ended.sum is renamed into place: the
-    folded files are still there, named in the sum, and counted once; the next fold unlinks
-    them and the totals stay."""
-    from ucmcache.tiers.disk.counters import fold_ended, read_all
-    stats = str(tmp_path / "stats")
-    for n in (1, 2, 4):
-        _counting_child(stats, n, hold=False)
-    before = _cnt_files(stats)
-    assert len(before) == 3 and read_all(stats)["t2_hits"] == 7
-    _fold_killed_at_its_first_unlink(stats)
-    assert _cnt_files(stats) == before and "ended.sum" in os.listdir(stats)
-    assert read_all(stats)["t2_hits"] == 7
-    assert fold_ended(stats, 0o644) == []           # nothing new ended: the leftovers go
-    assert _cnt_files(stats) == [] and read_all(stats)["t2_hits"] == 7
-
-
-def test_a_fold_between_a_counter_files_making_and_its_lock_loses_no_count(tmp_path,
-                                                                           monkeypatch):
-    """The window the review found: a file made but not yet locked.  Here another process
-    folds exactly there (the fold runs inside this process's first flock call): it removes the
-    unlocked file being made, this process makes another, and every count it makes after is
-    summed."""
-    import fcntl
+def test_an_add_never_waits_for_the_lock_and_its_counts_go_in_later(tmp_path, monkeypatch):
+    """Another process holds the counter file's lock (a holder stopped by a debugger, here a
+    process blocked on a pipe): an add returns at once and its counts wait in this process; a
+    reader reads without the lock once READ_WAIT has passed; the counts go in with the next add
+    after the holder let go, and every count is there."""
     from ucmcache.tiers.disk import counters
     from ucmcache.tiers.disk.counters import ProcessCounters, read_all
     stats = str(tmp_path / "stats")
-    os.makedirs(stats)
-    real_flock = fcntl.flock
-    seen = []
-
-    def flock_after_a_fold(fd, how):
-        if not seen:
-            seen.append(os.listdir(stats))
-            seen.append(_fold_elsewhere(stats))
-        return real_flock(fd, how)
-
-    monkeypatch.setattr(counters.fcntl, "flock", flock_after_a_fold)
+    _counting_child(stats, 1, hold=False)
+    monkeypatch.setattr(counters, "READ_WAIT", 0.01)
     me = ProcessCounters(stats, 0o644)
-    me.add("t2_hits", 5)
-    monkeypatch.setattr(counters.fcntl, "flock", real_flock)
-    made_first = [n for n in seen[0] if n.endswith(".new")]
-    assert len(made_first) == 1 and seen[1] == []   # removed, not folded: nothing counted in it
-    assert made_first[0] not in os.listdir(stats)
-    me.add("t2_hits", 6)
-    assert read_all(stats)["t2_hits"] == 11 and len(_cnt_files(stats)) == 1
-    assert _fold_elsewhere(stats) == [] and read_all(stats)["t2_hits"] == 11   # locked: kept
+    pid, w = _holding_child(stats)
+    try:
+        me.add("t2_hits", 2)                        # the lock is busy: it waits in memory
+        assert me.pending[counters.NAMES.index("t2_hits")] == 2 and not me.off
+        assert read_all(stats)["t2_hits"] == 1
+    finally:
+        os.close(w)
+        assert os.waitstatus_to_exitcode(_reap(pid)) == 0
+    me.add("t2_misses", 4)
+    got = read_all(stats)
+    assert (got["t2_hits"], got["t2_misses"]) == (3, 4) and not me.pending.any()
     me.close()
 
 
-def test_a_sum_that_cannot_be_read_is_never_folded_over(tmp_path):
-    """An ended.sum that does not read as one (another format, a torn copy): a fold does
-    nothing (writing a sum from zero over it would lose what it holds), and the files stay."""
-    from ucmcache.tiers.disk.counters import fold_ended
+def test_a_holder_killed_with_the_lock_costs_no_other_processs_count(tmp_path):
+    """A real SIGKILL of a process holding the counter file's lock: the kernel drops the lock;
+    what this process counted meanwhile goes in at its close, and nothing counted is lost."""
+    from ucmcache.tiers.disk.counters import ProcessCounters, read_all
     stats = str(tmp_path / "stats")
-    _counting_child(stats, 3, hold=False)
-    with open(os.path.join(stats, "ended.sum"), "wb") as f:
-        f.write(b"UCMDSENX" + bytes(200))
-    files = _cnt_files(stats)
-    assert fold_ended(stats, 0o644) == [] and _cnt_files(stats) == files
-    with open(os.path.join(stats, "ended.sum"), "rb") as f:
-        assert f.read(8) == b"UCMDSENX"
-
-
-def test_odd_entries_in_the_counter_directory_never_block_or_fail_a_fold_or_a_read(tmp_path):
-    """A FIFO named like a counter file (opening it to read would block), a name that is not
-    ASCII and a directory: skipped or folded without raising; the totals are right."""
-    from ucmcache.tiers.disk.counters import fold_ended, read_all
-    stats = str(tmp_path / "stats")
-    _counting_child(stats, 3, hold=False)
-    odd = os.path.join(stats, "3-\u00e9t\u00e9.counts")
-    shutil.copy(os.path.join(stats, _cnt_files(stats)[0]), odd)
-    os.mkfifo(os.path.join(stats, "1-fifo.counts"))
-    os.mkdir(os.path.join(stats, "2-dir.counts"))
-    assert read_all(stats)["t2_hits"] == 6
-    folded = fold_ended(stats, 0o644)
-    assert "3-\u00e9t\u00e9.counts" in folded and len(folded) == 2
-    assert read_all(stats)["t2_hits"] == 6
-
-
-def test_a_child_forked_while_a_parent_thread_reads_the_counters_can_read_and_fold(tmp_path):
-    """The process-local lock beside the fold lock, held by a parent thread at the fork: the
-    child gets a free one (it would otherwise wait out READ_WAIT on every read, and never
-    fold)."""
-    from ucmcache.tiers.disk import counters
-    stats = str(tmp_path / "stats")
-    _counting_child(stats, 3, hold=False)
-    with counters._local:                              # a parent thread inside read_all
-        pid = os.fork()
-        if pid == 0:
-            code = 1
-            try:
-                ok = (not counters._local.locked() and len(counters.fold_ended(stats, 0o644)) == 1
-                      and counters.read_all(stats)["t2_hits"] == 3)
-                code = 0 if ok else 2
-            finally:
-                os._exit(code)
-    assert os.waitstatus_to_exitcode(_reap(pid)) == 0
-    assert _cnt_files(stats) == []
-
-
-def test_a_fold_lock_that_is_a_fifo_blocks_no_reader_or_fold(tmp_path):
-    """fold.lock made a FIFO (by mistake or malice): a reader reads without it at once and a
-    fold does nothing; neither blocks."""
-    from ucmcache.tiers.disk.counters import fold_ended, read_all
-    stats = str(tmp_path / "stats")
-    _counting_child(stats, 3, hold=False)
-    os.mkfifo(os.path.join(stats, "fold.lock"))
+    _counting_child(stats, 1, hold=False)
+    me = ProcessCounters(stats, 0o644)
+    pid, w = _holding_child(stats)
+    try:
+        me.add("t2_hits", 2)
+    finally:
+        _reap(pid, kill=True)
+        os.close(w)
+    me.close()                                      # adds what waited
     assert read_all(stats)["t2_hits"] == 3
-    assert fold_ended(stats, 0o644) == [] and len(_cnt_files(stats)) == 1
 
 
-def test_a_fold_names_the_leftovers_it_unlinks(tmp_path):
-    """A fold killed after its sum's rename left its files; the next fold unlinks them and its
-    own sum still names them, so a reader that read one of them before (without the lock)
-    does not count it beside the sum that holds it."""
-    from ucmcache.tiers.disk.counters import _read_ended, fold_ended, read_all
+def test_a_counter_file_that_is_not_one_is_never_written_over(tmp_path):
+    """A file under the counter file's name that does not read as one (another format, a
+    torn copy): an add does not write over it (what it holds is not ours to lose) and counts
+    in this process's memory; readers read zeros."""
+    from ucmcache.tiers.disk.counters import ProcessCounters, read_all
     stats = str(tmp_path / "stats")
-    for n in (1, 2):
-        _counting_child(stats, n, hold=False)
-    first = _cnt_files(stats)
-    _fold_killed_at_its_first_unlink(stats)
-    _counting_child(stats, 4, hold=False)
-    assert sorted(fold_ended(stats, 0o644)) != first
-    _, named = _read_ended(stats)
-    assert set(first) <= named and read_all(stats)["t2_hits"] == 7
+    os.makedirs(stats)
+    with open(os.path.join(stats, "counters"), "wb") as f:
+        f.write(b"UCMDCNTX" + bytes(200))
+    me = ProcessCounters(stats, 0o644)
+    me.add("t2_hits", 3)
+    assert me.off and me.memory_counts()["t2_hits"] == 3
+    with open(os.path.join(stats, "counters"), "rb") as f:
+        assert f.read() == b"UCMDCNTX" + bytes(200)
+    assert read_all(stats)["t2_hits"] == 0
+    me.close()
 
 
-def test_a_fold_takes_what_other_processes_made_even_under_its_own_pid(tmp_path):
-    """Containers sharing a directory may all run as pid 1: a fold leaves alone the files this
-    process made, not the files that carry its pid."""
-    from ucmcache.tiers.disk.counters import fold_ended, read_all
+@pytest.mark.parametrize("odd", ["fifo", "directory", "link"])
+def test_an_odd_entry_under_the_counter_files_name_never_blocks_or_fails(tmp_path, odd):
+    """A FIFO (opening it to read or write would block), a directory or a link under the
+    counter file's name: a read gives zeros and an add counts in memory, neither raises nor
+    waits."""
+    from ucmcache.tiers.disk.counters import ProcessCounters, read_all
     stats = str(tmp_path / "stats")
+    os.makedirs(stats)
+    target = os.path.join(stats, "counters")
+    if odd == "fifo":
+        os.mkfifo(target)
+    elif odd == "directory":
+        os.mkdir(target)
+    else:
+        _counting_child(str(tmp_path / "elsewhere"), 5, hold=False)
+        os.symlink(str(tmp_path / "elsewhere" / "counters"), target)
+    assert read_all(stats)["t2_hits"] == 0
+    me = ProcessCounters(stats, 0o644)
+    me.add("t2_hits", 3)
+    assert me.off and me.memory_counts()["t2_hits"] == 3
+    me.close()
+    assert read_all(str(tmp_path / "elsewhere"))["t2_hits"] == (5 if odd == "link" else 0)
+
+
+def test_a_reader_makes_nothing(tmp_path):
+    """A tool's read (perhaps as another user, or on a directory no process counted in yet)
+    makes no file and no lock, and writes nothing: the directory is left as it was."""
+    from ucmcache.tiers.disk.counters import NAMES, read_all
+    stats = str(tmp_path / "stats")
+    os.makedirs(stats)
+    assert read_all(stats) == dict.fromkeys(NAMES, 0) and os.listdir(stats) == []
     _counting_child(stats, 3, hold=False)
-    (theirs,) = _cnt_files(stats)
-    same_pid = f"{os.getpid()}-{theirs.split('-', 1)[1]}"
-    os.rename(os.path.join(stats, theirs), os.path.join(stats, same_pid))
-    assert fold_ended(stats, 0o644) == [same_pid] and read_all(stats)["t2_hits"] == 3
-
-
-@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give the directory to another user")
-def test_a_tool_run_as_another_user_never_folds(tmp_path):
-    """A directory another user owns (a service's tier read by root's CLI): a fold there does
-    nothing, so it never leaves a sum its owner cannot read."""
-    from ucmcache.tiers.disk.counters import fold_ended, read_all
-    stats = str(tmp_path / "stats")
-    _counting_child(stats, 3, hold=False)
-    os.chown(stats, 65534, 65534)
-    assert fold_ended(stats, 0o600) == [] and len(_cnt_files(stats)) == 1
-    assert "ended.sum" not in os.listdir(stats) and read_all(stats)["t2_hits"] == 3
+    before = os.stat(os.path.join(stats, "counters"))
+    assert read_all(stats)["t2_hits"] == 3 and _stats_files(stats) == ["counters"]
+    after = os.stat(os.path.join(stats, "counters"))
+    assert (after.st_mtime_ns, after.st_ino) == (before.st_mtime_ns, before.st_ino)

@@ -49,7 +49,7 @@ from ..base import BoundTier, Owned, Tier
 from ...core.timeouts import check_bound, check_timeout
 from ..write_through import WriteThroughQueue
 from ..breaker import Breaker
-from .counters import ProcessCounters, drop_inherited, fold_ended, read_all
+from .counters import ProcessCounters, drop_inherited, read_all
 from .fileformat import HEADER_SIZE, BadBlock, decode, encode_header, file_name, parse_name
 
 log = logging.getLogger("ucmcache.disktier")
@@ -207,11 +207,6 @@ class DiskTier(Tier):
             self._resync = self._clean_tmp() > 0
         except OSError:
             pass
-        try:
-            fold_ended(self._stats_dir, self._mode)  # ended processes' counter files, bounded
-        except OSError as e:  # best effort: they stay, and are summed as they are
-            log.warning("ucmcache disk tier: cannot fold ended counter files in %s (%s: %s)",
-                        self._stats_dir, type(e).__name__, e)
 
     def _reset_process_state(self) -> None:
         if self._res is not None:
