@@ -77,11 +77,16 @@ class ProcessCounters:
         self.pending = np.zeros(len(NAMES), dtype=np.int64)   # not yet in the file
 
     def add(self, name: str, n: int = 1) -> None:
-        if not n:
+        self.add_many({name: n})
+
+    def add_many(self, counts: Dict[str, int]) -> None:
+        """Add each name's count, in one read-modify-write of the file."""
+        idx = [(NAMES.index(name), n) for name, n in counts.items() if n]
+        if not idx:
             return
-        i = NAMES.index(name)
         with self._lock:
-            self.pending[i] += n
+            for i, n in idx:
+                self.pending[i] += n
             self._flush(0.0)
 
     def memory_counts(self) -> Dict[str, int]:

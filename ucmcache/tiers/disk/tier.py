@@ -421,12 +421,8 @@ class DiskTier(Tier):
         except BaseException:
             b.abort()
             raise
-        c = self.counters
-        c.add("t2_hits", hits)
-        c.add("t2_misses", misses)
-        c.add("t2_bypasses", bypasses)
-        c.add("t2_bad_values", bad)
-        c.add("t2_read_bytes", nbytes)
+        self.counters.add_many({"t2_hits": hits, "t2_misses": misses, "t2_bypasses": bypasses,
+                                "t2_bad_values": bad, "t2_read_bytes": nbytes})
         return out
 
     def _read_pool(self) -> "_Readers":
@@ -696,8 +692,7 @@ class DiskTier(Tier):
             b.abort()
             raise
         b.success()
-        self.counters.add("t2_writes", 1)
-        self.counters.add("t2_written_bytes", size)
+        self.counters.add_many({"t2_writes": 1, "t2_written_bytes": size})
 
     def _clear_name(self, final: str, replace: bool = False) -> bool:
         """Before a write: True if the block's name may be written.  A loaded value's write
@@ -826,8 +821,7 @@ class DiskTier(Tier):
                 continue
             freed += f.size
             n += 1
-        self.counters.add("t2_evictions", n)
-        self.counters.add("t2_evicted_bytes", freed)
+        self.counters.add_many({"t2_evictions": n, "t2_evicted_bytes": freed})
         return used - freed, n
 
     def _scan(self) -> List[BlockFile]:
