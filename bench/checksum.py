@@ -1,11 +1,11 @@
-"""The vLLM block format's checksum: CRC-32C in C (ucmcache._checksum) against zlib's CRC-32
+"""The vLLM block format's checksum: CRC-32C in C (ucmcache.core.checksum) against zlib's CRC-32
 (what the format used before) and a memcpy floor of the same bytes, in block-sized pieces.
 
     ./scripts/bench --checksum [--runs 5] [--sizes 32768,1048576] [--total-mb 256]
 
 Per piece size: GB/s over --total-mb of random bytes held in memory, fed piece by piece, as a
 load checks one block after another; median [min-max] of --runs, and the ratio of medians
-against zlib's.  Then the copy the vLLM connector makes (ucmcache._copy.copy_segments: every
+against zlib's.  Then the copy the vLLM connector makes (ucmcache.core.copy.copy_segments: every
 piece in one C call) without the CRC, with it folded into the copy's pass, and as two passes
 (the copy, then crc32c over the copied bytes): what the checksum costs a block move.  Also under callgrind (instruction counts are repeatable here):
 ``valgrind --tool=callgrind python -m bench.checksum --runs 1 --total-mb 16``.
@@ -17,8 +17,8 @@ import zlib
 
 import numpy as np
 
-from ucmcache._checksum import crc32c, hardware
-from ucmcache._copy import copy_segments
+from ucmcache.core.checksum import crc32c, hardware
+from ucmcache.core.copy import copy_segments
 
 
 def _gbps(fn, pieces, nbytes: int) -> float:

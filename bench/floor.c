@@ -4,11 +4,11 @@
  * Built by bench/cbuild.py at bench time: gcc -O2 bench/floor.c (which includes csrc/ucm_core.c
  * and bench/baselines/oldlock.c), into a temporary directory.  Each run maps an anonymous shared
  * region (MAP_SHARED|MAP_ANONYMOUS, so forked children share it), lays it out with
- * ucm_layout_compute and initialises it as ucmcache/_segment.py's Segment._initialise does,
+ * ucm_layout_compute and initialises it as ucmcache/core/segment.py's Segment._initialise does,
  * with ucm_segment_init and ucm_segment_publish.  It then times the same protocol steps the Python layer calls:
  *
  *   new design: ucm_lookup_pin + ucm_release on a hit; on a miss the slow path of
- *               ucmcache/_cache.py (_pin_slow/_alloc): stripe lock, second lookup, CLOCK claim,
+ *               ucmcache/core/cache.py (_pin_slow/_alloc): stripe lock, second lookup, CLOCK claim,
  *               install, unlock, fill, publish, release; batches: ucm_exist_many,
  *               ucm_lookup_pin_many + ucm_release_many.
  *   old design: bench/baselines/oldlock.c (bucket mutex per lookup, node spin locks, global

@@ -832,7 +832,7 @@ def scenario9(env: Env, systems, cfg, out) -> None:
 
 
 def layout_figures(cfg) -> Dict[str, Any]:
-    from ucmcache._layout import Layout
+    from ucmcache.core.layout import Layout
 
     rows = {}
     configs = {

@@ -731,7 +731,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     sys.path.insert(0, ROOT)
     from e2e import shm
     from ucmcache import SlotCache
-    from ucmcache._errors import SegmentNotFound
+    from ucmcache.core.errors import SegmentNotFound
     shm_before = shm.snapshot()
     os.makedirs(b.work, exist_ok=True)
     t0 = time.monotonic()

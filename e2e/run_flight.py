@@ -93,7 +93,7 @@ def main(argv: list[str]) -> int:
     from e2e import shm
     from e2e.verify import verify
     from ucmcache import SlotCache
-    from ucmcache._errors import SegmentNotFound
+    from ucmcache.core.errors import SegmentNotFound
     from ucmcache.engines.vllm.flight import intents_uuid
     shm_before = shm.snapshot()
     mdir = e2e_model.build(os.path.join(work, "model"))

@@ -132,7 +132,7 @@ def main(argv: list[str]) -> int:
     sys.path.insert(0, ROOT)
     from e2e import model as e2e_model
     from ucmcache import SlotCache
-    from ucmcache._errors import SegmentNotFound
+    from ucmcache.core.errors import SegmentNotFound
     from e2e import shm
     shm_before = shm.snapshot()
     mdir = e2e_model.build(os.path.join(work, "model"))

@@ -24,7 +24,7 @@ assert ucmcache.__file__.startswith(site), f"ucmcache imported from {ucmcache.__
     f"not from the venv's {site}"
 import ucmcache._core  # noqa: E402,F401  (the C core, cffi)
 import ucmcache._hit  # noqa: E402,F401   (the hit path, CPython types)
-from ucmcache._checksum import crc32c  # noqa: E402  (CRC-32C, cffi)
+from ucmcache.core.checksum import crc32c  # noqa: E402  (CRC-32C, cffi)
 assert crc32c(b"123456789") == 0xE3069283
 
 dist = md.distribution("ucmcache")

@@ -4,16 +4,16 @@ Several processes attach to one /dev/shm segment by uuid and share fixed-size sl
 16-byte block id plus an offset.  Hits take no lock; a cold key is computed once across all
 processes; a crashed process never leaks capacity or wedges the others.
 """
-from ._cache import SlotCache
-from ._errors import (CacheFull, CorruptSegment, ForeignSegment, HalfMadeSegment, HandleClosed,
+from .core.cache import SlotCache
+from .core.errors import (CacheFull, CorruptSegment, ForeignSegment, HalfMadeSegment, HandleClosed,
                       IncompatibleSegment, LoadFailed, LockTimeout, NotAttached,
                       RankUnavailable,
                       SegmentExists, SegmentNotFound, SharedMemoryFull, UcmError, Unsupported)
-from ._handle import Handle, HandleBatch
-from ._keys import Key, chain_keys, make_key
-from .tier2 import RedisTier
-from .disktier import DiskTier, ForeignTierDirectory, TierCapacityMismatch
-from ._verify import VerifyReport, verify
+from .core.handle import Handle, HandleBatch
+from .core.keys import Key, chain_keys, make_key
+from .tiers.redis import RedisTier
+from .tiers.disk import DiskTier, ForeignTierDirectory, TierCapacityMismatch
+from .core.verify import VerifyReport, verify
 
 __all__ = [
     "SlotCache", "Handle", "HandleBatch", "Key", "make_key", "chain_keys", "verify",
@@ -26,7 +26,7 @@ __version__ = "0.1.0"
 
 
 def _show_as_public() -> None:
-    """Public objects say they are ucmcache's (ucmcache.SlotCache, not ucmcache._cache.SlotCache)
+    """Public objects say they are ucmcache's (ucmcache.SlotCache, not ucmcache.core.cache.SlotCache)
     in reprs, tracebacks and pickles, as trio's do; each is importable from here by that name."""
     for name in __all__:
         obj = globals()[name]

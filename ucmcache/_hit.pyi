@@ -4,8 +4,8 @@ from typing import Any, Callable, Coroutine, Dict, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ._handle import Handle, HandleBatch
-from ._keys import Key
+from .core.handle import Handle, HandleBatch
+from .core.keys import Key
 
 class CacheBase:
     _open_handles: int

@@ -14,11 +14,11 @@ protocol step).  The segment file: ``Segment``, ``probe``, ``held_for_removal``,
 or kills a process: ``Gate``, ``arm_python``, ``POINTS``, ``C_POINTS``, ``PY_POINTS``, and
 ``hooks``, the module (its ``_armed`` and ``fire`` are read where the points are).
 """
-from . import _hooks as hooks
+from .core import hooks
 from ._core import ffi, lib
-from ._hooks import C_POINTS, POINTS, PY_POINTS, Gate, arm_python
-from ._layout import ARENA_DESC, HEADER, RANK_DESC, RING, SLOT_META, Layout
-from ._segment import (MAX_MODE, PREFIX, SHM_DIR, Segment, check_mode, check_uuid, file_kind,
+from .core.hooks import C_POINTS, POINTS, PY_POINTS, Gate, arm_python
+from .core.layout import ARENA_DESC, HEADER, RANK_DESC, RING, SLOT_META, Layout
+from .core.segment import (MAX_MODE, PREFIX, SHM_DIR, Segment, check_mode, check_uuid, file_kind,
                        held_for_removal, life_lock_byte, names_file, not_ours_error, probe,
                        probed_error, shm_path, unlink_if_same)
 

@@ -38,11 +38,11 @@ from typing import Any, Dict, Iterator, List, Sequence, Tuple, TypedDict
 
 import numpy as np
 
-from ._errors import UcmError
-from ._segment import Segment
+from .core.errors import UcmError
+from .core.segment import Segment
 from ._core import lib
-from ._stats import HIST_BOUNDS_NS, COUNTERS, histogram_buckets, rank_counters
-from ._table import accounting, arena_table, rank_rows, slot_fields, slot_table, state_counts
+from .core.stats import HIST_BOUNDS_NS, COUNTERS, histogram_buckets, rank_counters
+from .core.table import accounting, arena_table, rank_rows, slot_fields, slot_table, state_counts
 
 try:
     from prometheus_client import CollectorRegistry, generate_latest, start_http_server
@@ -160,8 +160,8 @@ class SegmentCollector(Collector):
 
 def tier_families(paths: Sequence[str]) -> List[Metric]:
     """The disk tiers' counters and usage (see the module docs), labelled by tier."""
-    from .disktier.counters import NAMES
-    from .disktier.facts import tier_usage
+    from .tiers.disk.counters import NAMES
+    from .tiers.disk.facts import tier_usage
     rows = [tier_usage(p) for p in paths]  # read only: a scrape builds no DiskTier, keeps no fd
     out: List[Metric] = []
     for name in NAMES:
@@ -227,7 +227,7 @@ def collector(uuid: str, *, timeout: float = 1.0,
     ``tiers``: disk tier directories to report too."""
     Segment.attach(uuid, timeout=timeout, writable=False).detach()  # fail now, not per scrape
     if tiers:
-        from .disktier.facts import tier_usage
+        from .tiers.disk.facts import tier_usage
         for p in tiers:
             tier_usage(p)  # not a tier directory: fail now, not per scrape
     return SegmentCollector(uuid, timeout=timeout, tiers=tiers)

@@ -17,8 +17,8 @@ from typing import List, Optional, Sequence
 
 import numpy as np
 
-from ucmcache._keys import pack_keys, split_key
-from ucmcache._layout import SLOT_META, Layout
+from ucmcache.core.keys import pack_keys, split_key
+from ucmcache.core.layout import SLOT_META, Layout
 
 SHM_DIR = "/dev/shm"
 PREFIX = "ucmbench-old-"

@@ -13,7 +13,7 @@ torch = pytest.importorskip("torch")
 from ucmcache.engines.vllm import blocks as _vb  # noqa: E402
 from ucmcache import vllm as uv  # noqa: E402
 from ucmcache.engines import kit  # noqa: E402
-from ucmcache._checksum import crc32c, crc32c_soft  # noqa: E402
+from ucmcache.core.checksum import crc32c, crc32c_soft  # noqa: E402
 from ucmcache.engines.vllm.blocks import HEADER_SIZE, EngineIdentity, KVBlockIO  # noqa: E402
 
 BS = 32

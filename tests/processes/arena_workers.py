@@ -1,4 +1,4 @@
-"""Workers for tests/test_arena_room.py: ranks that load and hold keys on command.
+"""Workers for tests/core/test_arena_room.py: ranks that load and hold keys on command.
 
 A command server reads (op, arg) from its command queue and answers each on its reply queue,
 so the test orders every step of every process (one at a time: nothing is in flight in any

@@ -1,4 +1,4 @@
-"""Workers for tests/test_cli.py: spawned processes that hold a segment in a known state.
+"""Workers for tests/cli/: spawned processes that hold a segment in a known state.
 
 ``hold`` attaches, puts one slot per requested kind into that state, reports what it did through
 a queue, sets ``ready`` and then waits (bounded) for ``release`` before closing cleanly.  A test

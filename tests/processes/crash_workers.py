@@ -1,4 +1,4 @@
-"""The worker processes of the random-kill harness (tests/crashloop.py), one kind per worker.
+"""The worker processes of the random-kill harness (tests/stress/crashloop.py), one kind per worker.
 
 Every kind runs the same mixed workload on one SlotCache (get_or_load, get_many with owner
 positions, with-blocks that hold a pin across more calls (and now and then delete the key they
@@ -57,9 +57,9 @@ import ucmcache
 from ucmcache import SlotCache
 from ucmcache.lowlevel import ffi, lib
 from ucmcache.lowlevel import Gate
-from ucmcache._recovery import rank_state
+from ucmcache.core.recovery import rank_state
 from ucmcache.lowlevel import Segment
-from ucmcache._verify import slot_fields, snapshot
+from ucmcache.core.verify import slot_fields, snapshot
 
 from workers import check_payload, fill_owned, payload_for
 

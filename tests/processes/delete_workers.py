@@ -1,4 +1,4 @@
-"""Workers for tests/test_delete.py (spawned processes: plain arguments, a result queue)."""
+"""Workers for tests/core/test_delete.py (spawned processes: plain arguments, a result queue)."""
 import os
 
 from ucmcache import SlotCache

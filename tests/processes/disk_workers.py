@@ -7,8 +7,8 @@ import resource
 import signal
 
 from ucmcache import DiskTier, SlotCache
-from ucmcache import _hooks
-from ucmcache._hooks import Gate
+from ucmcache.core import hooks as _hooks
+from ucmcache.core.hooks import Gate
 
 from workers import check_payload, payload_for, run
 

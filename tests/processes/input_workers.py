@@ -1,7 +1,8 @@
-"""Workers for tests/test_input_checks.py (importable by module name in spawned children)."""
+"""Workers for tests/core/test_input_checks.py (importable by module name in spawned children)."""
 import os
 
-from ucmcache import SlotCache, _hooks
+from ucmcache import SlotCache
+from ucmcache.core import hooks as _hooks
 from ucmcache.lowlevel import Gate
 from ucmcache.lowlevel import shm_path
 

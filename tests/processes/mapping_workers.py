@@ -1,4 +1,4 @@
-"""Worker processes for tests/test_mapping.py (spawned: importable, module-level)."""
+"""Worker processes for tests/core/test_mapping.py (spawned: importable, module-level)."""
 import os
 
 from ucmcache import SlotCache

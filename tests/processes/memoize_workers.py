@@ -1,4 +1,4 @@
-"""Functions for tests/test_memoize.py, importable in spawned children: each result carries
+"""Functions for tests/core/test_memoize.py, importable in spawned children: each result carries
 the pid of the process that computed it, so a caller tells its own computation from an entry
 another process stored."""
 import collections

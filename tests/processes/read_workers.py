@@ -1,4 +1,4 @@
-"""Workers for tests/test_busy_reads.py: a process that only reads."""
+"""Workers for tests/core/test_busy_reads.py: a process that only reads."""
 import numpy as np
 
 from ucmcache import SlotCache

@@ -1,5 +1,5 @@
 """Spawned workers for the crash-safety tests of forked, threaded and interrupted processes
-(tests/test_crash_safety.py).  Each reports through a queue (workers.run); gates order steps."""
+(tests/stress/test_crash_safety.py).  Each reports through a queue (workers.run); gates order steps."""
 import gc
 import os
 import random
@@ -237,7 +237,7 @@ def _token_outlives_cache(uuid):
     """An owner's handle that holds the last reference to its cache, collected with its
     finalizer cut short (as a signal handler would): its token runs after the cache's
     fields are gone and must find the mapping still there."""
-    from ucmcache._handle import _Pins
+    from ucmcache.core.handle import _Pins
     c = SlotCache.create(uuid, slots_per_rank=8, slot_size=64, max_ranks=2)
     h = c.get(b"Q" * 16)
     assert h.owner and h._token is not None

@@ -425,11 +425,11 @@ def _cold_load_at(uuid, key, gate_path, point, action):
     gate = Gate(gate_path)
     try:
         c.get_or_load(b"own-first-" + key[:6], lambda: b"mine")  # our share of the arenas
-        ucmcache._hooks.arm_python("inside_loader", "gate", gate)
+        ucmcache.core.hooks.arm_python("inside_loader", "gate", gate)
 
         def loader():
-            if point in ucmcache._hooks.PY_POINTS:
-                ucmcache._hooks.arm_python(point, action, gate if action == "gate" else None)
+            if point in ucmcache.core.hooks.PY_POINTS:
+                ucmcache.core.hooks.arm_python(point, action, gate if action == "gate" else None)
             else:
                 c._arm(point, action, gate if action == "gate" else None)
             return payload_for(key, 64)

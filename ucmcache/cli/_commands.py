@@ -16,14 +16,14 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 
-from .._errors import SegmentNotFound, SharedMemoryFull, UcmError
-from .._layout import LayoutError
-from .._recovery import recover_dead_ranks
+from ..core.errors import SegmentNotFound, SharedMemoryFull, UcmError
+from ..core.layout import LayoutError
+from ..core.recovery import recover_dead_ranks
 from ..lowlevel import (MAX_MODE, PREFIX, Layout, Segment, check_mode, held_for_removal, lib,
                         names_file, shm_path, unlink_if_same)
-from .._stats import rank_counters
-from .._table import reader_context
-from .._verify import verify_segment
+from ..core.stats import rank_counters
+from ..core.table import reader_context
+from ..core.verify import verify_segment
 from . import _render as render
 from ._facts import (CliError, attached, check_uuid_arg, inspect_facts, live_pids, ls_row,
                      probe_segment, segment_names, summary)
@@ -56,7 +56,7 @@ def cmd_inspect(args) -> int:
 # ------------------------------------------------------------------------- disk tiers
 
 def _tiers(paths: List[str]) -> Dict[str, Any]:
-    from ..disktier.facts import NotATierDirectory, many_tier_facts
+    from ..tiers.disk.facts import NotATierDirectory, many_tier_facts
     try:
         return many_tier_facts(paths)
     except NotATierDirectory as e:
@@ -64,8 +64,8 @@ def _tiers(paths: List[str]) -> Dict[str, Any]:
 
 
 def _tier_dir(path: str, allow_other_user: bool = False):
-    from ..disktier import ForeignTierDirectory
-    from ..disktier.facts import NotATierDirectory, open_dir
+    from ..tiers.disk import ForeignTierDirectory
+    from ..tiers.disk.facts import NotATierDirectory, open_dir
     try:
         return open_dir(path, allow_other_user=allow_other_user)
     except NotATierDirectory as e:
@@ -75,7 +75,7 @@ def _tier_dir(path: str, allow_other_user: bool = False):
 
 
 def cmd_tier_ls(args) -> int:
-    from ..disktier.facts import NotATierDirectory, tier_facts
+    from ..tiers.disk.facts import NotATierDirectory, tier_facts
     try:
         d = tier_facts(args.path, files=args.files)
     except NotATierDirectory as e:

@@ -14,12 +14,12 @@ from typing import Any, Dict, Iterator, List, Optional
 
 import numpy as np
 
-from .._errors import CorruptSegment, IncompatibleSegment, SegmentNotFound, UcmError
-from .._ring import ring_counters
-from .._stats import named, rank_counters
-from .._table import (accounting, arena_owners, claimant, claimed, current, pin_bits, rank_rows, slot_fields,
+from ..core.errors import CorruptSegment, IncompatibleSegment, SegmentNotFound, UcmError
+from ..core.ring import ring_counters
+from ..core.stats import named, rank_counters
+from ..core.table import (accounting, arena_owners, claimant, claimed, current, pin_bits, rank_rows, slot_fields,
                       slot_table, state_counts)
-from .._verify import verify_segment
+from ..core.verify import verify_segment
 from ..lowlevel import (PREFIX, SHM_DIR, Segment, check_uuid, file_kind, lib, not_ours_error,
                         probe, probed_error, shm_path)
 

@@ -12,7 +12,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .._stats import COUNTERS
+from ..core.stats import COUNTERS
 
 WIDTH = 100                 # the human output fits this many columns
 SHOWN_LINES = 20            # stuck items / problems listed in the human form

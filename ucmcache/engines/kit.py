@@ -36,9 +36,9 @@ from typing import Any, Callable, Dict, Iterable, Optional, Sequence, Type, over
 
 import numpy as np
 
-from .._cache import SlotCache
+from ..core.cache import SlotCache
 from .._core import ffi
-from .._errors import (CorruptSegment, IncompatibleSegment, NotAttached, SegmentNotFound,
+from ..core.errors import (CorruptSegment, IncompatibleSegment, NotAttached, SegmentNotFound,
                        SharedMemoryFull, UcmError)
 
 __all__ = ["DEFAULT_MAX_RANKS", "SHM_CLAMP_SHARE", "SHM_DIR", "default_segment", "segment_name",

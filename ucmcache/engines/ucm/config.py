@@ -23,7 +23,7 @@ from typing import Any, Dict, List, Optional, Tuple, overload
 
 import numpy as np
 
-from ..._timeouts import MAX_TIMEOUT
+from ...core.timeouts import MAX_TIMEOUT
 from .. import kit
 from ..kit import DEFAULT_MAX_RANKS, segment_name
 

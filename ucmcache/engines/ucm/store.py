@@ -24,8 +24,8 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional
 
 import numpy as np
 
-from ..._cache import SlotCache
-from ..._errors import IncompatibleSegment, SegmentNotFound, UcmError
+from ...core.cache import SlotCache
+from ...core.errors import IncompatibleSegment, SegmentNotFound, UcmError
 from .. import kit
 from ..kit import EngineParts, HostRegistration
 from .config import _Config, _WorkerSizes

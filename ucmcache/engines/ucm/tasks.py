@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Set, Tuple
 import numpy as np
 
 from ..._core import ffi
-from ..._errors import CacheFull, LoadFailed, UcmError
+from ...core.errors import CacheFull, LoadFailed, UcmError
 from . import memory as _ucm_memory
 from .memory import _complete_mark, _copy_in, _copy_out, _key, _memcpy, _torch
 
@@ -69,7 +69,7 @@ class _Plan:
 
 
 if TYPE_CHECKING:
-    from ..._cache import SlotCache
+    from ...core.cache import SlotCache
     from .config import _Config
 
 # A task's outcome by block: None once block i is done, else why it failed.

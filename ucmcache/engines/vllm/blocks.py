@@ -33,17 +33,17 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import numpy as np
 
-from ..._cache import SlotCache
-from ..._checksum import crc32c
-from ..._copy import copy_segments
-from ..._errors import UcmError
-from ..._keys import Key, chain_keys, make_key
+from ...core.cache import SlotCache
+from ...core.checksum import crc32c
+from ...core.copy import copy_segments
+from ...core.errors import UcmError
+from ...core.keys import Key, chain_keys, make_key
 from ..kit import HostRegistration
 
 log = logging.getLogger("ucmcache.vllm")
 
 MAGIC = b"UCMVKV01"
-VERSION = 2     # 2: the checksum is CRC-32C (ucmcache._checksum); 1 had zlib's CRC-32
+VERSION = 2     # 2: the checksum is CRC-32C (ucmcache.core.checksum); 1 had zlib's CRC-32
 # magic, version, n_layers, fingerprint, block id, offset, payload bytes, crc32c
 _HEADER = struct.Struct("<8sII16s16sQII")
 HEADER_SIZE = _HEADER.size

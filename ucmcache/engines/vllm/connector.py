@@ -20,7 +20,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Set, Tuple
 
-from ..._cache import SlotCache
+from ...core.cache import SlotCache
 from .. import kit
 from ..kit import DEFAULT_MAX_RANKS, segment_name
 from .blocks import EngineIdentity, IOStats, VllmConnectorError

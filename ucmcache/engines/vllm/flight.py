@@ -49,11 +49,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Iterable, List, Optional, Sequence
 
-from ..._cache import SlotCache
+from ...core.cache import SlotCache
 from ..._core import lib
-from ..._errors import CacheFull, IncompatibleSegment, UcmError
-from ..._handle import Handle
-from ..._keys import Key
+from ...core.errors import CacheFull, IncompatibleSegment, UcmError
+from ...core.handle import Handle
+from ...core.keys import Key
 from .blocks import VllmConnectorError
 
 log = logging.getLogger("ucmcache.vllm")

@@ -13,8 +13,8 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
-from ..._cache import SlotCache
-from ..._errors import CorruptSegment, SegmentNotFound, UcmError
+from ...core.cache import SlotCache
+from ...core.errors import CorruptSegment, SegmentNotFound, UcmError
 from .. import kit
 from ..kit import EngineParts
 from .blocks import EngineIdentity, VllmConnectorError, block_keys, exist_prefix_all_ranks

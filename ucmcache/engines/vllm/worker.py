@@ -11,7 +11,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Set, Tuple
 
-from ..._cache import SlotCache
+from ...core.cache import SlotCache
 from .. import kit
 from ..kit import EngineParts
 from .blocks import (HEADER_SIZE, SAVE_WAIT, DeferredSaves, EngineIdentity, IOStats, KVBlockIO,
