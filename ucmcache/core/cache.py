@@ -11,8 +11,8 @@ Allocation that finds nothing claimable first recovers dead ranks (their pins ma
 the cache), then tries once more, then raises CacheFull: never spins holding a stripe.
 
 The rest of SlotCache's API is mixed in, one concept a module, none of which imports this one:
-``_single_flight`` (get_or_load, aget_or_load, the wait), ``_batches`` (get_many, read_many,
-exist, exist_prefix, touch), ``_ring`` (prefetch, prefetcher) and ``_mapping`` (put, ``in``,
+``single_flight`` (get_or_load, aget_or_load, the wait), ``batches`` (get_many, read_many,
+exist, exist_prefix, touch), ``ring`` (prefetch, prefetcher) and ``mapping`` (put, ``in``,
 ``len``, ``[]``, ``del``, memoize).
 """
 from __future__ import annotations
