@@ -194,3 +194,50 @@ def test_fork_child_is_refused(make_cache):
     d = SlotCache.attach(c.uuid)
     assert rank_alive(d._seg, c.rank)
     d.close()
+
+
+def test_a_creator_finishing_between_the_magic_read_and_the_lock_probe_is_not_taken_for_dead(
+        uuid, procs, gate):
+    """An attacher (or probe) read the magic unset; the creator then published it and dropped
+    its creator lock; the attacher's probe found the lock free.  Read once, that looked like a
+    creator that died (HalfMadeSegment "its creator (pid N) died" with N alive: seen under two
+    vLLM engines opening the intents segment at once); the magic is read again after a free
+    lock.  Fails on the code before for both attach and probe."""
+    import threading
+    from ucmcache.core import hooks
+    from ucmcache.core.segment import probe
+
+    def attach(u):
+        with SlotCache.attach(u, timeout=30) as c:
+            return c.max_ranks
+
+    second = f"{uuid}-probe"
+    try:
+        for u, look in ((uuid, attach), (second, lambda u: probe(u)["status"])):
+            held = gate()
+            p, q = procs.start(workers.create_held_before_magic, u, held.path, "gate")
+            held.wait_arrived()                           # the creator: every word but the magic
+            looked = gate()
+            hooks.arm_python("magic_unset", "gate", looked)
+            out = {}
+
+            def run():
+                try:
+                    out["v"] = look(u)
+                except Exception as e:  # noqa: BLE001 (asserted below)
+                    out["v"] = e
+
+            t = threading.Thread(target=run)
+            t.start()
+            looked.wait_arrived()                         # magic read unset, lock not probed
+            held.release()
+            assert procs.result(q) == "created"           # published, creator lock dropped
+            looked.release()
+            t.join(30)
+            assert out["v"] in (2, "made"), out["v"]
+    finally:
+        hooks.arm_python("magic_unset", "none")
+        try:
+            SlotCache.unlink(second)
+        except Exception:  # noqa: BLE001 (absent if the test failed before making it)
+            pass

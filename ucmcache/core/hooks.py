@@ -41,6 +41,8 @@ C_POINTS = {
     "free_look": lib.UCM_PT_FREE_LOOK,
 }
 PY_POINTS = ("inside_loader", "before_ready", "after_ready", "before_magic", "after_shm_open",
+             # an attach or probe read the magic unset, and has not yet probed the creator lock
+             "magic_unset",
              # tier 2 (ucmcache.tier2): a get starts waiting for another node's lease (holding
              # none of its own); the background writer is about to send a batch
              "lease_wait", "before_write",

@@ -166,6 +166,18 @@ def probe(uuid: str) -> Dict[str, Any]:
         info: Dict[str, Any] = {"uuid": uuid, "size": st.st_size, "uid": st.st_uid,
                                    "header": header}
         magic = header.get("magic", 0)
+        creator_gone = False
+        if magic == 0:
+            if _hooks._armed:
+                _hooks.fire("magic_unset")
+            if _creator_lock_free(shm.fd):
+                # Read again, as _wait_for_magic does: a creator that finished since our read
+                # published the magic before dropping its lock.
+                st = os.fstat(shm.fd)
+                header = _read_header(shm.fd, st.st_size)
+                info.update(size=st.st_size, header=header)
+                magic = header.get("magic", 0)
+                creator_gone = True
         if magic == lib.UCM_MAGIC:
             if header["version"] != lib.UCM_LAYOUT_VERSION:
                 info["status"] = "incompatible"
@@ -178,7 +190,7 @@ def probe(uuid: str) -> Dict[str, Any]:
         elif magic != 0:
             info["status"] = "corrupt"
             info["error"] = str(not_ucmcache_error(uuid, magic))
-        elif _creator_lock_free(shm.fd) and (
+        elif creator_gone and (
                 header.get("creator_pid", 0) != 0 or time.time() - st.st_ctime > HALF_MADE_GRACE_S):
             info["status"] = "half-made"
         else:
@@ -532,7 +544,18 @@ def _wait_for_magic(uuid: str, fd: int, timeout: float) -> Dict[str, int]:
             return header
         if magic != 0:
             raise not_ucmcache_error(uuid, magic)
+        if _hooks._armed:
+            _hooks.fire("magic_unset")
         if _creator_lock_free(fd):
+            # Read again: a creator that finished between our read and the probe published the
+            # magic before it dropped its lock, so a free lock with the magic still unset now
+            # means it died; read once, a live creator finishing in between was taken for dead.
+            header = _read_header(fd, os.fstat(fd).st_size)
+            magic = header.get("magic", 0)
+            if magic == lib.UCM_MAGIC:
+                return header
+            if magic != 0:
+                raise not_ucmcache_error(uuid, magic)
             pid = header.get("creator_pid", 0)
             age = time.time() - os.fstat(fd).st_ctime
             if pid or age > HALF_MADE_GRACE_S:
