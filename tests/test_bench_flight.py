@@ -124,3 +124,19 @@ def test_the_layout_is_one_core_each_and_the_same_otherwise():
     assert {k: v for k, v in a.items() if k != "VLLM_CPU_OMP_THREADS_BIND"} == \
         {k: v for k, v in b.items() if k != "VLLM_CPU_OMP_THREADS_BIND"} == \
         {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "OMP_NUM_THREADS": "1"}
+
+
+def test_the_header_names_the_command_as_run():
+    import argparse
+    a = argparse.Namespace(runs=3, prompts=4, tokens=2048, models="large", batched_tokens=512,
+                           order="reversed", cores="0,1", configs="together,nowait",
+                           name="flight-router")
+    meta = {"commit": "abc1234", "cores": [0, 1], "cpus": 2, "load_before": [1.0, 1.0, 1.0],
+            "load_after": [2.0, 2.0, 2.0]}
+    text = ef.header(a, meta)[2]
+    assert "--order reversed --cores 0,1 --configs together,nowait --name flight-router` on " \
+        "abc1234" in text
+    assert "B in the reverse order" in text and "load average [1.0, 1.0, 1.0] before" in text
+    a.configs, a.name, a.order = ",".join(ef.CONFIGS), "flight", "same"
+    text = ef.header(a, meta)[2]
+    assert "--cores 0,1` on abc1234" in text and "(the same order)" in text
