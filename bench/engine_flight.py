@@ -30,6 +30,9 @@ computed it.  The order of the three configurations rotates from run to run, so 
 stretch of a shared machine does not always fall on the same one.  Medians over --runs
 [min-max].  Every configuration's token ids are compared with those of the run's ``none``.
 
+The last run's engine logs and reports stay in --work (<name>-<model>-<configuration>-a.json
+and -b.json, each with .log and, with the connector, .stats.scheduler and .stats.rank0).
+
 --order reversed sends B's prompts last first (a router that spreads requests over replicas
 delivers them in different orders): each engine then starts on a prompt the other reaches last.
 """
@@ -336,7 +339,7 @@ def main(argv: Optional[List[str]] = None) -> None:
             order = configs[i % len(configs):] + configs[:i % len(configs)]
             run: Dict[str, dict] = {}
             for c in order:
-                run[c] = pair(model, a.work, f"{mname}-{c}", cores, EXTRA[c], a)
+                run[c] = pair(model, a.work, f"{a.name}-{mname}-{c}", cores, EXTRA[c], a)
                 print(f"bench.engine_flight: {mname} run {i} {c}: "
                       f"{json.dumps({k: v for k, v in run[c].items() if k != 'outputs'})}",
                       flush=True)
