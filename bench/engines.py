@@ -3,6 +3,8 @@ UcmCacheConnector loading in a second process what a first one saved.
 
     ./scripts/bench --engines [--sets 3] [--tokens 2048] [--models tiny,large] [--out DIR]
                               [--reserved-cpus 1] [--unique 4] [--unique-tokens 512]
+    ./scripts/bench --engines --flight [--runs 3] ...   (bench/engine_flight.py: two engines
+                              given the same prompts at once, with and without waiting)
 
 For each model (random weights built here, nothing downloaded: "tiny" is the e2e model, 2
 layers, hidden 128; "large" 8 layers, hidden 1024, where prefill dominates), three engine
@@ -43,6 +45,8 @@ import sys
 import time
 import uuid as uuidlib
 
+from e2e.model import Spec
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 E2E_PY = os.path.join(ROOT, ".venv-e2e", "bin", "python")
@@ -53,6 +57,11 @@ def med(xs: list) -> str:
 
 
 LAYOUT = {}   # the thread layout every engine runs with (set in main)
+
+# The random-weight models (e2e.model.Spec, built here: nothing downloaded), by --models name:
+# "tiny" is the e2e model; "large" one where prefill dominates.
+SPECS = {"tiny": Spec(), "large": Spec(layers=8, hidden=1024, heads=16, kv_heads=4,
+                                       intermediate=2816)}
 
 
 def engine(args: list, log: str) -> dict:
@@ -85,6 +94,9 @@ def memcpy_floor(total_bytes: int, runs: int = 5) -> list:
 
 
 def main() -> None:
+    if "--flight" in sys.argv[1:]:   # single flight across engines: its own table
+        from bench.engine_flight import main as flight
+        return flight([x for x in sys.argv[1:] if x != "--flight"])
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sets", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=2048)
@@ -103,16 +115,14 @@ def main() -> None:
         raise SystemExit("bench.engines: run ./scripts/e2e-vllm --setup-only first "
                          "(./scripts/bench --engines does)")
     sys.path.insert(0, ROOT)
-    from e2e.model import Spec, build
+    from e2e.model import build
     from ucmcache import SlotCache
     from ucmcache import SegmentNotFound
-    specs = {"tiny": Spec(),
-             "large": Spec(layers=8, hidden=1024, heads=16, kv_heads=4, intermediate=2816)}
     os.makedirs(a.work, exist_ok=True)
     os.makedirs(a.out, exist_ok=True)
     rows = []
     for name in a.models.split(","):
-        spec = specs[name]
+        spec = SPECS[name]
         model = build(os.path.join(a.work, f"model-{name}"), spec)
         w = lambda f: os.path.join(a.work, f"{name}-{f}")  # noqa: E731
         segment = f"bench-engines-{os.getpid()}-{uuidlib.uuid4().hex[:8]}"

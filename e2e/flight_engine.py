@@ -1,13 +1,17 @@
-"""One engine process of the single-flight end-to-end run (e2e.run_flight): greedy generation
-of N distinct long prompts, started on a signal, to JSON.
+"""One engine process of the single-flight end-to-end run (e2e.run_flight) and of the engines
+bench's --flight (bench/engine_flight.py): greedy generation of N distinct long prompts,
+started on a signal, to JSON.
 
     python -m e2e.flight_engine MODEL_DIR OUT.json --go GO_FILE [--segment UUID] [--extra JSON]
+                                [--prompts N] [--words T] [--batched-tokens B] [--reverse]
+                                [--warmup]
 
 The engine starts, writes OUT.json.ready, waits (bounded) for GO_FILE to exist, then sends all
 its prompts in one generate() call, so that two engines given the same GO_FILE start at the
 same moment.  The JSON holds the token ids, each request's ``num_cached_tokens`` (vLLM's own:
 tokens it did not compute, from its prefix cache or the connector) and first-token latency,
-vLLM's prefix cache counters and the generate() time.
+vLLM's prefix cache counters, the generate() time and its start and end on CLOCK_MONOTONIC,
+every list in the prompts' own order (also with --reverse, which sends them last first).
 """
 from __future__ import annotations
 
@@ -41,6 +45,13 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=PROMPTS)
     ap.add_argument("--words", type=int, default=PROMPT_WORDS)
     ap.add_argument("--batched-tokens", type=int, default=512)
+    ap.add_argument("--reverse", action="store_true",
+                    help="send the prompts last first (a router's other order; the report "
+                         "lists every figure in the prompts' own order all the same)")
+    ap.add_argument("--warmup", action="store_true",
+                    help="one short generate() before OUT.json.ready (under one block: "
+                         "nothing marked, saved or loaded), so no timed request pays the "
+                         "first forward's one-time costs")
     a = ap.parse_args()
 
     from vllm import LLM, SamplingParams
@@ -61,6 +72,10 @@ def main() -> None:
     first = max(tok.convert_tokens_to_ids(t) for t in ("<unk>", "<s>", "</s>", "<pad>")) + 1
     ps = prompts(len(tok), first, a.prompts, a.words)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    if a.warmup:
+        llm.generate([TokensPrompt(prompt_token_ids=[first] * (BLOCK_SIZE // 2))],
+                     SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True),
+                     use_tqdm=False)
     with open(a.out + ".ready", "w") as f:
         f.write(str(os.getpid()))
     deadline = time.monotonic() + GO_WAIT
@@ -70,8 +85,14 @@ def main() -> None:
         time.sleep(0.01)   # waiting for the runner's signal file, not ordering our own steps
     print("e2e.flight_engine: go", flush=True)
     t1 = time.monotonic()
-    res = llm.generate([TokensPrompt(prompt_token_ids=p) for p in ps], params, use_tqdm=False)
-    gen = time.monotonic() - t1
+    order = list(reversed(range(len(ps)))) if a.reverse else list(range(len(ps)))
+    sent = llm.generate([TokensPrompt(prompt_token_ids=ps[i]) for i in order], params,
+                        use_tqdm=False)
+    t2 = time.monotonic()
+    gen = t2 - t1
+    res = [None] * len(ps)
+    for i, o in zip(order, sent):
+        res[i] = o
     print("e2e.flight_engine: done", flush=True)
     report = {
         "outputs": [list(o.outputs[0].token_ids) for o in res],
@@ -79,7 +100,9 @@ def main() -> None:
         "ttft": [getattr(o.metrics, "first_token_latency", None) if o.metrics else None
                  for o in res],
         "metrics": metric_totals(llm), "generate_s": round(gen, 3),
-        "prompt_tokens": sum(map(len, ps)), "pid": os.getpid()}
+        "prompt_tokens": sum(map(len, ps)), "pid": os.getpid(),
+        # CLOCK_MONOTONIC is one clock for every process: a runner compares these to its own
+        "t_go": t1, "t_done": t2, "order": order}
     with open(a.out + ".tmp", "w") as f:
         json.dump(report, f)
     os.replace(a.out + ".tmp", a.out)
