@@ -202,7 +202,8 @@ def _slot_bytes(c, key):
 
 def test_vllm_cpus_layout_moves_by_the_c_copy_and_its_crc_is_the_two_pass_crc(make_cache):
     """[blocks, kv heads, block size, 2 x head size], contiguous: each layer's block is one
-    range, copied by one C call per layer; the header's CRC-32C is the one a separate pass
+    range: a save and a whole-block load copy all of a step's layers and blocks in one C call,
+    a layer-by-layer load one call per layer; the header's CRC-32C is the one a separate pass
     over the stored payload sums (the block format is unchanged)."""
     src, dst = _kv(seed=1), _kv(seed=2)
     need = HEADER_SIZE + sum(t[0:1].numel() * t.element_size() for t in src)
@@ -216,9 +217,12 @@ def test_vllm_cpus_layout_moves_by_the_c_copy_and_its_crc_is_the_two_pass_crc(ma
         _vb.copy_segments = lambda *a: (calls.append(len(a[0])), copy(*a))
         assert io.save(keys[:3], [5, 1, 6]).blocks_saved == 3
         assert _io(c, dst).load(keys[:3], [0, 2, 3]).loaded == 3
+        layers = []
+        assert _io(c, dst).load(keys[:3], [0, 2, 3], on_layer=layers.append).loaded == 3
     finally:
         _vb.copy_segments = copy
-    assert calls == [3, 3, 3, 3]   # one call per layer for all blocks, each way
+    assert layers == [0, 1]
+    assert calls == [6, 6, 3, 3]   # one call a step each way; layer by layer: one a layer
     for a, b in ((5, 0), (1, 2), (6, 3)):
         assert all(torch.equal(s[a], d[b]) for s, d in zip(src, dst))
     for k, b in zip(keys[:3], (5, 1, 6)):
@@ -303,12 +307,11 @@ def test_a_save_whose_copy_fails_publishes_failed_and_nothing_ready(make_cache):
     io = _io(c, src)
     copy_layer = io._copy_layer
 
-    def broken(layer, *args):
-        if layer == 1:
-            raise RuntimeError("copy broke")
-        return copy_layer(layer, *args)
+    def broken(blocks, slots, *args):   # layer 0 copied, then the copy breaks
+        copy_layer(0, blocks, slots, *args)
+        raise RuntimeError("copy broke")
 
-    io._copy_layer = broken
+    io._copy_blocks = broken
     keys = uv.block_keys(PROMPT, ID)
     st = io.save(keys[:2], [0, 1])
     assert st.blocks_saved == 0 and st.blocks_not_saved == 2
