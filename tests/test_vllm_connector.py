@@ -222,7 +222,9 @@ def test_vllm_cpus_layout_moves_by_the_c_copy_and_its_crc_is_the_two_pass_crc(ma
     finally:
         _vb.copy_segments = copy
     assert layers == [0, 1]
-    assert calls == [6, 6, 3, 3]   # one call a step each way; layer by layer: one a layer
+    # a save: the step's payload in one call, then its 3 headers in one; a whole-block load:
+    # one call; layer by layer: one a layer
+    assert calls == [6, 3, 6, 3, 3]
     for a, b in ((5, 0), (1, 2), (6, 3)):
         assert all(torch.equal(s[a], d[b]) for s, d in zip(src, dst))
     for k, b in zip(keys[:3], (5, 1, 6)):

@@ -380,6 +380,13 @@ class KVBlockIO:
         else:
             self._start_map_in()
 
+    def _payload_addrs(self, slots: np.ndarray) -> np.ndarray:
+        """The payload addresses (past the header) of segment slots ``slots`` in this
+        process's mapping, which does not move while the cache is open."""
+        lay = self.cache._layout
+        base = int(ffi.cast("uintptr_t", self.cache._seg.base)) + lay.data_off + HEADER_SIZE
+        return slots.astype(np.uint64) * np.uint64(lay.slot_stride) + np.uint64(base)
+
     def _plan_step(self) -> None:
         """The per-layer columns of _copy_blocks' one call (every layer fast)."""
         self._all_fast = all(p.fast for p in self._plans)
@@ -630,14 +637,10 @@ class KVBlockIO:
         None when every byte is in, else why not (nothing is published then).  A save
         ``dropped`` between two layers copies no more."""
         try:
-            slots = []
-            for i in mine:
-                arr = batch.array(i, np.uint8)   # the owner's writable view, pinned by the batch
-                if len(arr) < self.need:
-                    raise VllmConnectorError(f"a slot of {len(arr)} bytes for a block of "
-                                             f"{self.need}")
-                slots.append(_addr(arr) + HEADER_SIZE)
-                del arr
+            # the owned slots' payload addresses, claimed (pinned) by the batch until it
+            # closes; each slot holds self.need bytes (checked against the segment's slot
+            # size in __init__)
+            slots = self._payload_addrs(batch.slots[mine]).tolist()
             blocks = [bs[i] for i in mine]
             crcs = np.zeros(len(mine), dtype=np.uint32) if self.checksum else None
             point = self._test_points.get("save_between_layers")
@@ -649,12 +652,18 @@ class KVBlockIO:
                     point(layer)
                 if dropped is not None and layer + 1 < len(self.layers) and dropped():
                     return "ucmcache.vllm save dropped between two layers"
+            headers = bytearray(HEADER_SIZE * len(mine))   # every header, then one copy
             for j, i in enumerate(mine):
                 key = ks[i]
                 bid, offset = (key, 0) if isinstance(key, bytes) else key
-                header = pack_header(len(self.layers), self.fingerprint, bid, offset,
-                                     self.payload, int(crcs[j]) if crcs is not None else 0)
-                ctypes.memmove(slots[j] - HEADER_SIZE, header, HEADER_SIZE)
+                _HEADER.pack_into(headers, j * HEADER_SIZE, MAGIC, VERSION, len(self.layers),
+                                  self.fingerprint, bid, offset, self.payload,
+                                  int(crcs[j]) if crcs is not None else 0)
+            src = np.frombuffer(headers, dtype=np.uint8)
+            copy_segments(np.asarray(slots, dtype=np.uint64) - np.uint64(HEADER_SIZE),
+                          np.arange(len(mine), dtype=np.uint64) * np.uint64(HEADER_SIZE)
+                          + np.uint64(_addr(src)),
+                          np.full(len(mine), HEADER_SIZE, dtype=np.uint64))
         except Exception as e:
             return f"ucmcache.vllm save failed: {type(e).__name__}: {e}"
         return None
@@ -714,8 +723,10 @@ class KVBlockIO:
                     res.failed[b] = why
                     continue
                 blocks.append(b)
-                slots.append(_addr(np.frombuffer(mv, dtype=np.uint8)) + HEADER_SIZE)
+                slots.append(i)
                 want.append(crc)
+            # the passing positions' payload addresses (pinned by the batch until it closes)
+            slots = self._payload_addrs(batch.slots[slots]).tolist()
             crcs = np.zeros(len(blocks), dtype=np.uint32) if self.checksum else None
             if on_layer is None:   # whole blocks: the step in one copy
                 self._copy_blocks(blocks, slots, True, crcs)
