@@ -28,6 +28,10 @@ The floors, in this process and thread, of the same bytes:
                bench/engines.py calls the memcpy floor)
   floor seg    the same bytes in the same shape: copy_segments without CRC, 64 KiB at a time,
                between two resident buffers (memcpy per segment)
+  floor hot    floor np again at once, its bytes in the caches: bench/engines.py's floor is
+               this kind (np.copyto repeated on two buffers just written, in the bench's own
+               process while no engine runs), so it runs above what the connector's copies
+               meet (slot bytes last written by another step or process)
 Figures: medians [min-max] over --runs; ratios are each run's GB/s over that run's floor np.
 """
 from __future__ import annotations
@@ -157,6 +161,9 @@ def main() -> None:
         t0 = time.perf_counter()
         copy_segments(offs + np.uint64(base_b), offs + np.uint64(base_a), lens)
         record("floor seg", time.perf_counter() - t0)
+        t0 = time.perf_counter()   # at once again: the bytes just copied, in cache
+        np.copyto(fb, fa)
+        record("floor hot", time.perf_counter() - t0)
 
     floors = rows["floor np"]
     print(f"bench.kv_io: {a.blocks} blocks x {a.layers} layers x {block_bytes // a.layers} B "
