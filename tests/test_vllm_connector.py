@@ -136,6 +136,24 @@ def test_a_save_into_a_fresh_segment_takes_no_page_fault_per_page(make_cache):
     assert io._map_thread is None and io.mapped.is_set()
 
 
+def test_the_map_in_thread_runs_on_the_copy_cpus(make_cache, monkeypatch):
+    # the connector passes its copy threads' CPUs (off the forward's core): the map-in thread
+    # binds itself there before it touches a page
+    import threading
+    bound = []
+    monkeypatch.setattr(_vb.os, "sched_setaffinity",
+                        lambda pid, cpus: bound.append((pid, set(cpus),
+                                                        threading.current_thread().name)))
+    src = _kv(seed=4)
+    need = HEADER_SIZE + sum(t[0:1].numel() * t.element_size() for t in src)
+    c = make_cache(slots_per_rank=16, slot_size=need, max_ranks=1)
+    io = KVBlockIO(c, src, namespace=ID.namespace, map_cpus={0})
+    assert io.mapped.wait(30.0)
+    io.close()
+    assert bound == [(0, {0}, "ucmcache-map-in")]
+    assert io.mapped_in
+
+
 def test_a_block_that_cannot_be_loaded_is_reported_and_its_rows_left_untouched(make_cache):
     src, dst = _kv(seed=1), _kv(seed=2)
     need = HEADER_SIZE + sum(t[0:1].numel() * t.element_size() for t in src)

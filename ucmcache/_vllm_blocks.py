@@ -293,7 +293,7 @@ class KVBlockIO:
 
     def __init__(self, cache: SlotCache, layers: Sequence[Any], *, namespace: str,
                  offset: int = 0, pages: int = 1, checksum: bool = True,
-                 names: Optional[Sequence[str]] = None):
+                 names: Optional[Sequence[str]] = None, map_cpus: Optional[Set[int]] = None):
         import torch
         if not layers:
             raise VllmConnectorError("the worker registered no KV cache layers")
@@ -378,7 +378,7 @@ class KVBlockIO:
             self.mapped.set()   # cudaHostRegister maps and pins the segment itself
             self._cuda_setup()
         else:
-            self._start_map_in()
+            self._start_map_in(map_cpus)
 
     def _payload_addrs(self, slots: np.ndarray) -> np.ndarray:
         """The payload addresses (past the header) of segment slots ``slots`` in this
@@ -422,7 +422,7 @@ class KVBlockIO:
             log.warning("ucmcache.vllm: cudaHostRegister of %d bytes refused (%s); copies to "
                         "and from the segment stay pageable", size, err)
 
-    def _start_map_in(self) -> None:
+    def _start_map_in(self, cpus: Optional[Set[int]]) -> None:
         """Map the whole segment into this process's page tables, once, on a thread of its own
         (``_map_in``), instead of one page fault per 4 KiB page at a block's first copy.
 
@@ -438,14 +438,17 @@ class KVBlockIO:
         No memory is allocated by it (the pages exist since the create; page tables take
         2 MiB per GiB) and no byte of the segment changes (a populate is a fault, not a
         write).  A kernel without it (EINVAL) keeps faulting on first touch, with a log
-        line.  ``mapped`` is set when it is over (done or not)."""
+        line.  ``mapped`` is set when it is over (done or not).  ``cpus``: where the thread
+        runs (the connector's copy CPUs, off the forward's core), None where it starts."""
         self._map_stop = False
-        self._map_thread = threading.Thread(target=self._map_in, name="ucmcache-map-in",
-                                            daemon=True)
+        self._map_thread = threading.Thread(target=self._map_in, args=(cpus,),
+                                            name="ucmcache-map-in", daemon=True)
         self._map_thread.start()
 
-    def _map_in(self) -> None:
+    def _map_in(self, cpus: Optional[Set[int]]) -> None:
         try:
+            if cpus:
+                os.sched_setaffinity(0, cpus)   # this thread's CPUs (0: the calling thread)
             seg = self.cache._seg
             base = int(ffi.cast("uintptr_t", seg.base))
             size = int(seg.layout.total_size)
