@@ -35,6 +35,17 @@ The floors, in this process and thread, of the same bytes:
                process while no engine runs), so it runs above what the connector's copies
                meet (slot bytes last written by another step or process)
 Figures: medians [min-max] over --runs; ratios are each run's GB/s over that run's floor np.
+
+    .venv/bin/python -m bench.kv_io --instructions N
+
+runs N x (clear, save 64 blocks, load 64 blocks) with 64-byte layers instead, so that nearly
+all of it is the work around the copy (claims, checks, addresses, headers, publish), for
+valgrind: the instructions per step are the slope between two N, repeatable where timings on
+a loaded machine are not:
+
+    for n in 5 25; do PYTHONHASHSEED=0 valgrind --tool=callgrind \
+        --callgrind-out-file=/dev/null .venv/bin/python -m bench.kv_io --instructions $n \
+        2>&1 | grep Collected; done       # (b - a) / 20 = instructions per save+load step
 """
 from __future__ import annotations
 
@@ -71,6 +82,35 @@ class Phases:
         return timed
 
 
+def instructions(n: int) -> None:
+    import torch
+
+    from ucmcache import SlotCache
+    from ucmcache import _vllm_blocks as vb
+    u = f"bench-kvio-{uuidlib.uuid4().hex[:10]}"
+    src = [torch.rand((128, 1, 1, 16)) for _ in range(8)]   # 64 bytes a layer
+    dst = [torch.zeros((128, 1, 1, 16)) for _ in range(8)]
+    cache = SlotCache.create(u, slots_per_rank=80, slot_size=vb.HEADER_SIZE + 8 * 64,
+                             max_ranks=1)
+    try:
+        io = vb.KVBlockIO(cache, src, namespace="bench.kv_io")
+        lio = vb.KVBlockIO(cache, dst, namespace="bench.kv_io")
+        for x in (io, lio):
+            mapped = getattr(x, "mapped", None)
+            assert mapped is None or mapped.wait(60.0)
+        keys = [uuidlib.UUID(int=i).bytes for i in range(64)]
+        ids = list(range(64))
+        for _ in range(n):
+            cache.clear()
+            assert io.save(keys, ids).blocks_saved == 64
+            assert lio.load(keys, ids).loaded == 64
+        io.close()
+        lio.close()
+    finally:
+        cache.close()
+        SlotCache.unlink(u)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=5)
@@ -80,7 +120,11 @@ def main() -> None:
     ap.add_argument("--head-size", type=int, default=64)
     ap.add_argument("--block-size", type=int, default=32)
     ap.add_argument("--no-checksum", action="store_true")
+    ap.add_argument("--instructions", type=int, default=0, metavar="N",
+                    help="N save+load steps of 64-byte layers, for callgrind (no timings)")
     a = ap.parse_args()
+    if a.instructions:
+        return instructions(a.instructions)
 
     import torch
 
