@@ -654,12 +654,13 @@ class KVBlockIO:
             point = self._test_points.get("save_between_layers")
             if point is None:   # the forward is over: the whole step in one copy
                 self._copy_blocks(blocks, slots, False, crcs, after)
-            for layer in range(len(self.layers) if point is not None else 0):
-                self._copy_layer(layer, blocks, slots, False, crcs, after)
-                if layer + 1 < len(self.layers):
-                    point(layer)
-                if dropped is not None and layer + 1 < len(self.layers) and dropped():
-                    return "ucmcache.vllm save dropped between two layers"
+            else:   # the test point: layer by layer, stopping between two
+                for layer in range(len(self.layers)):
+                    self._copy_layer(layer, blocks, slots, False, crcs, after)
+                    if layer + 1 < len(self.layers):
+                        point(layer)
+                    if dropped is not None and layer + 1 < len(self.layers) and dropped():
+                        return "ucmcache.vllm save dropped between two layers"
             headers = bytearray(HEADER_SIZE * len(mine))   # every header, then one copy
             for j, i in enumerate(mine):
                 key = ks[i]
@@ -738,9 +739,10 @@ class KVBlockIO:
             crcs = np.zeros(len(blocks), dtype=np.uint32) if self.checksum else None
             if on_layer is None:   # whole blocks: the step in one copy
                 self._copy_blocks(blocks, slots, True, crcs)
-            for layer in range(len(self.layers) if on_layer is not None else 0):
-                self._copy_layer(layer, blocks, slots, True, crcs)
-                on_layer(layer)
+            else:
+                for layer in range(len(self.layers)):
+                    self._copy_layer(layer, blocks, slots, True, crcs)
+                    on_layer(layer)
         for j, b in enumerate(blocks):
             if crcs is not None and int(crcs[j]) != want[j]:
                 res.failed[b] = "checksum mismatch"
