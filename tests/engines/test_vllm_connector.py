@@ -111,6 +111,50 @@ def test_blocks_round_trip_between_two_kv_caches_and_are_written_once(make_cache
             assert torch.equal(layer_src[a], layer_dst[b])
 
 
+def test_a_save_into_a_fresh_segment_takes_no_page_fault_per_page(make_cache):
+    # Every process faults each page of a shared mapping into its own page tables on first
+    # touch, one write fault per 4 KiB page (no fault-around on a shared writable page): that
+    # was most of a save's time into a new segment (bench/kv_io.py).  KVBlockIO maps the
+    # segment in at start (MADV_POPULATE_WRITE, on a thread of its own: waited for here), so
+    # the save's copies fault nothing: 64 blocks of 32 KiB here are 512 pages, one fault
+    # each before.
+    resource = pytest.importorskip("resource")
+    src = _kv(blocks=64, seed=3)
+    need = HEADER_SIZE + sum(t[0:1].numel() * t.element_size() for t in src)
+    c = make_cache(slots_per_rank=64, slot_size=need, max_ranks=1)
+    io = _io(c, src)
+    assert io.mapped.wait(30.0)
+    keys = [bytes([i]) * 16 for i in range(64)]
+    pages = 64 * (need - HEADER_SIZE) // 4096
+    f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    assert io.save(keys, list(range(64))).blocks_saved == 64
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0
+    assert faults < pages // 8, f"{faults} page faults for {pages} pages saved"
+    dst = [torch.zeros_like(t) for t in src]
+    assert _io(c, dst).load(keys, list(range(64))).loaded == 64
+    assert all(torch.equal(a, b) for a, b in zip(src, dst))
+    io.close()
+    assert io._map_thread is None and io.mapped.is_set()
+
+
+def test_the_map_in_thread_runs_on_the_copy_cpus(make_cache, monkeypatch):
+    # the connector passes its copy threads' CPUs (off the forward's core): the map-in thread
+    # binds itself there before it touches a page
+    import threading
+    bound = []
+    monkeypatch.setattr(_vb.os, "sched_setaffinity",
+                        lambda pid, cpus: bound.append((pid, set(cpus),
+                                                        threading.current_thread().name)))
+    src = _kv(seed=4)
+    need = HEADER_SIZE + sum(t[0:1].numel() * t.element_size() for t in src)
+    c = make_cache(slots_per_rank=16, slot_size=need, max_ranks=1)
+    io = KVBlockIO(c, src, namespace=ID.namespace, map_cpus={0})
+    assert io.mapped.wait(30.0)
+    io.close()
+    assert bound == [(0, {0}, "ucmcache-map-in")]
+    assert io.mapped_in
+
+
 def test_a_block_that_cannot_be_loaded_is_reported_and_its_rows_left_untouched(make_cache):
     src, dst = _kv(seed=1), _kv(seed=2)
     need = HEADER_SIZE + sum(t[0:1].numel() * t.element_size() for t in src)
@@ -177,7 +221,8 @@ def _slot_bytes(c, key):
 
 def test_vllm_cpus_layout_moves_by_the_c_copy_and_its_crc_is_the_two_pass_crc(make_cache):
     """[blocks, kv heads, block size, 2 x head size], contiguous: each layer's block is one
-    range, copied by one C call per layer; the header's CRC-32C is the one a separate pass
+    range: a save and a whole-block load copy all of a step's layers and blocks in one C call,
+    a layer-by-layer load one call per layer; the header's CRC-32C is the one a separate pass
     over the stored payload sums (the block format is unchanged)."""
     src, dst = _kv(seed=1), _kv(seed=2)
     need = HEADER_SIZE + sum(t[0:1].numel() * t.element_size() for t in src)
@@ -191,9 +236,14 @@ def test_vllm_cpus_layout_moves_by_the_c_copy_and_its_crc_is_the_two_pass_crc(ma
         _vb.copy_segments = lambda *a: (calls.append(len(a[0])), copy(*a))
         assert io.save(keys[:3], [5, 1, 6]).blocks_saved == 3
         assert _io(c, dst).load(keys[:3], [0, 2, 3]).loaded == 3
+        layers = []
+        assert _io(c, dst).load(keys[:3], [0, 2, 3], on_layer=layers.append).loaded == 3
     finally:
         _vb.copy_segments = copy
-    assert calls == [3, 3, 3, 3]   # one call per layer for all blocks, each way
+    assert layers == [0, 1]
+    # a save: the step's payload in one call, then its 3 headers in one; a whole-block load:
+    # one call; layer by layer: one a layer
+    assert calls == [6, 3, 6, 3, 3]
     for a, b in ((5, 0), (1, 2), (6, 3)):
         assert all(torch.equal(s[a], d[b]) for s, d in zip(src, dst))
     for k, b in zip(keys[:3], (5, 1, 6)):
@@ -278,12 +328,11 @@ def test_a_save_whose_copy_fails_publishes_failed_and_nothing_ready(make_cache):
     io = _io(c, src)
     copy_layer = io._copy_layer
 
-    def broken(layer, *args):
-        if layer == 1:
-            raise RuntimeError("copy broke")
-        return copy_layer(layer, *args)
+    def broken(blocks, slots, *args):   # layer 0 copied, then the copy breaks
+        copy_layer(0, blocks, slots, *args)
+        raise RuntimeError("copy broke")
 
-    io._copy_layer = broken
+    io._copy_blocks = broken
     keys = uv.block_keys(PROMPT, ID)
     st = io.save(keys[:2], [0, 1])
     assert st.blocks_saved == 0 and st.blocks_not_saved == 2

