@@ -6,7 +6,7 @@ import weakref
 import pytest
 
 from ucmcache import SlotCache
-from ucmcache.tiers.base import BoundTier, Tier
+from ucmcache.core.tier import BoundTier, Tier
 
 
 K = [i.to_bytes(8, "little") * 2 for i in range(200)]

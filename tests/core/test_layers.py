@@ -1,8 +1,9 @@
 """The package's layers, read from every module's imports (ast, nothing imported): arrows run only
 downward.  The core (ucmcache/core/) imports nothing of the tiers, engines, CLI or the package's
-top modules, only the C extensions and the one tier interface it calls (ucmcache/tiers/base.py,
-which imports nothing of the package); a tier imports the core and the tiers' shared modules
-(base, breaker, write_through), never another tier or an engine; an engine imports no tier.
+top modules, only the C extensions (the tier interface the cache calls is the core's own,
+ucmcache/core/tier.py, which the tiers implement); a tier imports the core and the tiers'
+shared modules (breaker, write_through), never another tier or an engine; an engine imports no
+tier.
 Every import is counted, at any depth (a lazy import inside a function is an arrow too)."""
 import ast
 import os
@@ -14,8 +15,7 @@ PACKAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.a
     __file__)))), "ucmcache")
 EXTENSIONS = {"ucmcache._core", "ucmcache._hit", "ucmcache._crc"}
 TOP = {"ucmcache", "ucmcache.__main__", "ucmcache.lowlevel", "ucmcache.metrics", "ucmcache.demo"}
-SHARED_TIER = {"ucmcache.tiers", "ucmcache.tiers.base", "ucmcache.tiers.breaker",
-               "ucmcache.tiers.write_through"}
+SHARED_TIER = {"ucmcache.tiers", "ucmcache.tiers.breaker", "ucmcache.tiers.write_through"}
 
 
 def modules(package=PACKAGE):
@@ -35,12 +35,10 @@ def modules(package=PACKAGE):
 
 
 def layer(mod):
-    """The layer a module belongs to: core, tier interface, a tier's shared piece, one tier
+    """The layer a module belongs to: core, a tiers' shared piece, one tier
     (disk, redis: the old package paths are the same tiers), engine, cli, extension, top."""
     if mod in EXTENSIONS:
         return "extension"
-    if mod == "ucmcache.tiers.base":
-        return "tier interface"
     if mod in SHARED_TIER:
         return "tiers"
     for old, tier in (("ucmcache.tiers.disk", "tier disk"), ("ucmcache.disktier", "tier disk"),
@@ -87,15 +85,12 @@ def wrong_arrows(package=PACKAGE):
         for target in sorted(imports(mod, path, is_pkg, known)):
             theirs = layer(target)
             why = None
-            if mine == "core" and theirs not in ("core", "extension", "tier interface"):
+            if mine == "core" and theirs not in ("core", "extension"):
                 why = f"the core imports the {theirs} layer"
-            elif mine == "tier interface" and theirs != "extension":
-                why = "the tier interface imports nothing of the package"
-            elif mine == "tiers" and theirs not in ("core", "extension", "tier interface",
-                                                     "tiers"):
+            elif mine == "tiers" and theirs not in ("core", "extension", "tiers"):
                 why = f"a tiers' shared module imports the {theirs} layer"
             elif mine.startswith("tier ") and theirs not in (
-                    "core", "extension", "tier interface", "tiers", mine):
+                    "core", "extension", "tiers", mine):
                 why = f"the {mine[5:]} tier imports the {theirs} layer"
             elif mine == "engine" and (theirs.startswith("tier") or theirs in ("cli", "top")):
                 why = f"an engine imports the {theirs} layer"
@@ -112,7 +107,7 @@ def test_every_layer_is_found():
     """The check reads the package it should: each layer has modules, so a rename that the
     layer() table misses does not pass an empty check."""
     found = {layer(m) for m in modules()}
-    assert {"core", "tier interface", "tiers", "tier disk", "tier redis", "engine", "cli",
+    assert {"core", "tiers", "tier disk", "tier redis", "engine", "cli",
             "top"} <= found, found
 
 

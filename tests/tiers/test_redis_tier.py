@@ -14,7 +14,7 @@ import pytest
 
 from ucmcache import RedisTier, SlotCache, SegmentNotFound
 from ucmcache.lowlevel import hooks as _hooks
-from ucmcache.tiers.base import BoundTier, Tier
+from ucmcache.core.tier import BoundTier, Tier
 from ucmcache.tiers.redis.codec import HEADER, MAGIC, decode, encode
 
 # Fixtures used by name: redis_cluster, redis_unix, redis_workdir.
@@ -139,7 +139,7 @@ def test_bad_tier2_argument_creates_nothing():
 
 
 class DictTier(Tier):
-    """A second backend through the tier interface alone (ucmcache.tiers.base): a dict of this
+    """A second backend through the tier interface alone (ucmcache.core.tier): a dict of this
     process, shared by every cache bound to it; it records the calls it gets."""
 
     def __init__(self):

@@ -49,7 +49,7 @@ from .locks import Stripes, describe_stripe_holder
 from .recovery import (RecoveryReport, free_rank, rank_alive, recover_dead_ranks, take_rank)
 from .results import code_name
 from .ring import Prefetcher, Prefetching, ring_counters
-from ..tiers.base import BoundTier, TierArg, check_tier
+from .tier import BoundTier, TierArg, check_tier
 from .segment import LIFE_LOCK_BYTE0, Segment
 from .. import _hit
 from . import single_flight as _single_flight, slots as _slots, stats as _stats

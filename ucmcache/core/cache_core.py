@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from .layout import Layout
     from .recovery import RecoveryReport
     from .segment import Segment
-    from ..tiers.base import BoundTier
+    from .tier import BoundTier
 
 
 class CacheCore(Protocol):

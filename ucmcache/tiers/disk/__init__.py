@@ -1,6 +1,6 @@
 """The disk tier: blocks on a local directory beneath the shared-memory cache (DESIGN 4.14).
 
-``DiskTier(path, capacity_bytes)`` is a tier (ucmcache.tiers.base) like ``RedisTier``, usable alone
+``DiskTier(path, capacity_bytes)`` is a tier (ucmcache.core.tier) like ``RedisTier``, usable alone
 (``tier2=DiskTier(...)``) or above Redis (``tier2=[DiskTier(...), RedisTier(...)]``).  Modules:
 
 * ``fileformat``: the block file (header with the key, length and checksums; versioned);

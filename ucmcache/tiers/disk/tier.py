@@ -45,7 +45,7 @@ from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Se
 
 from ...core import hooks as _hooks
 from ...core.errors import UcmError
-from ..base import BoundTier, Owned, Tier
+from ...core.tier import BoundTier, Owned, Tier
 from ...core.timeouts import check_bound, check_timeout
 from ..write_through import WriteThroughQueue
 from ..breaker import Breaker
@@ -935,7 +935,7 @@ class DiskTier(Tier):
             self.counters.close()
 
     def bind(self, count: Callable[[int, int], None], slot_size: int) -> "BoundDisk":
-        """This tier as one cache uses it (ucmcache.tiers.base).  Its counters are its own (the
+        """This tier as one cache uses it (ucmcache.core.tier).  Its counters are its own (the
         directory's ``t2_*``), not the segment's, which count the Redis tier."""
         return BoundDisk(self, slot_size)
 

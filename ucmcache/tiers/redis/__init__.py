@@ -16,7 +16,7 @@ Redis before its loader runs:
 
 ``clear()`` is local: it does not touch tier 2 (change the namespace to drop tier-2 values).
 
-The cache calls tier 2 through the interface of ucmcache.tiers.base only; the modules here, by
+The cache calls tier 2 through the interface of ucmcache.core.tier only; the modules here, by
 concept:
 
 * ``breaker``: the circuit breaker (closed / open / half-open) and ``Bypass``;

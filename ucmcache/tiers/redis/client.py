@@ -22,7 +22,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from ...core import hooks as _hooks
 from ...core.keys import split_key
-from ..base import Tier
+from ...core.tier import Tier
 from ...core.timeouts import check_bound, check_timeout
 from ..write_through import WriteThroughQueue
 from .announce import Listener
@@ -385,7 +385,7 @@ class RedisTier(Tier):
         self._reset_process_state()
 
     def bind(self, count: Callable[[int, int], None], slot_size: int) -> Leases:
-        """This tier as one cache uses it (ucmcache.tiers.base): that cache's leases."""
+        """This tier as one cache uses it (ucmcache.core.tier): that cache's leases."""
         return Leases(self, count, slot_size)
 
 

@@ -1,5 +1,5 @@
 """The lease protocol: tier 2 as one SlotCache uses it (DESIGN 4.10; the ``BoundTier`` of
-ucmcache.tiers.base).
+ucmcache.core.tier).
 
 ``lookup`` answers a cache's owned cold keys: round trip 1 reads the values; for the rest,
 round trip 2 takes a lease for each (``SET lease token NX PX ttl``, in the same round trip as a
@@ -23,7 +23,7 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tu
 
 from ...core import hooks as _hooks
 from ..._core import lib
-from ..base import BoundTier, Owned
+from ...core.tier import BoundTier, Owned
 from ..breaker import Bypass
 from .codec import HEADER_SIZE, decode, lease_token
 
