@@ -94,9 +94,6 @@ def memcpy_floor(total_bytes: int, runs: int = 5) -> list:
 
 
 def main() -> None:
-    if "--flight" in sys.argv[1:]:   # single flight across engines: its own table
-        from bench.engine_flight import main as flight
-        return flight([x for x in sys.argv[1:] if x != "--flight"])
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sets", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=2048)

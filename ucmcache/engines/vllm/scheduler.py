@@ -11,7 +11,7 @@ import multiprocessing.util as _mp_util
 import os
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 from ...core.cache import SlotCache
 from ...core.errors import CorruptSegment, SegmentNotFound, UcmError
@@ -19,9 +19,6 @@ from .. import kit
 from ..kit import EngineParts
 from .blocks import EngineIdentity, VllmConnectorError, block_keys, exist_prefix_all_ranks
 from .flight import Intents, exist_all_ranks, open_intents
-
-if TYPE_CHECKING:  # pragma: no cover
-    from .connector import UcmCacheConnectorMetadata
 
 log = logging.getLogger("ucmcache.vllm")
 
@@ -150,7 +147,7 @@ class ConnectorScheduler:
                                         ids[start:end]))
         st.saved_blocks = max(st.saved_blocks, end)
 
-    def build_connector_meta(self, scheduler_output: Any) -> "UcmCacheConnectorMetadata":
+    def build_connector_meta(self, scheduler_output: Any) -> Any:
         self._flight_step(scheduler_output)
         meta = self._new_meta(
             loads=self._pending_loads, delayed=self._delayed,
@@ -280,7 +277,7 @@ class ConnectorScheduler:
                 log.warning("UcmCacheConnector: intents: %s", e)
         self._write_flight_stats(f)
 
-    def _flight_handed(self, meta: "UcmCacheConnectorMetadata") -> None:
+    def _flight_handed(self, meta: Any) -> None:   # a UcmCacheConnectorMetadata
         f = self._flight
         if f is not None:
             for job in meta.saves:

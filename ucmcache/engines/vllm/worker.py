@@ -17,8 +17,7 @@ from ..kit import EngineParts
 from .blocks import (HEADER_SIZE, SAVE_WAIT, DeferredSaves, EngineIdentity, IOStats, KVBlockIO,
                      LayerLoad, LoadResult, VllmConnectorError)
 
-if TYPE_CHECKING:  # pragma: no cover
-    from .connector import ConnectorConfig
+from .config import ConnectorConfig
 
 log = logging.getLogger("ucmcache.vllm")
 
