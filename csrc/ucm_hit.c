@@ -126,6 +126,10 @@ typedef struct {
     Py_ssize_t forks_out;     /* forks of this process whose parent side holds pins through ctx
                                * until the child has copied them (_fork_hold): the context is
                                * not taken away meanwhile (cache_detach) */
+    PyObject *owned_key;      /* _owned_key: this cache's key in the owned-slot records (an
+                               * int from a process-wide count, never reused, unlike id():
+                               * a set a collected cache left in a record is never another
+                               * cache's; see _slots.OwnedRecord) */
 } CacheBase;
 
 /* The re-check after a reentrancy point (see the top of this file): `now` is the cache as the
@@ -603,6 +607,9 @@ struct HandleBase {
                          * token moved in: pinned_handle): the C twin of token (zeroed by
                          * tp_alloc: unarmed), dropped by handle_drop, by dealloc if still
                          * armed ("collected without ready()") */
+    int kept_owned;     /* an owner closed while another thread's close() had the context away:
+                         * its pin, so its load, goes on until the handle is collected, and its
+                         * slot stays in its owned set until then (kept_owned_discard) */
 };
 
 /* A new handle's fields: inert (closed), no cache, no owner.  No allocation (None, bools and
@@ -758,18 +765,16 @@ static PyObject *handle_close_with(HandleBase *h, PyObject *msg, PyObject *et, P
                                    PyObject *tb);
 
 /* The set the current context's owned loads of cache go to (its owned-slot record's own set:
- * the record, a dict, maps id(cache) to it), a new reference, or NULL with an exception.  One
- * lookup when the context has it; otherwise _slots._owned_slots makes it (the record's rules
- * are written there once). */
+ * the record, a dict, maps the cache's _owned_key to it), a new reference, or NULL with an
+ * exception.  One lookup when the context has it; otherwise _slots._owned_slots makes it (the
+ * record's rules are written there once). */
 static PyObject *owned_set(PyObject *cache)
 {
     PyObject *d = NULL, *set = NULL;
+    CacheBase *c = cache_of(cache);
     if (PyContextVar_Get(owning, NULL, &d) < 0) return NULL;
-    if (d && PyDict_Check(d)) {
-        PyObject *id = PyLong_FromVoidPtr(cache); /* id(cache) */
-        if (!id) goto done;
-        set = PyDict_GetItemWithError(d, id);
-        Py_DECREF(id);
+    if (d && PyDict_Check(d) && c && c->owned_key) {
+        set = PyDict_GetItemWithError(d, c->owned_key);
         if (set && PySet_CheckExact(set)) {
             Py_INCREF(set);
             goto done;
@@ -1236,10 +1241,16 @@ static PyObject *cache_read_many(CacheBase *self, PyObject *const *args, Py_ssiz
     return forward((PyObject *)self, s_read_many_full, args, nargs, kwnames);
 }
 
+/* The caches made in this process so far: the next one's _owned_key (read and counted under
+ * the GIL; a forked child goes on counting from its parent's, whose caches it cannot use). */
+static unsigned long long caches_made;
+
 static PyObject *cache_new(PyTypeObject *type, PyObject *args, PyObject *kw)
 {
     CacheBase *c = (CacheBase *)type->tp_alloc(type, 0);
-    if (c && !(c->open_handles = PyLong_FromLong(0))) Py_CLEAR(c);
+    if (c && (!(c->open_handles = PyLong_FromLong(0)) ||
+              !(c->owned_key = PyLong_FromUnsignedLongLong(++caches_made))))
+        Py_CLEAR(c);
     return (PyObject *)c;
 }
 
@@ -1273,6 +1284,7 @@ static void cache_dealloc(CacheBase *c)
     Py_CLEAR(c->tier);
     Py_CLEAR(c->ctx_obj);
     Py_CLEAR(c->ro);
+    Py_CLEAR(c->owned_key);
     Py_TYPE(c)->tp_free((PyObject *)c);
 }
 
@@ -1476,6 +1488,8 @@ static PyMemberDef cache_members[] = {
      "Cold get_or_loads whose loader runs now (each owns a load); close() refuses while any is."},
     {"_exports", T_PYSSIZET, offsetof(CacheBase, exports), READONLY,
      "Views of slot bytes alive now (each keeps its slot pinned); close() refuses while any is."},
+    {"_owned_key", T_OBJECT, offsetof(CacheBase, owned_key), READONLY,
+     "This cache's key in the owned-slot records: never another cache's of this process."},
     {NULL},
 };
 
@@ -1597,7 +1611,10 @@ static int handle_drop(HandleBase *h, PyObject *msg)
         /* A closed or forked cache's: not our pin.  But an owner's load ends with its handle
          * when the cache is gone for good (closed, finalized first in a cycle with it): its
          * slot leaves the owned set, which a cache made later with the same id() would read. */
-        if (h->owner == Py_True && unusable_for_good(h->cache)) owned_discard(h->owned, h->slot);
+        if (h->owner == Py_True) {
+            if (unusable_for_good(h->cache)) owned_discard(h->owned, h->slot);
+            else h->kept_owned = 1; /* its load goes on: the slot leaves at its collection */
+        }
         return 0;
     }
     ucm_ctx *ctx = c->ctx;
@@ -1969,10 +1986,23 @@ static int handle_traverse(HandleBase *o, visitproc visit, void *arg)
     return 0;
 }
 
+/* A handle whose load went on past its close (kept_owned) is collected: its pin drops now
+ * (the armed ctok in dealloc, the full path's token with the fields), so its load ends, and
+ * its slot leaves the owned set first, as in handle_drop (else a later wait of its context on
+ * the slot, Loading then for another key or owner, would be refused as a wait for itself).
+ * The pin is still held here, so no later load of the slot can be in the set yet. */
+static void kept_owned_discard(HandleBase *h)
+{
+    if (!h->kept_owned) return;
+    h->kept_owned = 0;
+    owned_discard(h->owned, h->slot);
+}
+
 /* Never the armed ctok: its drop is dealloc's (a cycle's handle is finalized, so closed, by
  * then). */
 static int handle_clear(HandleBase *o)
 {
+    kept_owned_discard(o); /* before the fields go: the token among them drops the pin */
     HANDLE_FIELDS(FIELD_CLEAR)
     return 0;
 }
@@ -1980,6 +2010,7 @@ static int handle_clear(HandleBase *o)
 static void handle_dealloc(HandleBase *h)
 {
     PyObject_GC_UnTrack(h);
+    kept_owned_discard(h);
     /* A close cut short (see finalize_by_close): the C token drops its pin as cffi's would. */
     if (h->ctok.armed) core.token_release(NULL, &h->ctok);
     if (h->weakreflist) PyObject_ClearWeakRefs((PyObject *)h);
@@ -2069,6 +2100,8 @@ typedef struct {
     int64_t *len_at;      /* holds: the arrays stay referenced, so their memory does not move */
     Py_ssize_t n_slot_at, n_len_at;
     Py_ssize_t n;         /* _n: the positions (a getset: never more than the arrays hold) */
+    int kept_owned;       /* as HandleBase's: closed while a close had the context away, its
+                           * owned positions' slots stay in the owned set until collected */
 } BatchBase;
 
 /* A new batch's fields: inert (closed), no cache, no owner (no allocation). */
@@ -2233,7 +2266,10 @@ static int batch_drop(BatchBase *b, PyObject *msg)
     if (!c || !c->ctx) {
         /* A closed or forked cache's batch: not our pins; its owned loads end with it when the
          * cache is gone for good (as in handle_drop). */
-        if (b->any_owner == Py_True && unusable_for_good(b->cache)) batch_owned_discard(b);
+        if (b->any_owner == Py_True) {
+            if (unusable_for_good(b->cache)) batch_owned_discard(b);
+            else b->kept_owned = 1; /* its loads go on: their slots leave at its collection */
+        }
         return 0;
     }
     ucm_ctx *ctx = c->ctx;
@@ -2418,6 +2454,10 @@ static int batch_traverse(BatchBase *o, visitproc visit, void *arg)
 
 static int batch_clear(BatchBase *o)
 {
+    if (o->kept_owned) { /* as kept_owned_discard: the token among the fields drops the pins */
+        o->kept_owned = 0;
+        batch_owned_discard(o);
+    }
     o->slot_at = NULL; /* first: C's views of the arrays go with them */
     o->len_at = NULL;
     o->n_slot_at = o->n_len_at = 0;

@@ -427,7 +427,7 @@ def test_a_cold_loads_slot_leaves_the_owned_set_before_the_finish(make_cache, ga
     seen = []
 
     def loader():
-        seen.append(set(_slots._owning.get()[id(c)]))   # recorded while the loader runs
+        seen.append(set(_slots._owning.get()[c._owned_key]))   # recorded while the loader runs
         return b"v"
     c._arm("load_published", "gate", g)
     _slots._owned_slots(c)                              # the record exists before the copy
@@ -437,7 +437,7 @@ def test_a_cold_loads_slot_leaves_the_owned_set_before_the_finish(make_cache, ga
     t.start()
     try:
         g.wait_arrived()
-        owned = set(records.get(id(c), ()))
+        owned = set(records.get(c._owned_key, ()))
     finally:
         c._arm("load_published", "none")
         g.release()

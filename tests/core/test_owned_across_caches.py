@@ -251,11 +251,11 @@ def test_a_record_holds_the_sets_of_open_caches_only(make_cache):
             c.close()
             closed.append(c)
         record = _slots._owning.get()
-        assert sorted(record) == sorted([id(c1)])
+        assert sorted(record) == sorted([c1._owned_key])
         with c2.get(K2) as h:                      # a load owned through c2, in flight
             assert h.owner and _slots.owns_load(c1, h.slot)
-            assert sorted(record) == sorted([id(c1), id(c2)])
-            assert set(c1._segment_id.caches) == {id(c1), id(c2)}
+            assert sorted(record) == sorted([c1._owned_key, c2._owned_key])
+            assert set(c1._segment_id.caches) == {c1._owned_key, c2._owned_key}
             h.fail("done")
         return closed
     try:

@@ -470,3 +470,68 @@ def test_an_owner_closed_while_a_close_has_the_context_away_keeps_its_slot_owned
         other.fail("done")
         other.close()
     assert lib.ucm_slot_state(c._ctx, slot) == lib.UCM_FAILED   # the collected owner failed it
+
+
+def _own_slot_elsewhere(c, slot, held):
+    """Another caller's owner (taken in an empty context) of a new key's load on ``slot``: keys
+    whose loads land elsewhere are owned too (kept in ``held``) until one lands there."""
+    for n in range(100, 100 + c.slots_per_rank * c.max_ranks + 1):
+        h = contextvars.Context().run(c.get, bytes([n]) * 16)
+        held.append(h)
+        assert h.owner
+        if h.slot == slot:
+            return h, bytes([n]) * 16
+    raise AssertionError(f"no new key's load took slot {slot}")
+
+
+@pytest.mark.parametrize("kind", ["handle", "batch"])
+def test_an_owner_closed_while_a_close_had_the_context_away_owns_nothing_once_collected(
+        make_cache, kind):
+    """The owner above (a handle, or a batch owning its position) keeps its slot owned while
+    its load goes on, until it is collected: then its pin drops, its load fails, and its slot
+    leaves the owned set too.  Another caller's next load of that slot is waited for by this
+    context (until the timeout), not refused as this context's own.  (Before: the slot stayed
+    in the set for good, refusing every later wait on it, and after the cache's close the set
+    stayed in the record under id(cache), where a cache made later with the same id() found
+    it: tests/core/test_owned_across_caches.py's wait for another caller's load failed so.)"""
+    import gc
+    c = make_cache(slots_per_rank=2, max_ranks=1, slot_size=64)
+    made = {}
+    detach, live = c._detach_ctx, c._live_handles
+
+    def detach_after_gets():          # "another thread" owns K1 and pins K2 meanwhile
+        made["owner"] = c.get(K1) if kind == "handle" else c.get_many([K1])
+        made["other"] = c.get(K2)
+        return detach()
+
+    def live_closing_the_owner():     # ... and closes its owner while the context is away
+        if c._ctx is None and "closed" not in made:
+            made["closed"] = True
+            made["owner"].close()
+        return live()
+
+    c._detach_ctx, c._live_handles = detach_after_gets, live_closing_the_owner
+    try:
+        with pytest.raises(UcmError, match="cannot close"):
+            c.close()
+    finally:
+        del c._detach_ctx, c._live_handles
+    owner, other = made.pop("owner"), made.pop("other")
+    held = [other]
+    try:
+        slot = owner.slot if kind == "handle" else int(owner.slots[0])
+        with pytest.raises(UcmError, match=REFUSED):   # its load goes on: still refused
+            wait_for(c, K1, 30)
+        del owner
+        gc.collect()
+        assert lib.ucm_slot_state(c._ctx, slot) == lib.UCM_FAILED   # its load ended
+        held.remove(other)
+        other.fail("done")
+        other.close()
+        _, key = _own_slot_elsewhere(c, slot, held)
+        with pytest.raises(TimeoutError):
+            wait_for(c, key, SHORT)
+    finally:
+        for h in held:
+            h.fail("done")
+            h.close()

@@ -65,9 +65,11 @@ def decode_pin(answer: int) -> Tuple[int, int, bool]:
 # install there), so a later load of the creator that takes the same slot is not inherited.
 _owning: "contextvars.ContextVar[OwnedRecord]" = contextvars.ContextVar("ucmcache_owning")
 
-# The caches of this process by id (a record's keys): an inherited load's serial is read
-# through its cache's context, and a load owned through one cache is found for another of the
-# same segment (owns_load).  Weak: a record does not keep a cache alive.
+# The caches of this process by key (a record's keys: cache._owned_key, a count of the caches
+# this process made, so never reused, unlike id(): a set or inherited load a collected cache
+# left in a record can name no later cache): an inherited load's serial is read through its
+# cache's context, and a load owned through one cache is found for another of the same
+# segment (owns_load).  Weak: a record does not keep a cache alive.
 _caches: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
 
 
@@ -78,11 +80,11 @@ class SegmentId:
     another file, another segment, and a cache still attached to the old one is not the new
     one's.  (An inode is not reused while a cache maps it; a closed cache owns no load.)
 
-    ``caches``: id -> a weak reference, for each cache of this process open on the segment
-    (owns_load looks up these ids in a record, not every set the record holds).  An id leaves
-    at the cache's close (forget_cache) or its collection (the reference's callback: the
-    references live here, so the callback runs even when the cache dies in a cycle), so an id
-    here is never a reused one.  Each change is one dict operation (atomic under the GIL, no
+    ``caches``: key (``_owned_key``) -> a weak reference, for each cache of this process open on
+    the segment (owns_load looks up these keys in a record, not every set the record holds).  A
+    key leaves at the cache's close (forget_cache) or its collection (the reference's callback:
+    the references live here, so the callback runs even when the cache dies in a cycle).  Each
+    change is one dict operation (atomic under the GIL, no
     lock: a callback may run inside any allocation); a reader copies the ids in one call."""
 
     __slots__ = ("uuid", "caches", "__weakref__")
@@ -92,12 +94,11 @@ class SegmentId:
         self.caches: "Dict[int, weakref.ref]" = {}
 
     def add(self, cache: "SlotCache") -> None:
-        key = id(cache)
+        key = cache._owned_key
         caches = self.caches
 
         def gone(ref: "weakref.ref") -> None:
-            if caches.get(key) is ref:  # (not a later cache's of the same id)
-                del caches[key]
+            caches.pop(key, None)
         caches[key] = weakref.ref(cache, gone)
 
 
@@ -131,17 +132,17 @@ def note_cache(cache: "SlotCache", uuid: str, file: Tuple[int, int]) -> None:
     # The records holding a set of its, by id, weakly (a record is a dict: not hashable)
     cache._owned_records = weakref.WeakValueDictionary()
     seg.add(cache)
-    _caches[id(cache)] = cache
+    _caches[cache._owned_key] = cache
 
 
 def forget_cache(cache: "SlotCache") -> None:
     """A cache closed for good (its close committed, or its finalizer's): it owns no load any
     more, so owns_load no longer looks it up, and its empty set leaves every record that holds
     one (``_owned_records``, weak: noted as each set was made), so a context's record holds
-    the sets of the caches open that it loaded through, not of every cache it ever did.  Done
-    while the cache lives, so its id is not another cache's yet; no load begins through it
-    again, so nothing adds to the set taken out (a set a load is still in stays)."""
-    key = id(cache)
+    the sets of the caches open that it loaded through, not of every cache it ever did.  No
+    load begins through it again, so nothing adds to the set taken out (a set a load is still
+    in stays; its key is never another cache's, so no later cache reads it)."""
+    key = cache._owned_key
     seg = getattr(cache, "_segment_id", None)
     if seg is not None:
         seg.caches.pop(key, None)
@@ -153,13 +154,14 @@ def forget_cache(cache: "SlotCache") -> None:
 
 
 def _same_segment(cache: "SlotCache", key: int) -> bool:
-    """Whether the cache of this process with id ``key`` is open on cache's segment."""
+    """Whether the cache of this process whose ``_owned_key`` is ``key`` is open on cache's
+    segment."""
     seg = getattr(cache, "_segment_id", None)  # (None before note_cache: no load to own)
     return seg is not None and key in seg.caches
 
 
 def _install_serial(key: int, slot: int) -> int:
-    """The serial of this process's latest install of the slot in the cache id(cache) == key,
+    """The serial of this process's latest install of the slot in the cache whose key is key,
     or -1 when it cannot be read: the cache gone or closed, or its context away for a moment
     inside another thread's close() (see _inherited)."""
     cache = _caches.get(key)
@@ -167,13 +169,13 @@ def _install_serial(key: int, slot: int) -> int:
 
 
 class OwnedRecord(dict):
-    """id(cache) -> the set of slots whose loads the contexts holding this record own (a dict,
-    so csrc/ucm_hit.c's owned_set finds the set with one lookup).  ``inherited``: the loads of
-    the records it was made from that were in flight when it was made, as (id(cache), their
-    record's set, {slot: its install's serial} then) per set; a load stays inherited while its
-    slot is in that set and its install's serial is the same (the load has not ended, and no
-    later load of that set took its slot).  ``task``: a weak reference to the asyncio task it
-    was made for, or None (made outside a task)."""
+    """cache._owned_key -> the set of slots whose loads the contexts holding this record own
+    (a dict, so csrc/ucm_hit.c's owned_set finds the set with one lookup).  ``inherited``: the
+    loads of the records it was made from that were in flight when it was made, as
+    (cache._owned_key, their record's set, {slot: its install's serial} then) per set; a load
+    stays inherited while its slot is in that set and its install's serial is the same (the
+    load has not ended, and no later load of that set took its slot).  ``task``: a weak
+    reference to the asyncio task it was made for, or None (made outside a task)."""
 
     __slots__ = ("inherited", "task", "__weakref__")
 
@@ -233,7 +235,7 @@ def owns_load(cache: "SlotCache", slot: int) -> bool:
     record = _owning.get(None)
     if record is None:
         return False
-    key = id(cache)
+    key = cache._owned_key
     own = record.get(key)
     if own is not None and slot in own:
         return True
@@ -264,7 +266,7 @@ def owns_loads_besides(cache: "SlotCache", slots: "set[int]") -> bool:
     record = _owning.get(None)
     if record is None:
         return False
-    key = id(cache)
+    key = cache._owned_key
     for k, own in list(record.items()):
         if own and not own <= slots and (k == key or _same_segment(cache, k)):
             return True
@@ -297,9 +299,9 @@ def _owned_slots(cache: "SlotCache") -> set:
         task = _current_task()
         record = OwnedRecord((), None if task is None else weakref.ref(task))
         _owning.set(record)
-    own = record.get(id(cache))
+    own = record.get(cache._owned_key)
     if own is None:
-        own = record.setdefault(id(cache), set())
+        own = record.setdefault(cache._owned_key, set())
         records = getattr(cache, "_owned_records", None)  # its close takes the set out
         if records is not None:                             # (forget_cache)
             records[id(record)] = record
@@ -310,8 +312,7 @@ def _owned_slots(cache: "SlotCache") -> set:
 
 def _fresh_record_after_fork() -> None:
     """A forked child owns none of its parent's loads (the parent's caches are unusable in it):
-    it starts with an empty record rather than copies naming the parent's caches by id, which
-    a cache the child makes could reuse."""
+    it starts with an empty record rather than copies naming the parent's caches."""
     _owning.set(OwnedRecord())
 
 
