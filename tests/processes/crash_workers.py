@@ -195,12 +195,12 @@ class Workload:
                 _sample(cnt, e)
 
 
-def _inside(frame, code):
-    """True if `frame` or a caller of it runs `code`: the signals worker leaves the loop's
-    error bookkeeping alone (it runs inside an except clause, where an interruption would
-    escape the loop's try)."""
+def _inside(frame, codes):
+    """True if `frame` or a caller of it runs one of `codes`: the signals worker leaves the
+    loop's error bookkeeping alone (it runs inside an except clause, where an interruption would
+    escape the loop's try), and its own handler (see alarm_handler)."""
     while frame is not None:
-        if frame.f_code is code:
+        if frame.f_code in codes:
             return True
         frame = frame.f_back
     return False
@@ -496,6 +496,25 @@ def _run_threads(c, rnd, gates, report):
         raise _Stuck(f"{stuck} of {n} threads did not stop within {THREAD_JOIN} s")
 
 
+def alarm_handler(cls, never, armed, report):
+    """The signals worker's SIGALRM handler: raise `cls` into the frame the signal found
+    running, unless that frame runs one of the codes in `never` or the loop's error bookkeeping
+    (_sample), or it is inside this handler itself.  CPython runs a handler at the next check
+    of the interpreter, which may be inside a handler still running (the timer fired again
+    before it returned: a loaded machine descheduled it): such a nested run must not raise,
+    since its exception would leave the outer handler into the frame the outer one was
+    called on, which may be one left alone (the loop outside its try).  The outer run decides
+    for both."""
+    def on_alarm(signum, frame):
+        if armed[0] and frame is not None and frame.f_code not in never \
+                and not _inside(frame, skip):
+            report["interrupts"] += 1
+            raise cls("SIGALRM")
+
+    skip = (_sample.__code__, on_alarm.__code__)
+    return on_alarm
+
+
 def _run_signals(c, rnd, gates, report):
     cls = rnd.choice((SoftInterrupt, HardInterrupt))
     interval = rnd.uniform(0.0003, 0.002)
@@ -505,14 +524,7 @@ def _run_signals(c, rnd, gates, report):
     armed = [True]
     # Left alone: the loop's frame (so every interruption lands under its try) and this one
     # (so the timer is always disarmed on the way out).
-    never = {Workload.loop.__code__, _run_signals.__code__}
-
-    def on_alarm(signum, frame):
-        if armed[0] and frame is not None and frame.f_code not in never \
-                and not _inside(frame, _sample.__code__):
-            report["interrupts"] += 1
-            raise cls("SIGALRM")
-
+    on_alarm = alarm_handler(cls, {Workload.loop.__code__, _run_signals.__code__}, armed, report)
     gates["ready"].release()
     signal.signal(signal.SIGALRM, on_alarm)
     signal.setitimer(signal.ITIMER_REAL, interval, interval)
@@ -606,7 +618,8 @@ def worker(kind, uuid, gate_paths, index, seed, report_path):
 
 
 def _format(e):
-    return "".join(traceback.format_exception(type(e), e, e.__traceback__))[-2000:]
+    """The whole traceback: its first frames say where an exception left the workload."""
+    return "".join(traceback.format_exception(type(e), e, e.__traceback__))
 
 
 def _add_holds(into, held):

@@ -4,6 +4,8 @@ import asyncio
 import multiprocessing as mp
 import os
 import random
+import signal
+import sys
 
 import numpy as np
 import pytest
@@ -12,6 +14,7 @@ import ucmcache
 from ucmcache import SlotCache
 from ucmcache.lowlevel import shm_path
 
+import crash_workers
 import crashloop
 
 SPAWN = mp.get_context("spawn")
@@ -41,6 +44,40 @@ def test_random_kills_100_rounds():
     assert churn["attaches"] and churn["closes"] and churn["close_checks"], churn
     # Every killed fork worker was recovered while a helper of its still lived.
     assert per_kind["fork"]["kills_with_live_helpers"] == per_kind["fork"]["kills"]
+
+
+def test_signals_handler_run_inside_itself_raises_nothing():
+    """The signals worker's SIGALRM handler, run again inside a run of itself (the timer fired
+    before the first run returned: a loaded machine descheduled it) while the first run found a
+    frame it leaves alone (Workload.loop outside its try), raises nothing: its exception would
+    leave the first run into that frame (it did: a round's worker left its loop, "fatal").  A
+    trace function stands in for the second signal: it runs the handler on the first run's
+    frame as that run starts, where CPython's check for signals runs it."""
+    report = {"interrupts": 0}
+    nested = []
+
+    def left_alone():  # stands in for Workload.loop
+        on_alarm(signal.SIGALRM, sys._getframe())
+
+    on_alarm = crash_workers.alarm_handler(crash_workers.SoftInterrupt, {left_alone.__code__},
+                                           [True], report)
+
+    def second_signal(frame, event, arg):
+        if event == "call" and frame.f_code is on_alarm.__code__ and not nested:
+            nested.append(frame.f_back.f_code.co_name)
+            on_alarm(signal.SIGALRM, frame)
+        return None
+
+    sys.settrace(second_signal)
+    try:
+        left_alone()
+    finally:
+        sys.settrace(None)
+    assert nested == ["left_alone"] and report["interrupts"] == 0
+    # On a frame it does not leave alone, it interrupts.
+    with pytest.raises(crash_workers.SoftInterrupt):
+        on_alarm(signal.SIGALRM, sys._getframe())
+    assert report["interrupts"] == 1
 
 
 def _poke_corrupted(uuid, q):
