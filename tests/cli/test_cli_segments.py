@@ -14,7 +14,6 @@ import struct
 import subprocess
 import sys
 import types
-import uuid as uuidlib
 
 import pytest
 
@@ -22,43 +21,14 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
                                 "processes"))  # cli_workers
 
 import cli_workers  # noqa: E402
+from cli_helpers import (CREATE, PARAMS, VERSION, WAIT, assert_fits,  # noqa: E402,F401
+                         assert_one_error_line, ls_json, make_half_made, make_incompatible,
+                         make_orphan, names, path_of, run)
 from ucmcache import SlotCache  # noqa: E402
 from ucmcache.cli import _render  # noqa: E402
 from ucmcache.lowlevel import lib  # noqa: E402
-from ucmcache.lowlevel import PREFIX, SHM_DIR  # noqa: E402
 
 SPAWN = mp.get_context("spawn")
-WAIT = 30.0          # bound on every wait for a worker
-PARAMS = dict(slots_per_rank=16, slot_size=64, max_ranks=4)
-VERSION = lib.UCM_LAYOUT_VERSION
-ERROR_LINE = re.compile(r"\Aucmcache: error: [^\n]+\n\Z")
-
-
-def path_of(u):
-    return os.path.join(SHM_DIR, PREFIX + u)
-
-
-def run(*args, timeout=60):
-    return subprocess.run([sys.executable, "-m", "ucmcache.cli", *map(str, args)],
-                          capture_output=True, text=True, timeout=timeout)
-
-
-def assert_fits(text):
-    long = [line for line in text.splitlines() if len(line) > _render.WIDTH]
-    assert not long, f"lines wider than {_render.WIDTH} columns: {long}"
-
-
-def assert_one_error_line(r, code, pattern):
-    assert r.returncode == code, (r.returncode, r.stdout, r.stderr)
-    assert ERROR_LINE.match(r.stderr), repr(r.stderr)
-    assert "Traceback" not in r.stderr + r.stdout
-    assert re.search(pattern, r.stderr), r.stderr
-
-
-def ls_json():
-    r = run("ls", "--json")
-    assert r.returncode == 0, r.stderr
-    return {row["uuid"]: row for row in json.loads(r.stdout)}
 
 
 def inspect_json(u):
@@ -68,27 +38,6 @@ def inspect_json(u):
 
 
 # ------------------------------------------------------------------------- fixtures
-
-@pytest.fixture
-def names():
-    """names(tag='') -> a fresh uuid under this test's prefix; every one is removed afterwards."""
-    prefix = f"t-{os.getpid()}-{uuidlib.uuid4().hex[:8]}-"
-    made = []
-
-    def make(tag="s"):
-        u = prefix + tag
-        made.append(u)
-        return u
-
-    make.prefix = prefix
-    yield make
-    for u in made:
-        try:
-            os.unlink(path_of(u))
-        except FileNotFoundError:
-            pass
-    assert not [n for n in os.listdir(SHM_DIR) if n.startswith(PREFIX + prefix)]
-
 
 class Worker:
     """A spawned cli_workers.hold process; start it through the `workers` fixture."""
@@ -144,31 +93,6 @@ def workers():
         if w.proc.is_alive():
             w.proc.kill()
             w.proc.join(WAIT)
-
-
-def make_orphan(u):
-    SlotCache.create(u, **PARAMS).close()
-
-
-def make_half_made(u):
-    """A segment whose creator died after writing its pid, before the magic (DESIGN 5)."""
-    p = subprocess.Popen(["true"])
-    p.wait(WAIT)
-    fd = os.open(path_of(u), os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-    try:
-        os.ftruncate(fd, 4096)
-        os.pwrite(fd, struct.pack("<I", p.pid), lib.UCM_H_CREATOR_PID)
-    finally:
-        os.close(fd)
-
-
-def make_incompatible(u):
-    make_orphan(u)
-    fd = os.open(path_of(u), os.O_RDWR)
-    try:
-        os.pwrite(fd, struct.pack("<I", 99), lib.UCM_H_VERSION)
-    finally:
-        os.close(fd)
 
 
 def test_create_then_ls_shows_params_and_orphan(names):
@@ -495,9 +419,6 @@ def test_inspect_shows_prefetch_rings_and_tier2_counters(names):
         assert re.search(rf"rings \(rank: depth / posted / dropped / already present\):\n +"
                          rf"{c.rank}: 5 / 5 / 0 / 0", r.stdout)
         assert "tier 2: hits 3  misses 0" in r.stdout
-
-
-CREATE = ["create", "--slots-per-rank", "4", "--slot-size", "64"]     # the uuid goes second
 
 
 def test_create_mode_sets_the_permission_bits(names):

@@ -3,7 +3,6 @@ runs, close refuses while a view is alive and can be retried, stops the cache's 
 checks again once it took the context away, and a cache collected without close (or with a view
 kept on it) frees its rank; nothing a cache holds leaks."""
 import gc
-import os
 import sys
 import threading
 
@@ -12,22 +11,7 @@ import pytest
 
 from ucmcache import HandleClosed, NotAttached, SlotCache, UcmError
 
-K = [bytes([i]) * 16 for i in range(1, 40)]
-
-
-def payload(k, n):
-    """A key's bytes: its first byte and the position, so another key's bytes never match."""
-    return bytes((k[0] * 7 + i) & 0xFF for i in range(n))
-
-
-def put(c, k, n=None):
-    n = c.slot_size if n is None else n
-    return c.get_or_load(k, lambda: payload(k, n))
-
-
-def _refs(c):
-    from ucmcache.lowlevel import lib
-    return [lib.ucm_load64(c._seg.base, c.layout.meta(s)) for s in range(c.capacity)]
+from view_helpers import K, _fds, _refs, payload, put
 
 
 def _other_gets_the_value(uuid, key):
@@ -157,10 +141,6 @@ def test_close_checks_again_after_it_took_the_context_away(make_cache, monkeypat
     kept.clear()
     c.close()
     assert c._ctx is None
-
-
-def _fds():
-    return len(os.listdir("/proc/self/fd"))
 
 
 @pytest.mark.parametrize("holder", ["handle", "batch"])

@@ -9,28 +9,7 @@ import pytest
 
 from ucmcache import NotAttached, SlotCache, UcmError
 
-K = [bytes([i]) * 16 for i in range(1, 40)]
-
-
-def payload(k, n):
-    """A key's bytes: its first byte and the position, so another key's bytes never match."""
-    return bytes((k[0] * 7 + i) & 0xFF for i in range(n))
-
-
-def put(c, k, n=None):
-    n = c.slot_size if n is None else n
-    return c.get_or_load(k, lambda: payload(k, n))
-
-
-def _refs(c):
-    from ucmcache.lowlevel import lib
-    return [lib.ucm_load64(c._seg.base, c.layout.meta(s)) for s in range(c.capacity)]
-
-
-def _churn(c, keys):
-    """Load keys until every unpinned slot of a tiny segment has been reused."""
-    for k in keys:
-        put(c, k)
+from view_helpers import K, _churn, _fds, _refs, payload, put
 
 
 def test_a_forked_child_gets_no_new_view_and_its_inherited_view_keeps_its_bytes(make_cache):
@@ -60,10 +39,6 @@ def test_a_forked_child_gets_no_new_view_and_its_inherited_view_keeps_its_bytes(
     for fd in (r1, w1, r2, w2):
         os.close(fd)
     assert os.waitstatus_to_exitcode(status) == 0, "the child saw another key's bytes"
-
-
-def _fds():
-    return len(os.listdir("/proc/self/fd"))
 
 
 def test_two_threads_forking_at_once_each_drop_only_their_own_holds(make_cache):

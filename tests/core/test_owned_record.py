@@ -20,30 +20,8 @@ from ucmcache import UcmError
 from ucmcache.core import slots as _slots
 from ucmcache._core import lib
 
-K1, K2, K3 = b"1" * 16, b"2" * 16, b"3" * 16
-SHORT = 0.05  # a wait that must end by its timeout: nobody publishes meanwhile
-REFUSED = (r"^this (task|thread) or a thread or task sharing its context .*is loading "
-           r"(this key|one of these keys)")
-
-
-def one_slot_cache(make_cache):
-    """One slot in all: every key takes the slot the last one left."""
-    return make_cache(slots_per_rank=1, max_ranks=1, slot_size=64)
-
-
-def wait_for(c, key, timeout):
-    """Join key's load and wait for it (the C wait)."""
-    with c.get(key) as j:
-        assert not j.owner
-        return j.wait(timeout)
-
-
-def own_elsewhere(c, key):
-    """The owner's handle of key's load, taken in an empty context: another caller's load (as
-    another thread's or process's would be), none of the test task's records."""
-    h = contextvars.Context().run(c.get, key)
-    assert h.owner
-    return h
+from owned_helpers import (K1, K2, K3, REFUSED, SHORT, one_slot_cache, own_elsewhere,
+                           run_task, wait_for)
 
 
 async def own_then_isolate(c):
@@ -80,19 +58,6 @@ async def join_and_read(c, key, asked):
         asked.set()
         await j.wait_async(30)
         return bytes(j.data)
-
-
-def run_task(c, main, record):
-    """asyncio.run(main()) in a new context, whose owned-slot record is made either outside the
-    task ("outside": an owner's get there, so the task's first aget_or_load miss links a record
-    of its own to it) or inside it ("in_task": by the task's first owner, for the task)."""
-    def run():
-        if record == "outside":
-            with c.get(K1) as h:
-                assert h.owner
-                h.fail("a load of this context, outside any task")
-        return asyncio.run(main())
-    return contextvars.Context().run(run)
 
 
 @pytest.mark.parametrize("record", ["outside", "in_task"])

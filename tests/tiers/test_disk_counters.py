@@ -9,31 +9,8 @@ import pytest
 
 from ucmcache import DiskTier, SlotCache
 
-import disk_workers as dw
-from conftest import close_and_unlink, run_uuid
+from disk_helpers import CAP, SIZE, _load, segs, small_tmpfs  # noqa: F401
 from workers import check_payload, payload_for
-
-SIZE = dw.SIZE
-CAP = 1 << 20
-
-
-@pytest.fixture
-def segs():
-    """segs(**params) -> a created SlotCache on a fresh uuid of the run; every one is closed
-    and unlinked after the test.  segs.recreate(cache, **params): unlink and create again."""
-    made = []
-
-    def make(uuid=None, **params):
-        params.setdefault("slots_per_rank", 16)
-        params.setdefault("slot_size", 256)
-        params.setdefault("max_ranks", 4)
-        u = uuid or run_uuid("d")
-        made.append([u, None])
-        made[-1][1] = c = SlotCache.create(u, **params)
-        return c
-
-    yield make
-    close_and_unlink(made)
 
 
 def _a_get_right_with_counters_off(uuid, path):
@@ -46,28 +23,6 @@ def _a_get_right_with_counters_off(uuid, path):
     ok = check_payload(k, bytes(v)) and tier.counters.off
     cc.close()
     return ok
-
-
-def _load(c, key, runs, size=SIZE):
-    v = c.get_or_load(key, lambda: (runs.append(key), payload_for(key, size))[1], timeout=30)
-    assert check_payload(key, bytes(v))
-
-
-@pytest.fixture
-def small_tmpfs(tmp_path):
-    """A 64 KiB tmpfs mounted under tmp_path (unmounted after), or a skip where this machine
-    does not let the test mount one (not root, no CAP_SYS_ADMIN)."""
-    import subprocess
-    where = tmp_path / "small"
-    where.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(where)],
-                       capture_output=True, text=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip() or r.returncode}")
-    try:
-        yield str(where)
-    finally:
-        subprocess.run(["umount", "-l", str(where)], check=False)
 
 
 def _fork(child):

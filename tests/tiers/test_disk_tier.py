@@ -14,48 +14,12 @@ import pytest
 
 from ucmcache import DiskTier, SlotCache, SegmentNotFound
 from ucmcache.core import hooks as _hooks
-from ucmcache.tiers.disk.fileformat import (HEADER_SIZE, BadBlock, decode, encode_header,
-                                          file_name, parse_name)
+from ucmcache.tiers.disk.fileformat import HEADER_SIZE, BadBlock, decode, file_name, parse_name
 
 import disk_workers as dw
-from conftest import close_and_unlink, run_uuid
+from conftest import run_uuid
+from disk_helpers import CAP, SIZE, _block, _keys, _leave_gate, _load, segs  # noqa: F401
 from workers import check_payload, payload_for
-
-SIZE = dw.SIZE
-CAP = 1 << 20
-
-
-def _keys(n):
-    return [os.urandom(16) for _ in range(n)]
-
-
-def _block(key, size=SIZE, offset=0):
-    data = payload_for(key, size)
-    return encode_header(key, offset, data) + data
-
-
-@pytest.fixture
-def segs():
-    """segs(**params) -> a created SlotCache on a fresh uuid of the run; every one is closed
-    and unlinked after the test.  segs.recreate(cache, **params): unlink and create again."""
-    made = []
-
-    def make(uuid=None, **params):
-        params.setdefault("slots_per_rank", 16)
-        params.setdefault("slot_size", 256)
-        params.setdefault("max_ranks", 4)
-        u = uuid or run_uuid("d")
-        made.append([u, None])
-        made[-1][1] = c = SlotCache.create(u, **params)
-        return c
-
-    yield make
-    close_and_unlink(made)
-
-
-def _load(c, key, runs, size=SIZE):
-    v = c.get_or_load(key, lambda: (runs.append(key), payload_for(key, size))[1], timeout=30)
-    assert check_payload(key, bytes(v))
 
 
 # ---------------------------------------------------------------- the block file
@@ -249,15 +213,6 @@ def test_two_processes_racing_one_cold_block_read_it_from_disk_once(segs, tmp_pa
     s = tier.stats()
     assert (s["t2_hits"], s["t2_misses"]) == (1, 0)
     assert c.stats()["loads_started"] == 1  # one owner in all (A's claim, served from disk)
-
-
-def _leave_gate(tier, g):
-    """The held read is a thread of this process: release the gate (twice: also a read that
-    reached it late) and wait until that thread has left it, before the fixture unmaps the
-    gate's word under it.  With readers=1, a job submitted now runs after the held read."""
-    g.release()
-    g.release()
-    tier._read_pool().submit(int).result(60)
 
 
 def test_a_chain_asks_tiers_in_order_and_copies_upward(segs, tmp_path):

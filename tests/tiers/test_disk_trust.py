@@ -18,38 +18,12 @@ from ucmcache import DiskTier, ForeignTierDirectory, SlotCache, TierCapacityMism
 from ucmcache.core import hooks as _hooks
 from ucmcache.tiers.disk.fileformat import HEADER_SIZE, decode, encode_header
 
-from conftest import close_and_unlink, run_uuid
+from disk_helpers import CAP, SIZE, _load, segs  # noqa: F401
 from workers import check_payload, payload_for
 
-SIZE = 200
-CAP = 1 << 20
 NOBODY = 65534
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="a file of another user can be made "
                                 "only as root (os.chown to uid 65534)")
-
-
-@pytest.fixture
-def segs():
-    """segs(**params) -> a created SlotCache on a fresh uuid of the run, closed and unlinked
-    after the test."""
-    made = []
-
-    def make(**params):
-        params.setdefault("slots_per_rank", 16)
-        params.setdefault("slot_size", 256)
-        params.setdefault("max_ranks", 4)
-        u = run_uuid("t")
-        made.append([u, None])
-        made[-1][1] = c = SlotCache.create(u, **params)
-        return c
-
-    yield make
-    close_and_unlink(made)
-
-
-def _load(c, key, runs, size=SIZE):
-    v = c.get_or_load(key, lambda: (runs.append(key), payload_for(key, size))[1], timeout=30)
-    assert check_payload(key, bytes(v))
 
 
 def _plant(path, key, payload, uid=None, offset=0):

@@ -6,53 +6,14 @@ the only polling is for an external server to come up."""
 import logging
 import os
 import threading
-import uuid as uuidlib
-
-import pytest
 
 from ucmcache import RedisTier, SlotCache
 from ucmcache.lowlevel import hooks as _hooks
 from ucmcache.tiers.redis.codec import decode, encode
 
 from redis_fixtures import redis_cluster, redis_unix, redis_workdir  # noqa: F401 (fixtures)
+from redis_helpers import SIZE, SLOT, _keys, _ns, _t2, nodes  # noqa: F401 (nodes: a fixture)
 from workers import check_payload, payload_for
-from conftest import close_and_unlink
-import tier2_workers as tw
-
-SIZE = tw.SIZE
-SLOT = 256
-
-
-def _ns():
-    return f"test-{uuidlib.uuid4().hex[:12]}"
-
-
-def _keys(n):
-    return [os.urandom(16) for _ in range(n)]
-
-
-def _t2(cache):
-    return {k: v for k, v in cache.stats().items() if k.startswith("t2_")}
-
-
-@pytest.fixture
-def nodes():
-    """nodes(n, tier2=None) -> n created SlotCaches on fresh uuids (closed and unlinked after,
-    pass or fail)."""
-    made = []
-
-    def make(n, **kw):
-        out = []
-        for _ in range(n):
-            u = f"t2-{os.getpid()}-{uuidlib.uuid4().hex[:10]}"
-            made.append([u, None])
-            c = SlotCache.create(u, slots_per_rank=64, slot_size=SLOT, max_ranks=6, **kw)
-            made[-1][1] = c
-            out.append(c)
-        return out
-
-    yield make
-    close_and_unlink(made)
 
 
 class FakeClock:
