@@ -508,7 +508,7 @@ class _SharedWait:
         self.fut = loop.create_future()
         self.cancel = threading.Event()
         self.awaiting = 0
-        self.cache_id = id(cache)
+        self.cache_id = cache._owned_key  # never reused, unlike id(): see _owned_key
         fut, cancel = self.fut, self.cancel
 
         def settle(result: Any, error: Optional[BaseException]) -> None:
@@ -542,7 +542,8 @@ class _SharedWait:
 _running: "set[_SharedWait]" = set()
 os.register_at_fork(after_in_child=_running.clear)
 
-# Per event loop, the shared waits in progress: (id(cache), slot) -> _SharedWait.  Read and
+# Per event loop, the shared waits in progress: (cache._owned_key, slot) -> _SharedWait (a key
+# no later cache can reuse, as id() could once the cache is gone).  Read and
 # changed only by the loop's own thread (a loop runs in one thread); the lock guards the map of
 # loops, which the loops of several threads share.
 _loop_waits: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
@@ -571,7 +572,7 @@ async def wait_loaded_async(cache: "SlotCache", slot: int, timeout: Optional[flo
     ctx = cache._ctx
     timed_out = False
     t0 = lib.ucm_now_ns()
-    key = (id(cache), slot)
+    key = (cache._owned_key, slot)
     shared = table.get(key)
     if shared is None or shared.fut.done():
         shared = table[key] = _SharedWait(loop, cache, slot, key, table)
@@ -615,7 +616,7 @@ def stop_shared_waits(cache: "SlotCache") -> None:
     only a wait left running is found here: one whose last awaiter was interrupted inside its
     cleanup (a signal handler's exception in a finally), which would otherwise wait on through
     a freed context."""
-    cid = id(cache)
+    cid = cache._owned_key
     for shared in list(_running):  # (a copy: the threads discard themselves as they end)
         if shared.cache_id == cid:
             shared.cancel.set()
