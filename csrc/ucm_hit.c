@@ -1610,7 +1610,7 @@ static int handle_drop(HandleBase *h, PyObject *msg)
     if (!c) {
         /* A closed or forked cache's: not our pin.  But an owner's load ends with its handle
          * when the cache is gone for good (closed, finalized first in a cycle with it): its
-         * slot leaves the owned set, which a cache made later with the same id() would read. */
+         * slot leaves the owned set, which a later wait of its context on that slot would read. */
         if (h->owner == Py_True) {
             if (unusable_for_good(h->cache)) owned_discard(h->owned, h->slot);
             else h->kept_owned = 1; /* its load goes on: the slot leaves at its collection */
