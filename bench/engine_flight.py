@@ -48,6 +48,8 @@ import time
 import uuid as uuidlib
 from typing import Dict, List, Optional, Sequence
 
+from e2e.flight_engine import thread_layout   # the same layout as the e2e's engines
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 E2E_PY = os.path.join(ROOT, ".venv-e2e", "bin", "python")
@@ -64,12 +66,6 @@ def med(xs: Sequence[float]) -> str:
     if not xs:
         return "-"
     return f"{statistics.median(xs):.3g} [{min(xs):.3g}-{max(xs):.3g}]"
-
-
-def thread_layout(core: int) -> Dict[str, str]:
-    """The environment that pins one engine's threads to ``core``: the same for every engine."""
-    return {"VLLM_CPU_OMP_THREADS_BIND": str(core), "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
-            "OMP_NUM_THREADS": "1"}
 
 
 def parse_cores(text: str) -> List[int]:

@@ -28,6 +28,15 @@ BLOCK_SIZE = 32
 GO_WAIT = 900.0
 
 
+def thread_layout(core: int) -> dict:
+    """The environment that pins one engine's threads to ``core`` (with ``taskset -c core``):
+    one OMP thread, bound there, none reserved.  Two engines on one host each get a core of
+    their own so that neither one's threads wait on the other's (vLLM binds every engine to
+    the same cores otherwise)."""
+    return {"VLLM_CPU_OMP_THREADS_BIND": str(core), "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+            "OMP_NUM_THREADS": "1"}
+
+
 def prompts(vocab_size: int, first_word_id: int, n: int, words: int) -> list[list[int]]:
     """n token-id prompts that share no block (fixed seed)."""
     rng = random.Random(39)

@@ -3,7 +3,8 @@
     python -m e2e.run_flight WORKDIR [SCENARIO ...]
 
 Two engine processes (e2e.flight_engine) on one segment get the same N distinct long prompts
-(chunked prefill); the scenarios, each on a fresh segment:
+(chunked prefill), each engine on a core of its own (``taskset`` and vLLM's thread binding:
+``e2e.flight_engine.thread_layout``); the scenarios, each on a fresh segment:
 
   ref       no connector: the reference token ids;
   together  both started at the same moment: equal tokens; the prompt tokens computed across
@@ -29,20 +30,31 @@ import sys
 import time
 import uuid as uuidlib
 
+from e2e.flight_engine import thread_layout
 from e2e.run_vllm import ROOT, _env, _kill_group
 
 ENGINE_TIMEOUT = 900
 SCENARIOS = ("ref", "together", "nowait", "kill", "stall")
 
 
+def _core(i: int) -> int:
+    """Engine ``i``'s core: the i-th CPU this process may use (modulo their count)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    return cpus[i % len(cpus)]
+
+
 def _start(model: str, out: str, go: str, segment: str | None = None,
-           extra: dict | None = None) -> subprocess.Popen:
-    args = [sys.executable, "-m", "e2e.flight_engine", model, out, "--go", go]
+           extra: dict | None = None, core: int = 0) -> subprocess.Popen:
+    """An engine on a core of its own (e2e.flight_engine.thread_layout): on a 2-core host two
+    engines left to vLLM's own binding share both cores, and each one's OMP threads wait on
+    the other's."""
+    args = ["taskset", "-c", str(core), sys.executable, "-m", "e2e.flight_engine", model, out,
+            "--go", go]
     if segment:
         args += ["--segment", segment, "--extra", json.dumps(extra or {})]
     with open(out + ".log", "w") as f:
-        return subprocess.Popen(args, cwd=ROOT, env=_env(), stdout=f, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        return subprocess.Popen(args, cwd=ROOT, env={**_env(), **thread_layout(core)},
+                                stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
 
 
 def _poll(what: str, cond, procs, timeout: float = ENGINE_TIMEOUT) -> None:
@@ -122,8 +134,8 @@ def main(argv: list[str]) -> int:
 
     def pair(name: str, seg: str, kw: dict) -> tuple[dict, dict]:
         a_out, b_out, go = path(f"{name}-a.json"), path(f"{name}-b.json"), path(f"{name}.go")
-        pa = _start(mdir, a_out, go, seg, extra(f"{name}-a.json", **kw))
-        pb = _start(mdir, b_out, go, seg, extra(f"{name}-b.json", **kw))
+        pa = _start(mdir, a_out, go, seg, extra(f"{name}-a.json", **kw), core=_core(0))
+        pb = _start(mdir, b_out, go, seg, extra(f"{name}-b.json", **kw), core=_core(1))
         try:
             _poll(f"{name}: both ready", lambda: os.path.exists(a_out + ".ready")
                   and os.path.exists(b_out + ".ready"), (pa, pb))
@@ -178,8 +190,10 @@ def main(argv: list[str]) -> int:
                 continue
             seg = fresh(name)
             a_out, b_out = path(f"{name}-a.json"), path(f"{name}-b.json")
-            pa = _start(mdir, a_out, path(f"{name}-a.go"), seg, extra(f"{name}-a.json", **kw))
-            pb = _start(mdir, b_out, path(f"{name}-b.go"), seg, extra(f"{name}-b.json", **kw))
+            pa = _start(mdir, a_out, path(f"{name}-a.go"), seg, extra(f"{name}-a.json", **kw),
+                        core=_core(0))
+            pb = _start(mdir, b_out, path(f"{name}-b.go"), seg, extra(f"{name}-b.json", **kw),
+                        core=_core(1))
             try:
                 _poll(f"{name}: both ready", lambda: os.path.exists(a_out + ".ready")
                       and os.path.exists(b_out + ".ready"), (pa, pb))

@@ -152,6 +152,89 @@ def test_the_wait_is_bounded_by_peer_wait_s_without_progress(main, schedulers):
     assert b.lookup("rb", KEYS, ready_in(main), limit=N, upto=N) == 2  # never waits again
 
 
+def test_a_block_any_waiting_request_sees_ready_restarts_every_waits_clock(main, schedulers):
+    """A peer computes its prompts in turn: while it computes the first, the request waiting
+    for the second sees none of its own blocks Ready, and must not give up for that."""
+    a, _ = schedulers()
+    b, bclock = schedulers(peer_wait_s=2.0)
+    first, second = KEYS[:4], KEYS[4:]
+    a.lookup("ra1", first, ready_in(main), limit=4, upto=4)
+    a.lookup("ra2", second, ready_in(main), limit=4, upto=4)
+    assert b.lookup("rb1", first, ready_in(main), limit=4, upto=4) is None
+    assert b.lookup("rb2", second, ready_in(main), limit=4, upto=4) is None
+    bclock.t += 1.5
+    a.handed("ra1", first[:2])             # a's step: the first prompt's first blocks
+    save(main, first[:2])
+    a.settle(lambda ks: exist_all_ranks(main, ks, 1))
+    assert b.lookup("rb1", first, ready_in(main), limit=4, upto=4) is None   # at block 2 now
+    bclock.t += 1.0                        # rb2 waited 2.5 s, 1.0 s since a's progress
+    assert b.lookup("rb2", second, ready_in(main), limit=4, upto=4) is None
+    assert b.stats.gave_up == 0
+    bclock.t += 1.0                        # 2.0 s without progress: both compute
+    assert b.lookup("rb2", second, ready_in(main), limit=4, upto=4) == 0
+    assert b.lookup("rb1", first, ready_in(main), limit=4, upto=4) == 2
+    assert b.stats.gave_up == 2
+
+
+def test_an_idle_step_sleeps_until_the_next_look_and_a_busy_one_never(main, schedulers):
+    """pace_idle_step: a step that scheduled nothing while a request waits sleeps until its
+    next look (at most PROBE_INTERVAL_S), not a spin; nothing waiting, no sleep."""
+    a, _ = schedulers()
+    b, bclock = schedulers()
+    slept = []
+    b.sleep = slept.append
+    assert b.pace_idle_step() == 0 and slept == []          # nothing waits
+    a.lookup("ra", KEYS, ready_in(main), limit=N, upto=N)
+    assert b.lookup("rb", KEYS, ready_in(main), limit=N, upto=N) is None
+    assert b.pace_idle_step() == pytest.approx(PROBE_INTERVAL_S)
+    bclock.t += PROBE_INTERVAL_S * 0.6
+    assert b.pace_idle_step() == pytest.approx(PROBE_INTERVAL_S * 0.4)
+    bclock.t += PROBE_INTERVAL_S
+    assert b.pace_idle_step() == 0                           # a look is due: no sleep
+    assert slept == pytest.approx([PROBE_INTERVAL_S, PROBE_INTERVAL_S * 0.4])
+    b.end("rb")
+    assert b.pace_idle_step() == 0 and len(slept) == 2
+
+
+def test_the_scheduler_paces_only_steps_that_schedule_nothing(main, schedulers, uuid):
+    """ConnectorScheduler.build_connector_meta: with a request waiting for a peer, a step
+    that runs no token sleeps (pace_idle_step); a step that runs tokens does not."""
+    from types import SimpleNamespace as NS
+    from ucmcache.engines.kit import EngineParts
+    from ucmcache.engines.vllm.blocks import EngineIdentity, block_keys
+    from ucmcache.engines.vllm.config import ConnectorConfig
+    from ucmcache.engines.vllm.scheduler import ConnectorScheduler
+    ident = EngineIdentity(model="tiny", dtype="float32", kv_dtype="float32", block_size=4,
+                           num_layers=1, num_kv_heads=1, head_size=8, layout="NHD")
+    parts = EngineParts()
+    parts.cache = SlotCache.attach(main.uuid)
+    sched = ConnectorScheduler(cfg=ConnectorConfig(segment=main.uuid, max_ranks=4), identity=ident,
+                               segment=main.uuid, parts=parts,
+                               new_meta=lambda **kw: NS(saves=[], **kw))
+    try:
+        prompt = list(range(100, 100 + 4 * 4 + 1))
+        a, _ = schedulers()
+        a.lookup("ra", block_keys(prompt, ident), ready_in(main), limit=4, upto=4)
+        req = NS(request_id="rb", prompt_token_ids=prompt, num_tokens=len(prompt))
+        assert sched.get_num_new_matched_tokens(req, 0) == (None, False)   # waits for a
+        slept = []
+        sched._flight.sleep = slept.append
+
+        def step(tokens):
+            return NS(scheduled_new_reqs=[], preempted_req_ids=set(),
+                      scheduled_cached_reqs=NS(req_ids=[], num_computed_tokens=[]),
+                      num_scheduled_tokens={"other": tokens} if tokens else {},
+                      total_num_scheduled_tokens=tokens)
+
+        sched.build_connector_meta(step(8))
+        assert slept == []
+        sched.build_connector_meta(step(0))
+        assert len(slept) == 1 and 0 < slept[0] <= PROBE_INTERVAL_S
+    finally:
+        sched.shutdown()
+        parts.cache.close()
+
+
 def test_peer_wait_s_0_never_waits_but_marks(main, schedulers):
     a, _ = schedulers()
     b, _ = schedulers(peer_wait_s=0)

@@ -33,7 +33,18 @@ block then not Ready means that block is computed by nobody.  A request never wa
 own engine (this scheduler's marks are known here: ``_mine``), waits at most ``peer_wait_s``
 without progress (the frontier moving on restarts the clock), then counts what is Ready and
 computes the rest for good; it is looked at no more often than every ``PROBE_INTERVAL_S``.
-Whatever it computes it marks (the blocks nobody else marks).
+Progress is the engine's, not the request's: a frontier of any request of this scheduler
+moving on (a peer's block became Ready) restarts every waiting request's clock, as a peer
+engine computes its prompts one after another and a request whose prompt comes later sees no
+block of its own Ready until then.  Whatever it computes it marks (the blocks nobody else
+marks).
+
+**Pacing.**  While every request waits, vLLM's engine loop steps without pause (it has work:
+the waiting requests), and on a small host that spinning core is the one the engine waited
+for needs.  A step that scheduled nothing therefore sleeps until the next look is due
+(``pace_idle_step``: at most ``PROBE_INTERVAL_S``; also while only handed marks are left to
+settle), so a waiting engine costs a look every few milliseconds, not a core; a request that
+arrives meanwhile is seen at most that much later.
 
 Why no intent outlives its engine: an intent is an owner's Loading entry under the scheduler's
 rank.  The scheduler ends each one (above) or, closing, all of them; if it dies, its life lock
@@ -145,14 +156,17 @@ class Intents:
     Single-threaded, as vLLM's scheduler is.  ``clock`` is injectable for tests."""
 
     def __init__(self, cache: SlotCache, *, peer_wait_s: float = DEFAULT_PEER_WAIT_S,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic,
+                 sleep: Callable[[float], None] = time.sleep):
         if isinstance(peer_wait_s, bool) or not isinstance(peer_wait_s, (int, float)) or \
                 not peer_wait_s >= 0:
             raise ValueError(f"peer_wait_s must be a number of seconds >= 0, got {peer_wait_s!r}")
         self.cache = cache
         self.peer_wait_s = float(peer_wait_s)
         self.clock = clock
+        self.sleep = sleep
         self.stats = FlightStats()
+        self._peer_progress_at = float("-inf")   # a frontier of ours last moved on then
         self._reqs: Dict[str, _Req] = {}
         self._mine: Dict[bytes, str] = {}     # every key this scheduler marks -> its request
         self._full_logged = False
@@ -174,6 +188,8 @@ class Intents:
             self.stats.waits += 1
             return None     # looked at less than PROBE_INTERVAL_S ago: still waiting
         n = ready_prefix(keys[:limit])
+        if 0 <= r.frontier < n:
+            self._peer_progress_at = now   # the block it waited at is Ready: peers progress
         for _ in range(4):  # each round a block became Ready under us; bounded all the same
             start = max(n, local)
             if start >= limit or self.peer_wait_s <= 0 or r.gave_up:
@@ -198,13 +214,13 @@ class Intents:
         return n
 
     def _wait(self, req_id: str, r: _Req, at: int, now: float, n: int) -> Optional[int]:
-        """Another live engine marks block ``at``: wait, unless it made no progress for
-        peer_wait_s."""
+        """Another live engine marks block ``at``: wait, unless no frontier of this
+        scheduler's requests moved on for peer_wait_s since this one waits at ``at``."""
         if r.frontier != at:
             if r.frontier < 0:
                 self.stats.waited_requests += 1
             r.frontier, r.wait_since = at, now
-        if now - r.wait_since < self.peer_wait_s:
+        if now - max(r.wait_since, self._peer_progress_at) < self.peer_wait_s:
             r.next_look = now + PROBE_INTERVAL_S
             self.stats.waits += 1
             return None
@@ -214,6 +230,23 @@ class Intents:
                     "engine marks, with no progress: computing it", req_id, now - r.wait_since,
                     at)
         return n
+
+    def pace_idle_step(self) -> float:
+        """Called for a scheduler step that scheduled nothing: sleeps until the earliest look
+        of a waiting request is due (at most PROBE_INTERVAL_S; PROBE_INTERVAL_S while only
+        handed marks are left to settle), so that the engine's loop does not spin a core
+        while it waits for a peer.  Returns the seconds slept (0: nothing waits)."""
+        now = self.clock()
+        due = [r.next_look for r in self._reqs.values() if r.frontier >= 0]
+        if due:
+            pause = min(max(0.0, min(due) - now), PROBE_INTERVAL_S)
+        elif self.unsettled():
+            pause = PROBE_INTERVAL_S
+        else:
+            return 0.0
+        if pause > 0:
+            self.sleep(pause)
+        return pause
 
     def _claim(self, key: bytes):
         """Take ``key``'s intent: our owner Handle, PEER (a live other rank marks it) or NONE

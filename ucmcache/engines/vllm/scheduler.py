@@ -44,6 +44,14 @@ class _ReqState:
     had_save: bool = False      # a save job went to the workers: its blocks wait for it
 
 
+def _scheduled_tokens(scheduler_output: Any) -> int:
+    """The tokens a step runs (vLLM's ``total_num_scheduled_tokens``)."""
+    total = getattr(scheduler_output, "total_num_scheduled_tokens", None)
+    if total is None:
+        total = sum(scheduler_output.num_scheduled_tokens.values())
+    return int(total)
+
+
 class ConnectorScheduler:
     """The scheduler side of a UcmCacheConnector (vLLM runs one, in its scheduler's process).
     ``new_meta`` makes one step's metadata for the workers (UcmCacheConnectorMetadata)."""
@@ -189,6 +197,8 @@ class ConnectorScheduler:
             st.saved_blocks = full
             st.had_save = True
         self._flight_handed(meta)
+        if self._flight is not None and not _scheduled_tokens(scheduler_output):
+            self._flight.pace_idle_step()   # nothing to run: no spin while peers compute
         return meta
 
     def _block_ids(self, req_id: str) -> Optional[List[int]]:
