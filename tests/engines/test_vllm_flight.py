@@ -9,8 +9,8 @@ import pytest
 
 import ucmcache
 from ucmcache import SegmentNotFound, SlotCache
-from ucmcache.engines.vllm.flight import (MARK_GRACE_S, PROBE_INTERVAL_S, Intents, exist_all_ranks,
-                                   intents_uuid, open_intents)
+from ucmcache.engines.vllm.flight import (CREDIT_WAITS, MARK_GRACE_S, PROBE_INTERVAL_S, Intents,
+                                          exist_all_ranks, intents_uuid, open_intents)
 from conftest import SPAWN
 import flight_workers
 
@@ -176,6 +176,39 @@ def test_a_block_any_waiting_request_sees_ready_restarts_every_waits_clock(main,
     assert b.stats.gave_up == 2
 
 
+def test_progress_counts_only_for_the_rank_it_waits_for_and_borrowed_progress_is_bounded(
+        main, schedulers):
+    """Blocks another engine (c) saves do not keep a request waiting for a stalled one (a);
+    a's own progress on another prompt keeps it waiting at most CREDIT_WAITS x peer_wait_s."""
+    a, _ = schedulers()
+    c, _ = schedulers()
+    b, bclock = schedulers(peer_wait_s=2.0)
+    first, second, third = KEYS[:4], KEYS[4:8], [bytes([0x40 + i]) * 16 for i in range(40)]
+    c.lookup("rc", first, ready_in(main), limit=4, upto=4)
+    a.lookup("ra", second, ready_in(main), limit=4, upto=4)
+    assert b.lookup("rb1", first, ready_in(main), limit=4, upto=4) is None
+    assert b.lookup("rb2", second, ready_in(main), limit=4, upto=4) is None
+    bclock.t += 1.5
+    c.handed("rc", first[:2])              # c progresses; a, which rb2 waits for, does not
+    save(main, first[:2])
+    assert b.lookup("rb1", first, ready_in(main), limit=4, upto=4) is None
+    bclock.t += 0.5
+    assert b.lookup("rb2", second, ready_in(main), limit=4, upto=4) == 0   # 2.0 s: computes
+    # a progresses on a long prompt (one block a second) while its mark at rb3's block stays
+    a.lookup("ra3", third, ready_in(main), limit=40, upto=40)
+    assert b.lookup("rb3", [second[1]], ready_in(main), limit=1, upto=1) is None
+    assert b.lookup("rb4", third, ready_in(main), limit=40, upto=40) is None
+    t0 = bclock.t
+    for i in range(40):
+        bclock.t += 1.0
+        save(main, third[i:i + 1])
+        assert b.lookup("rb4", third, ready_in(main), limit=40, upto=40) is None
+        if b.lookup("rb3", [second[1]], ready_in(main), limit=1, upto=1) is not None:
+            break
+    assert bclock.t - t0 == pytest.approx(CREDIT_WAITS * 2.0)
+    assert b.stats.gave_up == 2
+
+
 def test_an_idle_step_sleeps_until_the_next_look_and_a_busy_one_never(main, schedulers):
     """pace_idle_step: a step that scheduled nothing while a request waits sleeps until its
     next look (at most PROBE_INTERVAL_S), not a spin; nothing waiting, no sleep."""
@@ -194,6 +227,11 @@ def test_an_idle_step_sleeps_until_the_next_look_and_a_busy_one_never(main, sche
     assert slept == pytest.approx([PROBE_INTERVAL_S, PROBE_INTERVAL_S * 0.4])
     b.end("rb")
     assert b.pace_idle_step() == 0 and len(slept) == 2
+    # a request that is over with a mark handed for saving: paced until it settles
+    b.lookup("rb2", [bytes([0x70]) * 16], ready_in(main), limit=1, upto=1)
+    b.handed("rb2", [bytes([0x70]) * 16])
+    b.end("rb2", keep_handed=True)
+    assert b.unsettled() and b.pace_idle_step() == PROBE_INTERVAL_S
 
 
 def test_the_scheduler_paces_only_steps_that_schedule_nothing(main, schedulers, uuid):
@@ -216,6 +254,8 @@ def test_the_scheduler_paces_only_steps_that_schedule_nothing(main, schedulers, 
         a, _ = schedulers()
         a.lookup("ra", block_keys(prompt, ident), ready_in(main), limit=4, upto=4)
         req = NS(request_id="rb", prompt_token_ids=prompt, num_tokens=len(prompt))
+        clock = Clock()
+        sched._intents().clock = clock
         assert sched.get_num_new_matched_tokens(req, 0) == (None, False)   # waits for a
         slept = []
         sched._flight.sleep = slept.append
@@ -229,7 +269,13 @@ def test_the_scheduler_paces_only_steps_that_schedule_nothing(main, schedulers, 
         sched.build_connector_meta(step(8))
         assert slept == []
         sched.build_connector_meta(step(0))
-        assert len(slept) == 1 and 0 < slept[0] <= PROBE_INTERVAL_S
+        assert slept == pytest.approx([PROBE_INTERVAL_S])
+        # another request of this engine that does not wait (running, or waiting for KV
+        # blocks): an empty step is not idle, no sleep
+        other = NS(request_id="ro", prompt_token_ids=[1, 2, 3], num_tokens=3)
+        assert sched.get_num_new_matched_tokens(other, 0) == (0, False)
+        sched.build_connector_meta(step(0))
+        assert slept == pytest.approx([PROBE_INTERVAL_S])
     finally:
         sched.shutdown()
         parts.cache.close()

@@ -196,7 +196,9 @@ if HAVE_VLLM:
             if role == KVConnectorRole.SCHEDULER:
                 self._scheduler = ConnectorScheduler(
                     cfg=cfg, identity=self._identity, segment=self._segment, parts=parts,
-                    new_meta=UcmCacheConnectorMetadata)
+                    new_meta=UcmCacheConnectorMetadata,
+                    pace=int(getattr(vllm_config.parallel_config, "data_parallel_size", 1)
+                             or 1) <= 1)
             else:
                 self._worker = ConnectorWorker(
                     cfg=cfg, identity=self._identity, segment=self._segment,

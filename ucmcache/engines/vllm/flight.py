@@ -33,18 +33,22 @@ block then not Ready means that block is computed by nobody.  A request never wa
 own engine (this scheduler's marks are known here: ``_mine``), waits at most ``peer_wait_s``
 without progress (the frontier moving on restarts the clock), then counts what is Ready and
 computes the rest for good; it is looked at no more often than every ``PROBE_INTERVAL_S``.
-Progress is the engine's, not the request's: a frontier of any request of this scheduler
-moving on (a peer's block became Ready) restarts every waiting request's clock, as a peer
-engine computes its prompts one after another and a request whose prompt comes later sees no
-block of its own Ready until then.  Whatever it computes it marks (the blocks nobody else
-marks).
+Progress is the marking engine's, not only the request's: a peer computes its prompts one
+after another, and a request whose prompt it takes later sees no block of its own Ready until
+then.  So a block that any waiting request of this scheduler waited at becoming Ready is
+progress of the rank whose mark it waited for (``_progress_at``), and restarts the clock of
+every request waiting for that rank; but such borrowed progress keeps a request at one block
+``CREDIT_WAITS`` x ``peer_wait_s`` at most in all (a Ready block does not say who saved it:
+this engine's own save of a block a stalled peer marks looks the same).  Whatever it computes
+it marks (the blocks nobody else marks).
 
-**Pacing.**  While every request waits, vLLM's engine loop steps without pause (it has work:
-the waiting requests), and on a small host that spinning core is the one the engine waited
-for needs.  A step that scheduled nothing therefore sleeps until the next look is due
-(``pace_idle_step``: at most ``PROBE_INTERVAL_S``; also while only handed marks are left to
-settle), so a waiting engine costs a look every few milliseconds, not a core; a request that
-arrives meanwhile is seen at most that much later.
+**Pacing.**  While requests wait, vLLM's engine loop steps every millisecond (it has work:
+the waiting requests), and on a small host those steps take CPU the engine waited for needs.
+A step that scheduled nothing while every request this scheduler tracks waits for a peer (or
+while none is left but handed marks to settle) therefore sleeps until the next look is due
+(``pace_idle_step``: at most ``PROBE_INTERVAL_S``), so a waiting engine costs a look every few
+milliseconds; a request that arrives meanwhile is seen at most that much later.  Not under
+data parallelism, whose idle ranks step in lockstep with the others.
 
 Why no intent outlives its engine: an intent is an owner's Loading entry under the scheduler's
 rank.  The scheduler ends each one (above) or, closing, all of them; if it dies, its life lock
@@ -72,6 +76,7 @@ log = logging.getLogger("ucmcache.vllm")
 INTENT_SLOT_SIZE = 64          # an intent carries no data; a Failed one its reason, cut to this
 INTENT_SLOTS_PER_RANK = 4096   # x max_ranks entries: marks of every engine's unsaved blocks
 DEFAULT_PEER_WAIT_S = 5.0      # a request waits this long for a live engine without progress
+CREDIT_WAITS = 4               # at one block, at most this many peer_wait_s in all (below)
 PROBE_INTERVAL_S = 0.005       # a waiting request is looked at no more often than this
 MARK_GRACE_S = 5.0             # a block handed for saving and not Ready this long: mark ends
 CLAIM_TIMEOUT_S = 1.0          # a get of an intent: the bound on its stripe wait
@@ -129,7 +134,8 @@ class _Req:
     marks: Dict[bytes, Handle] = field(default_factory=dict)   # key -> our owner handle
     handed: Dict[bytes, float] = field(default_factory=dict)   # key -> when handed for saving
     frontier: int = -1           # the block it waits at, -1 while it does not wait
-    wait_since: float = 0.0      # when it began to wait at that block
+    waiting_on: int = -1         # the rank whose mark it waits for there
+    wait_since: float = 0.0      # when it began to wait at that block (or its frontier moved)
     next_look: float = 0.0       # no look before this while it waits
     gave_up: bool = False        # waited peer_wait_s once: computes from then on
     over: bool = False           # the request ended; only marks of blocks handed are left
@@ -148,7 +154,7 @@ class FlightStats:
     recovered: int = 0        # dead markers' intents found and recovered
 
 
-PEER, MINE, NONE = "peer", "mine", "none"
+MINE, NONE = "mine", "none"
 
 
 class Intents:
@@ -166,7 +172,7 @@ class Intents:
         self.clock = clock
         self.sleep = sleep
         self.stats = FlightStats()
-        self._peer_progress_at = float("-inf")   # a frontier of ours last moved on then
+        self._progress_at: Dict[int, float] = {}   # rank -> a block it marked found Ready
         self._reqs: Dict[str, _Req] = {}
         self._mine: Dict[bytes, str] = {}     # every key this scheduler marks -> its request
         self._full_logged = False
@@ -188,8 +194,8 @@ class Intents:
             self.stats.waits += 1
             return None     # looked at less than PROBE_INTERVAL_S ago: still waiting
         n = ready_prefix(keys[:limit])
-        if 0 <= r.frontier < n:
-            self._peer_progress_at = now   # the block it waited at is Ready: peers progress
+        if 0 <= r.frontier < n:   # the block it waited at is Ready: its marker progresses
+            self._progress_at[r.waiting_on] = now
         for _ in range(4):  # each round a block became Ready under us; bounded all the same
             start = max(n, local)
             if start >= limit or self.peer_wait_s <= 0 or r.gave_up:
@@ -198,8 +204,8 @@ class Intents:
             if key in self._mine:
                 break       # ours, for this request or another of this engine: never waited for
             got = self._claim(key)
-            if got == PEER:
-                return self._wait(req_id, r, start, now, n)
+            if isinstance(got, int):   # the live rank that marks it
+                return self._wait(req_id, r, start, got, now, n)
             if isinstance(got, Handle):
                 self._keep(req_id, r, key, got)
             again = ready_prefix(keys[:limit])
@@ -213,29 +219,35 @@ class Intents:
         self._mark(req_id, r, keys[max(n, local):upto])
         return n
 
-    def _wait(self, req_id: str, r: _Req, at: int, now: float, n: int) -> Optional[int]:
-        """Another live engine marks block ``at``: wait, unless no frontier of this
-        scheduler's requests moved on for peer_wait_s since this one waits at ``at``."""
-        if r.frontier != at:
+    def _wait(self, req_id: str, r: _Req, at: int, marker: int, now: float,
+              n: int) -> Optional[int]:
+        """Rank ``marker`` (another live engine) marks block ``at``: wait, unless it made no
+        progress for peer_wait_s (its blocks this request or another waited at becoming
+        Ready; the borrowed kind for CREDIT_WAITS x peer_wait_s at one block at most)."""
+        if r.frontier != at or r.waiting_on != marker:
             if r.frontier < 0:
                 self.stats.waited_requests += 1
-            r.frontier, r.wait_since = at, now
-        if now - max(r.wait_since, self._peer_progress_at) < self.peer_wait_s:
+            r.frontier, r.waiting_on, r.wait_since = at, marker, now
+        credit = min(self._progress_at.get(marker, float("-inf")),
+                     r.wait_since + (CREDIT_WAITS - 1) * self.peer_wait_s)
+        quiet = now - max(r.wait_since, credit)
+        if quiet < self.peer_wait_s:
             r.next_look = now + PROBE_INTERVAL_S
             self.stats.waits += 1
             return None
         r.gave_up, r.frontier = True, -1
         self.stats.gave_up += 1
-        log.warning("UcmCacheConnector: request %s waited %.1f s for block %d, which another "
-                    "engine marks, with no progress: computing it", req_id, now - r.wait_since,
-                    at)
+        log.warning("UcmCacheConnector: request %s waited %.1f s at block %d (%.1f s with no "
+                    "progress of rank %d, which marks it): computing it", req_id,
+                    now - r.wait_since, at, quiet, marker)
         return n
 
     def pace_idle_step(self) -> float:
-        """Called for a scheduler step that scheduled nothing: sleeps until the earliest look
-        of a waiting request is due (at most PROBE_INTERVAL_S; PROBE_INTERVAL_S while only
-        handed marks are left to settle), so that the engine's loop does not spin a core
-        while it waits for a peer.  Returns the seconds slept (0: nothing waits)."""
+        """Called for a scheduler step that scheduled nothing while no request of the engine
+        runs: sleeps until the earliest look of a waiting request is due (at most
+        PROBE_INTERVAL_S; PROBE_INTERVAL_S while only handed marks are left to settle), so
+        that the engine's loop does not take CPU its peer needs.  Returns the seconds slept
+        (0: nothing waits, or a look is due now)."""
         now = self.clock()
         due = [r.next_look for r in self._reqs.values() if r.frontier >= 0]
         if due:
@@ -249,9 +261,9 @@ class Intents:
         return pause
 
     def _claim(self, key: bytes):
-        """Take ``key``'s intent: our owner Handle, PEER (a live other rank marks it) or NONE
-        (not ours and nobody's to wait for: a full intents segment, a dead marker not yet
-        recovered, an error; the caller computes)."""
+        """Take ``key``'s intent: our owner Handle, the rank (an int) of the live other engine
+        that marks it, or NONE (not ours and nobody's to wait for: a full intents segment, a
+        dead marker not yet recovered, an error; the caller computes)."""
         for _ in range(3):
             try:
                 h = self.cache.get(key, timeout=CLAIM_TIMEOUT_S)
@@ -275,7 +287,7 @@ class Intents:
                                                lib.ucm_now_ns() + int(RECOVER_WAIT_S * 1e9))
                     state = h.state
                     if state == "loading":
-                        return PEER
+                        return int(loader)
                     self.stats.recovered += 1
             finally:
                 h.close()

@@ -57,7 +57,10 @@ class ConnectorScheduler:
     ``new_meta`` makes one step's metadata for the workers (UcmCacheConnectorMetadata)."""
 
     def __init__(self, *, cfg: Any, identity: EngineIdentity, segment: str, parts: EngineParts,
-                 new_meta: Callable[..., Any]) -> None:
+                 new_meta: Callable[..., Any], pace: bool = True) -> None:
+        """``pace``: idle steps may sleep while every request waits for a peer
+        (Intents.pace_idle_step); False under data parallelism, whose ranks step in
+        lockstep."""
         self._cfg = cfg
         self._identity = identity
         self._segment = segment
@@ -74,6 +77,7 @@ class ConnectorScheduler:
         self._flight_next = 0.0
         self._flight_finalizer: Optional[_mp_util.Finalize] = None
         self._flight_written: Optional[Dict[str, Any]] = None
+        self._pace = pace
 
     def shutdown(self) -> None:
         """The intents end (before the connector detaches from the segment)."""
@@ -197,8 +201,10 @@ class ConnectorScheduler:
             st.saved_blocks = full
             st.had_save = True
         self._flight_handed(meta)
-        if self._flight is not None and not _scheduled_tokens(scheduler_output):
-            self._flight.pace_idle_step()   # nothing to run: no spin while peers compute
+        f = self._flight
+        if f is not None and self._pace and not _scheduled_tokens(scheduler_output) and \
+                all(f.waiting(rid) for rid in self._reqs):
+            f.pace_idle_step()   # nothing runs, every request waits for a peer: no busy loop
         return meta
 
     def _block_ids(self, req_id: str) -> Optional[List[int]]:
