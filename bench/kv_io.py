@@ -36,6 +36,13 @@ The floors, in this process and thread, of the same bytes:
                meet (slot bytes last written by another step or process)
 Figures: medians [min-max] over --runs; ratios are each run's GB/s over that run's floor np.
 
+--evict-mb N (0: off) writes N MiB of scratch before every timed call and floor, so that no
+destination is in any cache (this machine's L3 reports 480 MiB: without it a 32 MiB step's
+slots stay cached from the previous call, which an engine's forward, streaming its weights
+and KV, does not leave them), then reads the call's source once (a save's KV, just written by
+the forward in an engine; the floor's source): every row then copies a cached source into
+memory that is not, as a save inside an engine does.
+
     .venv/bin/python -m bench.kv_io --instructions N
 
 runs N x (clear, save 64 blocks, load 64 blocks) with 64-byte layers instead, so that nearly
@@ -120,6 +127,8 @@ def main() -> None:
     ap.add_argument("--head-size", type=int, default=64)
     ap.add_argument("--block-size", type=int, default=32)
     ap.add_argument("--no-checksum", action="store_true")
+    ap.add_argument("--evict-mb", type=int, default=0, metavar="N",
+                    help="write N MiB of scratch before each timed call (no destination cached)")
     ap.add_argument("--instructions", type=int, default=0, metavar="N",
                     help="N save+load steps of 64-byte layers, for callgrind (no timings)")
     a = ap.parse_args()
@@ -152,6 +161,17 @@ def main() -> None:
     base_a, base_b = fa.ctypes.data, fb.ctypes.data
     offs = np.arange(n_seg, dtype=np.uint64) * np.uint64(seg)
     lens = np.full(n_seg, seg, dtype=np.uint64)
+
+    scratch = np.zeros(a.evict_mb << 20, dtype=np.uint8)
+
+    def evict(*sources: Any) -> None:
+        """No cached destination: the scratch written over every cache; then the sources read
+        (in cache, as a step's just computed KV is)."""
+        if not a.evict_mb:
+            return
+        np.add(scratch, 1, out=scratch)
+        for x in sources:
+            float(x.sum())
 
     def record(name: str, secs: float, ph: Phases = None) -> None:
         rows.setdefault(name, []).append(step / secs / 1e9)
@@ -188,6 +208,7 @@ def main() -> None:
                 other_get_many = other.get_many
                 other.get_many = ph.wrap("claim", other_get_many)
                 try:
+                    evict(*([t[:a.blocks] for t in src] if name.startswith("save") else []))
                     f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
                     t0 = time.perf_counter()
                     if name.startswith("save"):
@@ -213,9 +234,11 @@ def main() -> None:
         finally:
             cache.close()
             SlotCache.unlink(u)
+        evict(fa)
         t0 = time.perf_counter()
         np.copyto(fb, fa)
         record("floor np", time.perf_counter() - t0)
+        evict(fa)
         t0 = time.perf_counter()
         copy_segments(offs + np.uint64(base_b), offs + np.uint64(base_a), lens)
         record("floor seg", time.perf_counter() - t0)

@@ -7,17 +7,61 @@
 
 #include <string.h>
 
+#if defined(__x86_64__) || defined(__SSE2__)
+#include <emmintrin.h>
+#define HAVE_STREAM 1
+#endif
+
 #include "ucm_crc.h"
 
 #define FOLD (3 * 8192)
 
-static void copy_fold(unsigned char *dst, const unsigned char *src, uint64_t len, uint32_t *crc)
+typedef void (*mover)(unsigned char *dst, const unsigned char *src, size_t len);
+
+static void move_cached(unsigned char *dst, const unsigned char *src, size_t len)
+{
+    memcpy(dst, src, len);
+}
+
+/* Stores that bypass the cache (movntdq): the destination's lines are written whole, never
+ * read from memory for ownership first, and left out of this core's caches: for a
+ * destination this process does not read next (a slot another process loads later) and no
+ * cache holds (an engine's forward streams weights and KV through the caches between two
+ * saves).  bench/kv_io.py --evict-mb measures the save with and without them
+ * (bench/results/kv-io.md).  The head up to 16-byte alignment and the tail under 64 bytes go
+ * by memcpy. */
+static void move_streaming(unsigned char *dst, const unsigned char *src, size_t len)
+{
+#ifdef HAVE_STREAM
+    size_t head = (size_t)(-(uintptr_t)dst & 15);
+    if (head > len)
+        head = len;
+    memcpy(dst, src, head);
+    dst += head;
+    src += head;
+    len -= head;
+    for (; len >= 64; len -= 64, dst += 64, src += 64) {
+        __m128i a = _mm_loadu_si128((const __m128i *)src);
+        __m128i b = _mm_loadu_si128((const __m128i *)(src + 16));
+        __m128i c = _mm_loadu_si128((const __m128i *)(src + 32));
+        __m128i d = _mm_loadu_si128((const __m128i *)(src + 48));
+        _mm_stream_si128((__m128i *)dst, a);
+        _mm_stream_si128((__m128i *)(dst + 16), b);
+        _mm_stream_si128((__m128i *)(dst + 32), c);
+        _mm_stream_si128((__m128i *)(dst + 48), d);
+    }
+#endif
+    memcpy(dst, src, len);
+}
+
+static void copy_fold(unsigned char *dst, const unsigned char *src, uint64_t len, uint32_t *crc,
+                      mover move)
 {
     uint32_t c = *crc;
     while (len) {
         size_t k = len < FOLD ? (size_t)len : FOLD;
         c = ucm_crc32c(c, src, k);
-        memcpy(dst, src, k);
+        move(dst, src, k);
         dst += k;
         src += k;
         len -= k;
@@ -25,8 +69,8 @@ static void copy_fold(unsigned char *dst, const unsigned char *src, uint64_t len
     *crc = c;
 }
 
-void ucm_copy_segments(uint64_t n, const uint64_t *dst, const uint64_t *src,
-                       const uint64_t *len, uint32_t *crc, uint64_t per)
+static void copy_all(uint64_t n, const uint64_t *dst, const uint64_t *src, const uint64_t *len,
+                     uint32_t *crc, uint64_t per, mover move)
 {
     if (per == 0)
         per = 1;
@@ -34,8 +78,27 @@ void ucm_copy_segments(uint64_t n, const uint64_t *dst, const uint64_t *src,
         unsigned char *d = (unsigned char *)(uintptr_t)dst[i];
         const unsigned char *s = (const unsigned char *)(uintptr_t)src[i];
         if (crc)
-            copy_fold(d, s, len[i], crc + i / per);
+            copy_fold(d, s, len[i], crc + i / per, move);
         else
-            memcpy(d, s, (size_t)len[i]);
+            move(d, s, (size_t)len[i]);
     }
+}
+
+void ucm_copy_segments(uint64_t n, const uint64_t *dst, const uint64_t *src,
+                       const uint64_t *len, uint32_t *crc, uint64_t per)
+{
+    copy_all(n, dst, src, len, crc, per, move_cached);
+}
+
+void ucm_copy_segments_streaming(uint64_t n, const uint64_t *dst, const uint64_t *src,
+                                 const uint64_t *len, uint32_t *crc, uint64_t per)
+{
+    copy_all(n, dst, src, len, crc, per, move_streaming);
+#ifdef HAVE_STREAM
+    /* Streaming stores are weakly ordered: not even a later release store (the publish, a
+     * plain mov on x86) is kept behind them.  The fence makes every byte copied here
+     * globally visible before any store this thread makes after the call, so a reader that
+     * acquires the Ready word (I2) reads these bytes, not the slot's old ones. */
+    _mm_sfence();
+#endif
 }

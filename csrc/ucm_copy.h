@@ -17,6 +17,11 @@
  * source is read from memory once. */
 void ucm_copy_segments(uint64_t n, const uint64_t *dst, const uint64_t *src,
                        const uint64_t *len, uint32_t *crc, uint64_t per);
+/* The same, the destination written with stores that bypass the cache (x86-64; elsewhere
+ * memcpy), for a destination this process does not read next: a slot a save fills.  Every
+ * byte is visible to other threads and processes before the call returns (a store fence). */
+void ucm_copy_segments_streaming(uint64_t n, const uint64_t *dst, const uint64_t *src,
+                                 const uint64_t *len, uint32_t *crc, uint64_t per);
 /* CDEF-END */
 
 #endif

@@ -1,7 +1,8 @@
 """The segment copy of ucmcache.vllm's block moves (ucmcache.core.copy, csrc/ucm_copy.c): every
 byte of every segment lands where asked and nothing beside it, and the CRC-32C folded into the
 copy equals the CRC-32C summed over the same bytes in a pass of its own (the instruction path
-and the table path), continued across calls as a layer-by-layer load continues it."""
+and the table path), continued across calls as a layer-by-layer load continues it; the same
+with the streaming stores a save uses."""
 import numpy as np
 import pytest
 
@@ -34,27 +35,31 @@ def _segments(rng, lengths, src, dst, gap=3):
             np.array(lengths, dtype=np.uint64), s_off, d_off)
 
 
-def test_every_segment_lands_where_asked_and_nothing_else_is_written():
+@pytest.mark.parametrize("streaming", [False, True])
+def test_every_segment_lands_where_asked_and_nothing_else_is_written(streaming):
+    """Also with streaming stores (the save's): heads before 16-byte alignment, 64-byte
+    runs, tails, at odd offsets of source and destination."""
     rng = np.random.default_rng(1)
     src = rng.integers(0, 256, 400_000, dtype=np.uint8)
     dst = np.full(400_000, 0xAB, dtype=np.uint8)
     d, s, n, s_off, d_off = _segments(rng, LENGTHS, src, dst)
-    copy_segments(d, s, n)
+    copy_segments(d, s, n, streaming=streaming)
     expect = np.full_like(dst, 0xAB)
     for so, do, ln in zip(s_off, d_off, LENGTHS):
         expect[do:do + ln] = src[so:so + ln]
     assert np.array_equal(dst, expect)
 
 
+@pytest.mark.parametrize("streaming", [False, True])
 @pytest.mark.parametrize("per", [1, 2, 3])
-def test_the_folded_crc_equals_the_two_pass_crc_of_each_blocks_pieces(per):
+def test_the_folded_crc_equals_the_two_pass_crc_of_each_blocks_pieces(per, streaming):
     rng = np.random.default_rng(2)
     lengths = LENGTHS + [512] * ((-len(LENGTHS)) % per)
     src = rng.integers(0, 256, 500_000, dtype=np.uint8)
     dst = np.zeros(500_000, dtype=np.uint8)
     d, s, n, s_off, _ = _segments(rng, lengths, src, dst)
     crcs = np.zeros(len(lengths) // per, dtype=np.uint32)
-    copy_segments(d, s, n, crcs, per)
+    copy_segments(d, s, n, crcs, per, streaming=streaming)
     for b in range(len(crcs)):
         pieces = b"".join(src[s_off[i]:s_off[i] + lengths[i]].tobytes()
                           for i in range(b * per, (b + 1) * per))

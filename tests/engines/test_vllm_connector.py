@@ -233,7 +233,7 @@ def test_vllm_cpus_layout_moves_by_the_c_copy_and_its_crc_is_the_two_pass_crc(ma
     calls = []
     copy = _vb.copy_segments
     try:
-        _vb.copy_segments = lambda *a: (calls.append(len(a[0])), copy(*a))
+        _vb.copy_segments = lambda *a, **k: (calls.append(len(a[0])), copy(*a, **k))
         assert io.save(keys[:3], [5, 1, 6]).blocks_saved == 3
         assert _io(c, dst).load(keys[:3], [0, 2, 3]).loaded == 3
         layers = []

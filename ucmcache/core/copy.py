@@ -22,12 +22,16 @@ def _u64(name: str, a: np.ndarray, n: int):
 
 
 def copy_segments(dst: np.ndarray, src: np.ndarray, lens: np.ndarray,
-                  crcs: Optional[np.ndarray] = None, per: int = 1) -> None:
+                  crcs: Optional[np.ndarray] = None, per: int = 1, *,
+                  streaming: bool = False) -> None:
     """Copy ``lens[i]`` bytes from address ``src[i]`` to address ``dst[i]`` for every i (numpy
     uint64 arrays of one length).  With ``crcs`` (a writable uint32 array of ceil(n / per)
     entries), the CRC-32C of segment i continues ``crcs[i // per]``: ``per`` consecutive
     segments are one block's pieces, in order.  The addresses are trusted: the caller owns them
-    (a pinned slot, a KV cache tensor it holds)."""
+    (a pinned slot, a KV cache tensor it holds).  ``streaming``: the destination is written
+    with stores that bypass the cache (x86-64), for a destination this process does not read
+    next (a slot a save fills: no read of each line before its write; bench/kv_io.py
+    --evict-mb); every byte is visible to other processes when this returns."""
     n = len(dst) if isinstance(dst, np.ndarray) else -1
     d = _u64("dst", dst, n)
     s = _u64("src", src, n)
@@ -46,4 +50,5 @@ def copy_segments(dst: np.ndarray, src: np.ndarray, lens: np.ndarray,
                              f"{per} per block need {-(-n // per)}")
         c = ffi.from_buffer("uint32_t[]", crcs)
     if n:
-        lib.ucm_copy_segments(n, d, s, ln, c, per)
+        (lib.ucm_copy_segments_streaming if streaming else lib.ucm_copy_segments)(
+            n, d, s, ln, c, per)

@@ -539,8 +539,8 @@ class KVBlockIO:
         lens = np.broadcast_to(self._lens, (n, len(self.layers))).ravel()
         if to_kv:
             copy_segments(kv, sl, lens, crcs, len(self.layers))
-        else:
-            copy_segments(sl, kv, lens, crcs, len(self.layers))
+        else:   # into slots this process does not read next: stores that bypass the cache
+            copy_segments(sl, kv, lens, crcs, len(self.layers), streaming=True)
 
     def _copy_layer(self, layer: int, blocks: Sequence[int], slots: Sequence[int],
                     to_kv: bool, crcs: Optional[np.ndarray], after: Any = None) -> None:
@@ -560,7 +560,7 @@ class KVBlockIO:
             if to_kv:
                 copy_segments(kv, sl, lens, crcs)
             else:
-                copy_segments(sl, kv, lens, crcs)
+                copy_segments(sl, kv, lens, crcs, streaming=True)
             return
         torch = self.torch
         hosts = [_host_array(a + plan.slot_off - HEADER_SIZE, plan.nbytes) for a in slots]
