@@ -53,6 +53,8 @@ import uuid as uuidlib
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
+from e2e.flight_engine import thread_layout   # one layout for every engine and server here
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The paths the proxy spreads over its backends; everything else (/v1/models, /tokenize, ...)
 # goes to the first one, so that a client's side calls do not shift the round-robin.
@@ -378,12 +380,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def thread_layout(core: int) -> Dict[str, str]:
-    """The environment that pins one server's threads to `core`: the same for every server."""
-    return {"VLLM_CPU_OMP_THREADS_BIND": str(core), "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
-            "OMP_NUM_THREADS": "1"}
 
 
 def start_server(s: Server, model: str, block_size: int, max_model_len: int,
