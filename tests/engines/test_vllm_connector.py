@@ -219,6 +219,51 @@ def _slot_bytes(c, key):
         return bytes(h.data)
 
 
+# each header field (at its offset in _HEADER "<8sII16s16sQII"), a value this engine never
+# writes there, and the reason a load gives
+TAMPERED = [(0, b"NOTUCMKV", "bad magic"), (8, (9).to_bytes(4, "little"), "format version 9"),
+            (12, (3).to_bytes(4, "little"), "holds 3 layer(s)"),
+            (16, b"\xee" * 16, "another namespace or KV layout"),
+            (32, b"\x11" * 15 + b"\x00", "names another key"),
+            (48, (1).to_bytes(8, "little"), "names another key"),
+            (56, (5).to_bytes(4, "little"), "5 payload bytes")]
+
+
+def test_a_load_checks_every_header_field_of_every_block_at_once(make_cache):
+    """A load reads the step's headers in one copy and compares them at once: a block whose
+    header differs in any one field (or whose stored length is not a block's) fails with the
+    reason check_header gives, its rows untouched, while the blocks beside it in the same load
+    are loaded."""
+    src = _kv(blocks=10, seed=1)
+    need = HEADER_SIZE + sum(t[0:1].numel() * t.element_size() for t in src)
+    c = make_cache(slots_per_rank=32, slot_size=need, max_ranks=2)
+    io = _io(c, src)
+    keys = uv.block_keys(list(range(100, 100 + 10 * BS + 1)), ID)[:9]
+    assert io.save(keys, list(range(9))).blocks_saved == 9
+    stored = [_slot_bytes(c, k) for k in keys]
+    cases = TAMPERED + [(None, None, f"bytes stored, a block is {need}")]
+    for i, (at, value, _) in enumerate(cases):   # blocks 0-7 tampered, block 8 left as saved
+        raw = bytearray(stored[i])
+        if at is None:
+            raw = raw[:-8]
+        else:
+            raw[at:at + len(value)] = value
+        assert c.delete(keys[i])
+        with c.get(keys[i]) as h:
+            assert h.owner
+            h.data[:len(raw)] = raw
+            h.ready(len(raw))
+    dst = _kv(blocks=10, seed=2)
+    before = [t.clone() for t in dst]
+    for on_layer in (None, lambda layer: None):
+        res = _io(c, dst).load(keys, list(range(9)), on_layer=on_layer)
+        assert res.loaded == 1
+        for i, (_, _, why) in enumerate(cases):
+            assert why in res.failed[i], (i, res.failed[i])
+            assert all(torch.equal(d[i], b[i]) for d, b in zip(dst, before))
+        assert all(torch.equal(d[8], s_[8]) for d, s_ in zip(dst, src))
+
+
 def test_vllm_cpus_layout_moves_by_the_c_copy_and_its_crc_is_the_two_pass_crc(make_cache):
     """[blocks, kv heads, block size, 2 x head size], contiguous: each layer's block is one
     range: a save and a whole-block load copy all of a step's layers and blocks in one C call,
@@ -242,8 +287,8 @@ def test_vllm_cpus_layout_moves_by_the_c_copy_and_its_crc_is_the_two_pass_crc(ma
         _vb.copy_segments = copy
     assert layers == [0, 1]
     # a save: the step's payload in one call, then its 3 headers in one; a whole-block load:
-    # one call; layer by layer: one a layer
-    assert calls == [6, 3, 6, 3, 3]
+    # its 3 headers read in one call, then one; layer by layer: the headers, then one a layer
+    assert calls == [6, 3, 3, 6, 3, 3, 3]
     for a, b in ((5, 0), (1, 2), (6, 3)):
         assert all(torch.equal(s[a], d[b]) for s, d in zip(src, dst))
     for k, b in zip(keys[:3], (5, 1, 6)):
