@@ -40,8 +40,10 @@ Figures: medians [min-max] over --runs; ratios are each run's GB/s over that run
 destination is in any cache (this machine's L3 reports 480 MiB: without it a 32 MiB step's
 slots stay cached from the previous call, which an engine's forward, streaming its weights
 and KV, does not leave them), then reads the call's source once (a save's KV, just written by
-the forward in an engine; the floor's source): every row then copies a cached source into
-memory that is not, as a save inside an engine does.
+the forward in an engine; the floor's source): the save rows and the floors then copy a cached
+source into memory that is not, as a save inside an engine does.  A load's source, the slots,
+is left uncached as well (another process wrote them, a while ago), so its ratio to the floor
+is the harder one.
 
     .venv/bin/python -m bench.kv_io --instructions N
 

@@ -1,8 +1,8 @@
 /* Segment copies (see ucm_copy.h).  The CRC is folded in by chunks of FOLD bytes: the chunk is
  * summed first (ucm_crc32c: three crc32 streams over 3 x 8 KiB on x86-64, which brings it into
- * L1), then copied from L1 with memcpy.  FOLD is three of ucm_crc.c's 8 KiB stretches, so every
- * whole chunk takes the three-stream path, and 24 KiB of source fits in any L1 data cache this
- * runs on next to the destination's lines. */
+ * L1), then copied from L1, by memcpy or by streaming stores (move_streaming).  FOLD is three
+ * of ucm_crc.c's 8 KiB stretches, so every whole chunk takes the three-stream path, and 24 KiB
+ * of source fits in any L1 data cache this runs on next to the destination's lines. */
 #include "ucm_copy.h"
 
 #include <string.h>
@@ -95,10 +95,13 @@ void ucm_copy_segments_streaming(uint64_t n, const uint64_t *dst, const uint64_t
 {
     copy_all(n, dst, src, len, crc, per, move_streaming);
 #ifdef HAVE_STREAM
-    /* Streaming stores are weakly ordered: not even a later release store (the publish, a
-     * plain mov on x86) is kept behind them.  The fence makes every byte copied here
-     * globally visible before any store this thread makes after the call, so a reader that
-     * acquires the Ready word (I2) reads these bytes, not the slot's old ones. */
+    /* Streaming stores are weakly ordered: a later store of this thread, even the publish's
+     * release exchange, is not guaranteed to stay behind them without a fence.  The fence
+     * makes every byte copied here globally visible before any store this thread makes after
+     * the call (the head and tail's ordinary stores are ordered anyway), so a reader that
+     * acquires the Ready state after our publish (design/protocols.md: the publish's release
+     * against the reader's acquire) reads these bytes, not the slot's old ones; and a forward
+     * thread that takes the load's lock after our notify reads the KV copied here. */
     _mm_sfence();
 #endif
 }

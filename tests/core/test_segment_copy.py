@@ -66,7 +66,29 @@ def test_the_folded_crc_equals_the_two_pass_crc_of_each_blocks_pieces(per, strea
         assert int(crcs[b]) == crc32c(pieces) == crc32c_soft(pieces), b
 
 
-def test_a_crc_continues_across_calls_as_a_layer_by_layer_load_sums_it():
+@pytest.mark.parametrize("streaming", [False, True])
+def test_every_alignment_and_short_length_lands_exactly(streaming):
+    """A fixed sweep: destination and source misaligned by 0-15 bytes, lengths 0-200 and
+    multiples of 64 around it: the streaming stores' head (to 16-byte alignment, longer than
+    the segment when it is short), 64-byte runs and tail, and nothing written beside."""
+    rng = np.random.default_rng(4)
+    src = rng.integers(0, 256, 4096, dtype=np.uint8)
+    for dmis in range(16):
+        for smis in range(16):
+            for n in list(range(0, 201, 7)) + [64, 128, 192, 256, 1024]:
+                dst = np.full(4096 + 64, 0xCD, dtype=np.uint8)
+                d0 = (-dst.ctypes.data % 64) + dmis + 32   # 32 bytes guarded before it
+                s0 = (-src.ctypes.data % 64) + smis
+                copy_segments(np.array([dst.ctypes.data + d0], dtype=np.uint64),
+                              np.array([src.ctypes.data + s0], dtype=np.uint64),
+                              np.array([n], dtype=np.uint64), streaming=streaming)
+                expect = np.full_like(dst, 0xCD)
+                expect[d0:d0 + n] = src[s0:s0 + n]
+                assert np.array_equal(dst, expect), (dmis, smis, n)
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_a_crc_continues_across_calls_as_a_layer_by_layer_load_sums_it(streaming):
     rng = np.random.default_rng(3)
     layers = [rng.integers(0, 256, (4, 30_000), dtype=np.uint8) for _ in range(3)]
     out = [np.zeros_like(a) for a in layers]
@@ -74,7 +96,7 @@ def test_a_crc_continues_across_calls_as_a_layer_by_layer_load_sums_it():
     for a, o in zip(layers, out):   # one call per layer, all blocks, as KVBlockIO does
         d = np.array([o[b].ctypes.data for b in range(4)], dtype=np.uint64)
         s = np.array([a[b].ctypes.data for b in range(4)], dtype=np.uint64)
-        copy_segments(d, s, np.full(4, 30_000, dtype=np.uint64), crcs)
+        copy_segments(d, s, np.full(4, 30_000, dtype=np.uint64), crcs, streaming=streaming)
     for b in range(4):
         whole = b"".join(a[b].tobytes() for a in layers)
         assert int(crcs[b]) == crc32c(whole)

@@ -225,6 +225,7 @@ TAMPERED = [(0, b"NOTUCMKV", "bad magic"), (8, (9).to_bytes(4, "little"), "forma
             (12, (3).to_bytes(4, "little"), "holds 3 layer(s)"),
             (16, b"\xee" * 16, "another namespace or KV layout"),
             (32, b"\x11" * 15 + b"\x00", "names another key"),
+            (47, b"\x00", "names another key"),   # the key's last byte only (NULs count)
             (48, (1).to_bytes(8, "little"), "names another key"),
             (56, (5).to_bytes(4, "little"), "5 payload bytes")]
 
@@ -238,11 +239,12 @@ def test_a_load_checks_every_header_field_of_every_block_at_once(make_cache):
     need = HEADER_SIZE + sum(t[0:1].numel() * t.element_size() for t in src)
     c = make_cache(slots_per_rank=32, slot_size=need, max_ranks=2)
     io = _io(c, src)
-    keys = uv.block_keys(list(range(100, 100 + 10 * BS + 1)), ID)[:9]
-    assert io.save(keys, list(range(9))).blocks_saved == 9
+    keys = uv.block_keys(list(range(100, 100 + 10 * BS + 1)), ID)[:10]
+    keys[5] = keys[5][:15] + b"\x01"   # its last byte tampered to 0 below must differ
+    assert io.save(keys, list(range(10))).blocks_saved == 10
     stored = [_slot_bytes(c, k) for k in keys]
     cases = TAMPERED + [(None, None, f"bytes stored, a block is {need}")]
-    for i, (at, value, _) in enumerate(cases):   # blocks 0-7 tampered, block 8 left as saved
+    for i, (at, value, _) in enumerate(cases):   # blocks 0-8 tampered, block 9 left as saved
         raw = bytearray(stored[i])
         if at is None:
             raw = raw[:-8]
@@ -255,13 +257,22 @@ def test_a_load_checks_every_header_field_of_every_block_at_once(make_cache):
             h.ready(len(raw))
     dst = _kv(blocks=10, seed=2)
     before = [t.clone() for t in dst]
-    for on_layer in (None, lambda layer: None):
-        res = _io(c, dst).load(keys, list(range(9)), on_layer=on_layer)
-        assert res.loaded == 1
-        for i, (_, _, why) in enumerate(cases):
-            assert why in res.failed[i], (i, res.failed[i])
-            assert all(torch.equal(d[i], b[i]) for d, b in zip(dst, before))
-        assert all(torch.equal(d[8], s_[8]) for d, s_ in zip(dst, src))
+    looked = []
+    check = _vb.check_header
+    _vb.check_header = lambda raw, **kw: (looked.append(kw["block_id"]), check(raw, **kw))[1]
+    try:
+        for on_layer in (None, lambda layer: None):
+            looked.clear()
+            res = _io(c, dst).load(keys, list(range(10)), on_layer=on_layer)
+            assert res.loaded == 1
+            for i, (_, _, why) in enumerate(cases):
+                assert why in res.failed[i], (i, res.failed[i])
+                assert all(torch.equal(d[i], b[i]) for d, b in zip(dst, before))
+            assert all(torch.equal(d[9], s_[9]) for d, s_ in zip(dst, src))
+            # the good block passed the at-once check; only the others were looked at alone
+            assert looked == keys[:9]
+    finally:
+        _vb.check_header = check
 
 
 def test_vllm_cpus_layout_moves_by_the_c_copy_and_its_crc_is_the_two_pass_crc(make_cache):
