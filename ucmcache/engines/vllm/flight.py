@@ -154,7 +154,7 @@ class FlightStats:
     recovered: int = 0        # dead markers' intents found and recovered
 
 
-MINE, NONE = "mine", "none"
+NONE = "none"   # _claim: not ours, and nobody's to wait for
 
 
 class Intents:
