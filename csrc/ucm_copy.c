@@ -1,8 +1,6 @@
-/* Segment copies (see ucm_copy.h).  The CRC is folded in by chunks of FOLD bytes: the chunk is
- * summed first (ucm_crc32c: three crc32 streams over 3 x 8 KiB on x86-64, which brings it into
- * L1), then copied from L1, by memcpy or by streaming stores (move_streaming).  FOLD is three
- * of ucm_crc.c's 8 KiB stretches, so every whole chunk takes the three-stream path, and 24 KiB
- * of source fits in any L1 data cache this runs on next to the destination's lines. */
+/* Segment copies (see ucm_copy.h).  A copy with a CRC is ucm_crc32c_copy's one pass (ucm_crc.c:
+ * each 64-byte line summed as it is copied, three crc32 streams over 3 x 4 KiB chunks on
+ * x86-64); a copy without one is memcpy, or streaming stores (move_streaming). */
 #include "ucm_copy.h"
 
 #include <string.h>
@@ -13,8 +11,6 @@
 #endif
 
 #include "ucm_crc.h"
-
-#define FOLD (3 * 8192)
 
 typedef void (*mover)(unsigned char *dst, const unsigned char *src, size_t len);
 
@@ -54,31 +50,17 @@ static void move_streaming(unsigned char *dst, const unsigned char *src, size_t 
     memcpy(dst, src, len);
 }
 
-static void copy_fold(unsigned char *dst, const unsigned char *src, uint64_t len, uint32_t *crc,
-                      mover move)
-{
-    uint32_t c = *crc;
-    while (len) {
-        size_t k = len < FOLD ? (size_t)len : FOLD;
-        c = ucm_crc32c(c, src, k);
-        move(dst, src, k);
-        dst += k;
-        src += k;
-        len -= k;
-    }
-    *crc = c;
-}
-
 static void copy_all(uint64_t n, const uint64_t *dst, const uint64_t *src, const uint64_t *len,
-                     uint32_t *crc, uint64_t per, mover move)
+                     uint32_t *crc, uint64_t per, int streaming)
 {
+    mover move = streaming ? move_streaming : move_cached;
     if (per == 0)
         per = 1;
     for (uint64_t i = 0; i < n; i++) {
         unsigned char *d = (unsigned char *)(uintptr_t)dst[i];
         const unsigned char *s = (const unsigned char *)(uintptr_t)src[i];
         if (crc)
-            copy_fold(d, s, len[i], crc + i / per, move);
+            crc[i / per] = ucm_crc32c_copy(crc[i / per], d, s, (size_t)len[i], streaming);
         else
             move(d, s, (size_t)len[i]);
     }
@@ -87,13 +69,13 @@ static void copy_all(uint64_t n, const uint64_t *dst, const uint64_t *src, const
 void ucm_copy_segments(uint64_t n, const uint64_t *dst, const uint64_t *src,
                        const uint64_t *len, uint32_t *crc, uint64_t per)
 {
-    copy_all(n, dst, src, len, crc, per, move_cached);
+    copy_all(n, dst, src, len, crc, per, 0);
 }
 
 void ucm_copy_segments_streaming(uint64_t n, const uint64_t *dst, const uint64_t *src,
                                  const uint64_t *len, uint32_t *crc, uint64_t per)
 {
-    copy_all(n, dst, src, len, crc, per, move_streaming);
+    copy_all(n, dst, src, len, crc, per, 1);
 #ifdef HAVE_STREAM
     /* Streaming stores are weakly ordered: a later store of this thread, even the publish's
      * release exchange, is not guaranteed to stay behind them without a fence.  The fence

@@ -2792,6 +2792,53 @@ int64_t ucm_get_slow(ucm_ctx *c, const char *id, uint64_t offset, uint32_t spin_
     return answer;
 }
 
+uint32_t ucm_get_slow_many(ucm_ctx *c, const char *ids, const uint64_t *offsets, uint32_t n,
+                           uint32_t from, const uint8_t *codes, uint32_t spin_budget,
+                           uint32_t max_rollbacks, int64_t timeout_ns, uint32_t *slots_out,
+                           uint8_t *owner_out, int64_t *lens_out, uint32_t *serials_out,
+                           int64_t *answer_out, int64_t *since_out)
+{
+    /* ucm_get_slow for each position of a batch its first look missed (codes[i] != 0), in
+     * order from ``from``, each a whole step of its own (its stripe, its timeout), the pin
+     * handed to slots_out/owner_out as ucm_get_slow hands it; and, for a position it made the
+     * owner of, the load's serial asked at once (ucm_load_serial, the pin held).  It stops at
+     * the first position whose step answers anything but a pin (a caller's decision: MOVED,
+     * ROOM, FULL, BUSY, ...) and returns that position, the answer (positive: -r) in
+     * *answer_out and the step's start in *since_out, so the caller goes on from there with
+     * the step already counted as its first; a first look that found a corrupt chain runs no
+     * step (*answer_out 0).  n when every position is pinned. */
+    *answer_out = 0;
+    for (uint32_t i = from; i < n; i++) {
+        if (!codes[i]) continue;
+        if (codes[i] == UCM_CORRUPT) return i;
+        int64_t since = now_ns();
+        int64_t r = ucm_get_slow(c, ids + 16 * (size_t)i, offsets[i], spin_budget,
+                                 max_rollbacks, timeout_ns, NULL, slots_out + i, owner_out + i);
+        if (r < 0) {
+            *answer_out = -r;
+            *since_out = since;
+            return i;
+        }
+        lens_out[i] = (r & UCM_PIN_READY) ? (int64_t)UCM_PIN_LEN(r) : -1;
+        if (owner_out[i]) serials_out[i] = ucm_load_serial(c, slots_out[i]);
+    }
+    return n;
+}
+
+int ucm_publish_many(ucm_ctx *c, const uint32_t *slots, const uint32_t *serials, uint32_t n,
+                     const uint32_t *lengths, int32_t *answers_out)
+{
+    /* ucm_publish(slot, serial, UCM_READY, length) for each of n owned loads, each a step of
+     * its own; every answer in answers_out (a refused one leaves the others published).
+     * Returns how many were published. */
+    int published = 0;
+    for (uint32_t i = 0; i < n; i++) {
+        answers_out[i] = ucm_publish(c, slots[i], serials[i], UCM_READY, lengths[i]);
+        published += answers_out[i] == UCM_OK;
+    }
+    return published;
+}
+
 /* ---------------------------------------------------------------- delete, whole
 
    A delete makes a Ready entry unreachable at once (I2) and takes it out of its arena's words

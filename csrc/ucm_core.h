@@ -466,6 +466,15 @@ uint32_t ucm_slot_loader(ucm_ctx *c, uint32_t slot);
 int64_t ucm_get_slow(ucm_ctx *c, const char *id, uint64_t offset, uint32_t spin_budget,
                      uint32_t max_rollbacks, int64_t timeout_ns, ucm_token *tok,
                      uint32_t *slot_out, uint8_t *owner_out);
+/* ucm_get_slow for each position of a batch whose first look missed (codes[i] != 0), from
+ * ``from`` on, each position's load serial asked where it became the owner; stops at the
+ * first step that answers no pin and returns its position (its answer, positive, in
+ * *answer_out; the step's start in *since_out); n when all are pinned. */
+uint32_t ucm_get_slow_many(ucm_ctx *c, const char *ids, const uint64_t *offsets, uint32_t n,
+                           uint32_t from, const uint8_t *codes, uint32_t spin_budget,
+                           uint32_t max_rollbacks, int64_t timeout_ns, uint32_t *slots_out,
+                           uint8_t *owner_out, int64_t *lens_out, uint32_t *serials_out,
+                           int64_t *answer_out, int64_t *since_out);
 int ucm_clock_claim(ucm_ctx *c, uint64_t max_scan, uint32_t *slot_out);
 int ucm_install(ucm_ctx *c, uint32_t slot, const char *id, uint64_t offset, uint32_t held_stripe);
 /* The owner's load's serial, asked right after the step that made it the owner (its pin
@@ -473,6 +482,10 @@ int ucm_install(ucm_ctx *c, uint32_t slot, const char *id, uint64_t offset, uint
  * UCM_NOT_HELD). */
 uint32_t ucm_load_serial(ucm_ctx *c, uint32_t slot);
 int ucm_publish(ucm_ctx *c, uint32_t slot, uint32_t serial, uint32_t state, uint32_t length);
+/* ucm_publish(slots[i], serials[i], UCM_READY, lengths[i]) for each i, every answer in
+ * answers_out; returns how many were published. */
+int ucm_publish_many(ucm_ctx *c, const uint32_t *slots, const uint32_t *serials, uint32_t n,
+                     const uint32_t *lengths, int32_t *answers_out);
 /* fail() of an owner: the right to finish, the message copied in (cut to the slot), Failed. */
 int ucm_fail_load(ucm_ctx *c, uint32_t slot, uint32_t serial, const char *msg, uint32_t len);
 int ucm_wait_loaded(ucm_ctx *c, uint32_t slot, int64_t timeout_ns, uint32_t *state_out);

@@ -54,6 +54,15 @@ uint32_t ucm_crc32c_soft(uint32_t crc, const void *buf, size_t len)
  * joined by the software shift below, which costs a few hundred cycles per 24 KiB.  Shorter
  * tails run one stream. */
 #define STRETCH 8192
+/* The copy's stretch (ucm_crc32c_copy): 3 x 4 KiB chunks keep the three source and three
+ * destination streams within the prefetchers' and fill buffers' reach; a 64 KiB segment
+ * (a layer of a block) is five chunks and a 4 KiB tail.  4 KiB copied faster than 2 KiB
+ * (the join's cost per chunk) and 8 KiB (a standalone test on this machine, 32 MiB in 64 KiB
+ * segments with streaming stores: 8.4 GB/s, against 7.3 at 8 KiB and 6.9 for the sum then
+ * the copy by 24 KiB chunks, 9.0 for the copy alone). */
+#define COPY_STRETCH 4096
+
+#include <emmintrin.h>
 
 __attribute__((target("sse4.2")))
 static uint64_t one_stream(uint64_t c, const unsigned char *p, size_t len)
@@ -93,6 +102,7 @@ static uint32_t gf2_times(const uint32_t *m, uint32_t v)
 }
 
 static uint32_t shift_op[32];     /* the operator for STRETCH zero bytes */
+static uint32_t copy_shift_op[32];   /* the operator for COPY_STRETCH zero bytes */
 static pthread_once_t shift_once = PTHREAD_ONCE_INIT;
 
 static void make_shift(void)
@@ -105,7 +115,10 @@ static void make_shift(void)
     gf2_square(odd, even);       /* 4 bits */
     gf2_square(even, odd);       /* 1 byte */
     uint32_t *cur = even, *next = odd;
-    for (size_t bytes = 1; bytes < STRETCH; bytes *= 2) {  /* STRETCH is a power of two */
+    /* both stretches are powers of two, COPY_STRETCH the smaller */
+    for (size_t bytes = 1; bytes < STRETCH; bytes *= 2) {
+        if (bytes == COPY_STRETCH)
+            memcpy(copy_shift_op, cur, sizeof copy_shift_op);
         gf2_square(next, cur);
         uint32_t *t = cur;
         cur = next;
@@ -150,7 +163,87 @@ static uint32_t crc32c_x86(uint32_t crc, const unsigned char *p, size_t len)
     }
     return ~(uint32_t)one_stream(c, p, len);
 }
+/* One 16-byte store: bypassing the cache (movntdq, ``dst`` 16-byte aligned) or not. */
+__attribute__((always_inline))
+static inline void store16(unsigned char *dst, __m128i v, int streaming)
+{
+    if (streaming)
+        _mm_stream_si128((__m128i *)dst, v);
+    else
+        _mm_storeu_si128((__m128i *)dst, v);
+}
+
+/* Copy one 64-byte line of each of ``streams`` streams, ``gap`` bytes apart, and feed its
+ * eight words to the stream's register: the sum reads the line the copy just loaded (L1), so
+ * the source is read from memory once and the crc32 instructions run while the loads and
+ * stores wait on memory. */
+__attribute__((target("sse4.2"), always_inline))
+static inline void copy_line(uint64_t *r, int streams, size_t gap, unsigned char *dst,
+                             const unsigned char *src, int streaming)
+{
+    for (int s = 0; s < streams; s++) {
+        const unsigned char *p = src + (size_t)s * gap;
+        unsigned char *q = dst + (size_t)s * gap;
+        for (int k = 0; k < 64; k += 16)
+            store16(q + k, _mm_loadu_si128((const __m128i *)(p + k)), streaming);
+    }
+    for (int k = 0; k < 64; k += 8)
+        for (int s = 0; s < streams; s++) {
+            uint64_t v;
+            memcpy(&v, src + (size_t)s * gap + k, 8);
+            r[s] = __builtin_ia32_crc32di(r[s], v);
+        }
+}
+
+__attribute__((target("sse4.2"), always_inline))
+static inline uint32_t copy_x86(uint32_t crc, unsigned char *dst, const unsigned char *src,
+                                size_t len, int streaming)
+{
+    uint64_t c = ~crc;
+    pthread_once(&shift_once, make_shift);
+    if (streaming) {   /* the head, to the destination's 16-byte alignment (movntdq's) */
+        size_t head = (size_t)(-(uintptr_t)dst & 15);
+        if (head > len)
+            head = len;
+        c = one_stream(c, src, head);
+        memcpy(dst, src, head);
+        dst += head;
+        src += head;
+        len -= head;
+    }
+    while (len >= 3 * COPY_STRETCH) {   /* three streams over a chunk's thirds */
+        uint64_t r[3] = {c, 0, 0};
+        for (size_t i = 0; i < COPY_STRETCH; i += 64)
+            copy_line(r, 3, COPY_STRETCH, dst + i, src + i, streaming);
+        /* joined as crc32c_x86 joins its streams (b's and d's registers started from 0) */
+        c = gf2_times(copy_shift_op, gf2_times(copy_shift_op, (uint32_t)r[0]) ^ (uint32_t)r[1])
+            ^ (uint32_t)r[2];
+        dst += 3 * COPY_STRETCH;
+        src += 3 * COPY_STRETCH;
+        len -= 3 * COPY_STRETCH;
+    }
+    for (; len >= 64; len -= 64, dst += 64, src += 64)   /* the tail, one stream */
+        copy_line(&c, 1, 0, dst, src, streaming);
+    c = one_stream(c, src, len);
+    memcpy(dst, src, len);
+    return ~(uint32_t)c;
+}
+
+__attribute__((target("sse4.2")))
+static uint32_t copy_x86_streaming(uint32_t crc, unsigned char *dst, const unsigned char *src,
+                                   size_t len)
+{
+    return copy_x86(crc, dst, src, len, 1);
+}
+
+__attribute__((target("sse4.2")))
+static uint32_t copy_x86_cached(uint32_t crc, unsigned char *dst, const unsigned char *src,
+                                size_t len)
+{
+    return copy_x86(crc, dst, src, len, 0);
+}
 #endif
+
 
 static int hardware = -1;   /* -1: not looked at yet */
 
@@ -177,4 +270,25 @@ uint32_t ucm_crc32c(uint32_t crc, const void *buf, size_t len)
         return crc32c_x86(crc, buf, len);
 #endif
     return ucm_crc32c_soft(crc, buf, len);
+}
+
+uint32_t ucm_crc32c_copy(uint32_t crc, void *dst, const void *src, size_t len, int streaming)
+{
+#ifdef UCM_CRC_X86
+    if (ucm_crc32c_hardware())
+        return (streaming ? copy_x86_streaming : copy_x86_cached)(crc, dst, src, len);
+#endif
+    /* no crc32 instruction: the sum then the copy (stores through the cache), by 24 KiB
+     * chunks that stay in L1 between the two */
+    const unsigned char *s = src;
+    unsigned char *d = dst;
+    while (len) {
+        size_t k = len < 24576 ? len : 24576;
+        crc = ucm_crc32c_soft(crc, s, k);
+        memcpy(d, s, k);
+        d += k;
+        s += k;
+        len -= k;
+    }
+    return crc;
 }

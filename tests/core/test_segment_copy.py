@@ -9,8 +9,11 @@ import pytest
 from ucmcache.core.checksum import crc32c, crc32c_soft
 from ucmcache.core.copy import copy_segments
 
-# Lengths around the fold's 24 KiB chunks and the CRC's 8-byte words; odd offsets too.
-LENGTHS = [0, 1, 7, 8, 63, 4096, 3 * 8192 - 1, 3 * 8192, 3 * 8192 + 1, 65536, 100_003]
+# Lengths around the copy's 3 x 4 KiB chunks (csrc/ucm_crc.c, ucm_crc32c_copy: three streams,
+# then a tail of 64-byte lines and bytes), the CRC's own 3 x 8 KiB stretches and its 8-byte
+# words; odd offsets too.
+LENGTHS = [0, 1, 7, 8, 63, 64, 4096, 3 * 4096 - 1, 3 * 4096, 3 * 4096 + 1, 3 * 4096 + 65,
+           3 * 8192 - 1, 3 * 8192, 3 * 8192 + 1, 65536, 100_003]
 
 
 def _segments(rng, lengths, src, dst, gap=3):
@@ -66,25 +69,47 @@ def test_the_folded_crc_equals_the_two_pass_crc_of_each_blocks_pieces(per, strea
         assert int(crcs[b]) == crc32c(pieces) == crc32c_soft(pieces), b
 
 
+@pytest.mark.parametrize("crc", [False, True])
 @pytest.mark.parametrize("streaming", [False, True])
-def test_every_alignment_and_short_length_lands_exactly(streaming):
+def test_every_alignment_and_short_length_lands_exactly(streaming, crc):
     """A fixed sweep: destination and source misaligned by 0-15 bytes, lengths 0-200 and
     multiples of 64 around it: the streaming stores' head (to 16-byte alignment, longer than
-    the segment when it is short), 64-byte runs and tail, and nothing written beside."""
+    the segment when it is short), 64-byte runs and tail, and nothing written beside; with a
+    CRC, the one-pass copy's sum too (csrc/ucm_crc.c), against the table path."""
     rng = np.random.default_rng(4)
     src = rng.integers(0, 256, 4096, dtype=np.uint8)
     for dmis in range(16):
         for smis in range(16):
             for n in list(range(0, 201, 7)) + [64, 128, 192, 256, 1024]:
-                dst = np.full(4096 + 64, 0xCD, dtype=np.uint8)
-                d0 = (-dst.ctypes.data % 64) + dmis + 32   # 32 bytes guarded before it
-                s0 = (-src.ctypes.data % 64) + smis
-                copy_segments(np.array([dst.ctypes.data + d0], dtype=np.uint64),
-                              np.array([src.ctypes.data + s0], dtype=np.uint64),
-                              np.array([n], dtype=np.uint64), streaming=streaming)
-                expect = np.full_like(dst, 0xCD)
-                expect[d0:d0 + n] = src[s0:s0 + n]
-                assert np.array_equal(dst, expect), (dmis, smis, n)
+                _copy_one_and_check(src, dmis, smis, n, streaming, crc)
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_the_one_pass_crc_copy_is_exact_across_its_chunks_at_any_alignment(streaming):
+    """Lengths where the three-stream chunks (3 x 4 KiB) begin and end, misaligned both
+    sides: every byte lands, nothing beside, the CRC equals the table path's."""
+    rng = np.random.default_rng(5)
+    src = rng.integers(0, 256, 3 * 12288 + 256, dtype=np.uint8)
+    for dmis in (0, 1, 8, 15):
+        for smis in (0, 3, 16):
+            for n in (12287, 12288, 12289, 12288 + 64, 12288 + 63, 2 * 12288 + 4095,
+                      3 * 12288 + 100):
+                _copy_one_and_check(src, dmis, smis, n, streaming, True)
+
+
+def _copy_one_and_check(src, dmis, smis, n, streaming, crc):
+    dst = np.full(len(src) + 64, 0xCD, dtype=np.uint8)
+    d0 = (-dst.ctypes.data % 64) + dmis + 32   # 32 bytes guarded before it
+    s0 = (-src.ctypes.data % 64) + smis
+    crcs = np.array([0x1234], dtype=np.uint32) if crc else None   # continues a sum
+    copy_segments(np.array([dst.ctypes.data + d0], dtype=np.uint64),
+                  np.array([src.ctypes.data + s0], dtype=np.uint64),
+                  np.array([n], dtype=np.uint64), crcs, streaming=streaming)
+    expect = np.full_like(dst, 0xCD)
+    expect[d0:d0 + n] = src[s0:s0 + n]
+    assert np.array_equal(dst, expect), (dmis, smis, n)
+    if crc:
+        assert int(crcs[0]) == crc32c_soft(src[s0:s0 + n].tobytes(), 0x1234), (dmis, smis, n)
 
 
 @pytest.mark.parametrize("streaming", [False, True])

@@ -16,7 +16,7 @@ from .errors import CorruptSegment
 from .buffers import check_rows, rows_of
 from .handle import _NO_OWNED, HandleBatch
 from .keys import Key, pack_keys
-from .slots import (ABANDONED, ABANDONED_LEN, FAST_SPIN, check_timeout, decode_pin,
+from .slots import (ABANDONED, ABANDONED_LEN, FAST_SPIN, check_timeout,
                      owns_loads_besides)
 
 
@@ -85,14 +85,11 @@ class Batches(CacheCore):
         try:
             if n:
                 lib.ucm_lookup_pin_many(ctx, ids, arrays[0], n, FAST_SPIN, slots_p, *arrays[1:])
-            misses = np.flatnonzero(codes)
-            for i in misses.tolist():
-                r = self._pin_slow(split[i][0], split[i][1], int(codes[i]), timeout, ffi.NULL,
-                                   slots_p + i, owner_p + i)
-                lens[i] = decode_pin(r)[1]
-                if owner[i]:  # the load's serial, asked while the batch's pin holds the slot
-                    serials[i] = lib.ucm_load_serial(ctx, int(slots[i]))
-            any_owner = len(misses) > 0 and bool(owner.any())
+            missed = n > 0 and bool(codes.any())
+            if missed:  # the slow steps, into the arrays the token covers (serials: I4)
+                self._pin_slow_many(ids, arrays[0], codes, split, timeout, slots, owner, lens,
+                                    serials, slots_p, owner_p)
+            any_owner = missed and bool(owner.any())
             batch._cache = self
             batch._slots = slots
             batch._owner = owner

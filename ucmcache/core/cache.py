@@ -26,7 +26,7 @@ import threading
 import time
 import warnings
 import weakref
-from typing import Any, Dict, Iterable, List, Optional, Union
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -644,6 +644,44 @@ class SlotCache(CacheBase, SingleFlight, Batches, Prefetching, Mapping):
                 f"segment {self.uuid!r}: the slow path found inconsistent chain links or a "
                 f"broken stripe lock ({code_name(code)}); `ucmcache verify {self.uuid}` lists "
                 "what is broken")
+
+    def _pin_slow_many(self, ids: bytes, offsets: Any, codes: np.ndarray,
+                       split: Sequence[Tuple[bytes, int]], timeout: Optional[float],
+                       slots: np.ndarray, owner: np.ndarray, lens: np.ndarray,
+                       serials: np.ndarray, slots_p: Any, owner_p: Any) -> None:
+        """_pin_slow for every position of a batch whose first look missed (``codes`` != 0),
+        the pins handed to the batch's arrays (``slots_p``/``owner_p``, which its token
+        covers), ``lens`` and an owned position's load serial (``serials``, I4) filled.  The
+        slow steps run in one C call (ucm_get_slow_many: each key's step whole, with the
+        stripe wait _pin_slow gives its first step) up to the first that answers what this
+        layer decides (MOVED, ROOM, FULL, BUSY, ...); that key goes on through _pin_slow, its
+        C step counted as its first, then the C call again from the next key.  So a batch of
+        misses pays one call, not a Python frame and two calls a key."""
+        n = len(codes)
+        wait_ns = max(1, int((STRIPE_WAIT if timeout is None
+                              else max(timeout, MIN_LOCK_WAIT)) * 1e9))
+        codes_p = ffi.from_buffer("uint8_t[]", codes)
+        lens_p = ffi.from_buffer("int64_t[]", lens)
+        serials_p = ffi.from_buffer("uint32_t[]", serials)
+        answer = ffi.new("int64_t *")
+        since = ffi.new("int64_t *")
+        at = 0
+        while at < n:
+            ctx = self._ctx   # after the allocations above and each _pin_slow (finalizers)
+            if ctx is None:
+                self._check_usable()
+            at = lib.ucm_get_slow_many(ctx, ids, offsets, n, at, codes_p, SLOW_SPIN,
+                                       MAX_ROLLBACKS, wait_ns, slots_p, owner_p, lens_p,
+                                       serials_p, answer, since)
+            if at >= n:
+                return
+            r = self._pin_slow(split[at][0], split[at][1], int(codes[at]), timeout, ffi.NULL,
+                               slots_p + at, owner_p + at, answer=int(answer[0]),
+                               since_ns=int(since[0]) if answer[0] else -1)
+            lens[at] = decode_pin(r)[1]
+            if owner[at]:  # the load's serial, asked while the batch's pin holds the slot
+                serials[at] = lib.ucm_load_serial(self._ctx, int(slots[at]))
+            at += 1
 
     def _look_at_share(self, moved: int, deadline: float) -> None:
         """The slow step answered MOVED (ranks came or went): take our share of the arenas.

@@ -13,7 +13,7 @@ from __future__ import annotations
 import collections.abc
 import functools
 import time
-from typing import TYPE_CHECKING, Any, Iterable, Optional
+from typing import TYPE_CHECKING, Any, Iterable, Optional, Sequence, Union
 
 import numpy as np
 
@@ -22,9 +22,11 @@ from .._core import ffi, lib
 from .drivers import WAIT_LOADED, Steps, run_async, run_blocking
 from .._hit import BatchBase, HandleBase, Ready, bind
 from .errors import HandleClosed, LoadFailed, UcmError
+from .results import code_name
 from .slots import (STATE_NAMES, UNPUBLISHED, _now, _owned_slots, as_array, check_timeout,
                      exit_message, failure_message, fill, observe_load, owns_load,
-                     publish_failed, publish_ready, ready_length, release_views, slot_length,
+                     publish_failed, publish_ready, publish_ready_many, ready_length,
+                     ready_lengths, release_views, slot_length,
                      slot_view, write_through)
 
 SlotCache = Any  # see ucmcache/_slots.py: not imported
@@ -390,6 +392,49 @@ class HandleBatch(BatchBase, _Pins):
         release_views(self._owner_views.pop(i, []))  # the owner's writable view ends with the load
         if self._cache._tier is not None:
             write_through(self._cache, slot, n)
+
+    def ready_many(self, positions: Sequence[int],
+                   nbytes: Union[None, int, Sequence[int]] = None) -> None:
+        """ready(i, nbytes) for every position in ``positions``, in one call into the core:
+        each an owned load, each given once; ``nbytes`` None (each slot whole), one length for
+        all, or one per position.  Every position and length is checked before anything is
+        published (IndexError, TypeError, ValueError, or UcmError for a position this batch
+        does not own).  A load the core refuses (published already, or no longer this
+        batch's: I4) is named by the UcmError raised after the others are published."""
+        self._check_open()
+        idx = [self._index(i) for i in positions]
+        if len(set(idx)) != len(idx):
+            twice = sorted({i for i in idx if idx.count(i) > 1})
+            raise ValueError(f"ready_many: positions {twice} given more than once")
+        lengths = ready_lengths(self._cache, nbytes, len(idx))
+        for i in idx:
+            if not self._owner[i]:
+                raise UcmError(f"ready_many() is for positions this batch owns the load of; "
+                               f"position {i} is not one")
+        at = np.array(idx, dtype=np.intp)
+        slots = self._slots[at]
+        serials = (self._serials[at] if self._serials is not None
+                   else np.zeros(len(idx), dtype=np.uint32))
+        answers = publish_ready_many(self._cache, slots, serials, lengths)
+        refused = []
+        cache = self._cache
+        for j, i in enumerate(idx):   # ready()'s bookkeeping, for each load published
+            if answers[j] != lib.UCM_OK:
+                refused.append((i, int(answers[j])))
+                continue
+            observe_load(cache, self._t0)
+            self._lens[i] = -1   # looked up again by data(i), now Ready
+            slot = int(slots[j])
+            self._owned.discard(slot)
+            if self._owner_views:
+                release_views(self._owner_views.pop(i, []))
+            if cache._tier is not None:
+                write_through(cache, slot, int(lengths[j]))
+        if refused:
+            raise UcmError("ready_many(): " + "; ".join(
+                f"position {i}: " + ("the slot was already published" if r == lib.UCM_PUBLISHED
+                                     else f"no longer the owner of a loading slot "
+                                          f"({code_name(r)})") for i, r in refused))
 
     def _served(self, i: int, payload: memoryview) -> None:
         """As Handle._served, for owned position i (get_many, before the batch is returned)."""

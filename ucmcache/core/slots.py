@@ -14,7 +14,7 @@ from typing import Any, Dict, Optional, Tuple
 import numpy as np
 
 from . import hooks as _hooks
-from .._core import lib
+from .._core import ffi, lib
 from .errors import LoadFailed, UcmError
 from .._hit import plain_format
 from .results import code_name
@@ -423,6 +423,59 @@ def publish_ready(cache: "SlotCache", slot: int, serial: int, owner: bool,
     if _hooks._armed:
         _hooks.fire("after_ready")
     return int(nbytes)
+
+
+def ready_lengths(cache: "SlotCache", nbytes: Any, n: int) -> np.ndarray:
+    """ready_many's lengths: None (each slot whole), one int for all, or one per load, each
+    checked as publish_ready checks its one, before anything is published."""
+    size = cache._layout.slot_size
+    if nbytes is None:
+        return np.full(n, size, dtype=np.uint32)
+    if isinstance(nbytes, (int, np.integer)) and not isinstance(nbytes, bool):
+        if not 0 <= nbytes <= size:
+            raise ValueError(f"nbytes must be in [0, slot_size={size}], got {nbytes}")
+        return np.full(n, nbytes, dtype=np.uint32)
+    try:
+        values = list(nbytes)
+    except TypeError:
+        raise TypeError(f"nbytes must be None, an int or a sequence of ints, got "
+                        f"{type(nbytes).__name__}") from None
+    if len(values) != n:
+        raise ValueError(f"nbytes has {len(values)} lengths for {n} positions")
+    for v in values:
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+            raise TypeError(f"nbytes must hold ints, got {type(v).__name__}")
+        if not 0 <= v <= size:
+            raise ValueError(f"nbytes must be in [0, slot_size={size}], got {v}")
+    return np.array(values, dtype=np.uint32)
+
+
+def publish_ready_many(cache: "SlotCache", slots: np.ndarray, serials: np.ndarray,
+                       lengths: np.ndarray) -> np.ndarray:
+    """publish_ready for many owned loads at once (ownership and lengths checked by the
+    caller), each named by its serial (I4: a stale one is refused, never finishes another
+    key's load): one core call (ucm_publish_many), each load a step of its own.  The core's
+    answers, UCM_OK where published.  With test hooks armed, one load at a time, so that
+    before_ready and after_ready fire around each as they do for ready()."""
+    n = len(slots)
+    answers = np.zeros(n, dtype=np.int32)
+    slots = np.ascontiguousarray(slots, dtype=np.uint32)
+    serials = np.ascontiguousarray(serials, dtype=np.uint32)
+    lengths = np.ascontiguousarray(lengths, dtype=np.uint32)
+    if _hooks._armed:
+        for j in range(n):
+            _hooks.fire("before_ready")
+            answers[j] = lib.ucm_publish(cache._ctx, int(slots[j]), int(serials[j]),
+                                         lib.UCM_READY, int(lengths[j]))
+            if answers[j] == lib.UCM_OK:
+                _hooks.fire("after_ready")
+        return answers
+    if n:
+        lib.ucm_publish_many(cache._ctx, ffi.from_buffer("uint32_t[]", slots),
+                             ffi.from_buffer("uint32_t[]", serials), n,
+                             ffi.from_buffer("uint32_t[]", lengths),
+                             ffi.from_buffer("int32_t[]", answers))
+    return answers
 
 
 def fill(cache: "SlotCache", slot: int, serial: int, payload: memoryview) -> None:

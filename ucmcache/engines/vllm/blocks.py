@@ -654,10 +654,10 @@ class KVBlockIO:
                 if why is None and dropped is not None and dropped():
                     why = ("ucmcache.vllm save dropped: the blocks were freed before their copy "
                            "ended")
-                for i in mine:
-                    if why is None:
-                        batch.ready(i, self.need)
-                    else:   # a copy that failed or was dropped publishes Failed, never half
+                if why is None:   # every owned block whole: published in one call
+                    batch.ready_many(mine, self.need)
+                else:   # a copy that failed or was dropped publishes Failed, never half
+                    for i in mine:
                         batch.fail(i, why)
                 if why is None:
                     st.blocks_saved += len(mine)
