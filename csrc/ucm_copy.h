@@ -13,8 +13,8 @@
 /* Copy segment i: len[i] bytes from address src[i] to address dst[i], for i in [0, n).  The
  * segments must not overlap one another's destinations.  With crc not NULL, the CRC-32C of
  * segment i's bytes continues crc[i / per] (per >= 1: consecutive segments of one block
- * continue one value, in order), summed chunk by chunk while the chunk is in cache, so the
- * source is read from memory once. */
+ * continue one value, in order), summed in the same pass as the copy (ucm_crc32c_copy: each
+ * line as it is copied), so the source is read from memory once. */
 void ucm_copy_segments(uint64_t n, const uint64_t *dst, const uint64_t *src,
                        const uint64_t *len, uint32_t *crc, uint64_t per);
 /* The same, the destination written with stores that bypass the cache (x86-64; elsewhere

@@ -45,6 +45,22 @@ def test_a_batch_of_misses_is_claimed_in_one_call_and_a_policy_answer_goes_to_py
     assert ucmcache.verify(c.uuid).ok
 
 
+def test_each_owned_position_gets_its_own_slots_load_serial(make_cache):
+    """Slots installed different numbers of times (loads failed 1-5 times first): each owned
+    position's serial is its own slot's (I4), asked inside the same C call."""
+    c = make_cache(slots_per_rank=4, slot_size=64, max_ranks=2)
+    for rounds in range(5):
+        with c.get_many(_keys(rounds + 1)) as b:
+            for i in range(len(b)):
+                b.fail(i, "cycled")
+    with c.get_many(_keys(8)) as b:
+        serials = [lib.ucm_load_serial(c._ctx, int(s)) for s in b.slots]
+        assert len(set(serials)) > 1, serials
+        assert b._serials.tolist() == serials
+        b.ready_many(range(8), 1)
+    assert ucmcache.verify(c.uuid).ok
+
+
 def test_a_batch_mixing_hits_misses_and_a_repeated_key_pins_each_as_get_many_did(make_cache):
     c = make_cache(slots_per_rank=8, slot_size=64, max_ranks=2)
     hit = os.urandom(16)
@@ -98,23 +114,54 @@ def test_ready_many_checks_every_position_and_length_before_publishing_any(make_
     assert ucmcache.verify(c.uuid).ok
 
 
-def test_ready_many_names_a_load_the_core_refuses_and_publishes_the_others(make_cache):
+def test_ready_many_refuses_a_published_load_first_and_names_one_published_meanwhile(
+        make_cache):
+    """A position already published is refused before anything is published; one that
+    another thread publishes while ready_many runs (held at its first load's before_ready) is
+    refused by the core and named, the others published."""
     c = make_cache(slots_per_rank=8, slot_size=64, max_ranks=2)
     with c.get_many(_keys(3)) as b:
         b.ready(1, 3)
-        with pytest.raises(UcmError, match="position 1: the slot was already published"):
+        with pytest.raises(UcmError, match="position 1's load was already published"):
             b.ready_many([0, 1, 2], 5)
+        assert b.state.tolist() == ["loading", "ready", "loading"]
+        errors = []
+
+        def publish():
+            try:
+                b.ready_many([0, 2], 5)
+            except BaseException as e:   # seen by the test, never lost in the thread
+                errors.append(e)
+
+        with Gate() as g:
+            hooks.arm_python("before_ready", "gate", g)
+            t = threading.Thread(target=publish)
+            t.start()
+            try:
+                g.wait_arrived()
+                b.ready(2, 4)   # meanwhile, by this thread
+            finally:
+                g.release()
+                t.join(10)
+                hooks.arm_python("before_ready", "none")
+        assert not t.is_alive() and len(errors) == 1
+        assert isinstance(errors[0], UcmError)
+        assert "position 2: the slot was already published" in str(errors[0])
         assert b.state.tolist() == ["ready"] * 3
-        assert [len(b.data(i)) for i in range(3)] == [5, 3, 5]
+        assert [len(b.data(i)) for i in range(3)] == [5, 3, 4]
     assert ucmcache.verify(c.uuid).ok
 
 
-def test_ready_many_with_test_hooks_armed_fires_them_before_each_publish(make_cache):
+@pytest.mark.parametrize("point,seen", [("before_ready", ["loading"] * 3),
+                                        ("after_ready", ["ready", "loading", "loading"])])
+def test_ready_many_with_test_hooks_armed_publishes_one_load_at_a_time(make_cache, point,
+                                                                        seen):
     """With a Python point armed, ready_many publishes one load at a time through the points
-    ready() fires: held at before_ready, nothing is Ready yet; released, all are."""
+    ready() fires: held at the first load's before_ready nothing is Ready yet, at its
+    after_ready only that load is; released, all are."""
     c = make_cache(slots_per_rank=8, slot_size=64, max_ranks=2)
     with Gate() as g, c.get_many(_keys(3)) as b:
-        hooks.arm_python("before_ready", "gate", g)
+        hooks.arm_python(point, "gate", g)
         errors = []
 
         def publish():
@@ -127,11 +174,11 @@ def test_ready_many_with_test_hooks_armed_fires_them_before_each_publish(make_ca
         t.start()
         try:
             g.wait_arrived()
-            assert b.state.tolist() == ["loading"] * 3
+            assert b.state.tolist() == seen
         finally:
             g.release()
             t.join(10)
-            hooks.arm_python("before_ready", "none")
+            hooks.arm_python(point, "none")
         assert not t.is_alive() and not errors
         assert b.state.tolist() == ["ready"] * 3
     assert ucmcache.verify(c.uuid).ok

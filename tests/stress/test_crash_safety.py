@@ -292,6 +292,27 @@ def test_an_interrupted_slow_path_fails_its_load_at_once(make_cache, interrupt_a
     assert kept
 
 
+def test_an_interrupted_batch_of_misses_drops_every_pin_and_fails_its_loads(make_cache,
+                                                                           interrupt_after):
+    """A signal handler that raises when the batch's one C call for its misses returns
+    (ucm_get_slow_many: every key pinned and owned by then): the batch's token drops every pin
+    and fails every load, so the next get_many owns every key at once."""
+    c = make_cache(slots_per_rank=8, slot_size=64, max_ranks=2)
+    c.get_or_load(b"W" * 16, lambda: b"w")   # the rank's share looked at: no MOVED answer
+    keys = [bytes([i]) * 16 for i in range(1, 5)]
+    interrupt_after("ucm_get_slow_many")
+    kept = []
+    try:
+        c.get_many(keys)
+    except _Interrupt as e:
+        kept.append(e)   # a kept traceback keeps the frames alive
+    assert kept
+    with c.get_many(keys, timeout=1) as b:
+        assert b.owner.all()
+        b.ready_many(range(4), 1)
+    assert c._open_handles == 0 and ucmcache.verify(c.uuid).ok
+
+
 def test_a_handle_of_a_forked_childs_copy_drops_nothing_of_the_parent(make_cache):
     import gc
     c = make_cache(slots_per_rank=4, slot_size=64, max_ranks=2)

@@ -1,6 +1,7 @@
 """Batches, copying reads, exist, touch (DESIGN 4.7): the calls that take many keys at once,
 each in one C call.  Mixed into SlotCache (``_cache``): ``get_many`` pins every key into a
-HandleBatch (misses go through the cache's slow path one by one); ``read_many`` copies Ready
+HandleBatch (misses through the cache's slow path: every miss's step in one C call,
+_pin_slow_many, a policy answer in Python); ``read_many`` copies Ready
 payloads out with no handle; ``exist``/``exist_prefix`` and ``touch`` take no pin at all.
 """
 from __future__ import annotations
@@ -43,7 +44,7 @@ else:
 
 
 class Batches(CacheCore):
-    """SlotCache's calls over many keys.  A mixin: it uses the cache's _pin_slow, _tier and
+    """SlotCache's calls over many keys.  A mixin: it uses the cache's _pin_slow_many, _tier and
     attributes (_ctx, _keep, _open_handles), and adds no state of its own."""
 
     # get_many(keys, *, timeout=None) -> HandleBatch is CacheBase's (csrc/ucm_hit.c): a list of

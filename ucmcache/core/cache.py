@@ -656,7 +656,9 @@ class SlotCache(CacheBase, SingleFlight, Batches, Prefetching, Mapping):
         stripe wait _pin_slow gives its first step) up to the first that answers what this
         layer decides (MOVED, ROOM, FULL, BUSY, ...); that key goes on through _pin_slow, its
         C step counted as its first, then the C call again from the next key.  So a batch of
-        misses pays one call, not a Python frame and two calls a key."""
+        misses pays one call, not a Python frame and two calls a key.  A signal's Python
+        handler runs when the call returns (after every key's step, each bounded by its stripe
+        wait), not between two keys; whatever it raises, the batch's token drops every pin."""
         n = len(codes)
         wait_ns = max(1, int((STRIPE_WAIT if timeout is None
                               else max(timeout, MIN_LOCK_WAIT)) * 1e9))
@@ -680,7 +682,10 @@ class SlotCache(CacheBase, SingleFlight, Batches, Prefetching, Mapping):
                                since_ns=int(since[0]) if answer[0] else -1)
             lens[at] = decode_pin(r)[1]
             if owner[at]:  # the load's serial, asked while the batch's pin holds the slot
-                serials[at] = lib.ucm_load_serial(self._ctx, int(slots[at]))
+                ctx = self._ctx   # a finalizer may have closed it inside _pin_slow
+                if ctx is None:
+                    self._check_usable()
+                serials[at] = lib.ucm_load_serial(ctx, int(slots[at]))
             at += 1
 
     def _look_at_share(self, moved: int, deadline: float) -> None:

@@ -399,7 +399,8 @@ class HandleBatch(BatchBase, _Pins):
         each an owned load, each given once; ``nbytes`` None (each slot whole), one length for
         all, or one per position.  Every position and length is checked before anything is
         published (IndexError, TypeError, ValueError, or UcmError for a position this batch
-        does not own).  A load the core refuses (published already, or no longer this
+        does not own or whose load is published already).  A load the core still refuses (a
+        ready() of another thread on the same batch meanwhile, or a load no longer this
         batch's: I4) is named by the UcmError raised after the others are published."""
         self._check_open()
         idx = [self._index(i) for i in positions]
@@ -407,10 +408,13 @@ class HandleBatch(BatchBase, _Pins):
             twice = sorted({i for i in idx if idx.count(i) > 1})
             raise ValueError(f"ready_many: positions {twice} given more than once")
         lengths = ready_lengths(self._cache, nbytes, len(idx))
+        ctx = self._cache._ctx
         for i in idx:
             if not self._owner[i]:
                 raise UcmError(f"ready_many() is for positions this batch owns the load of; "
                                f"position {i} is not one")
+            if lib.ucm_slot_state(ctx, int(self._slots[i])) != lib.UCM_LOADING:
+                raise UcmError(f"ready_many(): position {i}'s load was already published")
         at = np.array(idx, dtype=np.intp)
         slots = self._slots[at]
         serials = (self._serials[at] if self._serials is not None
@@ -418,18 +422,21 @@ class HandleBatch(BatchBase, _Pins):
         answers = publish_ready_many(self._cache, slots, serials, lengths)
         refused = []
         cache = self._cache
+        done = []
         for j, i in enumerate(idx):   # ready()'s bookkeeping, for each load published
             if answers[j] != lib.UCM_OK:
                 refused.append((i, int(answers[j])))
                 continue
-            observe_load(cache, self._t0)
             self._lens[i] = -1   # looked up again by data(i), now Ready
             slot = int(slots[j])
             self._owned.discard(slot)
             if self._owner_views:
                 release_views(self._owner_views.pop(i, []))
+            done.append(j)
+        for j in done:   # after every load's own bookkeeping: a tier that raises leaves none
+            observe_load(cache, self._t0)
             if cache._tier is not None:
-                write_through(cache, slot, int(lengths[j]))
+                write_through(cache, int(slots[j]), int(lengths[j]))
         if refused:
             raise UcmError("ready_many(): " + "; ".join(
                 f"position {i}: " + ("the slot was already published" if r == lib.UCM_PUBLISHED
