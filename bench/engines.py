@@ -24,8 +24,11 @@ Figures are medians over the sets with min-max; ratios against N's recompute in 
 Load and save GB/s are bytes over the time inside the connector's copies (the workers'
 load_us: the IO thread's load, lookup pins, checks and copies; save_us: the save thread's
 claim, copy and publish), beside a numpy memcpy floor of the same bytes (one np.copyto of
-that many bytes, medians of 5) measured in this run; "steps waited" is the time steps spent
-waiting for deferred saves (save_wait_us).
+that many bytes, medians of 5) measured in this run; "on CPU" divides the same bytes by the
+CPU time those threads ran inside the same calls (load_cpu_us, save_cpu_us): on a host whose
+cores the engine's other threads share (vLLM's engine and worker spin on their message queues
+while they wait), the difference is the time a copy waited for a CPU.  "Steps waited" is the
+time steps spent waiting for deferred saves (save_wait_us).
 
 Like-for-like thread layout: vLLM's CPU worker reserves one core per worker for the engine's
 other threads, and one more with a KV connector (vllm/utils/ompmultiprocessing.py), so on a
@@ -155,6 +158,12 @@ def main() -> None:
                     if r.get("load_us")]
         save_gbs = [r["bytes_saved"] / r["save_us"] / 1e3 for r in sa["runs"]
                     if r.get("save_us")]
+        # the same bytes over the threads' CPU time inside those calls: what the copies run
+        # at while they have a CPU (the rest of the wall time they waited for one)
+        load_cpu = [r["bytes_loaded"] / r["load_cpu_us"] / 1e3 for r in sb["runs"]
+                    if r.get("load_cpu_us")]
+        save_cpu = [r["bytes_saved"] / r["save_cpu_us"] / 1e3 for r in sa["runs"]
+                    if r.get("save_cpu_us")]
         loaded = [r.get("blocks_loaded", 0) for r in sb["runs"]]
         per_block = (sb["runs"][0]["bytes_loaded"] // max(1, loaded[0])) if loaded[0] else 0
         floor = memcpy_floor(max(r.get("bytes_loaded", 0) for r in sb["runs"]))
@@ -186,6 +195,10 @@ def main() -> None:
             if load_gbs else "-",
             "save_vs_floor": med([x / statistics.median(floor) for x in save_gbs])
             if save_gbs else "-",
+            "load_on_cpu_vs_floor": med([x / statistics.median(floor) for x in load_cpu])
+            if load_cpu else "-",
+            "save_on_cpu_vs_floor": med([x / statistics.median(floor) for x in save_cpu])
+            if save_cpu else "-",
             "restore_vs_vllm_prefix_cache": med([x / y for x, y in zip(load, warm)]),
             "steps_waited_for_saves_s": med(save_waited),
             "worker_cores": cores, **tput})
@@ -210,12 +223,13 @@ def main() -> None:
                   f"({r['save_overhead']}) | {r['load_GBps']} | {r['save_GBps']} | "
                   f"{r['memcpy_floor_GBps']} |")
     md += ["", "| model | worker core ids (every engine) | load GB/s / floor | save GB/s / "
-           "floor | restore s / vLLM prefix cache s | steps waited for saves s | no reuse: "
-           "tok/s without | with ucmcache | with / without |", "|---|---|---|---|---|---|---|"
-           "---|---|"]
+           "floor | on CPU: load / floor | save / floor | restore s / vLLM prefix cache s | "
+           "steps waited for saves s | no reuse: tok/s without | with ucmcache | with / "
+           "without |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         md.append(f"| {r['model']} | {', '.join(r['worker_cores'])} | {r['load_vs_floor']} | "
-                  f"{r['save_vs_floor']} | {r['restore_vs_vllm_prefix_cache']} | "
+                  f"{r['save_vs_floor']} | {r['load_on_cpu_vs_floor']} | "
+                  f"{r['save_on_cpu_vs_floor']} | {r['restore_vs_vllm_prefix_cache']} | "
                   f"{r['steps_waited_for_saves_s']} | {r.get('no_reuse_tok_s_without', '-')} | "
                   f"{r.get('no_reuse_tok_s_with', '-')} | {r.get('no_reuse_ratio', '-')} |")
     with open(os.path.join(a.out, "engines.md"), "w") as f:

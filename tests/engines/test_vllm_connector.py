@@ -102,6 +102,8 @@ def test_blocks_round_trip_between_two_kv_caches_and_are_written_once(make_cache
     keys = uv.block_keys(PROMPT, ID)
     saved = _io(c, src).save(keys[:3], [5, 1, 6])
     assert saved.blocks_saved == 3
+    # the save's CPU time inside it (the bench's "on CPU" rate): some, never past its wall
+    assert 0 < saved.save_cpu_us <= saved.save_us + 1
     again = _io(c, src).save(keys[:3], [5, 1, 6])  # stored already: not written twice
     assert again.blocks_saved == 0 and again.blocks_present == 3
     res = _io(c, dst).load(keys[:3], [0, 2, 3])
@@ -428,6 +430,7 @@ def test_a_forward_waits_for_each_layer_and_a_layer_it_never_waited_for_fails_th
         ex.thread.join(30)
     assert res.loaded == 3 and not res.failed
     assert ll.waited == {0, 1} and ll.run_ns > 0
+    assert 0 < ll.run_cpu_ns <= ll.run_ns + 10_000   # (the clocks are read one after the other)
     # a forward that read layer 1 without waiting for it may have read it mid-copy:
     # every block of the step is reported, so vLLM recomputes them
     ex = _GatedExecutor()

@@ -200,11 +200,17 @@ class IOStats:
         "help": "bytes copied from the KV cache into the shared segment"})
     load_us: int = field(default=0, metadata={
         "help": "microseconds the workers spent loading blocks (lookup, copy, checks)"})
+    load_cpu_us: int = field(default=0, metadata={
+        "help": "microseconds of CPU time the loading threads ran inside load_us (the rest they "
+                "waited for a CPU or a lock)"})
     load_wait_us: int = field(default=0, metadata={
         "help": "microseconds forwards waited for a layer of a layer-by-layer load"})
     save_us: int = field(default=0, metadata={
         "help": "microseconds the workers spent saving blocks (claim, copy, publish), on the "
                 "save thread"})
+    save_cpu_us: int = field(default=0, metadata={
+        "help": "microseconds of CPU time the save thread ran inside save_us (the rest it waited "
+                "for a CPU or a lock)"})
     save_wait_us: int = field(default=0, metadata={
         "help": "microseconds steps waited for deferred saves (blocks about to be freed, or "
                 "more than one step of saves behind)"})
@@ -631,6 +637,7 @@ class KVBlockIO:
         self._check_ids(keys, block_ids)
         st = IOStats()
         t0 = time.perf_counter_ns()
+        c0 = time.thread_time_ns()
         for start in range(0, len(keys), SAVE_CHUNK):
             if dropped is not None and dropped():   # its blocks may be reused: claim no more
                 st.blocks_not_saved += len(keys) - start
@@ -666,6 +673,7 @@ class KVBlockIO:
                     st.blocks_not_saved += len(mine)
                     log.warning("ucmcache.vllm: %d block(s) not saved: %s", len(mine), why)
         st.save_us += (time.perf_counter_ns() - t0) // 1000
+        st.save_cpu_us += (time.thread_time_ns() - c0) // 1000
         return st
 
     def _write_owned(self, batch: Any, mine: List[int], ks: List[Key], bs: List[int],
@@ -814,6 +822,7 @@ class LayerLoad:
         self.waited: set = set()
         self.wait_ns = 0          # time the forward spent in wait()
         self.run_ns = 0           # time the IO thread spent on the load
+        self.run_cpu_ns = 0       # the CPU time it ran in it
         self._in = 0              # layers 0 .. _in - 1 are in
         self._cond = threading.Condition()
         self._future = executor.submit(self._run, io, list(keys), self.blocks)
@@ -825,12 +834,14 @@ class LayerLoad:
 
     def _run(self, io: KVBlockIO, keys: List[bytes], blocks: List[int]) -> LoadResult:
         t0 = time.perf_counter_ns()
+        c0 = time.thread_time_ns()
         try:
             return io.load(keys, blocks, on_layer=self._layer_in)
         except BaseException as e:  # never into the forward: the step's blocks are recomputed
             return LoadResult(failed={b: f"{type(e).__name__}: {e}" for b in blocks})
         finally:
             self.run_ns = time.perf_counter_ns() - t0
+            self.run_cpu_ns = time.thread_time_ns() - c0
             with self._cond:
                 self._in = self.layers
                 self._cond.notify_all()

@@ -214,11 +214,13 @@ class ConnectorWorker:
             self._layer_load = io.start_load(keys, blocks, self._parts.executor)
             return
         t0 = time.perf_counter_ns()
+        c0 = time.thread_time_ns()
         try:
             res = io.load(keys, blocks)
         except Exception as e:  # whatever went wrong: recomputed, never left as is
             res = LoadResult(failed={b: f"{type(e).__name__}: {e}" for b in blocks})
-        self._record_load(res, len(blocks), time.perf_counter_ns() - t0)
+        self._record_load(res, len(blocks), time.perf_counter_ns() - t0,
+                          time.thread_time_ns() - c0)
 
     def _finish_load(self) -> None:
         """End the layer-by-layer load in flight, if any: its result counted, its failed
@@ -234,10 +236,11 @@ class ConnectorWorker:
             log.warning("UcmCacheConnector: the forward did not wait for every layer's "
                         "load (%d of %d waited); loading whole blocks before the forward "
                         "from now on", len(ll.waited), ll.layers)
-        self._record_load(res, len(ll.blocks), ll.run_ns)
+        self._record_load(res, len(ll.blocks), ll.run_ns, ll.run_cpu_ns)
 
-    def _record_load(self, res: LoadResult, n_blocks: int, ns: int) -> None:
+    def _record_load(self, res: LoadResult, n_blocks: int, ns: int, cpu_ns: int = 0) -> None:
         self._stats.load_us += ns // 1000
+        self._stats.load_cpu_us += cpu_ns // 1000
         self._stats.blocks_loaded += res.loaded
         if self._io is not None:
             self._stats.bytes_loaded += res.loaded * self._io.need
