@@ -54,12 +54,11 @@ uint32_t ucm_crc32c_soft(uint32_t crc, const void *buf, size_t len)
  * joined by the software shift below, which costs a few hundred cycles per 24 KiB.  Shorter
  * tails run one stream. */
 #define STRETCH 8192
-/* The copy's stretch (ucm_crc32c_copy): 3 x 4 KiB chunks keep the three source and three
- * destination streams within the prefetchers' and fill buffers' reach; a 64 KiB segment
- * (a layer of a block) is five chunks and a 4 KiB tail.  4 KiB copied faster than 2 KiB
- * (the join's cost per chunk) and 8 KiB (a standalone test on this machine, 32 MiB in 64 KiB
- * segments with streaming stores: 8.4 GB/s, against 7.3 at 8 KiB and 6.9 for the sum then
- * the copy by 24 KiB chunks, 9.0 for the copy alone). */
+/* The copy's stretch (ucm_crc32c_copy): 3 x 4 KiB chunks; a 64 KiB segment (a layer of a
+ * block) is five chunks and a 4 KiB tail.  copy_segments of 32 MiB in 64 KiB segments with
+ * streaming stores, here: 7.3-8.3 GB/s at 4 KiB, 5.9 at 2 KiB (the join's cost per chunk),
+ * 9-10 with no CRC (bench/results/kv-io.md); 8 KiB was tried only in a first version (a
+ * standalone C test, registers in an array), where it ran slower than 4 KiB (7.3 to 8.4). */
 #define COPY_STRETCH 4096
 
 #include <emmintrin.h>

@@ -1440,7 +1440,8 @@ static PyMethodDef cache_methods[] = {
      "holds it (close() asks again)."},
     {"get_many", (PyCFunction)(void (*)(void))cache_get_many, METH_FASTCALL | METH_KEYWORDS,
      "get_many($self, keys, *, timeout=None)\n--\n\n"
-     "Pin every key of a request with one C call (misses take the slow path one by one).\n"
+     "Pin every key of a request with one C call (misses take the slow path, every miss's\n"
+     "step in one C call).\n"
      "Positions that come back owned must be filled and published by the caller.  All or\n"
      "nothing: if any key cannot be pinned, nothing stays pinned or owned."},
     {"get", (PyCFunction)(void (*)(void))cache_get, METH_FASTCALL | METH_KEYWORDS,

@@ -100,7 +100,7 @@ def test_ready_many_checks_every_position_and_length_before_publishing_any(make_
             (([0, 1, 0],), ValueError, "positions \\[0\\] given more than once"),
             (([0, 1], 65), ValueError, "nbytes must be in \\[0, slot_size=64\\], got 65"),
             (([0, 1], [1, 2, 3]), ValueError, "nbytes has 3 lengths for 2 positions"),
-            (([0, 1], [1, "2"]), TypeError, "nbytes must hold ints, got str"),
+            (([0, 1], [1, "2"]), TypeError, "nbytes must be an int, got str"),
             (([0, 1], 1.5), TypeError, "nbytes must be None, an int or a sequence of ints"),
             (([0, 3],), UcmError, "position 3 is not one"),
         ]

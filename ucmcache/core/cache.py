@@ -75,6 +75,12 @@ RECOVER_SLICE = 0.05    # a delete's recovery of a dead rank waits this long at 
 MIN_LOCK_WAIT = 0.05    # a get's timeout below this still waits this long for a lock: a
                         # stripe or a claim held that long is not contention any more
 
+def _stripe_wait(timeout: Optional[float]) -> float:
+    """How long a slow step may wait for its key's stripe: STRIPE_WAIT with no timeout, else
+    the timeout, never under MIN_LOCK_WAIT (read at call time: a test may change them)."""
+    return STRIPE_WAIT if timeout is None else max(timeout, MIN_LOCK_WAIT)
+
+
 _live_caches: "weakref.WeakSet[SlotCache]" = weakref.WeakSet()
 
 # The cold get_or_load in C (csrc/ucm_hit.c, cold_load): the slow step's budgets are these, the
@@ -576,7 +582,7 @@ class SlotCache(CacheBase, SingleFlight, Batches, Prefetching, Mapping):
         start = time.monotonic()
         if answer and since_ns >= 0:  # the C step's start (monotonic clocks both)
             start -= max(0, lib.ucm_now_ns() - since_ns) / 1e9
-        stripe_deadline = start + (STRIPE_WAIT if timeout is None else max(timeout, MIN_LOCK_WAIT))
+        stripe_deadline = start + _stripe_wait(timeout)
         claim_deadline = start + (CLAIM_WAIT if timeout is None else max(timeout, MIN_LOCK_WAIT))
         delay = 0.0005
         while True:
@@ -660,8 +666,7 @@ class SlotCache(CacheBase, SingleFlight, Batches, Prefetching, Mapping):
         handler runs when the call returns (after every key's step, each bounded by its stripe
         wait), not between two keys; whatever it raises, the batch's token drops every pin."""
         n = len(codes)
-        wait_ns = max(1, int((STRIPE_WAIT if timeout is None
-                              else max(timeout, MIN_LOCK_WAIT)) * 1e9))
+        wait_ns = max(1, int(_stripe_wait(timeout) * 1e9))
         codes_p = ffi.from_buffer("uint8_t[]", codes)
         lens_p = ffi.from_buffer("int64_t[]", lens)
         serials_p = ffi.from_buffer("uint32_t[]", serials)
@@ -810,7 +815,7 @@ class SlotCache(CacheBase, SingleFlight, Batches, Prefetching, Mapping):
         arena_out = ffi.new("uint32_t *")
         start = time.monotonic()
         deadline = start + (DELETE_WAIT if timeout is None else max(timeout, MIN_LOCK_WAIT))
-        stripe_deadline = start + (STRIPE_WAIT if timeout is None else max(timeout, MIN_LOCK_WAIT))
+        stripe_deadline = start + _stripe_wait(timeout)
         taken: List[int] = []
         delay = 0.0005
         # Dead ranks are recovered on every round the arena stays busy or the slot claimed: a

@@ -22,10 +22,10 @@ from .._core import ffi, lib
 from .drivers import WAIT_LOADED, Steps, run_async, run_blocking
 from .._hit import BatchBase, HandleBase, Ready, bind
 from .errors import HandleClosed, LoadFailed, UcmError
-from .results import code_name
 from .slots import (STATE_NAMES, UNPUBLISHED, _now, _owned_slots, as_array, check_timeout,
                      exit_message, failure_message, fill, observe_load, owns_load,
-                     publish_failed, publish_ready, publish_ready_many, ready_length,
+                     answer_message, publish_failed, publish_ready, publish_ready_many,
+                     ready_length,
                      ready_lengths, release_views, slot_length,
                      slot_view, write_through)
 
@@ -439,9 +439,7 @@ class HandleBatch(BatchBase, _Pins):
                 write_through(cache, int(slots[j]), int(lengths[j]))
         if refused:
             raise UcmError("ready_many(): " + "; ".join(
-                f"position {i}: " + ("the slot was already published" if r == lib.UCM_PUBLISHED
-                                     else f"no longer the owner of a loading slot "
-                                          f"({code_name(r)})") for i, r in refused))
+                f"position {i}: {answer_message(r)}" for i, r in refused))
 
     def _served(self, i: int, payload: memoryview) -> None:
         """As Handle._served, for owned position i (get_many, before the batch is returned)."""

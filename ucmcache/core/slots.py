@@ -410,13 +410,7 @@ def publish_ready(cache: "SlotCache", slot: int, serial: int, owner: bool,
     stale ready() whose handle's close freed the slot, since installed for another key, is
     refused by the core, never finishes that key's load)."""
     _check_owner(owner, "ready")
-    size = cache._layout.slot_size
-    if nbytes is None:
-        nbytes = size
-    if isinstance(nbytes, bool) or not isinstance(nbytes, (int, np.integer)):
-        raise TypeError(f"nbytes must be an int, got {type(nbytes).__name__}")
-    if not 0 <= nbytes <= size:
-        raise ValueError(f"nbytes must be in [0, slot_size={size}], got {nbytes}")
+    nbytes = check_nbytes(cache, nbytes)
     if _hooks._armed:
         _hooks.fire("before_ready")
     _publish(cache, slot, serial, lib.UCM_READY, int(nbytes), "ready")
@@ -425,16 +419,24 @@ def publish_ready(cache: "SlotCache", slot: int, serial: int, owner: bool,
     return int(nbytes)
 
 
-def ready_lengths(cache: "SlotCache", nbytes: Any, n: int) -> np.ndarray:
-    """ready_many's lengths: None (each slot whole), one int for all, or one per load, each
-    checked as publish_ready checks its one, before anything is published."""
+def check_nbytes(cache: "SlotCache", nbytes: Any) -> int:
+    """A Ready publish's length: None (the slot whole) or an int in [0, slot_size]."""
     size = cache._layout.slot_size
     if nbytes is None:
-        return np.full(n, size, dtype=np.uint32)
-    if isinstance(nbytes, (int, np.integer)) and not isinstance(nbytes, bool):
-        if not 0 <= nbytes <= size:
-            raise ValueError(f"nbytes must be in [0, slot_size={size}], got {nbytes}")
-        return np.full(n, nbytes, dtype=np.uint32)
+        return size
+    if isinstance(nbytes, bool) or not isinstance(nbytes, (int, np.integer)):
+        raise TypeError(f"nbytes must be an int, got {type(nbytes).__name__}")
+    if not 0 <= nbytes <= size:
+        raise ValueError(f"nbytes must be in [0, slot_size={size}], got {nbytes}")
+    return int(nbytes)
+
+
+def ready_lengths(cache: "SlotCache", nbytes: Any, n: int) -> np.ndarray:
+    """ready_many's lengths: None (each slot whole), one int for all, or one per load, each
+    checked as publish_ready checks its one (check_nbytes), before anything is published."""
+    if nbytes is None or (isinstance(nbytes, (int, np.integer)) and
+                          not isinstance(nbytes, bool)):
+        return np.full(n, check_nbytes(cache, nbytes), dtype=np.uint32)
     try:
         values = list(nbytes)
     except TypeError:
@@ -442,12 +444,7 @@ def ready_lengths(cache: "SlotCache", nbytes: Any, n: int) -> np.ndarray:
                         f"{type(nbytes).__name__}") from None
     if len(values) != n:
         raise ValueError(f"nbytes has {len(values)} lengths for {n} positions")
-    for v in values:
-        if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
-            raise TypeError(f"nbytes must hold ints, got {type(v).__name__}")
-        if not 0 <= v <= size:
-            raise ValueError(f"nbytes must be in [0, slot_size={size}], got {v}")
-    return np.array(values, dtype=np.uint32)
+    return np.array([check_nbytes(cache, v) for v in values], dtype=np.uint32)
 
 
 def publish_ready_many(cache: "SlotCache", slots: np.ndarray, serials: np.ndarray,
@@ -513,11 +510,16 @@ def _publish(cache: "SlotCache", slot: int, serial: int, state: int, nbytes: int
     _check_answer(lib.ucm_publish(cache._ctx, slot, serial, state, nbytes), what)
 
 
+def answer_message(r: int) -> str:
+    """What a refused publish's answer (not UCM_OK) means, for the caller's error."""
+    if r == lib.UCM_PUBLISHED:
+        return "the slot was already published"
+    return f"no longer the owner of a loading slot ({code_name(r)})"
+
+
 def _check_answer(r: int, what: str) -> None:
     if r != lib.UCM_OK:
-        if r == lib.UCM_PUBLISHED:
-            raise UcmError(f"{what}(): the slot was already published")
-        raise UcmError(f"{what}(): no longer the owner of a loading slot ({code_name(r)})")
+        raise UcmError(f"{what}(): {answer_message(r)}")
 
 
 def release_views(views: list) -> None:
