@@ -126,6 +126,14 @@ static void make_shift(void)
     memcpy(shift_op, cur, sizeof shift_op);
 }
 
+/* The register after three streams over consecutive stretches of the length ``op`` shifts
+ * over, a then b then d: a shifted over b's bytes plus b, then the same over d's (the register
+ * is linear, and b's and d's streams started from 0: a register of 0, not an inverted one). */
+static uint64_t join_streams(const uint32_t *op, uint64_t a, uint64_t b, uint64_t d)
+{
+    return gf2_times(op, gf2_times(op, (uint32_t)a) ^ (uint32_t)b) ^ (uint32_t)d;
+}
+
 /* Three registers over the three thirds of a 3 x STRETCH stretch, fed in one loop so that the
  * three dependency chains overlap in the pipeline. */
 __attribute__((target("sse4.2")))
@@ -153,10 +161,7 @@ static uint32_t crc32c_x86(uint32_t crc, const unsigned char *p, size_t len)
     while (len >= 3 * STRETCH) {
         uint64_t a = c, b, d;
         three_streams(&a, &b, &d, p);
-        /* a then b then d: shift a over b's bytes and add b, then the same over d's; the
-         * register is linear, and b's and d's streams started from 0 (a register of 0, not
-         * an inverted one) */
-        c = gf2_times(shift_op, gf2_times(shift_op, (uint32_t)a) ^ (uint32_t)b) ^ (uint32_t)d;
+        c = join_streams(shift_op, a, b, d);
         p += 3 * STRETCH;
         len -= 3 * STRETCH;
     }
@@ -223,9 +228,7 @@ static inline uint32_t copy_x86(uint32_t crc, unsigned char *dst, const unsigned
                 d = __builtin_ia32_crc32di(d, word_at(pd + k));
             }
         }
-        /* joined as crc32c_x86 joins its streams (b's and d's registers started from 0) */
-        c = gf2_times(copy_shift_op, gf2_times(copy_shift_op, (uint32_t)a) ^ (uint32_t)b)
-            ^ (uint32_t)d;
+        c = join_streams(copy_shift_op, a, b, d);
         dst += 3 * COPY_STRETCH;
         src += 3 * COPY_STRETCH;
         len -= 3 * COPY_STRETCH;
