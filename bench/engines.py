@@ -24,7 +24,11 @@ Figures are medians over the sets with min-max; ratios against N's recompute in 
 Load and save GB/s are bytes over the time inside the connector's copies (the workers'
 load_us: the IO thread's load, lookup pins, checks and copies; save_us: the save thread's
 claim, copy and publish), beside a numpy memcpy floor of the same bytes (one np.copyto of
-that many bytes, medians of 5) measured in this run; "on CPU" divides the same bytes by the
+that many bytes, medians of 5) measured in this run, between two buffers the caches hold
+(the issue's floor; on a host whose last-level cache holds both, a cache-to-cache copy), and
+beside it the same copy memory to memory (both buffers out of the caches before each copy,
+where the connector's bytes are: a load's slots were written by another process, the KV blocks
+a save reads were streamed past by the forward since); "on CPU" divides the same bytes by the
 CPU time those threads ran inside the same calls (load_cpu_us, save_cpu_us): on a host whose
 cores the engine's other threads share (vLLM's engine and worker spin on their message queues
 while they wait), the difference is the time a copy waited for a CPU.  "Steps waited" is the
@@ -83,13 +87,33 @@ def engine(args: list, log: str) -> dict:
     return out
 
 
-def memcpy_floor(total_bytes: int, runs: int = 5) -> list:
-    """GB/s of one numpy copy of total_bytes between two buffers (pages touched first)."""
+def l3_bytes() -> int:
+    """The last-level cache's size as Linux reports it (sysfs), else 64 MiB."""
+    try:
+        with open("/sys/devices/system/cpu/cpu0/cache/index3/size") as f:
+            text = f.read().strip()
+        return int(text[:-1]) * {"K": 1 << 10, "M": 1 << 20}[text[-1]]
+    except (OSError, ValueError, KeyError, IndexError):
+        return 64 << 20
+
+
+def memcpy_floor(total_bytes: int, runs: int = 5, cold: bool = False) -> list:
+    """GB/s of one numpy copy of total_bytes between two buffers (pages touched first).
+
+    ``cold``: before each copy, a scratch of twice the last-level cache's size (at most 2
+    GiB) is written, so that neither buffer is in any cache: memory to memory, as the
+    connector's copies meet their bytes (a load's slots written by another process, a save's
+    slots not in this core's caches; the KV blocks streamed past by the forward).  Else the
+    buffers stay cached between the copies (on a host whose last-level cache holds both, a
+    cache-to-cache copy)."""
     import numpy as np
     src = np.ones(max(total_bytes, 1), dtype=np.uint8)
     dst = np.ones_like(src)
+    scratch = np.ones(min(2 * l3_bytes(), 2 << 30), dtype=np.uint8) if cold else None
     out = []
     for _ in range(runs):
+        if scratch is not None:
+            scratch += 1
         t0 = time.perf_counter()
         np.copyto(dst, src)
         out.append(src.size / (time.perf_counter() - t0) / 1e9)
@@ -167,6 +191,7 @@ def main() -> None:
         loaded = [r.get("blocks_loaded", 0) for r in sb["runs"]]
         per_block = (sb["runs"][0]["bytes_loaded"] // max(1, loaded[0])) if loaded[0] else 0
         floor = memcpy_floor(max(r.get("bytes_loaded", 0) for r in sb["runs"]))
+        cold_floor = memcpy_floor(max(r.get("bytes_loaded", 0) for r in sb["runs"]), cold=True)
         save_waited = [r.get("save_wait_us", 0) / 1e6 for r in sa["runs"]]
         tput = {}
         if un is not None and ua is not None:
@@ -199,6 +224,11 @@ def main() -> None:
             if load_cpu else "-",
             "save_on_cpu_vs_floor": med([x / statistics.median(floor) for x in save_cpu])
             if save_cpu else "-",
+            "memcpy_floor_cold_GBps": med(cold_floor),
+            "load_vs_cold_floor": med([x / statistics.median(cold_floor) for x in load_gbs])
+            if load_gbs else "-",
+            "save_vs_cold_floor": med([x / statistics.median(cold_floor) for x in save_gbs])
+            if save_gbs else "-",
             "restore_vs_vllm_prefix_cache": med([x / y for x, y in zip(load, warm)]),
             "steps_waited_for_saves_s": med(save_waited),
             "worker_cores": cores, **tput})
@@ -232,6 +262,14 @@ def main() -> None:
                   f"{r['save_on_cpu_vs_floor']} | {r['restore_vs_vllm_prefix_cache']} | "
                   f"{r['steps_waited_for_saves_s']} | {r.get('no_reuse_tok_s_without', '-')} | "
                   f"{r.get('no_reuse_tok_s_with', '-')} | {r.get('no_reuse_ratio', '-')} |")
+    md += ["", "The floor above is the issue's: a copy between two buffers the caches hold "
+           "(cache to cache where the last-level cache holds both).  Memory to memory (both "
+           "buffers out of every cache before each copy: where the connector's bytes are):", "",
+           "| model | memcpy floor, memory to memory GB/s | load GB/s / it | save GB/s / it |",
+           "|---|---|---|---|"]
+    for r in rows:
+        md.append(f"| {r['model']} | {r['memcpy_floor_cold_GBps']} | {r['load_vs_cold_floor']} "
+                  f"| {r['save_vs_cold_floor']} |")
     with open(os.path.join(a.out, "engines.md"), "w") as f:
         f.write("\n".join(md) + "\n")
     with open(os.path.join(a.out, "engines.json"), "w") as f:
