@@ -27,8 +27,8 @@ claim, copy and publish), beside a numpy memcpy floor of the same bytes (one np.
 that many bytes, medians of 5) measured in this run, between two buffers the caches hold
 (the issue's floor; on a host whose last-level cache holds both, a cache-to-cache copy), and
 beside it the same copy memory to memory (both buffers out of the caches before each copy,
-where the connector's bytes are: a load's slots were written by another process, the KV blocks
-a save reads were streamed past by the forward since); "on CPU" divides the same bytes by the
+where the connector's bytes most likely are: a load's slots were written by another process,
+the KV blocks a save reads were streamed past by the forward since); "on CPU" divides the same bytes by the
 CPU time those threads ran inside the same calls (load_cpu_us, save_cpu_us): on a host whose
 cores the engine's other threads share (vLLM's engine and worker spin on their message queues
 while they wait), the difference is the time a copy waited for a CPU.  "Steps waited" is the
@@ -101,11 +101,12 @@ def memcpy_floor(total_bytes: int, runs: int = 5, cold: bool = False) -> list:
     """GB/s of one numpy copy of total_bytes between two buffers (pages touched first).
 
     ``cold``: before each copy, a scratch of twice the last-level cache's size (at most 2
-    GiB) is written, so that neither buffer is in any cache: memory to memory, as the
-    connector's copies meet their bytes (a load's slots written by another process, a save's
-    slots not in this core's caches; the KV blocks streamed past by the forward).  Else the
-    buffers stay cached between the copies (on a host whose last-level cache holds both, a
-    cache-to-cache copy)."""
+    GiB, written once) is read, so that neither buffer is in any cache and the lines the copy
+    evicts are clean (its time pays no write-back of the scratch's): memory to memory, as the
+    connector's copies most likely meet their bytes (a load's slots written by another
+    process, a save's slots not in this core's caches; the KV blocks streamed past by the
+    forward).  Else the buffers stay cached between the copies (on a host whose last-level
+    cache holds both, a cache-to-cache copy)."""
     import numpy as np
     src = np.ones(max(total_bytes, 1), dtype=np.uint8)
     dst = np.ones_like(src)
@@ -113,7 +114,7 @@ def memcpy_floor(total_bytes: int, runs: int = 5, cold: bool = False) -> list:
     out = []
     for _ in range(runs):
         if scratch is not None:
-            scratch += 1
+            scratch.max()
         t0 = time.perf_counter()
         np.copyto(dst, src)
         out.append(src.size / (time.perf_counter() - t0) / 1e9)
@@ -190,8 +191,9 @@ def main() -> None:
                     if r.get("save_cpu_us")]
         loaded = [r.get("blocks_loaded", 0) for r in sb["runs"]]
         per_block = (sb["runs"][0]["bytes_loaded"] // max(1, loaded[0])) if loaded[0] else 0
-        floor = memcpy_floor(max(r.get("bytes_loaded", 0) for r in sb["runs"]))
-        cold_floor = memcpy_floor(max(r.get("bytes_loaded", 0) for r in sb["runs"]), cold=True)
+        step_bytes = max(r.get("bytes_loaded", 0) for r in sb["runs"])
+        floor = memcpy_floor(step_bytes)
+        cold_floor = memcpy_floor(step_bytes, cold=True)
         save_waited = [r.get("save_wait_us", 0) / 1e6 for r in sa["runs"]]
         tput = {}
         if un is not None and ua is not None:
@@ -264,7 +266,8 @@ def main() -> None:
                   f"{r.get('no_reuse_tok_s_with', '-')} | {r.get('no_reuse_ratio', '-')} |")
     md += ["", "The floor above is the issue's: a copy between two buffers the caches hold "
            "(cache to cache where the last-level cache holds both).  Memory to memory (both "
-           "buffers out of every cache before each copy: where the connector's bytes are):", "",
+           "buffers out of every cache before each copy, a scratch of twice the last-level "
+           "cache read first: where the connector's bytes most likely are):", "",
            "| model | memcpy floor, memory to memory GB/s | load GB/s / it | save GB/s / it |",
            "|---|---|---|---|"]
     for r in rows:
