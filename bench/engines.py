@@ -63,6 +63,11 @@ def med(xs: list) -> str:
     return f"{statistics.median(xs):.3g} [{min(xs):.3g}-{max(xs):.3g}]"
 
 
+def over(rates: list, floor: list) -> str:
+    """med of each rate over the floor's median, or "-" when there is no rate."""
+    return med([x / statistics.median(floor) for x in rates]) if rates else "-"
+
+
 LAYOUT = {}   # the thread layout every engine runs with (set in main)
 
 # The random-weight models (e2e.model.Spec, built here: nothing downloaded), by --models name:
@@ -218,19 +223,13 @@ def main() -> None:
             "load_GBps": med(load_gbs) if load_gbs else "-",
             "save_GBps": med(save_gbs) if save_gbs else "-",
             "memcpy_floor_GBps": med(floor),
-            "load_vs_floor": med([x / statistics.median(floor) for x in load_gbs])
-            if load_gbs else "-",
-            "save_vs_floor": med([x / statistics.median(floor) for x in save_gbs])
-            if save_gbs else "-",
-            "load_on_cpu_vs_floor": med([x / statistics.median(floor) for x in load_cpu])
-            if load_cpu else "-",
-            "save_on_cpu_vs_floor": med([x / statistics.median(floor) for x in save_cpu])
-            if save_cpu else "-",
+            "load_vs_floor": over(load_gbs, floor),
+            "save_vs_floor": over(save_gbs, floor),
+            "load_on_cpu_vs_floor": over(load_cpu, floor),
+            "save_on_cpu_vs_floor": over(save_cpu, floor),
             "memcpy_floor_cold_GBps": med(cold_floor),
-            "load_vs_cold_floor": med([x / statistics.median(cold_floor) for x in load_gbs])
-            if load_gbs else "-",
-            "save_vs_cold_floor": med([x / statistics.median(cold_floor) for x in save_gbs])
-            if save_gbs else "-",
+            "load_vs_cold_floor": over(load_gbs, cold_floor),
+            "save_vs_cold_floor": over(save_gbs, cold_floor),
             "restore_vs_vllm_prefix_cache": med([x / y for x, y in zip(load, warm)]),
             "steps_waited_for_saves_s": med(save_waited),
             "worker_cores": cores, **tput})
